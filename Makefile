@@ -1,0 +1,38 @@
+# Two commands set everything up: `make run` and `make test`. Both create .venv and install on first use;
+# the stamp file (keyed on pyproject.toml) makes a second run skip the install.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+EXTRAS ?= cpu,test
+export RAY_AUTH_MODE ?= disabled
+export VLLM_CPU_OMP_THREADS_BIND ?= nobind
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_OFFLINE ?= 1
+export RAY_USAGE_STATS_ENABLED ?= 0
+
+.PHONY: install run test test-fast bench bench-quick clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	@# The CUDA-only wheels vLLM drags in break imports on CPU machines.
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true; fi
+	@rm -f $(VENV)/.installed-*
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/asyncrl run $(CONFIG) $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit -x; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

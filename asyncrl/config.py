@@ -1,0 +1,355 @@
+"""One typed config tree for a run.
+
+Every component owns one section; a run is one `Config`. Loaded from YAML with `section.key=value`
+overrides; unknown keys fail naming the key, the file and the closest valid name. Units are in the
+names: `prompts_per_step`, `samples_per_prompt`, `max_staleness` (policy versions), `*_s` (seconds).
+
+This module imports only pydantic and yaml so that `asyncrl --help` and `asyncrl check` stay fast.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from asyncrl.algo import names as algo_names
+
+REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = REPO_CONFIGS / "default.yaml"
+
+Mode = Literal["sync", "streaming", "sao"]
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key and the file."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class ModelConfig(Section):
+    path: str | None = None
+    """A Hugging Face model directory. When unset, the `preset` tiny model is built locally (and cached)."""
+    preset: str = "add-1m"
+    """Tiny Qwen2-architecture preset from `asyncrl.models` (used when `path` is unset)."""
+    warm_start_examples: int = Field(2000, ge=0, le=100_000)
+    """Supervised warm-start examples for the built-in task (0 = start from random weights)."""
+    warm_start_epochs: int = Field(6, ge=0, le=1000)
+    """Epochs of the supervised warm start."""
+    warm_start_lr: float = Field(3e-3, gt=0)
+    """Learning rate of the supervised warm start."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype for learner and engines. fp32 gives 1e-5 log-prob parity on CPU."""
+
+
+class DataConfig(Section):
+    task: Literal["add", "parquet"] = "add"
+    """`add` generates the W1 task; `parquet` reads verl-layout files from `train_path` / `eval_path`."""
+    train_path: str | None = None
+    """Parquet file of training prompts (verl column layout) when `task: parquet`."""
+    eval_path: str | None = None
+    """Parquet file of held-out prompts when `task: parquet`."""
+    eval_prompts: int = Field(500, ge=1)
+    """Number of held-out prompts used for evaluation."""
+    max_operand: int = Field(999, ge=1)
+    """Largest operand of the `add` task (operands are uniform in [0, max_operand])."""
+    seed: int = 0
+    """Seed of the prompt stream; the held-out set uses its own fixed seed."""
+
+
+class RolloutConfig(Section):
+    num_workers: int = Field(1, ge=1, le=1024)
+    """Rollout engines (one vLLM engine per Ray actor). Independent of the learner pool size."""
+    samples_per_prompt: int = Field(8, ge=1, le=1024)
+    """G: trajectories per prompt. 1 for `sao` (single rollout)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the learner divides logits by the same value (invariant 4)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling; rollout log-probs are those of the processed distribution."""
+    max_tokens: int = Field(8, ge=1)
+    """Maximum generated tokens per trajectory."""
+    max_requests_in_flight: int = Field(256, ge=1)
+    """Requests an engine keeps running at once (continuous batching)."""
+    request_timeout_s: float = Field(120.0, gt=0)
+    """A request running longer is aborted and its trajectory counted `failed:timeout`."""
+    kv_cache_gib: float = Field(1.0, gt=0)
+    """KV cache per engine on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """Fraction of GPU memory for an engine on GPU machines."""
+    num_cpus_per_worker: float = Field(1.0, gt=0)
+    """Ray CPUs reserved by each rollout worker."""
+    num_gpus_per_worker: float = Field(0.0, ge=0)
+    """Ray GPUs reserved by each rollout worker (0 on CPU)."""
+    engine_start_timeout_s: float = Field(300.0, gt=0)
+    """A worker whose engine is not serving within this time is reported failed by name."""
+
+
+class EnvConfig(Section):
+    reward: str = "exact_match"
+    """Reward function: a built-in name (`exact_match`) or `module:function` import path."""
+    reward_timeout_s: float = Field(10.0, gt=0)
+    """A reward call running longer marks the trajectory `failed:reward_timeout`."""
+
+
+class BufferConfig(Section):
+    max_staleness: int = Field(4, ge=0, le=1024)
+    """eta: the largest policy lag (learner version minus a sample's min_version) allowed in a gradient."""
+    group_timeout_s: float = Field(120.0, gt=0)
+    """A group whose members are not all in within this time after its first member is a straggler."""
+    straggler_policy: Literal["drop", "partial"] = "drop"
+    """`drop` the whole group, or train the finished members (`partial`, needs >= 2 members for group advantages)."""
+    filter_zero_variance: bool = True
+    """Drop groups whose rewards are all equal (their group advantage is 0)."""
+    filter_overlong: bool = False
+    """Drop trajectories truncated at `rollout.max_tokens`."""
+    pass_rate_curriculum: bool = False
+    """Retire prompts whose pass rate reached `pass_rate_threshold` (ScaleRL no-positive-resampling)."""
+    pass_rate_threshold: float = Field(0.9, gt=0, le=1)
+    """Pass rate at which a prompt is retired."""
+    capacity_groups: int = Field(1024, ge=1)
+    """Ready groups held before producers are back-pressured."""
+    log_parquet: bool = True
+    """Append every trajectory with its fate to `<run>/trajectories.parquet`."""
+
+
+class AlgorithmConfig(Section):
+    preset: str | None = "cispo"
+    """A named recipe (grpo, dr_grpo, dapo, gspo, sapo, cispo, scalerl, dppo, gvpo, maxrl, rloo, reinforce_pp, ppo_gae, vapo, sao)."""
+    advantage: str | None = None
+    """Override the preset's advantage estimator."""
+    loss: str | None = None
+    """Override the preset's surrogate."""
+    reduction: str | None = None
+    """Override the preset's loss reduction."""
+    correction: str | None = None
+    """Override the preset's train-vs-rollout mismatch correction."""
+    params: dict[str, float | int | bool | str | None] = Field(default_factory=dict)
+    """Numeric parameters of the recipe (e.g. eps_low, eps_high, tis_cap); unknown names are rejected."""
+
+    @model_validator(mode="after")
+    def _known_names(self) -> AlgorithmConfig:
+        for field, valid in (
+            ("preset", algo_names.PRESETS),
+            ("advantage", algo_names.ADVANTAGES),
+            ("loss", algo_names.LOSSES),
+            ("reduction", algo_names.REDUCTIONS),
+            ("correction", algo_names.CORRECTIONS),
+        ):
+            value = getattr(self, field)
+            if value is not None and value not in valid:
+                raise ValueError(f"unknown {field} {value!r}{_did_you_mean(value, valid)}; valid: {', '.join(valid)}")
+        if self.preset is None and None in (self.advantage, self.loss, self.reduction):
+            raise ValueError("without a preset, set advantage, loss and reduction")
+        return self
+
+    def resolved_names(self) -> dict[str, str]:
+        base = dict(algo_names.PRESET_COMPONENTS.get(self.preset or "", {}))
+        for key in ("advantage", "loss", "reduction", "correction"):
+            if getattr(self, key) is not None:
+                base[key] = getattr(self, key)
+        base.setdefault("correction", "none")
+        return base
+
+
+class LearnerConfig(Section):
+    num_ranks: int = Field(1, ge=1, le=4096)
+    """Learner processes forming one torch.distributed group (FSDP2). Independent of the rollout pool."""
+    prompts_per_step: int = Field(16, ge=1)
+    """Prompt groups (or single trajectories in `sao`) consumed per optimizer step."""
+    tokens_per_microbatch: int = Field(4096, ge=1)
+    """Token budget of one micro-batch (sequences are packed up to it)."""
+    max_steps: int = Field(100, ge=0)
+    """Optimizer steps of the run."""
+    max_wall_s: float = Field(0.0, ge=0)
+    """Stop after this many seconds (0 = no limit)."""
+    lr: float = Field(1e-3, gt=0)
+    """AdamW learning rate of the policy."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up steps."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Max global gradient norm."""
+    critic: bool = False
+    """Train a value head (needed by `gae`/`vapo` advantages, e.g. `sao` and `ppo_gae`)."""
+    critic_lr: float = Field(1e-3, gt=0)
+    """Learning rate of the value head."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend: auto = nccl on GPU, gloo on CPU."""
+    num_cpus_per_rank: float = Field(1.0, gt=0)
+    """Ray CPUs reserved by each learner rank."""
+    num_gpus_per_rank: float = Field(0.0, ge=0)
+    """Ray GPUs reserved by each learner rank."""
+    seed: int = 0
+    """Seed of model init noise and micro-batch order."""
+
+
+class WeightSyncConfig(Section):
+    every_steps: int = Field(1, ge=1)
+    """Publish weights after every k optimizer steps (a published step increments the policy version)."""
+    bucket_bytes: int = Field(64 << 20, ge=1 << 16)
+    """Weights travel in buckets of at most this many bytes."""
+    timeout_s: float = Field(120.0, gt=0)
+    """A sync not confirmed by every engine within this time fails naming the engine."""
+    in_flight: bool = True
+    """Update engines without draining running requests (their later tokens carry the new version)."""
+    parity_probe: bool = True
+    """After each sync, compare engine and learner log-probs on one fixed sequence."""
+
+
+class EvalConfig(Section):
+    every_steps: int = Field(10, ge=0)
+    """Held-out evaluation period in optimizer steps (0 = only at start and end)."""
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature of evaluation (0 = greedy)."""
+
+
+class TelemetryConfig(Section):
+    log_every_steps: int = Field(1, ge=1)
+    """Progress line period in optimizer steps."""
+    prometheus_port: int = Field(0, ge=0, le=65535)
+    """Serve Prometheus metrics on this port (0 = off)."""
+    progress: bool = True
+    """Print the progress line to the console."""
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(0, ge=0)
+    """Checkpoint period in optimizer steps (0 = only at the end)."""
+    resume_from: str | None = None
+    """A checkpoint folder to resume from, or `latest` for the newest in the output folder."""
+    export_hf: bool = True
+    """Export the final policy as a Hugging Face safetensors folder."""
+
+
+class Config(Section):
+    mode: Mode = "streaming"
+    """`sync` (eta = 0 baseline), `streaming` (ScaleRL/PipelineRL), or `sao` (single rollout, critic, DIS)."""
+    output_dir: str = "runs/default"
+    """Folder for the resolved config, summary, logs and checkpoints of this run."""
+    seed: int = 0
+    """Global seed."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> Config:
+        names = self.algorithm.resolved_names()
+        group_advantages = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "batch_norm", "maxrl"}
+        if names["advantage"] in group_advantages and self.rollout.samples_per_prompt < 2:
+            raise ValueError(
+                f"advantage {names['advantage']!r} needs a group: set rollout.samples_per_prompt >= 2 "
+                f"(got {self.rollout.samples_per_prompt})"
+            )
+        if names["loss"] == "gvpo" and self.rollout.samples_per_prompt < 2:
+            raise ValueError("loss 'gvpo' needs rollout.samples_per_prompt >= 2")
+        if names["advantage"] in {"gae", "vapo"} and not self.learner.critic:
+            raise ValueError(f"advantage {names['advantage']!r} needs a critic: set learner.critic = true")
+        if self.mode == "sync" and self.buffer.max_staleness != 0:
+            raise ValueError(f"mode 'sync' is on-policy: buffer.max_staleness must be 0 (got {self.buffer.max_staleness})")
+        if self.mode == "sao" and self.rollout.samples_per_prompt != 1:
+            raise ValueError(f"mode 'sao' is single-rollout: rollout.samples_per_prompt must be 1 (got {self.rollout.samples_per_prompt})")
+        if self.data.task == "parquet" and not self.data.train_path:
+            raise ValueError("data.task 'parquet' needs data.train_path")
+        return self
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def save(self, folder: str | Path) -> Path:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "config.yaml"
+        path.write_text(yaml.safe_dump(self.dump(), sort_keys=False))
+        (folder / "config.json").write_text(json.dumps(self.dump(), indent=2))
+        return path
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading: YAML + overrides, with errors that name the key, the file and the closest valid name.
+
+
+def _did_you_mean(word: str, options: Any) -> str:
+    close = difflib.get_close_matches(str(word), [str(o) for o in options], n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check_keys(data: Any, model: type[BaseModel], prefix: str, source: str) -> None:
+    """Reject unknown keys before pydantic does, so the message names the closest valid key."""
+    if not isinstance(data, dict):
+        return
+    fields = model.model_fields
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            raise ConfigError(f"{source}: unknown key '{dotted}'{_did_you_mean(key, fields)}; valid keys here: {', '.join(fields)}")
+        annotation = fields[key].annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            _check_keys(value, annotation, f"{dotted}.", source)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form section.key=value")
+    key, raw = text.split("=", 1)
+    value = yaml.safe_load(raw) if raw.strip() else None
+    return key.strip().split("."), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML recipe (default: configs/default.yaml) and apply `section.key=value` overrides."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    source = str(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {source}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    _check_keys(data, Config, "", source)
+    for text in overrides:
+        keys, value = parse_override(text)
+        _check_keys(_nest(keys, value), Config, "", f"override {text!r}")
+        node = data
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: '{key}' is not a section")
+        node[keys[-1]] = value
+    return validate_config(data, source)
+
+
+def _nest(keys: list[str], value: Any) -> dict[str, Any]:
+    for key in reversed(keys):
+        value = {key: value}
+    return value
+
+
+def validate_config(data: dict[str, Any], source: str = "<dict>") -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            lines.append(f"  {where}: {err['msg']}")
+        raise ConfigError(f"{source}: invalid config\n" + "\n".join(lines)) from None

@@ -1,0 +1,100 @@
+"""Prompt sources: the built-in `add` task and user Parquet files in the verl column layout.
+
+verl layout, one row per prompt:
+    data_source: str
+    prompt: list[{"role": str, "content": str}]
+    reward_model: {"style": str, "ground_truth": str}
+    extra_info: {...}            (free-form; `index` is used as the prompt id when present)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from asyncrl.envs import add
+from asyncrl.types import Prompt
+
+
+def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def add_prompt(tokenizer: Any, a: int, b: int, prompt_id: str) -> Prompt:
+    text = add.prompt_text(a, b)
+    ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+    return Prompt(prompt_id=prompt_id, prompt_ids=ids, ground_truth=str(a + b), text=text, data_source="add")
+
+
+def heldout_add_prompts(tokenizer: Any, n: int = 500, max_operand: int = 999) -> list[Prompt]:
+    return [add_prompt(tokenizer, a, b, f"eval-{i}") for i, (a, b) in enumerate(add.heldout_pairs(n, max_operand))]
+
+
+def add_prompt_stream(tokenizer: Any, seed: int, max_operand: int = 999) -> Iterator[Prompt]:
+    for i, (a, b) in enumerate(add.train_pairs(seed, max_operand)):
+        yield add_prompt(tokenizer, a, b, f"add-{seed}-{i}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# verl-layout Parquet
+
+
+def write_verl_parquet(rows: list[dict[str, Any]], path: str | Path) -> None:
+    """Write rows with keys data_source, prompt (messages), reward_model, extra_info."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), str(path))
+
+
+def read_verl_parquet(path: str | Path) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(str(path))
+    missing = {"data_source", "prompt", "reward_model"} - set(table.column_names)
+    if missing:
+        raise ValueError(f"{path}: missing verl columns {sorted(missing)} (has {table.column_names})")
+    rows = table.to_pylist()
+    for i, row in enumerate(rows):
+        if not isinstance(row["prompt"], list) or not all({"role", "content"} <= set(m) for m in row["prompt"]):
+            raise ValueError(f"{path}: row {i}: 'prompt' must be a list of {{role, content}} messages")
+        if "ground_truth" not in (row["reward_model"] or {}):
+            raise ValueError(f"{path}: row {i}: reward_model.ground_truth is missing")
+    return rows
+
+
+def verl_prompts(tokenizer: Any, path: str | Path) -> list[Prompt]:
+    prompts = []
+    for i, row in enumerate(read_verl_parquet(path)):
+        extra = dict(row.get("extra_info") or {})
+        prompts.append(
+            Prompt(
+                prompt_id=str(extra.get("index", i)),
+                prompt_ids=encode_messages(tokenizer, row["prompt"]),
+                ground_truth=str(row["reward_model"]["ground_truth"]),
+                text=row["prompt"][-1]["content"],
+                data_source=row["data_source"],
+                extra_info=extra,
+            )
+        )
+    return prompts
+
+
+def train_stream(cfg, tokenizer: Any) -> Iterator[Prompt]:
+    """The endless training prompt stream of a config (`data` section)."""
+    if cfg.data.task == "add":
+        return add_prompt_stream(tokenizer, cfg.data.seed, cfg.data.max_operand)
+    prompts = verl_prompts(tokenizer, cfg.data.train_path)
+    return (p.__class__(**{**p.__dict__, "prompt_id": f"{p.prompt_id}@{epoch}"}) for epoch in itertools.count() for p in prompts)
+
+
+def eval_prompts(cfg, tokenizer: Any) -> list[Prompt]:
+    if cfg.data.task == "add":
+        return heldout_add_prompts(tokenizer, cfg.data.eval_prompts, cfg.data.max_operand)
+    if not cfg.data.eval_path:
+        return []
+    return verl_prompts(tokenizer, cfg.data.eval_path)[: cfg.data.eval_prompts]

@@ -1,0 +1,39 @@
+"""Reward verifiers: pure functions of the response text.
+
+Signature of every reward function (built-in or user `module:function`):
+    fn(response: str, ground_truth: str, *, finish_reason: str, extra_info: dict) -> float
+A reward that raises marks its trajectory `failed:reward_error` (the run goes on).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Protocol
+
+
+class RewardFn(Protocol):
+    def __call__(self, response: str, ground_truth: str, *, finish_reason: str, extra_info: dict[str, Any]) -> float: ...
+
+
+def exact_match(response: str, ground_truth: str, *, finish_reason: str = "stop", extra_info: dict[str, Any] | None = None) -> float:
+    """1.0 iff the response is exactly the ground truth and ended with end-of-sequence (W1 `add`)."""
+    return 1.0 if finish_reason == "stop" and response.strip() == ground_truth.strip() else 0.0
+
+
+BUILTIN: dict[str, Callable[..., float]] = {"exact_match": exact_match}
+
+
+def resolve_reward(name: str) -> RewardFn:
+    """A built-in name or an import path `package.module:function`."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    if ":" not in name:
+        raise ValueError(f"unknown reward {name!r}: use one of {', '.join(BUILTIN)} or 'module:function'")
+    module, attr = name.split(":", 1)
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot import reward {name!r}: {e}") from None
+    if not callable(fn):
+        raise ValueError(f"reward {name!r} is not callable")
+    return fn

@@ -1,0 +1,145 @@
+"""Tiny Qwen2-architecture models, built locally with `save_pretrained` so transformers and vLLM load them.
+
+Presets span ~0.3M to ~0.5B parameters. `ensure_model(cfg)` returns a model directory: the user's
+`model.path` as is, or a preset built (and, for the `add` task, supervised warm-started) once and cached
+under $ASYNCRL_CACHE (default ~/.cache/asyncrl). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from asyncrl.models.tokenizer import ADD_ALPHABET, ASCII_ALPHABET, SPECIAL_TOKENS, build_char_tokenizer
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    alphabet: str = ADD_ALPHABET
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 1024
+
+
+# head_dim = hidden / heads stays >= 32: vLLM's CPU attention supports head sizes 32..256.
+PRESETS: dict[str, Preset] = {
+    "tiny-0.3m": Preset(64, 4, 2, 1, 256),
+    "add-1m": Preset(128, 4, 4, 2, 512),
+    "ascii-1m": Preset(128, 4, 4, 2, 512, alphabet=ASCII_ALPHABET),
+    "w3-0.5m": Preset(96, 4, 3, 1, 320),
+    "w3-25m": Preset(512, 6, 8, 4, 2048),
+    "w3-125m": Preset(768, 16, 12, 4, 3072),
+    "qwen-0.5b": Preset(896, 24, 14, 2, 4864, alphabet=ASCII_ALPHABET, max_position_embeddings=4096),
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("ASYNCRL_CACHE", Path.home() / ".cache" / "asyncrl"))
+
+
+def qwen2_config(preset: Preset):
+    from transformers import Qwen2Config
+
+    vocab = len(SPECIAL_TOKENS) + len(preset.alphabet)
+    return Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_layers,
+        num_attention_heads=preset.num_heads,
+        num_key_value_heads=preset.num_kv_heads,
+        max_position_embeddings=preset.max_position_embeddings,
+        tie_word_embeddings=preset.tie_word_embeddings,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
+    )
+
+
+def build_model(preset_name: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Create a randomly initialised preset model + tokenizer in `out_dir` (save_pretrained)."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    if preset_name not in PRESETS:
+        raise ValueError(f"unknown model preset {preset_name!r}; valid: {', '.join(PRESETS)}")
+    preset = PRESETS[preset_name]
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(qwen2_config(preset)).to(torch.float32)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    build_char_tokenizer(preset.alphabet).save_pretrained(out_dir)
+    model.generation_config.save_pretrained(out_dir)
+    return out_dir
+
+
+def num_parameters(preset_name: str) -> int:
+    from transformers import Qwen2ForCausalLM
+    import torch
+
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(qwen2_config(PRESETS[preset_name]))
+    return sum(p.numel() for p in model.parameters())
+
+
+@contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def ensure_model(cfg) -> Path:
+    """The model directory for a config: `model.path`, or a cached (warm-started) preset."""
+    if cfg.model.path:
+        path = Path(cfg.model.path)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model.path {path} has no config.json (not a Hugging Face model folder)")
+        return path
+    spec = {
+        "preset": cfg.model.preset,
+        "examples": cfg.model.warm_start_examples if cfg.data.task == "add" else 0,
+        "epochs": cfg.model.warm_start_epochs,
+        "lr": cfg.model.warm_start_lr,
+        "max_operand": cfg.data.max_operand,
+        "seed": cfg.seed,
+        "v": 1,
+    }
+    key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
+    path = cache_root() / "models" / f"{cfg.model.preset}-{key}"
+    with _file_lock(path.with_suffix(".lock")):
+        if (path / "warm_start.json").exists():
+            return path
+        tmp = path.with_name(path.name + ".tmp")
+        build_model(cfg.model.preset, tmp, seed=cfg.seed)
+        report = {"spec": spec, "heldout_accuracy": None}
+        if spec["examples"] > 0 and spec["epochs"] > 0:
+            from asyncrl.models.warm_start import warm_start
+
+            report.update(warm_start(tmp, spec["examples"], spec["epochs"], spec["lr"], spec["max_operand"], seed=cfg.seed))
+        (tmp / "warm_start.json").write_text(json.dumps(report, indent=2))
+        if path.exists():
+            import shutil
+
+            shutil.rmtree(path)
+        tmp.rename(path)
+    return path
+
+
+__all__ = ["PRESETS", "Preset", "build_model", "ensure_model", "num_parameters", "cache_root"]

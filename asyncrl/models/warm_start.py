@@ -1,0 +1,97 @@
+"""Supervised warm start for W1 `add` and a transformers-only greedy evaluator.
+
+The warm start trains on at most a few thousand examples so the RL run starts from a model with low
+but non-zero held-out accuracy (WORKLOADS.md W1). Loss is on answer tokens (and EOS) only.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from asyncrl.envs import add
+from asyncrl.envs.data import heldout_add_prompts
+from asyncrl.envs.rewards import exact_match
+
+
+def _examples(tokenizer, n: int, max_operand: int, seed: int) -> list[tuple[list[int], int]]:
+    """(ids, prompt_length) pairs: prompt + answer + EOS."""
+    stream = add.train_pairs(add.WARM_START_SEED + seed, max_operand)
+    out = []
+    for _ in range(n):
+        a, b = next(stream)
+        prompt = tokenizer(add.prompt_text(a, b), add_special_tokens=False).input_ids
+        answer = tokenizer(str(a + b), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        out.append((list(prompt) + list(answer), len(prompt)))
+    return out
+
+
+def warm_start(model_dir: str | Path, examples: int, epochs: int, lr: float, max_operand: int, seed: int = 0, batch_size: int = 64) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    data = _examples(tokenizer, examples, max_operand, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    total_steps = max(1, epochs * ((len(data) + batch_size - 1) // batch_size))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / total_steps)
+    rng = random.Random(seed)
+    start = time.perf_counter()
+    model.train()
+    for _ in range(epochs):
+        rng.shuffle(data)
+        for i in range(0, len(data), batch_size):
+            chunk = data[i : i + batch_size]
+            width = max(len(ids) for ids, _ in chunk)
+            input_ids = torch.full((len(chunk), width), tokenizer.pad_token_id)
+            labels = torch.full((len(chunk), width), -100)
+            attn = torch.zeros((len(chunk), width), dtype=torch.long)
+            for r, (ids, plen) in enumerate(chunk):
+                input_ids[r, : len(ids)] = torch.tensor(ids)
+                labels[r, plen : len(ids)] = torch.tensor(ids[plen:])
+                attn[r, : len(ids)] = 1
+            loss = model(input_ids=input_ids, attention_mask=attn, labels=labels).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+    train_s = time.perf_counter() - start
+    model.eval()
+    model.save_pretrained(model_dir, safe_serialization=True)
+    accuracy = greedy_accuracy(model, tokenizer, heldout_add_prompts(tokenizer, 500, max_operand))
+    return {"heldout_accuracy": accuracy, "train_seconds": round(train_s, 2), "final_loss": float(loss)}
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, prompts, max_new_tokens: int = 8, batch_size: int = 250) -> float:
+    """Exact-match accuracy of greedy decoding with transformers (left padding)."""
+    correct = 0
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        width = max(len(p.prompt_ids) for p in chunk)
+        input_ids = torch.full((len(chunk), width), tokenizer.pad_token_id)
+        attn = torch.zeros((len(chunk), width), dtype=torch.long)
+        for r, p in enumerate(chunk):
+            input_ids[r, width - len(p.prompt_ids) :] = torch.tensor(p.prompt_ids)
+            attn[r, width - len(p.prompt_ids) :] = 1
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attn,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        for r, p in enumerate(chunk):
+            gen = out[r, width:].tolist()
+            finished = tokenizer.eos_token_id in gen
+            if finished:
+                gen = gen[: gen.index(tokenizer.eos_token_id)]
+            text = tokenizer.decode(gen, skip_special_tokens=True)
+            correct += exact_match(text, p.ground_truth, finish_reason="stop" if finished else "length")
+    return correct / max(1, len(prompts))

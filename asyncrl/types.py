@@ -1,0 +1,152 @@
+"""Typed records passed between actors.
+
+Each docstring states the record's invariant. Arrays are numpy so Ray moves them without pickling
+element by element; nothing here imports torch, Ray or vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+# Terminal states of a dispatched sample (invariant 3). `filtered:<reason>` and `failed:<reason>` carry a reason.
+TRAINED = "trained"
+DROPPED_STALE = "dropped_stale"
+
+
+@dataclass
+class Prompt:
+    """One task instance. `prompt_ids` are the tokens fed to the engine (chat template already applied)."""
+
+    prompt_id: str
+    prompt_ids: list[int]
+    ground_truth: str
+    text: str = ""
+    data_source: str = "add"
+    extra_info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Trajectory:
+    """One rollout of one prompt.
+
+    Invariant: `rollout_logprobs`, `loss_mask` and `versions` all have the length of `response_ids`.
+    `rollout_logprobs[t]` is log mu(token t) under the distribution the engine sampled from
+    (temperature/top-p applied). `loss_mask[t]` is 1 for policy-generated tokens and 0 for tokens the
+    environment appended (tool observations). `versions[t]` is the policy version that produced token t;
+    a trajectory that lived through an in-flight weight update spans several versions.
+    """
+
+    prompt_id: str
+    group_id: str
+    sample_index: int
+    prompt_ids: np.ndarray  # int32 [P]
+    response_ids: np.ndarray  # int32 [T]
+    rollout_logprobs: np.ndarray  # float32 [T]
+    loss_mask: np.ndarray  # int8 [T]
+    versions: np.ndarray  # int32 [T]
+    finish_reason: FinishReason
+    ground_truth: str = ""
+    reward: float = 0.0
+    failure: str | None = None
+    """Why the trajectory failed (`timeout`, `reward_error: ...`, `engine_died: worker-1`), None if it did not."""
+    worker: str = ""
+    dispatch_version: int = 0
+    """Policy version of the engine when the request started (lower bound of `versions`)."""
+    submitted_at: float = 0.0
+    finished_at: float = 0.0
+    response_text: str = ""
+
+    def __post_init__(self) -> None:
+        n = len(self.response_ids)
+        if not (len(self.rollout_logprobs) == len(self.loss_mask) == len(self.versions) == n):
+            raise ValueError(
+                f"trajectory {self.group_id}/{self.sample_index}: per-token arrays differ in length "
+                f"(ids {n}, logprobs {len(self.rollout_logprobs)}, mask {len(self.loss_mask)}, versions {len(self.versions)})"
+            )
+
+    @property
+    def min_version(self) -> int:
+        return int(self.versions.min()) if len(self.versions) else self.dispatch_version
+
+    @property
+    def max_version(self) -> int:
+        return int(self.versions.max()) if len(self.versions) else self.dispatch_version
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def failed(self) -> bool:
+        return self.failure is not None
+
+    def replace(self, **changes: Any) -> Trajectory:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class Group:
+    """The readiness unit handed to the learner: all trajectories of one prompt (one in `sao`).
+
+    Invariant: every member shares `group_id` and `prompt_id`; `min_version` is the oldest token's version.
+    """
+
+    group_id: str
+    trajectories: list[Trajectory]
+
+    @property
+    def min_version(self) -> int:
+        return min(t.min_version for t in self.trajectories)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(t.num_tokens for t in self.trajectories)
+
+
+@dataclass
+class WeightUpdate:
+    """Metadata of one weight publication: the version the engines must report once loaded."""
+
+    version: int
+    num_bytes: int
+    num_tensors: int
+    num_buckets: int
+
+
+@dataclass
+class StepStats:
+    """What the learner reports for one optimizer step; every field is a plain number."""
+
+    step: int
+    version: int
+    loss: float
+    grad_norm: float
+    num_samples: int
+    num_tokens: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Request:
+    """One generation for a rollout worker: sample `sample_index` of the group of `prompt`.
+
+    `request_id` is unique per attempt (`<group_id>/<sample_index>/<attempt>`): a request re-dispatched
+    after its worker died gets a new attempt number, so a late answer of the old attempt is recognisable.
+    """
+
+    request_id: str
+    group_id: str
+    sample_index: int
+    group_size: int
+    prompt: Prompt
+    attempt: int = 0

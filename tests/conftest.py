@@ -1,0 +1,31 @@
+"""Shared fixtures. Environment for Ray and vLLM-on-CPU is set before anything imports them."""
+
+import os
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A random-init 4-layer Qwen2 with tied embeddings and the 16-token `add` vocabulary (~0.3M params)."""
+    from asyncrl.models import build_model
+
+    return build_model("tiny-0.3m", tmp_path_factory.mktemp("tiny-model"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray per test module (starting Ray costs ~5-8 s)."""
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,83 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from asyncrl.config import DEFAULT_CONFIG, REPO_CONFIGS, ConfigError, load_config
+
+BAD = Path(__file__).parent.parent / "assets" / "bad_configs"
+
+
+@pytest.mark.parametrize("path", sorted(REPO_CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_validates(path):
+    cfg = load_config(path)
+    assert cfg.mode in ("sync", "streaming", "sao")
+
+
+def test_default_config_is_streaming_add_with_one_engine_and_one_rank():
+    cfg = load_config()
+    assert (cfg.mode, cfg.data.task, cfg.rollout.num_workers, cfg.learner.num_ranks) == ("streaming", "add", 1, 1)
+    assert cfg.algorithm.resolved_names() == {"advantage": "batch_norm", "loss": "cispo", "reduction": "prompt_mean", "correction": "none"}
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("typo_section.yaml", ["unknown key 'lerner'", "did you mean 'learner'", "typo_section.yaml"]),
+        ("typo_key.yaml", ["unknown key 'rollout.samples_per_promt'", "did you mean 'samples_per_prompt'", "typo_key.yaml"]),
+        ("out_of_range.yaml", ["rollout.temperature", "greater than 0", "out_of_range.yaml"]),
+        ("group_size_one.yaml", ["advantage 'grpo' needs a group", "samples_per_prompt >= 2"]),
+        ("unknown_loss.yaml", ["unknown loss 'cipso'", "did you mean 'cispo'", "valid: ppo, cispo"]),
+        ("sync_with_staleness.yaml", ["max_staleness must be 0", "got 3"]),
+        ("bad_mode.yaml", ["mode", "'sync', 'streaming' or 'sao'"]),
+    ],
+)
+def test_bad_configs_fail_with_the_key_the_file_and_a_hint(name, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(BAD / name)
+    for text in expected:
+        assert text in str(err.value)
+
+
+def test_overrides_apply_with_yaml_typed_values():
+    cfg = load_config(None, ["learner.lr=3e-4", "rollout.samples_per_prompt=4", "buffer.filter_zero_variance=false", "algorithm.params.eps_max=4"])
+    assert cfg.learner.lr == pytest.approx(3e-4)
+    assert cfg.rollout.samples_per_prompt == 4
+    assert cfg.buffer.filter_zero_variance is False
+    assert cfg.algorithm.params == {"eps_max": 4}
+
+
+def test_unknown_override_names_the_override_and_the_closest_key():
+    with pytest.raises(ConfigError, match=r"override 'buffer.max_stalenes=2': unknown key 'buffer.max_stalenes' \(did you mean 'max_staleness'\?\)"):
+        load_config(None, ["buffer.max_stalenes=2"])
+
+
+def test_missing_file_is_named():
+    with pytest.raises(ConfigError, match="config file not found: /nonexistent.yaml"):
+        load_config("/nonexistent.yaml")
+
+
+def test_resolved_config_round_trips_through_the_saved_yaml(tmp_path):
+    cfg = load_config(None, ["learner.max_steps=7"])
+    saved = cfg.save(tmp_path)
+    again = load_config(saved)
+    assert again == cfg
+    assert yaml.safe_load(saved.read_text())["learner"]["max_steps"] == 7
+
+
+def test_every_field_has_a_docstring():
+    from pydantic import BaseModel
+
+    from asyncrl.config import Config
+
+    def walk(model: type[BaseModel], prefix=""):
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                yield from walk(ann, f"{prefix}{name}.")
+            else:
+                yield f"{prefix}{name}", field.description
+
+    missing = [name for name, doc in walk(Config) if not doc]
+    assert missing == []
+    assert DEFAULT_CONFIG.exists()
