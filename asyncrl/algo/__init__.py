@@ -1,0 +1,16 @@
+"""asyncrl.algo: the RL math as pure functions of torch tensors.
+
+Modules (each one family, shapes in docstrings, paper links in module docstrings):
+    advantages  REINFORCE baseline, GAE, VAPO, GRPO, Dr.GRPO, RLOO, REINFORCE++, ScaleRL batch-norm, MaxRL
+    losses      PPO (+dual clip, clip-higher), CISPO, GSPO, GSPO-token, SAPO, DPPO, GVPO, REINFORCE, value loss
+    reduction   exact global reductions: per-token weights computed once per optimizer batch
+    correction  train-vs-rollout mismatch: TIS, MIS / rejection, IcePop, DIS, decoupled PPO, bypass, OPSM
+    kl          k1 / k2 / k3 KL estimators, KL-in-reward
+    shaping     DAPO overlong punishment, zero-variance filtering, pass-rate curriculum
+    metrics     mismatch metrics as floats
+    recipes     named recipes and the learner entry points
+    names       the valid names (imports nothing, so configs can validate cheaply)
+
+This package imports only torch, and `import asyncrl.algo` / `asyncrl.algo.names` imports nothing at all.
+Spec: shared/spec/algorithms.md.
+"""

@@ -1,0 +1,501 @@
+"""Named recipes: which advantage, surrogate, reduction and correction a run uses, with their numbers,
+and the three entry points the learner calls.
+
+A `Recipe` is resolved once from the config (`resolve_recipe`). Per optimizer step the learner then:
+
+1. `advantages, returns = compute_advantages(recipe, rewards, group_ids, mask, values, dones, bootstrap_values)`
+   over the whole batch (group and batch statistics must see the whole batch);
+2. `token_weights = compute_token_weights(recipe, mask, group_ids, old_logprobs, rollout_logprobs)` over
+   the whole optimizer batch (or with `stats=` all-reduced across ranks, see `reduction.py`);
+3. per micro-batch (row slices of every tensor):
+   `loss, metrics = compute_policy_loss(recipe, learner_logprobs, old_logprobs, rollout_logprobs,
+   advantages, mask, token_weights, group_ids)` then `loss.backward()`; the micro-batch losses sum to
+   the batch loss exactly (multiply by dp_size if the backend averages gradients across ranks);
+4. with a critic: `compute_value_loss(values, returns, mask, token_weights)`.
+
+`compute_policy_loss` applies correction -> surrogate -> weighted sum: `l = w * keep * l_loss`, with the
+correction's detached weight `w` and keep mask. Composition rules that are choices of this library:
+- `bypass` replaces old_logprobs by rollout_logprobs (two-policy mode, verl); with the `reinforce` loss it
+  adds the truncated IS weight min(q, tis_cap), with ratio losses no extra weight (it would double-count).
+- `dis` gates q = exp(learner - rollout). Its weight is q divided by the ratio the surrogate already
+  carries: q for `reinforce` (the DIS loss -sg(f(q)) A logp), kappa for surrogates built on rho (ppo,
+  cispo, gspo*, sapo, gvpo), 1 for dppo (already weighted by q).
+- `veto_threshold` (if set) rejects whole sequences with any kappa below it, for every correction.
+
+Papers are cited in the modules implementing each method; spec: shared/spec/algorithms.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any
+
+import torch
+
+from asyncrl.algo import advantages as adv_lib
+from asyncrl.algo import correction as corr_lib
+from asyncrl.algo import losses as loss_lib
+from asyncrl.algo._masked import as_mask
+from asyncrl.algo.kl import KL_ESTIMATORS, kl_penalty
+from asyncrl.algo.names import ADVANTAGES, CORRECTIONS, LOSSES, PRESET_COMPONENTS, PRESETS, REDUCTIONS
+from asyncrl.algo.reduction import reduction_weights, weighted_sum
+
+__all__ = [
+    "ADVANTAGES",
+    "CORRECTIONS",
+    "LOSSES",
+    "PRESETS",
+    "PRESET_FILTERS",
+    "PRESET_PARAMS",
+    "REDUCTIONS",
+    "Recipe",
+    "compute_advantages",
+    "compute_policy_loss",
+    "compute_token_weights",
+    "compute_value_loss",
+    "denominator_mask",
+    "resolve_recipe",
+]
+
+# Default clip range of each surrogate when eps_low / eps_high are not given.
+_LOSS_EPS = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "cispo": (0.2, 0.28)}
+_PPO_EPS = (0.2, 0.2)
+
+# Corrections whose keep mask depends only on old and rollout log-probs, so it can be known before the
+# backward passes and may shrink the reduction denominator.
+_PRECOMPUTABLE_REJECTION = ("mis", "mis_seq", "mis_geo", "icepop", "decoupled")
+
+# Numbers each preset sets on top of the Recipe defaults (components are in names.PRESET_COMPONENTS).
+PRESET_PARAMS: dict[str, dict[str, Any]] = {
+    "dapo": {"eps_low": 0.2, "eps_high": 0.28},
+    "vapo": {"eps_low": 0.2, "eps_high": 0.28},
+    "cispo": {"cispo_eps_max": 5.0},
+    "scalerl": {"cispo_eps_max": 5.0},
+    "ppo_gae": {"whiten_advantages": True},
+    "sao": {"dis_eps_low": 0.3, "dis_eps_high": 5.0},
+    "maxrl": {"maxrl_divide_by_group_size": False},
+}
+
+# Sampling filters and reward shaping a preset expects of the replay buffer (`asyncrl.algo.shaping`).
+# Informational: the buffer's own config switches them on.
+PRESET_FILTERS: dict[str, dict[str, Any]] = {
+    "dapo": {"dynamic_sampling": True, "overlong_max_length": 20480, "overlong_cache_length": 4096},
+    "cispo": {"zero_variance_filter": True},
+    "scalerl": {"zero_variance_filter": True, "retire_pass_rate": 0.9},
+}
+
+
+def _did_you_mean(value: str, valid) -> str:
+    close = difflib.get_close_matches(str(value), list(valid), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check_name(kind: str, value: str, valid) -> None:
+    if value not in valid:
+        raise ValueError(f"unknown {kind} {value!r}{_did_you_mean(value, valid)}; valid: {', '.join(valid)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A fully resolved algorithm choice. Construct through `resolve_recipe`; fields left None are filled
+    with the selected surrogate's defaults and every value is validated on construction."""
+
+    advantage: str = "grpo"
+    """Advantage estimator, one of names.ADVANTAGES."""
+    loss: str = "ppo"
+    """Policy surrogate, one of names.LOSSES."""
+    reduction: str = "token_mean"
+    """Loss reduction, one of names.REDUCTIONS."""
+    correction: str = "none"
+    """Train-vs-rollout mismatch correction, one of names.CORRECTIONS."""
+
+    # --- advantages
+    gamma: float = 1.0
+    """Discount of GAE / REINFORCE++ returns."""
+    lam: float = 0.95
+    """GAE lambda (advantage `gae`)."""
+    critic_lam: float = 1.0
+    """Lambda of the value targets of `vapo` (1 = Monte-Carlo returns)."""
+    vapo_alpha: float = 0.05
+    """VAPO length-adaptive lambda 1 - 1/(alpha*l), clamped to [0, 1]."""
+    whiten_advantages: bool = False
+    """Whiten GAE / VAPO advantages over the valid tokens of the batch (verl does for GAE)."""
+    baseline: float = 0.0
+    """Constant baseline b of the `reinforce` advantage A = R - b."""
+    grpo_eps: float = 1e-6
+    """Added to the group std in GRPO (verl, slime); TRL uses 1e-4."""
+    grpo_unbiased: bool = True
+    """Bessel-corrected group std in GRPO (all reference implementations)."""
+    batch_norm_eps: float = 1e-4
+    """Added to the batch std of `batch_norm` (TRL)."""
+    maxrl_divide_by_group_size: bool = False
+    """MaxRL scaling: False = (r - r_hat)/r_hat for mean reductions (prime-rl), True = survey's /(N r_hat)."""
+
+    # --- surrogates
+    eps_low: float | None = None
+    """Lower clip epsilon; None = the surrogate's default (ppo/cispo 0.2, gspo 3e-4)."""
+    eps_high: float | None = None
+    """Upper clip epsilon; None = the surrogate's default (ppo 0.2, cispo 0.28, gspo 4e-4)."""
+    dual_clip_c: float | None = None
+    """PPO dual clip constant c > 1 (verl uses 3); None = off."""
+    cispo_eps_max: float | None = 5.0
+    """CISPO absolute cap w = min(rho, eps_max) (ScaleRL); None = band clip(rho, 1-eps_low, 1+eps_high)."""
+    sapo_tau_pos: float = 1.0
+    """SAPO gate temperature for A > 0."""
+    sapo_tau_neg: float = 1.05
+    """SAPO gate temperature for A <= 0."""
+    dppo_delta_low: float | None = None
+    """DPPO divergence threshold for A <= 0; None = 0.15 (TV) / 0.05 (KL)."""
+    dppo_delta_high: float | None = None
+    """DPPO divergence threshold for A > 0; None = 0.15 (TV) / 0.05 (KL)."""
+    dppo_clip_c: float = 20.0
+    """DPPO cap C of the IS weight min(q, C) (TRL default)."""
+    gvpo_beta: float = 0.1
+    """GVPO implicit-reward scale."""
+    kl_coef: float = 0.0
+    """Coefficient of the KL-to-reference loss term (0 = off, needs ref_logprobs otherwise)."""
+    kl_estimator: str = "k3"
+    """KL estimator of the loss term: k1, k2, k3, k3_plus."""
+
+    # --- corrections
+    tis_cap: float = 2.0
+    """C of truncated IS min(w, C) (`tis`, `tis_seq`, bypass with `reinforce`)."""
+    tis_batch_normalize: bool = False
+    """Divide TIS weights by their batch mean after truncation (folded into the token weights)."""
+    mis_upper: float = 2.0
+    """Upper bound of the MIS keep interval on kappa (token, sequence product or geometric mean)."""
+    mis_lower: float | None = None
+    """Lower bound of the MIS keep interval; None = 1 / mis_upper."""
+    veto_threshold: float | None = None
+    """Reject a whole sequence if any token has kappa below this; None = off."""
+    icepop_alpha: float = 0.5
+    """IcePop lower bound on kappa."""
+    icepop_beta: float = 5.0
+    """IcePop upper bound on kappa."""
+    dis_eps_low: float = 0.3
+    """DIS keeps 1 - eps_low < q < 1 + eps_high."""
+    dis_eps_high: float = 5.0
+    """DIS upper epsilon."""
+    decoupled_cap: float | None = 5.0
+    """AReaL decoupled PPO: tokens with kappa above this are masked; None = keep all."""
+    opsm_delta: float = 0.5
+    """OPSM drops sequences with A < 0 and mean(rollout - learner) > delta."""
+    denominator_after_rejection: bool = False
+    """Reduction denominators count tokens after the rejection mask (verl) instead of before (AReaL, slime)."""
+
+    # --- reduction
+    l_max: int | None = None
+    """Fixed max response length for `seq_mean_token_sum_norm` (Dr. GRPO); not the padded width."""
+
+    def __post_init__(self) -> None:
+        _check_name("advantage", self.advantage, ADVANTAGES)
+        _check_name("loss", self.loss, LOSSES)
+        _check_name("reduction", self.reduction, REDUCTIONS)
+        _check_name("correction", self.correction, CORRECTIONS)
+        _check_name("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        default_low, default_high = _LOSS_EPS.get(self.loss, _PPO_EPS)
+        if self.eps_low is None:
+            object.__setattr__(self, "eps_low", default_low)
+        if self.eps_high is None:
+            object.__setattr__(self, "eps_high", default_high)
+        problems = []
+        if self.eps_low < 0 or self.eps_high < 0:
+            problems.append(f"eps_low and eps_high must be >= 0 (got {self.eps_low}, {self.eps_high})")
+        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
+            problems.append(f"dual_clip_c must be > 1 (got {self.dual_clip_c})")
+        if not 0 < self.gamma <= 1:
+            problems.append(f"gamma must be in (0, 1] (got {self.gamma})")
+        if not 0 <= self.lam <= 1 or not 0 <= self.critic_lam <= 1:
+            problems.append(f"lam and critic_lam must be in [0, 1] (got {self.lam}, {self.critic_lam})")
+        if self.vapo_alpha <= 0:
+            problems.append(f"vapo_alpha must be > 0 (got {self.vapo_alpha})")
+        if self.reduction == "seq_mean_token_sum_norm" and (self.l_max is None or self.l_max <= 0):
+            problems.append("reduction 'seq_mean_token_sum_norm' needs l_max > 0 (the fixed max response length)")
+        if self.cispo_eps_max is not None and self.cispo_eps_max <= 0:
+            problems.append(f"cispo_eps_max must be > 0 (got {self.cispo_eps_max})")
+        if self.tis_cap <= 0 or self.mis_upper <= 0 or (self.mis_lower is not None and self.mis_lower < 0):
+            problems.append("tis_cap and mis_upper must be > 0, mis_lower >= 0")
+        if not 0 <= self.icepop_alpha < self.icepop_beta:
+            problems.append(f"need 0 <= icepop_alpha < icepop_beta (got {self.icepop_alpha}, {self.icepop_beta})")
+        if not 0 <= self.dis_eps_low <= 1 or self.dis_eps_high <= 0:
+            problems.append(f"need 0 <= dis_eps_low <= 1 and dis_eps_high > 0 (got {self.dis_eps_low}, {self.dis_eps_high})")
+        if self.sapo_tau_pos <= 0 or self.sapo_tau_neg <= 0 or self.gvpo_beta <= 0 or self.dppo_clip_c <= 0:
+            problems.append("sapo_tau_pos, sapo_tau_neg, gvpo_beta and dppo_clip_c must be > 0")
+        if self.kl_coef < 0:
+            problems.append(f"kl_coef must be >= 0 (got {self.kl_coef})")
+        if self.denominator_after_rejection and self.correction in ("dis", "opsm"):
+            problems.append(
+                f"correction {self.correction!r} depends on the current policy, so its rejections cannot shrink "
+                "the reduction denominator: set denominator_after_rejection = false"
+            )
+        if problems:
+            raise ValueError("invalid recipe: " + "; ".join(problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_PARAM_NAMES = tuple(f.name for f in dataclasses.fields(Recipe) if f.name not in ("advantage", "loss", "reduction", "correction"))
+
+
+def resolve_recipe(
+    preset: str | None = None,
+    advantage: str | None = None,
+    loss: str | None = None,
+    reduction: str | None = None,
+    correction: str | None = None,
+    **params: Any,
+) -> Recipe:
+    """Build a Recipe from a preset and overrides. Raises ValueError naming any unknown preset, component
+    or parameter together with the valid names (and the closest one)."""
+    unknown = sorted(set(params) - set(_PARAM_NAMES))
+    if unknown:
+        hints = "".join(_did_you_mean(name, _PARAM_NAMES) for name in unknown)
+        raise ValueError(f"unknown recipe parameter(s) {', '.join(unknown)}{hints}; valid: {', '.join(_PARAM_NAMES)}")
+    fields: dict[str, Any] = {}
+    if preset is not None:
+        _check_name("preset", preset, PRESETS)
+        fields.update(PRESET_COMPONENTS[preset])
+        fields.update(PRESET_PARAMS.get(preset, {}))
+    overrides = {"advantage": advantage, "loss": loss, "reduction": reduction, "correction": correction}
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    fields.update(params)
+    return Recipe(**fields)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------------------------
+
+
+def compute_advantages(
+    recipe: Recipe,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor | None,
+    mask: torch.Tensor,
+    values: torch.Tensor | None = None,
+    dones: torch.Tensor | None = None,
+    bootstrap_values: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Advantages [N, T] (0 at masked positions) and value targets [N, T] (critic estimators) or None.
+
+    rewards: [N] outcome rewards (or [N, T] per-token rewards for gae / vapo / reinforce); group_ids: [N];
+    mask: [N, T]; values: [N, T] critic values (gae, vapo); dones: [N] bool, False = truncated;
+    bootstrap_values: [N] V(s_T) of truncated sequences. Call it on the whole optimizer batch.
+    """
+    mask = as_mask(mask)
+    name = recipe.advantage
+    with torch.no_grad():
+        if name in ("gae", "vapo"):
+            if values is None:
+                raise ValueError(f"advantage {name!r} needs critic values")
+            token_rewards = rewards if rewards.dim() == 2 else adv_lib.outcome_to_token_rewards(rewards, mask)
+            if name == "gae":
+                adv, returns = adv_lib.gae(token_rewards, values, mask, recipe.gamma, recipe.lam, dones, bootstrap_values)
+            else:
+                adv, returns = adv_lib.vapo(
+                    token_rewards, values, mask, recipe.gamma, recipe.vapo_alpha, recipe.critic_lam, dones, bootstrap_values
+                )
+            if recipe.whiten_advantages:
+                adv = adv_lib.masked_whiten(adv, mask)
+            return adv, returns
+        if name == "reinforce":
+            adv = adv_lib.reinforce_baseline(rewards, recipe.baseline)
+            return (torch.where(mask, adv, 0.0) if adv.dim() == 2 else adv_lib.broadcast_to_tokens(adv, mask)), None
+        if name == "reinforce_pp":
+            return adv_lib.reinforce_pp(rewards, mask, recipe.gamma), None
+        if group_ids is None:
+            raise ValueError(f"advantage {name!r} needs group_ids")
+        if name == "reinforce_pp_baseline":
+            return adv_lib.reinforce_pp_baseline(rewards, group_ids, mask), None
+        if name == "grpo":
+            seq = adv_lib.grpo(rewards, group_ids, recipe.grpo_eps, recipe.grpo_unbiased)
+        elif name == "dr_grpo":
+            seq = adv_lib.dr_grpo(rewards, group_ids)
+        elif name == "rloo":
+            seq = adv_lib.rloo(rewards, group_ids)
+        elif name == "batch_norm":
+            seq = adv_lib.batch_normalized(rewards, group_ids, recipe.batch_norm_eps)
+        else:  # maxrl
+            seq = adv_lib.maxrl(rewards, group_ids, recipe.maxrl_divide_by_group_size)
+        return adv_lib.broadcast_to_tokens(seq, mask), None
+
+
+def denominator_mask(
+    recipe: Recipe,
+    mask: torch.Tensor,
+    old_logprobs: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The mask whose counts form the reduction denominators: `mask`, or `mask & keep` when
+    `recipe.denominator_after_rejection` and the correction rejects tokens from old/rollout log-probs."""
+    mask = as_mask(mask)
+    precomputable = recipe.correction in _PRECOMPUTABLE_REJECTION
+    if not recipe.denominator_after_rejection or not (precomputable or recipe.veto_threshold is not None):
+        return mask
+    if old_logprobs is None or rollout_logprobs is None:
+        raise ValueError("denominator_after_rejection needs old_logprobs and rollout_logprobs")
+    if precomputable:  # its keep mask already includes the veto
+        _, keep, _ = _correction(recipe, old_logprobs, old_logprobs, rollout_logprobs, None, mask)
+        return keep
+    log_kappa = corr_lib.detached_log_ratio(old_logprobs, rollout_logprobs, mask)
+    return corr_lib.veto_keep(log_kappa, mask, recipe.veto_threshold)
+
+
+def compute_token_weights(
+    recipe: Recipe,
+    mask: torch.Tensor,
+    group_ids: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    stats: torch.Tensor | None = None,
+    is_weight_mean: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`reduction_weights` of the recipe's reduction over the whole optimizer batch -> [B, T].
+
+    With `tis_batch_normalize`, the 1 / mean(truncated IS weight) factor is folded in here so that it is a
+    batch constant and micro-batching stays exact. Distributed case: pass `stats` from
+    `reduction.global_reduction_stats(denominator_mask(...), ...)` and the global `is_weight_mean`.
+    """
+    m = denominator_mask(recipe, mask, old_logprobs, rollout_logprobs)
+    weights = reduction_weights(recipe.reduction, m, group_ids, recipe.l_max, stats)
+    if recipe.correction in ("tis", "tis_seq") and recipe.tis_batch_normalize:
+        if is_weight_mean is None:
+            if old_logprobs is None or rollout_logprobs is None:
+                raise ValueError("tis_batch_normalize needs old_logprobs and rollout_logprobs (or is_weight_mean)")
+            mask = as_mask(mask)
+            log_kappa = corr_lib.detached_log_ratio(old_logprobs, rollout_logprobs, mask)
+            level = "token" if recipe.correction == "tis" else "sequence"
+            w = corr_lib.truncated_is_weights(log_kappa, mask, recipe.tis_cap, level)
+            is_weight_mean = w[mask].mean() if bool(mask.any()) else 1.0
+        weights = weights / is_weight_mean
+    return weights
+
+
+def _correction(recipe, learner_logprobs, old_logprobs, rollout_logprobs, advantages, mask):
+    """-> (weight [B, T] | None, keep [B, T] | None, metrics). Everything detached."""
+    name = recipe.correction
+    log_kappa = corr_lib.detached_log_ratio(old_logprobs, rollout_logprobs, mask)
+    weight = keep = None
+    if name == "tis":
+        # tis_batch_normalize is folded into the token weights (a batch constant), see compute_token_weights.
+        weight = corr_lib.truncated_is_weights(log_kappa, mask, recipe.tis_cap, "token")
+    elif name == "tis_seq":
+        weight = corr_lib.truncated_is_weights(log_kappa, mask, recipe.tis_cap, "sequence")
+    elif name in ("mis", "mis_seq", "mis_geo"):
+        level = {"mis": "token", "mis_seq": "sequence", "mis_geo": "geometric"}[name]
+        weight, keep = corr_lib.masked_is(log_kappa, mask, recipe.mis_upper, recipe.mis_lower, level)
+    elif name == "icepop":
+        weight, keep = corr_lib.icepop(log_kappa, mask, recipe.icepop_alpha, recipe.icepop_beta)
+    elif name == "decoupled":
+        weight, keep = corr_lib.decoupled_weights(log_kappa, mask, recipe.decoupled_cap)
+    elif name == "dis":
+        log_q = corr_lib.detached_log_ratio(learner_logprobs, rollout_logprobs, mask)
+        q_weight, keep = corr_lib.dis_gate(log_q, mask, recipe.dis_eps_low, recipe.dis_eps_high)
+        if recipe.loss == "reinforce":
+            weight = q_weight
+        elif recipe.loss in ("dppo_tv", "dppo_kl"):
+            weight = keep.float()
+        else:
+            weight = torch.where(keep, torch.exp(log_kappa), 0.0)
+    elif name == "bypass" and recipe.loss == "reinforce":
+        log_q = corr_lib.detached_log_ratio(learner_logprobs, rollout_logprobs, mask)
+        weight = corr_lib.truncated_is_weights(log_q, mask, recipe.tis_cap, "token")
+    elif name == "opsm":
+        keep = corr_lib.opsm_keep(learner_logprobs, rollout_logprobs, advantages, mask, recipe.opsm_delta)
+    if recipe.veto_threshold is not None:
+        veto = corr_lib.veto_keep(log_kappa, mask, recipe.veto_threshold)
+        keep = veto if keep is None else keep & veto
+        if weight is not None:
+            weight = torch.where(keep, weight, 0.0)
+    metrics = {}
+    count = mask.sum().clamp(min=1)
+    if keep is not None:
+        metrics["correction_masked_fraction"] = (mask & ~keep).sum() / count
+    if weight is not None:
+        metrics["correction_weight_mean"] = torch.where(mask, weight, 0.0).sum() / count
+    return weight, keep, metrics
+
+
+_SURROGATES = {
+    "ppo": lambda r, lp, old, ro, a, m, g: loss_lib.ppo_clip(lp, old, a, m, r.eps_low, r.eps_high, r.dual_clip_c),
+    "cispo": lambda r, lp, old, ro, a, m, g: loss_lib.cispo(lp, old, a, m, r.eps_low, r.eps_high, r.cispo_eps_max),
+    "gspo": lambda r, lp, old, ro, a, m, g: loss_lib.gspo(lp, old, a, m, r.eps_low, r.eps_high),
+    "gspo_token": lambda r, lp, old, ro, a, m, g: loss_lib.gspo_token(lp, old, a, m, r.eps_low, r.eps_high),
+    "sapo": lambda r, lp, old, ro, a, m, g: loss_lib.sapo(lp, old, a, m, r.sapo_tau_pos, r.sapo_tau_neg),
+    "dppo_tv": lambda r, lp, old, ro, a, m, g: loss_lib.dppo(
+        lp, ro, a, m, "binary_tv", r.dppo_delta_low, r.dppo_delta_high, r.dppo_clip_c
+    ),
+    "dppo_kl": lambda r, lp, old, ro, a, m, g: loss_lib.dppo(
+        lp, ro, a, m, "binary_kl", r.dppo_delta_low, r.dppo_delta_high, r.dppo_clip_c
+    ),
+    "gvpo": lambda r, lp, old, ro, a, m, g: loss_lib.gvpo(lp, old, a, m, g, r.gvpo_beta),
+    "reinforce": lambda r, lp, old, ro, a, m, g: loss_lib.reinforce(lp, a, m),
+}
+
+
+def _to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+    if not metrics:
+        return {}
+    names = list(metrics)
+    values = torch.stack([metrics[k].detach().float().reshape(()) for k in names]).tolist()
+    return dict(zip(names, values))
+
+
+def compute_policy_loss(
+    recipe: Recipe,
+    learner_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    token_weights: torch.Tensor,
+    group_ids: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Correction -> surrogate -> weighted sum, for one micro-batch (or the whole batch).
+
+    learner_logprobs (the only input with gradient), old_logprobs, rollout_logprobs, advantages, mask,
+    token_weights: [B, T]; group_ids: [B] (gvpo); ref_logprobs: [B, T] (needed when kl_coef > 0).
+    token_weights come from `compute_token_weights` over the whole optimizer batch, sliced like the rest.
+    Returns (scalar fp32 loss, metrics as Python floats).
+    """
+    mask = as_mask(mask)
+    if recipe.loss == "gvpo" and group_ids is None:
+        raise ValueError("loss 'gvpo' needs group_ids")
+    if recipe.correction == "bypass":
+        old_logprobs = rollout_logprobs
+    weight, keep, metrics = _correction(recipe, learner_logprobs, old_logprobs, rollout_logprobs, advantages, mask)
+    per_token, loss_metrics = _SURROGATES[recipe.loss](
+        recipe, learner_logprobs, old_logprobs, rollout_logprobs, advantages, mask, group_ids
+    )
+    metrics.update(loss_metrics)
+    if weight is not None:
+        per_token = per_token * weight
+    if keep is not None:
+        per_token = torch.where(keep, per_token, 0.0)
+    loss = weighted_sum(per_token, token_weights)
+    metrics["pg_loss"] = loss.detach()
+    if recipe.kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs ref_logprobs")
+        kl = weighted_sum(kl_penalty(learner_logprobs, ref_logprobs, mask, recipe.kl_estimator), token_weights)
+        metrics["kl_loss"] = kl.detach()
+        loss = loss + recipe.kl_coef * kl
+    return loss, _to_floats(metrics)
+
+
+def compute_value_loss(
+    values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    token_weights: torch.Tensor,
+    clip: float | None = None,
+    old_values: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Critic loss `sum(0.5 (V - R)^2 * token_weights)`, optionally clipped around old_values. Shapes [B, T]."""
+    per_token, metrics = loss_lib.value_loss(values, returns, mask, old_values, clip)
+    loss = weighted_sum(per_token, token_weights)
+    metrics["value_loss"] = loss.detach()
+    return loss, _to_floats(metrics)

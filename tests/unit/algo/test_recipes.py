@@ -1,0 +1,255 @@
+"""The recipe layer: name resolution, entry points, and robustness of every loss x correction pair."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncrl.algo import names, recipes
+from asyncrl.algo.recipes import (
+    Recipe,
+    compute_advantages,
+    compute_policy_loss,
+    compute_token_weights,
+    compute_value_loss,
+    resolve_recipe,
+)
+from asyncrl.algo.reduction import reduction_weights
+
+from .helpers import close, make_fpol
+
+L_MAX = 4
+NEEDS_L_MAX = {"l_max": L_MAX}
+
+
+# ---------------------------------------------------------------- names and resolution
+
+
+def test_names_module_imports_nothing_heavy():
+    code = "import sys, asyncrl.algo.names; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("preset", names.PRESETS)
+def test_every_preset_resolves_to_its_components(preset):
+    recipe = resolve_recipe(preset, **NEEDS_L_MAX)
+    for key, value in names.PRESET_COMPONENTS[preset].items():
+        assert getattr(recipe, key) == value
+
+
+def test_preset_numbers_follow_the_spec():
+    assert resolve_recipe("dapo").eps_high == 0.28
+    assert resolve_recipe("grpo").eps_high == 0.2
+    assert (resolve_recipe("gspo").eps_low, resolve_recipe("gspo").eps_high) == (3e-4, 4e-4)
+    assert resolve_recipe("scalerl").cispo_eps_max == 5.0
+    sao = resolve_recipe("sao")
+    assert (sao.advantage, sao.loss, sao.correction, sao.dis_eps_low, sao.dis_eps_high) == ("vapo", "reinforce", "dis", 0.3, 5.0)
+    assert resolve_recipe("ppo_gae").whiten_advantages
+
+
+def test_explicit_overrides_win_over_the_preset():
+    recipe = resolve_recipe("grpo", loss="cispo", correction="tis", eps_high=0.3)
+    assert (recipe.loss, recipe.correction, recipe.eps_high, recipe.reduction) == ("cispo", "tis", 0.3, "seq_mean_token_mean")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"preset": "grpoo"}, "unknown preset 'grpoo' (did you mean 'grpo'?); valid: grpo, dr_grpo"),
+        ({"loss": "cipso"}, "unknown loss 'cipso' (did you mean 'cispo'?); valid: ppo, cispo, gspo"),
+        ({"advantage": "gea"}, "unknown advantage 'gea'"),
+        ({"reduction": "token_sum"}, "valid: token_mean, seq_mean_token_mean"),
+        ({"correction": "tiss"}, "(did you mean 'tis'?)"),
+        ({"eps_hihg": 0.3}, "unknown recipe parameter(s) eps_hihg (did you mean 'eps_high'?)"),
+        ({"preset": "dr_grpo"}, "needs l_max"),
+        ({"dual_clip_c": 0.5}, "dual_clip_c must be > 1"),
+        ({"correction": "dis", "denominator_after_rejection": True}, "depends on the current policy"),
+    ],
+)
+def test_invalid_recipes_fail_naming_the_valid_choices(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        resolve_recipe(**kwargs)
+    assert message in str(err.value)
+
+
+def test_recipe_is_frozen_and_serialisable():
+    recipe = resolve_recipe("cispo")
+    with pytest.raises(AttributeError):
+        recipe.loss = "ppo"  # type: ignore[misc]
+    assert Recipe(**recipe.to_dict()) == recipe
+
+
+def test_every_name_has_an_implementation():
+    assert set(recipes._SURROGATES) == set(names.LOSSES)
+    assert set(recipes.PRESET_PARAMS) <= set(names.PRESETS)
+    for preset, params in recipes.PRESET_PARAMS.items():
+        resolve_recipe(preset, **params)
+
+
+# ---------------------------------------------------------------- compute_advantages
+
+
+@pytest.mark.parametrize("advantage", names.ADVANTAGES)
+def test_every_advantage_estimator_returns_token_advantages_zero_at_pads(advantage):
+    recipe = resolve_recipe(None, advantage=advantage)
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.25])
+    group_ids = torch.tensor([0, 0, 1, 1])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    values = torch.where(mask, torch.full((4, 3), 0.3), torch.full((4, 3), float("nan")))
+    adv, returns = compute_advantages(recipe, rewards, group_ids, mask, values)
+    assert adv.shape == (4, 3) and adv.dtype == torch.float32 and torch.isfinite(adv).all()
+    assert torch.equal(adv[~mask], torch.zeros(int((~mask).sum())))
+    assert (returns is not None) == (advantage in ("gae", "vapo"))
+    assert adv[mask].abs().sum() > 0
+
+
+def test_grpo_recipe_broadcasts_the_spec_advantages(fadv):
+    rewards, group_ids = fadv
+    mask = torch.ones(9, 2, dtype=torch.bool)
+    adv, _ = compute_advantages(resolve_recipe("grpo"), rewards, group_ids, mask)
+    close(adv[:3, 1], [1.154699, -0.577349, -0.577349])
+
+
+def test_critic_advantages_refuse_to_run_without_values():
+    with pytest.raises(ValueError, match="critic values"):
+        compute_advantages(resolve_recipe("sao"), torch.ones(2), None, torch.ones(2, 3, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------- compute_policy_loss
+
+
+def run(recipe, pol, group_ids=None, ref=None):
+    weights = compute_token_weights(recipe, pol.mask, group_ids, pol.old, pol.rollout)
+    return compute_policy_loss(recipe, pol.logp, pol.old, pol.rollout, pol.adv, pol.mask, weights, group_ids, ref)
+
+
+def test_grpo_preset_is_ppo_with_seq_mean_token_mean(fpol):
+    loss, metrics = run(resolve_recipe("grpo"), fpol)
+    close(loss, 0.505402)
+    assert metrics["pg_loss"] == pytest.approx(0.505402, abs=1e-6)
+    assert metrics["clipfrac"] == pytest.approx(3 / 11)
+
+
+def test_denominator_after_rejection_counts_only_kept_tokens(fpol):
+    kwargs = dict(advantage="grpo", loss="ppo", reduction="token_mean", correction="mis", dual_clip_c=3.0, mis_lower=0.5)
+    loss, _ = run(resolve_recipe(None, denominator_after_rejection=True, **kwargs), fpol)
+    close(loss, 0.828305)  # spec 5.2: denominator 8
+    loss_original, _ = run(resolve_recipe(None, **kwargs), make_fpol())
+    close(loss_original, 0.828305 * 8 / 11)
+
+
+def test_kl_term_is_added_with_its_coefficient(fpol):
+    ref = fpol.old - 0.1
+    base, _ = run(resolve_recipe("grpo"), make_fpol(), ref=ref)
+    with_kl, metrics = run(resolve_recipe("grpo", kl_coef=0.5, kl_estimator="k1"), fpol, ref=ref)
+    assert "kl_loss" in metrics
+    close(with_kl - base, 0.5 * metrics["kl_loss"], atol=1e-6)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        run(resolve_recipe("grpo", kl_coef=0.5), make_fpol())
+
+
+LOSS_CORRECTION_PAIRS = [(loss, corr) for loss in names.LOSSES for corr in names.CORRECTIONS]
+
+
+@pytest.mark.parametrize("loss, correction", LOSS_CORRECTION_PAIRS)
+def test_masked_garbage_never_reaches_loss_or_gradient(loss, correction, fpol, fpol_garbage_pads):
+    recipe = resolve_recipe(None, advantage="grpo", loss=loss, reduction="seq_mean_token_mean", correction=correction)
+    groups = torch.tensor([0, 0, 1])
+    clean, _ = run(recipe, fpol, groups)
+    dirty, metrics = run(recipe, fpol_garbage_pads, groups)
+    assert torch.isfinite(dirty) and all(v == v for v in metrics.values())
+    close(dirty, clean.item(), atol=1e-7)
+    g_clean, g_dirty = fpol.grad(clean), fpol_garbage_pads.grad(dirty)
+    assert torch.isfinite(g_dirty).all()
+    assert g_dirty[1, 3].item() == 0.0
+    close(g_dirty, g_clean, atol=1e-7)
+
+
+@pytest.mark.parametrize("loss", names.LOSSES)
+def test_bf16_inputs_are_upcast_and_give_an_fp32_loss(loss):
+    pol = make_fpol()
+    recipe = resolve_recipe(None, advantage="grpo", loss=loss, reduction="token_mean")
+    groups = torch.tensor([0, 0, 1])
+    ref, _ = run(recipe, pol, groups)
+    logp16 = pol.logp.detach().bfloat16().requires_grad_(True)
+    weights = reduction_weights("token_mean", pol.mask)
+    out, _ = compute_policy_loss(
+        recipe, logp16, pol.old.bfloat16(), pol.rollout.bfloat16(), pol.adv.bfloat16(), pol.mask, weights, groups
+    )
+    assert out.dtype == torch.float32
+    close(out, ref.item(), atol=3e-2)  # bf16 inputs carry ~3 significant digits
+    out.backward()
+    assert logp16.grad.dtype == torch.bfloat16 and torch.isfinite(logp16.grad.float()).all()
+
+
+@st.composite
+def split_batches(draw):
+    groups = draw(st.integers(1, 3))
+    size = draw(st.integers(2, 3))
+    length = draw(st.integers(1, 5))
+    seed = draw(st.integers(0, 100_000))
+    gen = torch.Generator().manual_seed(seed)
+    batch = groups * size
+    mask = torch.rand(batch, length, generator=gen) < 0.8
+    old = -torch.rand(batch, length, generator=gen, dtype=torch.float64) * 2
+    logp = old + 0.3 * torch.randn(batch, length, generator=gen, dtype=torch.float64)
+    rollout = old + 0.3 * torch.randn(batch, length, generator=gen, dtype=torch.float64)
+    adv = torch.randn(batch, 1, generator=gen, dtype=torch.float64).expand(batch, length)
+    group_ids = torch.arange(groups).repeat_interleave(size)
+    cut_groups = sorted(draw(st.lists(st.integers(1, groups), max_size=2, unique=True)))
+    return mask, old, logp, rollout, adv, group_ids, [c * size for c in cut_groups]
+
+
+@settings(max_examples=30, deadline=None)
+@given(split_batches(), st.sampled_from(names.LOSSES), st.sampled_from(names.REDUCTIONS), st.sampled_from(names.CORRECTIONS))
+def test_micro_batched_policy_loss_equals_the_whole_batch(batch, loss, reduction, correction):
+    mask, old, logp, rollout, adv, group_ids, cuts = batch
+    recipe = resolve_recipe(None, advantage="grpo", loss=loss, reduction=reduction, correction=correction, l_max=5)
+    weights = compute_token_weights(recipe, mask, group_ids, old, rollout).double()
+
+    whole_logp = logp.clone().requires_grad_(True)
+    whole, _ = compute_policy_loss(recipe, whole_logp, old, rollout, adv, mask, weights, group_ids)
+    (g_whole,) = torch.autograd.grad(whole, whole_logp)
+
+    split_logp = logp.clone().requires_grad_(True)
+    bounds = [0, *cuts, mask.shape[0]]
+    total = 0.0
+    for lo, hi in zip(bounds[:-1], bounds[1:]):  # GVPO needs whole groups per micro-batch: cut at group edges
+        if hi > lo:
+            part, _ = compute_policy_loss(
+                recipe, split_logp[lo:hi], old[lo:hi], rollout[lo:hi], adv[lo:hi], mask[lo:hi], weights[lo:hi], group_ids[lo:hi]
+            )
+            total = total + part
+    (g_split,) = torch.autograd.grad(total, split_logp)
+    close(total, whole.item(), atol=1e-10)
+    close(g_split, g_whole, atol=1e-10)
+
+
+def test_tis_batch_normalisation_is_a_batch_constant_so_micro_batches_stay_exact(fpol):
+    recipe = resolve_recipe("grpo", correction="tis", tis_batch_normalize=True)
+    plain = resolve_recipe("grpo", correction="tis")
+    normalised, _ = run(recipe, fpol)
+    unnormalised, _ = run(plain, make_fpol())
+    mean_w = (1.051271 + 0.472367 + 1 + 2 + 1.349859 + 0.980199 + 2 + 0.904837 + 1.822119 + 1 + 0.506617) / 11
+    close(normalised, unnormalised.item() / mean_w, atol=1e-6)
+    weights = compute_token_weights(recipe, fpol.mask, None, fpol.old, fpol.rollout)
+    parts = [
+        compute_policy_loss(recipe, fpol.logp[s], fpol.old[s], fpol.rollout[s], fpol.adv[s], fpol.mask[s], weights[s])[0]
+        for s in (slice(0, 1), slice(1, 3))
+    ]
+    close(parts[0] + parts[1], normalised.item(), atol=1e-6)
+
+
+def test_value_loss_entry_point_reduces_with_token_weights():
+    values = torch.tensor([[1.0, 2.0, float("nan")]], requires_grad=True)
+    mask = torch.tensor([[True, True, False]])
+    loss, metrics = compute_value_loss(values, torch.tensor([[0.0, 2.5, 0.0]]), mask, reduction_weights("token_mean", mask))
+    close(loss, (0.5 + 0.125) / 2)
+    assert metrics["value_loss"] == pytest.approx(0.3125)
+    loss.backward()
+    close(values.grad, [[0.5, -0.25, 0.0]])
