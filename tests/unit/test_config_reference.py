@@ -1,0 +1,93 @@
+"""The generated configuration reference covers every leaf field of `asyncrl.config.Config`."""
+
+import json
+import subprocess
+import sys
+
+from pydantic import BaseModel
+
+from asyncrl.config import Config
+from asyncrl.telemetry import config_reference
+
+
+def _leaves(model=Config, prefix=""):
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield from _leaves(field.annotation, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", field
+
+
+def _split_row(line: str) -> list[str]:
+    """Cells of a markdown table row, honouring escaped pipes (`\\|`)."""
+    cells, cell, i = [], "", 0
+    body = line.strip()[1:-1]
+    while i < len(body):
+        if body[i] == "\\" and i + 1 < len(body) and body[i + 1] == "|":
+            cell += "|"
+            i += 2
+            continue
+        if body[i] == "|":
+            cells.append(cell.strip())
+            cell = ""
+        else:
+            cell += body[i]
+        i += 1
+    cells.append(cell.strip())
+    return cells
+
+
+def _table(md: str) -> dict[str, dict[str, str]]:
+    table = {}
+    for line in md.splitlines():
+        if not line.startswith("| `"):
+            continue
+        key, typ, default, constraints, description = _split_row(line)
+        table[key.strip("`")] = {"type": typ.strip("`"), "default": default.strip("`"), "constraints": constraints, "description": description}
+    return table
+
+
+def _expected_default(field):
+    value = field.default_factory() if field.default_factory is not None else field.default
+    return json.dumps(list(value) if isinstance(value, tuple) else value)
+
+
+def test_every_leaf_field_appears_with_its_default_and_description():
+    table = _table(config_reference.markdown())
+    leaves = dict(_leaves())
+    assert len(leaves) > 50
+    assert set(table) == set(leaves), set(table) ^ set(leaves)
+    for key, field in leaves.items():
+        row = table[key]
+        assert field.description, f"{key} has no docstring"
+        assert row["description"] == " ".join(field.description.split()), key
+        assert row["default"] == _expected_default(field), key
+
+
+def test_one_table_per_section():
+    md = config_reference.markdown()
+    for name, field in Config.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            assert f"## `{name}`" in md
+    assert md.count("| key | type | default | constraints | description |") == 1 + sum(
+        isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel) for f in Config.model_fields.values()
+    )
+
+
+def test_constraints_come_from_field_metadata():
+    table = _table(config_reference.markdown())
+    assert table["rollout.temperature"]["constraints"] == "> 0"
+    assert table["rollout.top_p"]["constraints"] == "> 0, <= 1"
+    assert table["buffer.max_staleness"]["constraints"] == ">= 0, <= 1024"
+    assert table["mode"]["constraints"] == ""
+    assert table["mode"]["type"] == '"sync" | "streaming" | "sao"'
+    assert table["model.path"]["type"] == "str | None"
+    assert table["model.path"]["default"] == "null"
+
+
+def test_runs_as_a_module():
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrl.telemetry.config_reference"], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert out.startswith("# asyncrl configuration reference")
+    assert "| `rollout.temperature` |" in out
