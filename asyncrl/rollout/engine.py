@@ -1,0 +1,287 @@
+"""`Engine`: one vLLM `AsyncLLM` behind the small async interface a rollout worker needs.
+
+Usable directly (tests, scripts under a `__main__` guard) or inside the `RolloutWorker` Ray actor. All
+vLLM-specific workarounds live in `vllm_compat`; this module only drives the public `AsyncLLM` API.
+
+Versions: the engine starts at `initial_version`. `update_weights(..., in_flight=True)` pauses the scheduler
+without dropping running requests, loads the buckets, relabels the engine's weight version and resumes;
+tokens a running request produces after the update carry the new version (vLLM reports per-token weight
+version spans), and their KV cache of earlier tokens is the one computed by the old weights (as in
+PipelineRL). `in_flight=False` lets running requests finish before loading (the on-policy variant).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from asyncrl.rollout import vllm_compat
+from asyncrl.types import Prompt, Request, Trajectory
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """How one request is sampled. `temperature`/`top_p`/`top_k` define the distribution the rollout
+    log-probs refer to (the learner must divide logits by the same `temperature`)."""
+
+    max_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 = no top-k."""
+    timeout_s: float | None = None
+    """Abort the request after this many seconds; its trajectory comes back `failure="timeout: ..."`."""
+    ignore_eos: bool = False
+    """Keep generating past end-of-sequence (benchmarks and tests that need long requests)."""
+    seed: int | None = None
+
+    @classmethod
+    def from_rollout_config(cls, rollout: Any) -> SamplingSpec:
+        return cls(
+            max_tokens=rollout.max_tokens,
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            timeout_s=rollout.request_timeout_s,
+        )
+
+
+class Engine:
+    """An in-process vLLM engine: generate trajectories, score sequences, load new weights."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        name: str = "engine",
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        kv_cache_gib: float = 1.0,
+        gpu_memory_utilization: float = 0.5,
+        seed: int = 0,
+        initial_version: int = 0,
+    ) -> None:
+        self.model_dir = str(model_dir)
+        self.name = name
+        self._engine_kwargs = dict(
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed,
+        )
+        self._kv_cache_gib = kv_cache_gib
+        self._version = initial_version
+        self._llm: Any = None
+        self._tokenizer: Any = None
+        self._update_lock = asyncio.Lock()
+        self._ids = itertools.count()
+        self._progress: dict[str, int] = {}
+        self.num_tokens_generated = 0
+        self.num_requests_done = 0
+
+    # ---------------------------------------------------------------------------------------------
+    # Lifecycle
+
+    async def start(self) -> None:
+        vllm_compat.configure_process_env(self._kv_cache_gib)
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = vllm_compat.engine_args(self.model_dir, **self._engine_kwargs)
+        self._llm = AsyncLLM.from_engine_args(args)
+        self._tokenizer = self._llm.tokenizer
+        await vllm_compat.set_weight_version(self._llm, self._version)
+        # The first request pays a one-off warm-up (~7 s on a 2-core CPU); pay it here, before serving,
+        # so that request timeouts and the pool's readiness mean what they say.
+        await self.evaluate([[self._tokenizer.bos_token_id or 0]], max_tokens=2)
+
+    async def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def started(self) -> bool:
+        return self._llm is not None
+
+    def progress(self, request_id: str) -> int:
+        """Tokens received so far for a running request, by `Request.request_id` (0 once finished or unknown)."""
+        return self._progress.get(request_id, 0)
+
+    # ---------------------------------------------------------------------------------------------
+    # Generation
+
+    def _sampling_params(self, spec: SamplingSpec, *, logprobs: int | None = 0, prompt_logprobs: int | None = None) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=1,
+            max_tokens=spec.max_tokens,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            top_k=spec.top_k,
+            ignore_eos=spec.ignore_eos,
+            seed=spec.seed,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            detokenize=False,
+            skip_special_tokens=True,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def generate(self, request: Request, sampling: SamplingSpec) -> Trajectory:
+        """Run one request to completion (or to its timeout) and return its trajectory."""
+        self._require_started()
+        prompt: Prompt = request.prompt
+        request_id = f"{request.request_id}#{next(self._ids)}"  # unique inside vLLM even if re-dispatched here
+        dispatch_version = self._version
+        submitted_at = time.time()
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        spans: Any = None
+        finish_reason = "abort"
+        failure: str | None = None
+        self._progress[request.request_id] = 0
+
+        async def consume() -> None:
+            nonlocal spans, finish_reason
+            stream = self._llm.generate(
+                {"prompt_token_ids": list(prompt.prompt_ids)}, self._sampling_params(sampling), request_id
+            )
+            async for out in stream:
+                completion = out.outputs[0]
+                new = list(completion.token_ids)
+                token_ids.extend(new)
+                if new:
+                    logprobs.extend(vllm_compat.sampled_logprobs(completion.logprobs, new))
+                self._progress[request.request_id] = len(token_ids)
+                if out.finished:
+                    spans = completion.weight_versions
+                    finish_reason = _finish_reason(completion.finish_reason)
+
+        task = asyncio.ensure_future(consume())
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout=sampling.timeout_s)
+        except asyncio.TimeoutError:
+            failure = f"timeout: request {request.request_id} ran longer than {sampling.timeout_s}s"
+            # An external abort makes vLLM emit a final "abort" output, so `consume` ends with the partial response.
+            await self._llm.abort(request_id)
+            try:
+                await asyncio.wait_for(task, timeout=5.0)
+            except (asyncio.TimeoutError, Exception):
+                task.cancel()
+            finish_reason = "abort"
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        except Exception as e:  # the engine died or rejected the request
+            failure = f"engine_error: {type(e).__name__}: {e}"
+            finish_reason = "error"
+        finally:
+            self._progress.pop(request.request_id, None)
+
+        n = len(token_ids)
+        logprobs = logprobs[:n]
+        self.num_tokens_generated += n
+        self.num_requests_done += 1
+        return Trajectory(
+            prompt_id=prompt.prompt_id,
+            group_id=request.group_id,
+            sample_index=request.sample_index,
+            prompt_ids=np.asarray(prompt.prompt_ids, dtype=np.int32),
+            response_ids=np.asarray(token_ids, dtype=np.int32),
+            rollout_logprobs=np.asarray(logprobs, dtype=np.float32),
+            loss_mask=np.ones(n, dtype=np.int8),
+            versions=vllm_compat.version_per_token(spans, n, dispatch_version),
+            finish_reason=finish_reason,
+            ground_truth=prompt.ground_truth,
+            failure=failure,
+            worker=self.name,
+            dispatch_version=dispatch_version,
+            submitted_at=submitted_at,
+            finished_at=time.time(),
+            response_text=self.decode(token_ids),
+        )
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        if not token_ids:
+            return ""
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    async def score(self, token_ids: Sequence[int], prompt_len: int) -> np.ndarray:
+        """log p(token_ids[t] | token_ids[:t]) for t >= prompt_len under the engine's current weights
+        (temperature 1: vLLM computes prompt log-probs from the raw logits). float32 [len - prompt_len]."""
+        self._require_started()
+        if not 1 <= prompt_len < len(token_ids):
+            raise ValueError(f"prompt_len must be in [1, {len(token_ids)}) (got {prompt_len})")
+        params = self._sampling_params(SamplingSpec(max_tokens=1, temperature=1.0), logprobs=None, prompt_logprobs=0)
+        request_id = f"score#{next(self._ids)}"
+        prompt_logprobs = None
+        async for out in self._llm.generate({"prompt_token_ids": list(token_ids)}, params, request_id):
+            if out.prompt_logprobs is not None:
+                prompt_logprobs = out.prompt_logprobs  # position 0 is None: nothing predicts the first token
+        return np.asarray(
+            [float(prompt_logprobs[t][token_ids[t]].logprob) for t in range(prompt_len, len(token_ids))],
+            dtype=np.float32,
+        )
+
+    async def evaluate(self, prompts: Sequence[Prompt | Sequence[int]], max_tokens: int) -> list[tuple[str, str]]:
+        """Greedy (temperature 0) completions: (response text, finish_reason) per prompt, in order."""
+        self._require_started()
+        spec = SamplingSpec(max_tokens=max_tokens, temperature=0.0)
+
+        async def one(p: Prompt | Sequence[int]) -> tuple[str, str]:
+            ids = p.prompt_ids if isinstance(p, Prompt) else p
+            params = self._sampling_params(spec, logprobs=None)
+            tokens: list[int] = []
+            reason = "abort"
+            async for out in self._llm.generate({"prompt_token_ids": list(ids)}, params, f"eval#{next(self._ids)}"):
+                tokens.extend(out.outputs[0].token_ids)
+                if out.finished:
+                    reason = _finish_reason(out.outputs[0].finish_reason)
+            return self.decode(tokens), reason
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    # ---------------------------------------------------------------------------------------------
+    # Weights
+
+    async def update_weights(self, buckets: Sequence[bytes], version: int, in_flight: bool = True) -> int:
+        """Load weight buckets and set the policy version; returns the number of tensors loaded.
+
+        in_flight: running requests are frozen (not dropped) during the load and continue afterwards;
+        their later tokens carry `version`. Otherwise running requests finish first. Either way no token
+        is produced while weights are half loaded.
+        """
+        self._require_started()
+        async with self._update_lock:
+            await vllm_compat.pause_for_update(self._llm, in_flight)
+            try:
+                num_tensors = await vllm_compat.load_weight_buckets(self._llm, list(buckets))
+                await vllm_compat.set_weight_version(self._llm, version)
+                self._version = version
+            finally:
+                await vllm_compat.resume_after_update(self._llm)
+        return num_tensors
+
+    def _require_started(self) -> None:
+        if self._llm is None:
+            raise RuntimeError(f"engine {self.name} is not started (call `await engine.start()`)")
+
+
+def _finish_reason(reason: str | None) -> str:
+    """vLLM reports stop (EOS or stop string), length or abort; anything else is an error."""
+    if reason in ("stop", "length", "abort"):
+        return reason
+    return "error"

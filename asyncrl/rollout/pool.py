@@ -1,0 +1,286 @@
+"""`RolloutPool`: the driver-side handle of N `RolloutWorker` actors (`rollout-0`, `rollout-1`, ...).
+
+It starts workers and waits for their engines, broadcasts weights (put into the object store once),
+scales the pool at runtime, and replaces dead workers. Invariant 7: a weight sync either completes on every
+engine — each confirms the new version — or raises within its timeout naming the engines that did not.
+Invariant 3: requests of a removed or dead worker are handed back to the queue (`requeue_worker`), so none
+is lost; a late answer of the old attempt is recognisable by its request id.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from asyncrl.config import EnvConfig, RolloutConfig
+from asyncrl.rollout.engine import SamplingSpec
+from asyncrl.rollout.worker import RolloutWorker
+from asyncrl.types import Prompt
+
+
+class WorkerStartError(RuntimeError):
+    """A rollout worker's engine did not come up within `engine_start_timeout_s` (the message names it)."""
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync did not complete on every engine (the message names each failed engine)."""
+
+
+class WeightSyncTimeout(WeightSyncError):
+    """Some engine did not confirm the new version within the sync timeout."""
+
+
+_CONTROL_TIMEOUT_S = 30.0  # stop / stats / health calls
+
+
+class RolloutPool:
+    """Driver-side owner of the rollout workers. Not thread-safe; call from one controller thread."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        rollout: RolloutConfig,
+        env: EnvConfig | None = None,
+        queue: Any = None,
+        *,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        sampling: SamplingSpec | None = None,
+    ) -> None:
+        self.model_dir = str(model_dir)
+        self.rollout = rollout
+        self.env = env or EnvConfig()
+        self.queue = queue
+        self._dtype = dtype
+        self._max_model_len = max_model_len
+        self._seed = seed
+        self._sampling = sampling
+        self._index = itertools.count()
+        self._workers: dict[str, Any] = {}
+        self._run_refs: dict[str, Any] = {}
+        self._generating = False
+        self._latest: tuple[list[Any], int] | None = None  # (bucket refs, version) last published
+        self._actor_cls = ray.remote(RolloutWorker)
+
+    # ---------------------------------------------------------------------------------------------
+    # Lifecycle
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._workers)
+
+    @property
+    def version(self) -> int:
+        return self._latest[1] if self._latest else 0
+
+    def handle(self, name: str) -> Any:
+        return self._workers[name]
+
+    def start(self) -> None:
+        """Start `rollout.num_workers` workers and wait until every engine serves."""
+        self._spawn([self._new_name() for _ in range(self.rollout.num_workers)])
+
+    def start_generation(self) -> None:
+        """Every worker starts serving the queue (idempotent)."""
+        if self.queue is None:
+            raise RuntimeError("the rollout pool has no queue to serve")
+        self._generating = True
+        for name, handle in self._workers.items():
+            if name not in self._run_refs:
+                self._run_refs[name] = handle.run.remote()
+
+    def stop_generation(self, drain: bool = True) -> None:
+        """Every worker stops taking requests; `drain` lets running ones finish and be handed in, otherwise
+        they are aborted and re-queued."""
+        self._generating = False
+        handles = dict(self._workers)
+        refs = {h.stop.remote(drain=drain): name for name, h in handles.items()}
+        ray.wait(list(refs), num_returns=len(refs), timeout=_CONTROL_TIMEOUT_S + self.rollout.request_timeout_s)
+        self._run_refs.clear()
+        if not drain:
+            for name in handles:
+                self._requeue(name)
+
+    def shutdown(self) -> None:
+        handles = list(self._workers.items())
+        refs = [h.shutdown.remote() for _, h in handles]
+        ray.wait(refs, num_returns=len(refs), timeout=_CONTROL_TIMEOUT_S)
+        for _, h in handles:
+            ray.kill(h)
+        self._workers.clear()
+        self._run_refs.clear()
+        self._generating = False
+
+    # ---------------------------------------------------------------------------------------------
+    # Weights
+
+    def update_weights(self, buckets: Sequence[bytes], version: int, in_flight: bool = True, timeout_s: float = 120.0) -> None:
+        """Send the buckets to every engine and wait until each reports `version`.
+
+        Raises WeightSyncTimeout / WeightSyncError naming every engine that did not confirm in `timeout_s`.
+        The buckets stay referenced until the next sync so that workers added later get them.
+        """
+        refs = [ray.put(bytes(b)) for b in buckets]
+        self._latest = (refs, version)
+        self._sync(dict(self._workers), refs, version, in_flight, timeout_s)
+
+    def _sync(self, workers: dict[str, Any], refs: list[Any], version: int, in_flight: bool, timeout_s: float) -> None:
+        calls = {handle.update_weights.remote(refs, version, in_flight): name for name, handle in workers.items()}
+        done, pending = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
+        problems: list[str] = []
+        for ref in done:
+            name = calls[ref]
+            try:
+                reported = ray.get(ref)
+            except RayActorError as e:
+                problems.append(f"{name} died before confirming version {version} ({type(e).__name__})")
+                continue
+            except Exception as e:
+                problems.append(f"{name} failed to load version {version}: {type(e).__name__}: {e}")
+                continue
+            if reported != version:
+                problems.append(f"{name} reports version {reported} instead of {version}")
+        timed_out = [calls[ref] for ref in pending]
+        problems += [f"{name} did not confirm version {version} within {timeout_s}s" for name in timed_out]
+        if problems:
+            error = WeightSyncTimeout if timed_out else WeightSyncError
+            raise error("weight sync failed: " + "; ".join(problems))
+
+    # ---------------------------------------------------------------------------------------------
+    # Scaling and health
+
+    def add_worker(self) -> str:
+        """Start one more worker; it loads the latest published weights before it serves."""
+        name = self._new_name()
+        self._spawn([name])
+        return name
+
+    def remove_worker(self, name: str, drain: bool = False) -> int:
+        """Stop a worker and hand its unfinished requests back to the queue; returns how many were re-queued."""
+        handle = self._workers.pop(name)
+        self._run_refs.pop(name, None)
+        try:
+            ray.get(handle.stop.remote(drain=drain), timeout=_CONTROL_TIMEOUT_S)
+            ray.get(handle.shutdown.remote(), timeout=_CONTROL_TIMEOUT_S)
+        except (RayActorError, GetTimeoutError):
+            pass  # dead or stuck: killed below, its requests re-queued all the same
+        ray.kill(handle)
+        return self._requeue(name)
+
+    def check_health(self, timeout_s: float = 10.0) -> list[str]:
+        """Find dead workers, re-queue their requests and replace them. Returns the dead workers' names.
+
+        A worker that is alive but does not answer within `timeout_s` (busy loading weights, say) is left alone.
+        """
+        calls = {handle.ready.remote(): name for name, handle in self._workers.items()}
+        done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
+        dead = []
+        for ref in done:
+            try:
+                ray.get(ref)
+            except RayActorError:
+                dead.append(calls[ref])
+        for name in dead:
+            self._workers.pop(name, None)
+            self._run_refs.pop(name, None)
+            self._requeue(name)
+        for _ in dead:
+            self.add_worker()
+        return dead
+
+    def _requeue(self, name: str) -> int:
+        if self.queue is None:
+            return 0
+        return int(ray.get(self.queue.requeue_worker.remote(name), timeout=_CONTROL_TIMEOUT_S))
+
+    def _new_name(self) -> str:
+        return f"rollout-{next(self._index)}"
+
+    def _spawn(self, names: list[str]) -> None:
+        """Create workers, wait for their engines, give them the latest weights, start serving if the pool is."""
+        handles = {
+            name: self._actor_cls.options(
+                num_cpus=self.rollout.num_cpus_per_worker,
+                num_gpus=self.rollout.num_gpus_per_worker,
+                max_concurrency=1000,
+            ).remote(
+                name,
+                self.model_dir,
+                self.rollout.model_dump(),
+                self.env.reward,
+                self.queue,
+                reward_timeout_s=self.env.reward_timeout_s,
+                dtype=self._dtype,
+                max_model_len=self._max_model_len,
+                seed=self._seed + int(name.rsplit("-", 1)[1]),  # distinct sampling streams per engine
+                sampling=self._sampling,
+            )
+            for name in names
+        }
+        timeout_s = self.rollout.engine_start_timeout_s
+        calls = {h.ready.remote(): name for name, h in handles.items()}
+        started = time.monotonic()
+        done, pending = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
+        problems = [f"{calls[r]} did not start its engine within {timeout_s}s" for r in pending]
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as e:
+                problems.append(f"{calls[ref]} failed to start: {type(e).__name__}: {e}")
+        if problems:
+            for h in handles.values():
+                ray.kill(h)
+            raise WorkerStartError("; ".join(problems))
+        if self._latest is not None:
+            refs, version = self._latest
+            remaining = max(1.0, timeout_s - (time.monotonic() - started))
+            try:
+                self._sync(handles, refs, version, in_flight=False, timeout_s=remaining)
+            except WeightSyncError:
+                for h in handles.values():
+                    ray.kill(h)
+                raise
+        self._workers.update(handles)
+        if self._generating:
+            self.start_generation()
+
+    # ---------------------------------------------------------------------------------------------
+    # Probes, evaluation, stats
+
+    def versions(self, timeout_s: float = _CONTROL_TIMEOUT_S) -> dict[str, int]:
+        names = list(self._workers)
+        return dict(zip(names, ray.get([self._workers[n].version.remote() for n in names], timeout=timeout_s)))
+
+    def score(self, token_ids: Sequence[int], prompt_len: int, name: str | None = None) -> np.ndarray:
+        """Engine log-probs of token_ids[prompt_len:] (the parity probe), on `name` or the first worker."""
+        handle = self._workers[name or next(iter(self._workers))]
+        return ray.get(handle.score.remote(list(token_ids), prompt_len), timeout=_CONTROL_TIMEOUT_S)
+
+    def evaluate(self, prompts: Sequence[Prompt | Sequence[int]], max_tokens: int | None = None) -> list[tuple[str, str]]:
+        """Greedy completions (text, finish_reason) in prompt order, spread over the workers."""
+        handles = list(self._workers.values())
+        if not handles:
+            raise RuntimeError("the rollout pool has no workers")
+        per_worker = -(-len(prompts) // len(handles))
+        chunks = [list(prompts[i : i + per_worker]) for i in range(0, len(prompts), per_worker)]
+        refs = [h.evaluate.remote(chunk, max_tokens) for h, chunk in zip(handles, chunks)]
+        return [item for part in ray.get(refs) for item in part]
+
+    def stats(self, timeout_s: float = _CONTROL_TIMEOUT_S) -> dict[str, dict[str, Any]]:
+        """Per-worker counters (tokens generated, requests done, busy/idle seconds); dead workers are absent."""
+        calls = {h.stats.remote(): name for name, h in self._workers.items()}
+        done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
+        out: dict[str, dict[str, Any]] = {}
+        for ref in done:
+            try:
+                out[calls[ref]] = ray.get(ref)
+            except RayActorError:
+                continue
+        return out

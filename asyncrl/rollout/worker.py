@@ -1,0 +1,289 @@
+"""`RolloutWorker`: one vLLM engine serving requests from the replay queue (an async Ray actor).
+
+The loop pulls requests with `queue.acquire(name, free_slots)` (an empty answer is back-pressure), keeps up
+to `max_requests_in_flight` generations running at once (vLLM batches them continuously), scores each
+finished trajectory with the reward function, and hands finished trajectories back with `queue.put` in
+small batches. A reward that raises or runs past `reward_timeout_s` marks its trajectory
+`failure="reward_error: ..."`; the worker keeps serving.
+
+The class is plain Python so a test can drive it in-process; the pool runs it as `ray.remote(RolloutWorker)`.
+Queue API used (the replay queue actor): `acquire(worker, max_requests) -> list[Request]`,
+`put(trajectories) -> None`, `requeue_worker(worker) -> int` (called by the pool, not here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from asyncrl.config import RolloutConfig
+from asyncrl.envs.rewards import resolve_reward
+from asyncrl.rollout.engine import Engine, SamplingSpec
+from asyncrl.types import Prompt, Request, Trajectory
+
+PUT_BATCH_WINDOW_S = 0.005
+"""Trajectories finishing within this window of each other travel to the queue in one `put`."""
+IDLE_POLL_S = (0.01, 0.2)
+"""Back-off range when the queue has nothing to hand out (back-pressure or empty)."""
+
+
+class RolloutWorker:
+    """Hosts one `Engine`; `run()` serves the queue until `stop()`.
+
+    Args:
+        name: the worker's name (`rollout-0`, ...); the queue tracks in-flight requests under it.
+        model_dir: Hugging Face model folder the engine loads.
+        rollout: `RolloutConfig` (or its dict) — sampling, concurrency, timeouts, KV cache.
+        reward: reward function name (`exact_match` or `module:function`).
+        queue: the replay queue actor handle (None: only score/evaluate/update_weights are used).
+        reward_timeout_s: a reward call running longer fails its trajectory.
+        dtype, max_model_len, seed, initial_version: engine settings.
+        sampling: overrides the sampling derived from `rollout` (e.g. `ignore_eos` for benchmarks).
+        engine: an already built engine (tests); by default one is built from the arguments above.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        model_dir: str,
+        rollout: RolloutConfig | dict[str, Any] | None = None,
+        reward: str = "exact_match",
+        queue: Any = None,
+        *,
+        reward_timeout_s: float = 10.0,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        initial_version: int = 0,
+        sampling: SamplingSpec | None = None,
+        engine: Engine | None = None,
+    ) -> None:
+        self.name = name
+        self.config = rollout if isinstance(rollout, RolloutConfig) else RolloutConfig(**(rollout or {}))
+        self.reward_fn = resolve_reward(reward)
+        self.reward_timeout_s = reward_timeout_s
+        self.queue = queue
+        self.sampling = sampling or SamplingSpec.from_rollout_config(self.config)
+        self.engine = engine or Engine(
+            model_dir,
+            name=name,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=self.config.max_requests_in_flight,
+            kv_cache_gib=self.config.kv_cache_gib,
+            gpu_memory_utilization=self.config.gpu_memory_utilization,
+            seed=seed,
+            initial_version=initial_version,
+        )
+        self._start_lock = asyncio.Lock()
+        self._running = False
+        self._stopping = False
+        self._run_exited = asyncio.Event()
+        self._run_exited.set()
+        self._in_flight: dict[str, asyncio.Task] = {}
+        self._outbox: list[Trajectory] = []
+        self._outbox_event = asyncio.Event()
+        self._slot_freed = asyncio.Event()
+        self._flusher: asyncio.Task | None = None
+        # Accounting for stats(): busy = at least one generation running.
+        self._run_started_at: float | None = None
+        self._busy_since: float | None = None
+        self._busy_s = 0.0
+        self._reward_failures = 0
+        self._trajectories_put = 0
+
+    # ---------------------------------------------------------------------------------------------
+    # Lifecycle
+
+    async def ready(self) -> dict[str, Any]:
+        """Start the engine on first call; returns once it serves (the pool's health check)."""
+        async with self._start_lock:
+            if not self.engine.started:
+                await self.engine.start()
+        return {"name": self.name, "version": self.engine.version}
+
+    async def run(self) -> dict[str, Any]:
+        """Serve the queue until `stop()`; returns `stats()` at the end."""
+        if self.queue is None:
+            raise RuntimeError(f"{self.name}: run() needs a queue")
+        if self._running:
+            raise RuntimeError(f"{self.name}: run() is already running")
+        await self.ready()
+        self._running, self._stopping = True, False
+        self._run_exited.clear()
+        self._run_started_at = time.monotonic()
+        self._flusher = asyncio.ensure_future(self._flush_loop())
+        poll_s = IDLE_POLL_S[0]
+        try:
+            while not self._stopping:
+                free_slots = self.config.max_requests_in_flight - len(self._in_flight)
+                if free_slots <= 0:
+                    self._slot_freed.clear()
+                    await self._slot_freed.wait()
+                    continue
+                requests: list[Request] = await self.queue.acquire.remote(self.name, free_slots)
+                if self._stopping:
+                    break  # still charged to this worker by the queue: `requeue_worker` re-dispatches them
+                if not requests:
+                    await asyncio.sleep(poll_s)
+                    poll_s = min(poll_s * 2, IDLE_POLL_S[1])
+                    continue
+                poll_s = IDLE_POLL_S[0]
+                for request in requests:
+                    self._start_generation(request)
+        finally:
+            self._running = False
+            self._run_exited.set()
+        return self._stats()
+
+    async def stop(self, drain: bool = False) -> int:
+        """Stop taking requests. `drain`: let running generations finish and hand them in; otherwise abort
+        them without handing them in (the pool re-dispatches them with `queue.requeue_worker`).
+        Returns the number of requests dropped."""
+        self._stopping = True
+        self._slot_freed.set()
+        # An `acquire` already in flight must come back before the pool re-queues this worker's requests.
+        await self._run_exited.wait()
+        tasks = list(self._in_flight.values())
+        dropped = 0
+        if drain:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        else:
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
+                    dropped += 1
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self._in_flight.clear()
+        if self._flusher is not None:
+            self._flusher.cancel()
+            await asyncio.gather(self._flusher, return_exceptions=True)
+            self._flusher = None
+        if self.queue is not None:
+            await self._flush()
+        self._mark_idle_if_empty()
+        return dropped
+
+    async def shutdown(self) -> None:
+        await self.stop()
+        await self.engine.shutdown()
+
+    # ---------------------------------------------------------------------------------------------
+    # Serving
+
+    def _start_generation(self, request: Request) -> None:
+        if not self._in_flight and self._busy_since is None:
+            self._busy_since = time.monotonic()
+        task = asyncio.ensure_future(self._rollout(request))
+        self._in_flight[request.request_id] = task
+        task.add_done_callback(lambda _t, rid=request.request_id: self._on_done(rid))
+
+    def _on_done(self, request_id: str) -> None:
+        self._in_flight.pop(request_id, None)
+        self._mark_idle_if_empty()
+        self._slot_freed.set()
+
+    def _mark_idle_if_empty(self) -> None:
+        if not self._in_flight and self._busy_since is not None:
+            self._busy_s += time.monotonic() - self._busy_since
+            self._busy_since = None
+
+    async def _rollout(self, request: Request) -> None:
+        trajectory = await self.engine.generate(request, self.sampling)
+        trajectory = await self._score(trajectory, request.prompt)
+        self._outbox.append(trajectory)
+        self._outbox_event.set()
+
+    async def _score(self, trajectory: Trajectory, prompt: Prompt) -> Trajectory:
+        if trajectory.failed:
+            return trajectory
+        call = asyncio.to_thread(
+            self.reward_fn,
+            trajectory.response_text,
+            trajectory.ground_truth,
+            finish_reason=trajectory.finish_reason,
+            extra_info=dict(prompt.extra_info),
+        )
+        try:
+            reward = float(await asyncio.wait_for(call, timeout=self.reward_timeout_s))
+        except asyncio.TimeoutError:
+            # The thread cannot be interrupted; it is abandoned and finishes on its own.
+            self._reward_failures += 1
+            return trajectory.replace(failure=f"reward_error: timed out after {self.reward_timeout_s}s")
+        except Exception as e:
+            self._reward_failures += 1
+            return trajectory.replace(failure=f"reward_error: {type(e).__name__}: {e}")
+        if not np.isfinite(reward):
+            self._reward_failures += 1
+            return trajectory.replace(failure=f"reward_error: non-finite reward {reward}")
+        return trajectory.replace(reward=reward)
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await self._outbox_event.wait()
+            await asyncio.sleep(PUT_BATCH_WINDOW_S)
+            try:
+                await self._flush()
+            except Exception as e:
+                print(f"[{self.name}] queue.put failed, will retry: {type(e).__name__}: {e}", flush=True)
+
+    async def _flush(self) -> None:
+        self._outbox_event.clear()
+        if not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
+        try:
+            await self.queue.put.remote(batch)
+        except Exception:
+            # Keep them for the next flush rather than lose them; the queue may be restarting.
+            self._outbox = batch + self._outbox
+            self._outbox_event.set()
+            await asyncio.sleep(IDLE_POLL_S[1])
+            raise
+        self._trajectories_put += len(batch)
+
+    # ---------------------------------------------------------------------------------------------
+    # Weights, probes, evaluation
+
+    async def update_weights(self, bucket_refs: Sequence[Any], version: int, in_flight: bool = True) -> int:
+        """Load weights (object refs of safetensors bucket bytes, or the bytes) and report the new version."""
+        await self.ready()
+        buckets = [await ref if not isinstance(ref, (bytes, bytearray, memoryview)) else ref for ref in bucket_refs]
+        await self.engine.update_weights(buckets, version, in_flight=in_flight)
+        return self.engine.version
+
+    async def score(self, token_ids: Sequence[int], prompt_len: int) -> np.ndarray:
+        await self.ready()
+        return await self.engine.score(token_ids, prompt_len)
+
+    async def evaluate(self, prompts: Sequence[Prompt | Sequence[int]], max_tokens: int | None = None) -> list[tuple[str, str]]:
+        await self.ready()
+        return await self.engine.evaluate(prompts, max_tokens or self.config.max_tokens)
+
+    async def version(self) -> int:
+        return self.engine.version
+
+    async def stats(self) -> dict[str, Any]:
+        """Counters for metrics: tokens generated, requests done, busy/idle seconds since `run()` began."""
+        return self._stats()
+
+    def _stats(self) -> dict[str, Any]:
+        now = time.monotonic()
+        busy_s = self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
+        elapsed_s = now - self._run_started_at if self._run_started_at is not None else 0.0
+        return {
+            "name": self.name,
+            "version": self.engine.version,
+            "running": self._running,
+            "requests_in_flight": len(self._in_flight),
+            "requests_done": self.engine.num_requests_done,
+            "tokens_generated": self.engine.num_tokens_generated,
+            "trajectories_put": self._trajectories_put,
+            "reward_failures": self._reward_failures,
+            "busy_s": busy_s,
+            "idle_s": max(0.0, elapsed_s - busy_s),
+        }

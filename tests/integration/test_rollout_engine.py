@@ -1,0 +1,226 @@
+"""The vLLM engine wrapper against a transformers fp32 forward pass of the same weights (invariants 1, 4).
+
+One real vLLM CPU engine (tiny 0.3M model, tied embeddings) for the whole module, driven in-process on one
+event loop. The reference log-probs divide the logits by the sampling temperature and apply top-p exactly as
+the engine's sampler does, so agreement to 1e-5 proves the engine reports processed log-probs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+
+PARITY_ATOL = 1e-5
+PROMPTS = [[1, 4 + i % 10, 4 + (3 * i) % 10, 14, 4 + (7 * i) % 10, 15] for i in range(8)]  # "a b + c ="-like
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def engine(loop, tiny_model_dir):
+    from asyncrl.rollout.engine import Engine
+
+    engine = Engine(str(tiny_model_dir), name="engine-0", max_model_len=512, max_num_seqs=64, kv_cache_gib=1)
+    loop.run_until_complete(engine.start())
+    yield engine
+    loop.run_until_complete(engine.shutdown())
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    """The learner's view: the same checkpoint in transformers, fp32. Tests that perturb it update the engine too."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    assert model.config.tie_word_embeddings
+    return model
+
+
+def reference_logprobs(model, prompt_ids, response_ids, temperature=1.0, top_p=1.0) -> np.ndarray:
+    """log mu(response token t) with mu = top-p(softmax(logits / temperature)), as vLLM's sampler builds it."""
+    ids = torch.tensor([list(prompt_ids) + list(response_ids)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float() / temperature  # [T, V]
+    if top_p < 1.0:
+        # vLLM: sort ascending, drop the tokens whose cumulative probability stays within 1 - top_p,
+        # always keep the most likely one.
+        sorted_logits, order = logits.sort(dim=-1)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= 1 - top_p
+        drop[:, -1] = False
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return logprobs.gather(-1, torch.tensor(response_ids).long()[:, None])[:, 0].numpy()
+
+
+def _request(i: int, prompt_ids, tag: str):
+    from asyncrl.types import Prompt, Request
+
+    return Request(f"{tag}{i}/0/0", f"{tag}{i}", 0, 1, Prompt(f"{tag}{i}", list(prompt_ids), "12"))
+
+
+def _generate_all(loop, engine, spec, tag):
+    async def all_prompts():
+        return await asyncio.gather(*(engine.generate(_request(i, p, tag), spec) for i, p in enumerate(PROMPTS)))
+
+    return loop.run_until_complete(all_prompts())
+
+
+def _max_parity_error(model, trajectories, temperature, top_p=1.0) -> float:
+    worst = 0.0
+    for t in trajectories:
+        assert len(t.response_ids) > 0
+        ref = reference_logprobs(model, t.prompt_ids, t.response_ids, temperature, top_p)
+        worst = max(worst, float(np.abs(ref - t.rollout_logprobs).max()))
+    return worst
+
+
+def _perturb(model, scale: float, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():  # tied: embed_tokens and lm_head are one parameter here
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def test_rollout_logprobs_are_the_processed_distribution_at_temperature_0_7(loop, engine, hf_model):
+    from asyncrl.rollout.engine import SamplingSpec
+
+    trajectories = _generate_all(loop, engine, SamplingSpec(max_tokens=24, temperature=0.7, ignore_eos=True), "t")
+    worst = _max_parity_error(hf_model, trajectories, temperature=0.7)
+    print(f"parity T=0.7 before update: max |diff| = {worst:.2e}")
+    assert worst < PARITY_ATOL
+    # The same tokens under temperature 1 differ by far more than the tolerance: the test can fail.
+    t = trajectories[0]
+    assert np.abs(reference_logprobs(hf_model, t.prompt_ids, t.response_ids, 1.0) - t.rollout_logprobs).max() > 1e-2
+    for t in trajectories:
+        assert t.finish_reason == "length" and t.failure is None
+        assert len(t.rollout_logprobs) == len(t.loss_mask) == len(t.versions) == 24
+        assert t.loss_mask.tolist() == [1] * 24 and t.versions.tolist() == [0] * 24
+        assert t.worker == "engine-0" and t.group_id.startswith("t") and t.finished_at >= t.submitted_at
+
+
+def test_rollout_logprobs_apply_top_p(loop, engine, hf_model):
+    from asyncrl.rollout.engine import SamplingSpec
+
+    trajectories = _generate_all(loop, engine, SamplingSpec(max_tokens=24, temperature=0.8, top_p=0.7, ignore_eos=True), "p")
+    worst = _max_parity_error(hf_model, trajectories, temperature=0.8, top_p=0.7)
+    print(f"parity T=0.8 top_p=0.7: max |diff| = {worst:.2e}")
+    assert worst < PARITY_ATOL
+
+
+def test_score_matches_transformers(loop, engine, hf_model):
+    token_ids = [1, 5, 6, 14, 7, 8, 15, 9, 4, 2, 5, 5, 13]
+    scored = loop.run_until_complete(engine.score(token_ids, prompt_len=4))
+    ref = reference_logprobs(hf_model, token_ids[:4], token_ids[4:])
+    print(f"score parity: max |diff| = {np.abs(ref - scored).max():.2e}")
+    assert scored.shape == (len(token_ids) - 4,)
+    np.testing.assert_allclose(scored, ref, atol=PARITY_ATOL, rtol=0)
+
+
+def test_in_flight_update_keeps_running_requests_and_labels_later_tokens_with_the_new_version(loop, engine, hf_model):
+    from asyncrl.rollout.engine import SamplingSpec
+    from asyncrl.rollout.weights import hf_named_tensors, pack_buckets
+
+    _perturb(hf_model, scale=0.05, seed=1)
+    buckets = pack_buckets(hf_named_tensors(hf_model), bucket_bytes=1 << 16)  # several buckets
+    assert len(buckets) > 1
+
+    async def scenario():
+        long_request = _request(0, PROMPTS[0], "long")
+        task = asyncio.ensure_future(engine.generate(long_request, SamplingSpec(max_tokens=400, ignore_eos=True)))
+        while engine.progress("long0/0/0") < 20:
+            await asyncio.sleep(0.005)
+        tokens_before = engine.progress("long0/0/0")
+        num_tensors = await engine.update_weights(buckets, version=1, in_flight=True)
+        tokens_after = engine.progress("long0/0/0")
+        return await task, tokens_before, tokens_after, num_tensors
+
+    long, before, after, num_tensors = loop.run_until_complete(scenario())
+    assert num_tensors == len(list(hf_named_tensors(hf_model)))  # lm_head.weight travelled explicitly
+    assert engine.version == 1
+    assert long.finish_reason == "length" and len(long.versions) == 400 and long.failure is None
+    boundary = int(np.argmax(long.versions == 1))
+    print(f"long request: {boundary} tokens at version 0, {400 - boundary} at version 1 (update between {before} and {after})")
+    assert 0 < boundary < 400
+    assert long.versions[:boundary].tolist() == [0] * boundary
+    assert long.versions[boundary:].tolist() == [1] * (400 - boundary)
+    assert before <= boundary <= after  # the switch happened while update_weights ran
+    assert long.dispatch_version == 0 and long.min_version == 0 and long.max_version == 1
+
+    # Parity holds again after the sync (fresh requests, new weights, tied head included).
+    trajectories = _generate_all(loop, engine, SamplingSpec(max_tokens=24, temperature=0.7, ignore_eos=True), "u")
+    worst = _max_parity_error(hf_model, trajectories, temperature=0.7)
+    print(f"parity T=0.7 after in-flight update: max |diff| = {worst:.2e}")
+    assert worst < PARITY_ATOL
+    assert all(t.versions.tolist() == [1] * 24 for t in trajectories)
+    token_ids = [1, 5, 6, 14, 7, 8, 15, 9, 4, 2]
+    np.testing.assert_allclose(
+        loop.run_until_complete(engine.score(token_ids, 3)), reference_logprobs(hf_model, token_ids[:3], token_ids[3:]), atol=PARITY_ATOL, rtol=0
+    )
+
+
+def test_blocking_update_lets_running_requests_finish_on_the_old_version(loop, engine, hf_model):
+    from asyncrl.rollout.engine import SamplingSpec
+    from asyncrl.rollout.weights import hf_named_tensors, pack_buckets
+
+    _perturb(hf_model, scale=0.05, seed=2)
+    buckets = pack_buckets(hf_named_tensors(hf_model), bucket_bytes=1 << 30)
+
+    async def scenario():
+        task = asyncio.ensure_future(engine.generate(_request(0, PROMPTS[1], "drain"), SamplingSpec(max_tokens=200, ignore_eos=True)))
+        while engine.progress("drain0/0/0") < 10:
+            await asyncio.sleep(0.005)
+        await engine.update_weights(buckets, version=2, in_flight=False)
+        assert task.done()  # drained before the load
+        return task.result()
+
+    drained = loop.run_until_complete(scenario())
+    assert drained.versions.tolist() == [1] * 200
+    trajectories = _generate_all(loop, engine, SamplingSpec(max_tokens=16, temperature=0.7, ignore_eos=True), "w")
+    assert _max_parity_error(hf_model, trajectories, temperature=0.7) < PARITY_ATOL
+    assert all(set(t.versions.tolist()) == {2} for t in trajectories)
+
+
+def test_a_request_past_its_timeout_is_aborted_and_comes_back_failed_timeout(loop, engine):
+    from asyncrl.rollout.engine import SamplingSpec
+
+    started = time.monotonic()
+    # 480 tokens of one sequence take ~2 s on an idle 2-core machine; the request gets 0.5 s.
+    t = loop.run_until_complete(engine.generate(_request(0, PROMPTS[2], "slow"), SamplingSpec(max_tokens=480, ignore_eos=True, timeout_s=0.5)))
+    elapsed = time.monotonic() - started
+    assert t.failure is not None and t.failure.startswith("timeout:")
+    assert t.finish_reason == "abort"
+    assert len(t.response_ids) < 480  # the partial response comes back
+    assert len(t.rollout_logprobs) == len(t.versions) == len(t.response_ids)
+    assert elapsed < 0.5 + 5.0  # abort is prompt (the grace period for the final output is 5 s)
+    # The engine keeps serving.
+    ok = loop.run_until_complete(engine.generate(_request(1, PROMPTS[2], "after"), SamplingSpec(max_tokens=4, ignore_eos=True)))
+    assert ok.failure is None and len(ok.response_ids) == 4
+
+
+def test_evaluate_is_greedy_and_matches_transformers_argmax(loop, engine, hf_model):
+    results = loop.run_until_complete(engine.evaluate(PROMPTS[:3], max_tokens=6))
+    assert results == loop.run_until_complete(engine.evaluate(PROMPTS[:3], max_tokens=6))
+    for prompt, (text, reason) in zip(PROMPTS[:3], results):
+        ids = list(prompt)
+        out: list[int] = []
+        with torch.no_grad():
+            for _ in range(6):
+                nxt = int(hf_model(torch.tensor([ids])).logits[0, -1].argmax())
+                ids.append(nxt)
+                out.append(nxt)
+                if nxt == hf_model.config.eos_token_id:
+                    break
+        assert text == engine.decode(out)
+        assert reason == ("stop" if out[-1] == hf_model.config.eos_token_id else "length")

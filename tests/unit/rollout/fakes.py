@@ -1,0 +1,119 @@
+"""Hand-written fakes for the rollout worker: an engine without vLLM and a replay queue without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+import numpy as np
+
+from asyncrl.types import Prompt, Request, Trajectory
+
+
+class _Remote:
+    """Mimics a Ray actor method: `handle.method.remote(...)` returns an awaitable."""
+
+    def __init__(self, fn):
+        self._fn = fn
+
+    def remote(self, *args, **kwargs):
+        async def call():
+            return self._fn(*args, **kwargs)
+
+        return call()
+
+
+class FakeQueue:
+    """The replay queue API the worker uses, with conservation accounting.
+
+    `in_flight[(group_id, sample_index)] = (worker, request)`; a put clears it; `requeue_worker` moves a
+    worker's unfinished requests back to `pending` with the next attempt number.
+    """
+
+    def __init__(self, requests: list[Request] = ()) -> None:
+        self.pending: deque[Request] = deque(requests)
+        self.in_flight: dict[tuple[str, int], tuple[str, Request]] = {}
+        self.finished: list[Trajectory] = []
+        self.put_calls = 0
+        self.late = 0
+        self.acquire = _Remote(self._acquire)
+        self.put = _Remote(self._put)
+        self.requeue_worker = _Remote(self._requeue_worker)
+
+    def _acquire(self, worker: str, max_requests: int) -> list[Request]:
+        out = []
+        while self.pending and len(out) < max_requests:
+            request = self.pending.popleft()
+            self.in_flight[(request.group_id, request.sample_index)] = (worker, request)
+            out.append(request)
+        return out
+
+    def _put(self, trajectories: list[Trajectory]) -> None:
+        self.put_calls += 1
+        for t in trajectories:
+            owner = self.in_flight.get((t.group_id, t.sample_index))
+            if owner is None or owner[0] != t.worker:
+                self.late += 1
+                continue
+            del self.in_flight[(t.group_id, t.sample_index)]
+            self.finished.append(t)
+
+    def _requeue_worker(self, worker: str) -> int:
+        keys = [k for k, (w, _) in self.in_flight.items() if w == worker]
+        for key in keys:
+            _, request = self.in_flight.pop(key)
+            self.pending.append(Request(**{**request.__dict__, "attempt": request.attempt + 1}))
+        return len(keys)
+
+
+def make_requests(n: int, ground_truth: str = "7", prefix: str = "g") -> list[Request]:
+    return [
+        Request(f"{prefix}{i}/0/0", f"{prefix}{i}", 0, 1, Prompt(f"p{i}", [1, 4, 5], ground_truth))
+        for i in range(n)
+    ]
+
+
+class FakeEngine:
+    """Answers every request with `response` after `delay_s`; records the peak number of concurrent requests."""
+
+    def __init__(self, name: str, response: str = "7", delay_s: float = 0.01) -> None:
+        self.name = name
+        self.response = response
+        self.delay_s = delay_s
+        self.started = False
+        self.version = 0
+        self.num_requests_done = 0
+        self.num_tokens_generated = 0
+        self.running = 0
+        self.peak_running = 0
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def shutdown(self) -> None:
+        self.started = False
+
+    async def generate(self, request: Request, sampling) -> Trajectory:
+        self.running += 1
+        self.peak_running = max(self.peak_running, self.running)
+        try:
+            await asyncio.sleep(self.delay_s)
+        finally:
+            self.running -= 1
+        n = len(self.response) + 1
+        self.num_requests_done += 1
+        self.num_tokens_generated += n
+        return Trajectory(
+            prompt_id=request.prompt.prompt_id,
+            group_id=request.group_id,
+            sample_index=request.sample_index,
+            prompt_ids=np.asarray(request.prompt.prompt_ids, dtype=np.int32),
+            response_ids=np.arange(n, dtype=np.int32),
+            rollout_logprobs=np.zeros(n, dtype=np.float32),
+            loss_mask=np.ones(n, dtype=np.int8),
+            versions=np.full(n, self.version, dtype=np.int32),
+            finish_reason="stop",
+            ground_truth=request.prompt.ground_truth,
+            worker=self.name,
+            response_text=self.response,
+        )

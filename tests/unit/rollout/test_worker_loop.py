@@ -1,0 +1,120 @@
+"""The rollout worker's serving loop, driven in-process with a fake engine and a fake queue (no Ray, no vLLM)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from asyncrl.rollout.worker import RolloutWorker
+
+from .fakes import FakeEngine, FakeQueue, make_requests
+
+
+def crashing_reward(response, ground_truth, *, finish_reason, extra_info):
+    if ground_truth == "boom":
+        raise ZeroDivisionError("reward exploded")
+    return 1.0 if response == ground_truth else 0.0
+
+
+def slow_reward(response, ground_truth, *, finish_reason, extra_info):
+    if ground_truth == "slow":
+        time.sleep(0.5)
+    return 1.0
+
+
+def _worker(queue, *, max_in_flight=4, reward="exact_match", delay_s=0.01, reward_timeout_s=10.0):
+    engine = FakeEngine("rollout-0", delay_s=delay_s)
+    worker = RolloutWorker(
+        "rollout-0", "unused", {"max_requests_in_flight": max_in_flight}, reward, queue,
+        reward_timeout_s=reward_timeout_s, engine=engine,
+    )
+    return worker, engine
+
+
+async def _serve_until(worker, queue, n_finished, timeout_s=10.0):
+    run = asyncio.ensure_future(worker.run())
+    deadline = time.monotonic() + timeout_s
+    while len(queue.finished) < n_finished and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    await worker.stop(drain=True)
+    return await run
+
+
+def test_every_request_comes_back_once_with_its_reward_and_concurrency_stays_bounded():
+    queue = FakeQueue(make_requests(20))
+    worker, engine = _worker(queue, max_in_flight=4)
+    stats = asyncio.run(_serve_until(worker, queue, 20))
+    assert sorted(t.group_id for t in queue.finished) == sorted(f"g{i}" for i in range(20))
+    assert all(t.reward == 1.0 and t.failure is None for t in queue.finished)
+    assert not queue.in_flight and queue.late == 0
+    assert engine.peak_running == 4  # continuous batching up to the bound, never more
+    assert queue.put_calls < 20  # finished trajectories travel in batches
+    assert stats["requests_done"] == 20 and stats["tokens_generated"] == 40
+    assert stats["busy_s"] > 0
+
+
+def test_a_crashing_reward_fails_its_trajectory_with_the_reason_and_the_worker_keeps_serving():
+    requests = make_requests(3) + make_requests(1, ground_truth="boom", prefix="b") + make_requests(3, prefix="h")
+    queue = FakeQueue(requests)
+    worker, _ = _worker(queue, max_in_flight=1, reward=f"{__name__}:crashing_reward")
+    asyncio.run(_serve_until(worker, queue, 7))
+    failed = [t for t in queue.finished if t.failed]
+    assert [t.group_id for t in failed] == ["b0"]
+    assert failed[0].failure == "reward_error: ZeroDivisionError: reward exploded"
+    assert sum(t.reward for t in queue.finished) == 6.0  # the 6 others were scored and handed in after it
+
+
+def test_a_reward_past_its_timeout_fails_the_trajectory():
+    queue = FakeQueue(make_requests(1, ground_truth="slow") + make_requests(2, prefix="h"))
+    worker, _ = _worker(queue, reward=f"{__name__}:slow_reward", reward_timeout_s=0.1)
+    asyncio.run(_serve_until(worker, queue, 3))
+    by_group = {t.group_id: t for t in queue.finished}
+    assert by_group["g0"].failure == "reward_error: timed out after 0.1s"
+    assert by_group["h0"].failure is None and by_group["h1"].reward == 1.0
+
+
+def test_stop_without_drain_drops_running_requests_and_requeue_recovers_them():
+    queue = FakeQueue(make_requests(6))
+
+    async def scenario():
+        worker, _ = _worker(queue, max_in_flight=3, delay_s=5.0)
+        run = asyncio.ensure_future(worker.run())
+        while len(queue.in_flight) < 3:
+            await asyncio.sleep(0.01)
+        dropped = await worker.stop(drain=False)
+        await run
+        return dropped
+
+    dropped = asyncio.run(scenario())
+    assert dropped == 3 and queue.finished == []
+    assert queue._requeue_worker("rollout-0") == 3
+    assert len(queue.pending) == 6 and not queue.in_flight  # 3 re-queued (attempt 1) + 3 never dispatched
+    assert sorted(r.attempt for r in queue.pending) == [0, 0, 0, 1, 1, 1]
+
+
+def test_empty_acquire_is_back_pressure_the_worker_waits_and_serves_later_arrivals():
+    queue = FakeQueue()
+
+    async def scenario():
+        worker, _ = _worker(queue)
+        run = asyncio.ensure_future(worker.run())
+        await asyncio.sleep(0.1)
+        assert queue.finished == []
+        queue.pending.extend(make_requests(2))
+        deadline = time.monotonic() + 5
+        while len(queue.finished) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await worker.stop(drain=True)
+        return await run
+
+    stats = asyncio.run(scenario())
+    assert len(queue.finished) == 2
+    assert stats["idle_s"] > 0.05
+
+
+def test_run_without_a_queue_is_refused():
+    worker, _ = _worker(None)
+    with pytest.raises(RuntimeError, match="needs a queue"):
+        asyncio.run(worker.run())
