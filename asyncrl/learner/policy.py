@@ -1,0 +1,117 @@
+"""The learner's modules: the policy (a Hugging Face causal LM whose forward returns token log-probs) and
+the optional critic (the same trunk plus a scalar value head), and how both are sharded with FSDP2.
+
+Log-prob semantics (architecture invariant 4): the learner scores the distribution the engine sampled
+from, so logits are divided by the sampling temperature. The LM head and the log-softmax run in FP32
+whatever the parameter dtype (ScaleRL's FP32 head); with fp32 weights this matches a plain transformers
+forward to ~1e-7.
+
+Gradient reduction (architecture invariant 5): FSDP2 in torch 2.13 AVERAGES gradients over the
+data-parallel ranks by default (`ReduceOp.AVG`, or SUM followed by a division by the world size when
+sum-only collectives are forced; see `_get_gradient_divide_factors` in
+torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py). Our per-token weights already divide by the
+whole batch's denominators, so the batch gradient is the SUM of the ranks' gradients. Instead of
+multiplying every rank's loss by dp_size and letting FSDP divide again, `shard` sets the divide factor
+to 1 with sum-only collectives on every FSDP unit: gradients are summed, the loss is not rescaled, and
+no multiply/divide rounding enters (exact for any dp_size, not only powers of two).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["HF_PREFIX", "PolicyModel", "ValueModel", "hf_name", "load_causal_lm", "shard"]
+
+# Parameter names inside PolicyModel are the Hugging Face names behind this prefix.
+HF_PREFIX = "causal_lm."
+
+
+def hf_name(name: str) -> str:
+    """`causal_lm.model.layers.0...` -> `model.layers.0...` (the Hugging Face checkpoint name)."""
+    return name[len(HF_PREFIX) :] if name.startswith(HF_PREFIX) else name
+
+
+def load_causal_lm(model_dir: str, dtype: torch.dtype) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model.config.use_cache = False
+    return model
+
+
+def _shifted_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """log p(input_ids[:, t+1]) from logits at t, [B, L]; the last column (predicts nothing) is 0."""
+    logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
+    picked = logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return F.pad(picked, (0, 1))
+
+
+class PolicyModel(nn.Module):
+    """Wraps a causal LM so that the FSDP root is this module and its forward is the learner's log-prob
+    recompute. (Calling the inner `model.model` directly would bypass the root's FSDP hooks.)"""
+
+    def __init__(self, causal_lm: nn.Module):
+        super().__init__()
+        self.causal_lm = causal_lm
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.causal_lm.model.layers
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        temperature: float,
+    ) -> torch.Tensor:
+        """input_ids, attention_mask, position_ids: [B, L] -> learner log-probs [B, L] (fp32), aligned so
+        column t scores token t+1 (batch.py); padding columns hold finite garbage."""
+        hidden = self.causal_lm.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        head = self.causal_lm.get_output_embeddings().weight
+        logits = F.linear(hidden.float(), head.float()) / temperature
+        return _shifted_logprobs(logits, input_ids)
+
+
+class ValueModel(nn.Module):
+    """The critic: the policy's trunk (a copy, trained separately) and a linear value head on the final
+    hidden state, in fp32. Column t holds V(s[:t+1]), aligned with the loss mask (batch.py)."""
+
+    def __init__(self, causal_lm: nn.Module, seed: int = 0):
+        super().__init__()
+        self.trunk = causal_lm.model
+        hidden_size = causal_lm.config.hidden_size
+        self.value_head = nn.Linear(hidden_size, 1, dtype=torch.float32)
+        # Same init on every rank (fully_shard keeps each rank's slice of its local tensor).
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            self.value_head.weight.normal_(0.0, hidden_size**-0.5 * 0.1, generator=generator)
+            self.value_head.bias.zero_()
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.trunk.layers
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.trunk(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        return self.value_head(hidden.float()).squeeze(-1)
+
+
+def shard(module: PolicyModel | ValueModel, mesh) -> None:
+    """FSDP2: one unit per decoder layer, then the root (embeddings, final norm, head). Gradients are
+    SUMMED across ranks (module docstring)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for layer in module.decoder_layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.set_gradient_divide_factor(1.0)
+            sub.set_force_sum_reduction_for_comms(True)

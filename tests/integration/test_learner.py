@@ -1,0 +1,273 @@
+"""LearnerPool on Ray with the tiny model: 1 vs 2 ranks exactness, log-prob parity, weight export,
+checkpoint round trip, Hugging Face export, critic training."""
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.algo.recipes import resolve_recipe
+from asyncrl.config import LearnerConfig, WeightSyncConfig
+from asyncrl.types import Group, Trajectory
+
+pytestmark = pytest.mark.integration
+
+
+def make_groups(num_groups=4, group_size=3, seed=0, version=0):
+    """Random sequences (some tool tokens, some truncated) with rewards and rollout log-probs."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for g in range(num_groups):
+        members = []
+        for i in range(group_size):
+            prompt_len, response_len = int(rng.integers(1, 6)), int(rng.integers(1, 8))
+            members.append(
+                Trajectory(
+                    prompt_id=f"p{g}",
+                    group_id=f"g{g}",
+                    sample_index=i,
+                    prompt_ids=rng.integers(3, 16, prompt_len).astype(np.int32),
+                    response_ids=rng.integers(3, 16, response_len).astype(np.int32),
+                    rollout_logprobs=(-rng.random(response_len) * 3).astype(np.float32),
+                    loss_mask=(rng.random(response_len) > 0.2).astype(np.int8),
+                    versions=np.full(response_len, version, np.int32),
+                    finish_reason="stop" if rng.random() < 0.7 else "length",
+                    reward=float(rng.integers(0, 2)) if i else float(rng.random()),
+                )
+            )
+        groups.append(Group(f"g{g}", members))
+    return groups
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b)
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+RECIPE = resolve_recipe("cispo")  # batch-normalised advantages, CISPO, prompt-mean: group-level denominators
+
+
+@pytest.fixture(scope="module")
+def pools(ray_cluster, tiny_model_dir):
+    from asyncrl.learner.worker import LearnerPool
+
+    # One rank with one micro-batch vs two ranks with many micro-batches of at most 12 padded tokens.
+    one = LearnerPool(tiny_model_dir, LearnerConfig(num_ranks=1, tokens_per_microbatch=4096, lr=1e-2), RECIPE)
+    two = LearnerPool(tiny_model_dir, LearnerConfig(num_ranks=2, tokens_per_microbatch=12, lr=1e-2), RECIPE)
+    yield one, two
+    one.shutdown()
+    two.shutdown()
+
+
+EXACTNESS_RECIPES = {
+    "cispo/prompt_mean": RECIPE,
+    # GVPO couples a group's sequences: whole groups per rank and micro-batch.
+    "gvpo/seq_mean_token_sum": resolve_recipe("gvpo"),
+    # Token-mean denominators count the tokens MIS keeps, known only after the learner recompute:
+    # rank-side weights from all-reduced statistics.
+    "dapo/mis/after_rejection": resolve_recipe("dapo", correction="mis", denominator_after_rejection=True),
+}
+
+
+@pytest.mark.parametrize("name", list(EXACTNESS_RECIPES))
+def test_two_ranks_with_micro_batches_give_the_one_rank_loss_and_gradient(pools, name, tiny_model_dir):
+    one, two = pools
+    recipe = EXACTNESS_RECIPES[name]
+    batch = one.make_batch(make_groups(seed=1), recipe)
+    loss_1, grads_1 = one.compute_gradients(batch, recipe)
+    loss_2, grads_2 = two.compute_gradients(batch, recipe)
+    diff = max_abs_diff(grads_1, grads_2)
+    print(f"{name}: max |grad diff| 1 vs 2 ranks: {diff:.3e}; loss {loss_1:.9f} vs {loss_2:.9f}")
+    assert "model.embed_tokens.weight" in grads_1 and len(grads_1) == 50
+    assert max(float(np.abs(g).max()) for g in grads_1.values()) > 1e-3  # a real gradient
+    assert loss_2 == pytest.approx(loss_1, abs=1e-6)
+    assert diff < 1e-6
+    # Both equal a plain single-process computation over the whole batch (no FSDP, no splitting).
+    loss_ref, grads_ref = _plain_loss_and_gradients(tiny_model_dir, one.state_snapshot()["params"], batch, recipe)
+    assert loss_1 == pytest.approx(loss_ref, abs=1e-6)
+    assert max_abs_diff(grads_1, grads_ref) < 1e-6
+
+
+def _plain_loss_and_gradients(tiny_model_dir, params, batch, recipe):
+    from asyncrl.algo.recipes import compute_policy_loss, compute_token_weights
+    from asyncrl.learner.policy import PolicyModel, hf_name
+
+    model = PolicyModel(_reference_model(tiny_model_dir, params))
+    logprobs = model(batch.input_ids, batch.attention_mask, batch.position_ids, 1.0)
+    old = logprobs.detach()
+    weights = compute_token_weights(recipe, batch.loss_mask, batch.group_ids, old, batch.rollout_logprobs)
+    loss, _ = compute_policy_loss(
+        recipe, logprobs, old, batch.rollout_logprobs, batch.advantages, batch.loss_mask, weights, batch.group_ids
+    )
+    loss.backward()
+    return float(loss.detach()), {hf_name(n): p.grad.numpy() for n, p in model.named_parameters()}
+
+
+def test_one_train_step_gives_the_same_loss_norm_and_weights_on_one_and_two_ranks(pools):
+    one, two = pools
+    groups = make_groups(seed=2)
+    before = one.state_snapshot()["params"]
+    _, grads = one.compute_gradients(one.make_batch(groups))
+    stats_1, stats_2 = one.train_step(groups), two.train_step(groups)
+    assert stats_2.loss == pytest.approx(stats_1.loss, abs=1e-6)
+    assert stats_2.grad_norm == pytest.approx(stats_1.grad_norm, rel=1e-6)
+    assert stats_1.num_samples == stats_2.num_samples == 12
+    assert stats_1.num_tokens == stats_2.num_tokens == sum(g.num_tokens for g in groups)
+    assert stats_1.step == stats_2.step
+    # Mismatch metrics compare the learner's own log-probs with the rollout ones: the same on both pools.
+    for key in ("mismatch_k3_kl", "mismatch_kl", "mismatch_logprob_abs_diff_mean", "mismatch_logprob_abs_diff_max"):
+        assert stats_2.metrics[key] == pytest.approx(stats_1.metrics[key], abs=1e-5), key
+    assert stats_1.metrics["mismatch_logprob_abs_diff_mean"] > 0.1  # the fake rollout log-probs are not the learner's
+    # Adam's first step is lr * g / (|g| + eps) ~ lr * sign(g): where |g| is itself at the ~1e-8 level of
+    # summation-order differences the two pools may move a weight differently (by up to 2 lr). Wherever the
+    # gradient is well above that noise the step must be identical.
+    after_1, after_2 = one.state_snapshot()["params"], two.state_snapshot()["params"]
+    for name, g in grads.items():
+        clear = np.abs(g) > 1e-5
+        assert np.abs(after_1[name] - after_2[name])[clear].max(initial=0.0) < 1e-6, name
+        # ... and it is a real step of ~lr = 1e-2 (clipping scales g, not Adam's normalised update).
+        assert np.abs(after_1[name] - before[name])[clear].min(initial=1e-2) > 5e-3, name
+
+
+def test_staleness_of_the_batch_is_reported(pools):
+    _, two = pools
+    two.version = 3
+    try:
+        stats = two.train_step(make_groups(seed=3, version=1))
+    finally:
+        two.version = 0
+    assert stats.metrics["staleness_mean_versions"] == 2.0 and stats.metrics["staleness_max_versions"] == 2.0
+    assert stats.version == 3
+
+
+def _reference_model(tiny_model_dir, params):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    model.load_state_dict({k: torch.tensor(v) for k, v in params.items()})
+    return model.eval()
+
+
+def _reference_logprobs(model, token_ids, prompt_len, temperature):
+    ids = torch.tensor([token_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float() / temperature
+    return torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[prompt_len - 1 :, 0].numpy()
+
+
+def test_score_equals_a_transformers_fp32_forward_with_temperature(pools, tiny_model_dir):
+    _, two = pools
+    reference = _reference_model(tiny_model_dir, two.state_snapshot()["params"])
+    tokens, prompt_len = [1, 5, 6, 7, 4, 9, 12, 3, 2], 3
+    for temperature in (1.0, 0.6):
+        learner = two.score(tokens, prompt_len, temperature)
+        expected = _reference_logprobs(reference, tokens, prompt_len, temperature)
+        assert learner.shape == (len(tokens) - prompt_len,)
+        assert np.abs(learner - expected).max() < 1e-6
+
+
+class _FakeRolloutPool:
+    """Records what a rollout pool would load."""
+
+    def __init__(self):
+        self.calls = []
+
+    def update_weights(self, refs, version, in_flight, timeout_s):
+        import ray
+
+        from asyncrl.rollout.weights import unpack_bucket
+
+        tensors = {}
+        for data in ray.get(list(refs)):
+            tensors.update(unpack_bucket(data))
+        self.calls.append((version, in_flight, timeout_s, len(refs), tensors))
+
+
+def test_published_buckets_hold_every_parameter_under_hf_names_with_the_tied_head(pools):
+    from asyncrl.learner.publish import ObjectStorePublisher
+
+    _, two = pools
+    params = two.state_snapshot()["params"]
+    sink = _FakeRolloutPool()
+    update = ObjectStorePublisher(two, sink, WeightSyncConfig(bucket_bytes=1 << 16, timeout_s=7.0)).publish(version=5)
+    try:
+        (version, in_flight, timeout_s, num_buckets, tensors) = sink.calls[0]
+        assert (version, in_flight, timeout_s) == (5, True, 7.0)
+        assert two.version == 5 and update.version == 5
+        assert num_buckets == update.num_buckets > 1  # ~1.2 MB of fp32 weights in 64 KiB buckets
+        assert update.num_tensors == len(tensors) == len(params) == 51  # 50 parameters + the tied lm_head.weight
+        assert torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
+        for name, value in params.items():
+            assert np.array_equal(tensors[name].numpy(), value), name
+    finally:
+        two.version = 0
+
+
+def test_checkpoint_restores_parameters_optimizer_step_version_and_extra_into_another_pool_size(pools, tiny_model_dir, tmp_path):
+    from asyncrl.learner.worker import LearnerPool
+
+    _, two = pools
+    two.train_step(make_groups(seed=4))
+    two.version = 7
+    extra = {"queue": {"pending": ["g1", "g2"]}, "counters": {"dispatched": 12, "trained": 9}}
+    two.save_checkpoint(tmp_path / "ckpt", extra)
+    two.version = 0
+    saved = two.state_snapshot()
+
+    restored = LearnerPool(tiny_model_dir, LearnerConfig(num_ranks=1, tokens_per_microbatch=64, lr=1e-2), RECIPE)
+    try:
+        assert restored.load_checkpoint(tmp_path / "ckpt") == extra
+        assert (restored.step, restored.version) == (two.step, 7)
+        loaded = restored.state_snapshot()
+        assert loaded["step"] == saved["step"] and loaded["lr"] == saved["lr"]
+        assert max_abs_diff(saved["params"], loaded["params"]) == 0.0
+        assert max_abs_diff(saved["optimizer"], loaded["optimizer"]) == 0.0
+        assert any(k.endswith("/exp_avg_sq") for k in loaded["optimizer"])
+        # The restored (1-rank) pool continues like the original (2-rank) one: same loss; the weights agree
+        # up to Adam's amplification of ~1e-8 summation-order differences in tiny gradients (see above).
+        groups = make_groups(seed=5)
+        assert restored.train_step(groups).loss == pytest.approx(two.train_step(groups).loss, abs=1e-6)
+        assert max_abs_diff(two.state_snapshot()["params"], restored.state_snapshot()["params"]) < 1e-4
+    finally:
+        restored.shutdown()
+
+
+def test_an_incomplete_checkpoint_is_refused(pools, tmp_path):
+    _, two = pools
+    with pytest.raises(FileNotFoundError, match="not a complete learner checkpoint"):
+        two.load_checkpoint(tmp_path / "nothing-here")
+
+
+def test_export_hf_loads_in_transformers_with_identical_logits(pools, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, two = pools
+    two.export_hf(tmp_path / "hf")
+    params = two.state_snapshot()["params"]
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "hf")).vocab_size == model.config.vocab_size
+    state = model.state_dict()
+    for name, value in params.items():
+        assert np.array_equal(state[name].numpy(), value), name
+    tokens, prompt_len = [1, 4, 8, 10, 3, 5, 2], 2
+    exported = _reference_logprobs(model, tokens, prompt_len, 1.0)
+    assert np.abs(two.score(tokens, prompt_len, 1.0) - exported).max() < 1e-6
+
+
+def test_critic_steps_reduce_the_value_loss_on_a_fixed_batch(ray_cluster, tiny_model_dir):
+    from asyncrl.learner.worker import LearnerPool
+
+    # GAE from critic values, whitened with batch-global moments; lam = 1 makes the value targets Monte-Carlo
+    # returns (fixed except for the bootstrap of truncated rows), so the regression loss must go down.
+    recipe = resolve_recipe("ppo_gae", lam=1.0)
+    config = LearnerConfig(num_ranks=2, tokens_per_microbatch=16, critic=True, critic_lr=5e-4, lr=1e-4)
+    pool = LearnerPool(tiny_model_dir, config, recipe)
+    try:
+        groups = make_groups(num_groups=4, group_size=1, seed=6)
+        for group in groups:  # terminal rows: the targets are the rewards, nothing bootstraps
+            group.trajectories = [t.replace(finish_reason="stop") for t in group.trajectories]
+        losses = [pool.train_step(groups).metrics["critic_value_loss"] for _ in range(4)]
+        print("critic value loss per step:", losses)
+        assert all(b < a for a, b in zip(losses, losses[1:]))
+        assert losses[-1] < 0.7 * losses[0]
+    finally:
+        pool.shutdown()

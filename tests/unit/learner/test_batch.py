@@ -1,0 +1,114 @@
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncrl.algo.names import REDUCTIONS
+from asyncrl.algo.recipes import resolve_recipe
+from asyncrl.learner.batch import build_batch, dummy_microbatch, micro_batches, split_rows
+from asyncrl.types import Group
+
+from .helpers import random_groups, trajectory
+
+
+def test_each_response_token_is_scored_at_the_column_before_it():
+    # prompt [1, 5, 6], response [7, 8, 2] with the middle token from a tool (loss_mask 0).
+    t = trajectory([1, 5, 6], [7, 8, 2], logprobs=[-0.1, -0.2, -0.3], loss_mask=[1, 0, 1], reward=1.0)
+    batch = build_batch([Group("g0", [t])], resolve_recipe("dapo"))
+    assert batch.input_ids.tolist() == [[1, 5, 6, 7, 8, 2]]
+    # column 2 predicts token 7, column 3 predicts 8 (tool token: no loss), column 4 predicts 2.
+    assert batch.loss_mask.tolist() == [[False, False, True, False, True, False]]
+    assert batch.rollout_logprobs[0].tolist() == pytest.approx([0, 0, -0.1, 0, -0.3, 0])
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 5]]
+    # token_mean over 2 valid tokens: 1/2 each.
+    assert batch.token_weights[0].tolist() == [0, 0, 0.5, 0, 0.5, 0]
+    assert batch.dones.tolist() == [True]
+
+
+def test_outcome_advantages_and_weights_span_the_whole_batch():
+    g0 = Group("a", [trajectory([1], [3, 4], reward=1.0, group="a"), trajectory([1, 2], [3], reward=0.0, group="a", index=1)])
+    g1 = Group("b", [trajectory([1], [5, 6, 7], reward=0.5, group="b"), trajectory([1], [5], reward=0.5, group="b", index=1, finish="length")])
+    batch = build_batch([g0, g1], resolve_recipe("grpo"))
+    # GRPO: rewards [1, 0] -> mean 0.5, unbiased std 0.707107 -> A = +-0.707106; group b is all-equal -> 0.
+    row_adv = [batch.advantages[i][batch.loss_mask[i]].tolist() for i in range(4)]
+    assert row_adv[0] == pytest.approx([0.707106, 0.707106], abs=1e-5)
+    assert row_adv[1] == pytest.approx([-0.707106], abs=1e-5)
+    assert row_adv[2] == [0, 0, 0] and row_adv[3] == [0]
+    # seq_mean_token_mean over B' = 4 sequences: row 0 has 2 tokens -> 1/8 each, row 2 has 3 -> 1/12.
+    assert batch.token_weights[0][batch.loss_mask[0]].tolist() == pytest.approx([1 / 8, 1 / 8])
+    assert batch.token_weights[2][batch.loss_mask[2]].tolist() == pytest.approx([1 / 12] * 3)
+    assert float(batch.token_weights.sum()) == pytest.approx(1.0)
+    assert batch.group_ids.tolist() == [0, 0, 1, 1] and batch.num_groups == 2
+    assert batch.dones.tolist() == [True, True, True, False]
+
+
+def test_an_empty_prompt_is_rejected():
+    with pytest.raises(ValueError, match="empty prompt"):
+        build_batch([Group("g", [trajectory([], [3, 4])])], resolve_recipe("dapo"))
+
+
+def test_split_rows_partitions_rows_and_balances_tokens():
+    batch = build_batch(random_groups(num_groups=6, group_size=3, seed=1), resolve_recipe("dapo"))
+    shards = split_rows(batch, 3)
+    # Every row lands on exactly one rank (compare the unpadded token sequences as multisets).
+    def rows(b):
+        return sorted(tuple(r[:n]) for r, n in zip(b.input_ids.tolist(), b.seq_lens.tolist()))
+
+    assert sorted(r for s in shards for r in rows(s)) == rows(batch)
+    assert sum(s.num_rows for s in shards) == batch.num_rows
+    assert sum(s.num_tokens for s in shards) == batch.num_tokens
+    loads = [s.num_tokens for s in shards]
+    assert max(loads) - min(loads) <= int(batch.seq_lens.max())  # greedy longest-first bound
+
+
+def test_split_rows_keeps_groups_together_when_asked():
+    batch = build_batch(random_groups(num_groups=5, group_size=3, seed=2), resolve_recipe("gvpo"))
+    for shard in split_rows(batch, 2, keep_groups=True):
+        for g in shard.group_ids.unique().tolist():
+            assert int((shard.group_ids == g).sum()) == 3
+
+
+def test_more_ranks_than_rows_gives_empty_shards():
+    batch = build_batch(random_groups(num_groups=1, group_size=2), resolve_recipe("dapo"))
+    shards = split_rows(batch, 4)
+    assert [s.num_rows for s in shards].count(0) == 2
+    assert micro_batches(shards[-1], 8) == []
+
+
+def test_micro_batches_respect_the_padded_token_budget():
+    batch = build_batch(random_groups(num_groups=6, group_size=4, seed=3), resolve_recipe("dapo"))
+    budget = 24
+    mbs = micro_batches(batch, budget)
+    assert sum(mb.num_rows for mb in mbs) == batch.num_rows
+    for mb in mbs:
+        width = mb.input_ids.shape[1]
+        assert width == int(mb.seq_lens.max())
+        assert mb.num_rows * width <= budget or mb.num_rows == 1
+
+
+def test_dummy_microbatch_carries_no_weight():
+    mb = dummy_microbatch()
+    assert not mb.loss_mask.any() and float(mb.token_weights.abs().sum()) == 0.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    reduction=st.sampled_from(REDUCTIONS),
+    num_ranks=st.integers(1, 4),
+    budget=st.integers(1, 40),
+    keep_groups=st.booleans(),
+)
+def test_slices_of_the_batch_sum_to_the_batch_loss(seed, reduction, num_ranks, budget, keep_groups):
+    """Any per-token loss weighted by the batch's token_weights sums to the same number over ranks and
+    micro-batches (the exactness the learner relies on; the loss here rides in `advantages`)."""
+    recipe = resolve_recipe(advantage="dr_grpo", loss="ppo", reduction=reduction, l_max=8)
+    batch = build_batch(random_groups(num_groups=4, group_size=3, seed=seed), recipe)
+    batch.advantages = torch.from_numpy(np.random.default_rng(seed).normal(size=batch.advantages.shape)).float()
+    whole = float((batch.advantages * batch.token_weights).double().sum())
+    pieces = 0.0
+    for shard in split_rows(batch, num_ranks, keep_groups):
+        for mb in micro_batches(shard, budget, keep_groups):
+            pieces += float((mb.advantages * mb.token_weights).double().sum())
+    assert pieces == pytest.approx(whole, abs=1e-6)
