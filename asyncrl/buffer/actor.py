@@ -1,0 +1,202 @@
+"""The replay queue as one async Ray actor: `ReplayQueueCore` plus waiting, each wait with a timeout.
+
+All methods run on the actor's single event loop, so the core needs no locks. Waiters sleep on a
+"something changed" event that every mutating call replaces, and wake at least at the next straggler
+deadline so that timeouts fire even when no trajectory arrives. Ray is imported only by `start_replay_queue`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from asyncrl.buffer.core import ReplayQueueCore
+from asyncrl.config import BufferConfig
+from asyncrl.types import Group, Prompt, Request, Trajectory
+
+
+class ReplayQueue:
+    """Async facade of `ReplayQueueCore`; run it as a Ray actor with `start_replay_queue`."""
+
+    def __init__(
+        self,
+        config: BufferConfig | dict[str, Any] | None = None,
+        batch_groups: int = 1,
+        name: str = "replay_queue",
+        log_dir: str | Path | None = None,
+    ) -> None:
+        if not isinstance(config, BufferConfig):
+            config = BufferConfig.model_validate(config or {})
+        self.name = name
+        self.core = ReplayQueueCore(config, batch_groups=batch_groups, clock=time.monotonic, log_dir=log_dir)
+        self._changed = asyncio.Event()
+
+    def __repr__(self) -> str:
+        # Ray puts this in the errors of this actor's calls.
+        return f"ReplayQueue({self.name!r})"
+
+    # ------------------------------------------------------------------------------------------------
+    # Waiting.
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _wait_change(self, deadline: float) -> None:
+        """Sleep until something changes, the next straggler deadline, or `deadline` (monotonic seconds)."""
+        until = deadline
+        straggler = self.core.next_deadline()
+        if straggler is not None:
+            until = min(until, straggler)
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout=max(0.0, until - time.monotonic()))
+        except asyncio.TimeoutError:
+            pass
+        if self.core.expire_stragglers():
+            self._notify()
+
+    def _describe(self) -> str:
+        s = self.core.stats()
+        outstanding = self.core.outstanding_by_worker()
+        holders = ", ".join(f"{w}={n}" for w, n in sorted(outstanding.items(), key=lambda kv: -kv[1])[:8]) or "none"
+        oldest = self.core.oldest_outstanding()
+        if oldest is not None:
+            holders += f" (oldest {oldest[0]} held by {oldest[1]} for {oldest[2]:.1f}s)"
+        hint = ""
+        if s["groups_in_flight"] == 0 and s["backlog_groups"] == 0 and s["ready_groups"] == 0:
+            hint = "; nothing in flight and the backlog is empty (were prompts added?)"
+        elif s["groups_ahead"] >= s["admission_limit_groups"] and s["backlog_groups"]:
+            hint = (
+                f"; admission is closed (consumed + in flight + ready = {s['groups_ahead']} >= (version + max_staleness"
+                f" + 1) * batch_groups = {s['admission_limit_groups']}) until the learner version advances: is"
+                f" batch_groups ({s['batch_groups']}) the number of groups consumed per step?"
+            )
+        return (
+            f"ready groups {s['ready_groups']}, groups in flight {s['groups_in_flight']}, samples in flight "
+            f"{s['in_flight']}, backlog groups {s['backlog_groups']}, version {s['version']}; requests held by workers:"
+            f" {holders}{hint}"
+        )
+
+    # ------------------------------------------------------------------------------------------------
+    # Controller side.
+
+    async def add_prompts(self, prompts: Sequence[Prompt], samples_per_prompt: int) -> int:
+        backlog = self.core.add_prompts(prompts, samples_per_prompt)
+        self._notify()
+        return backlog
+
+    async def set_version(self, version: int) -> None:
+        self.core.set_version(version)
+        self._notify()
+
+    async def set_batch_groups(self, batch_groups: int) -> None:
+        self.core.set_batch_groups(batch_groups)
+        self._notify()
+
+    # ------------------------------------------------------------------------------------------------
+    # Rollout side.
+
+    async def acquire(self, worker: str, max_requests: int, timeout_s: float = 0.0) -> list[Request]:
+        """Up to `max_requests` requests; waits up to `timeout_s` for at least one (an empty list is not an error)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            requests = self.core.acquire(worker, max_requests)
+            if requests or time.monotonic() >= deadline:
+                return requests
+            await self._wait_change(deadline)
+
+    async def put(self, trajectories: Sequence[Trajectory]) -> int:
+        accepted = self.core.put(trajectories)
+        self._notify()
+        return accepted
+
+    async def requeue_worker(self, worker: str) -> int:
+        requeued = self.core.requeue_worker(worker)
+        self._notify()
+        return requeued
+
+    async def abort_outstanding(self, include_ready: bool = True) -> int:
+        aborted = self.core.abort_outstanding(include_ready=include_ready)
+        self._notify()
+        return aborted
+
+    # ------------------------------------------------------------------------------------------------
+    # Learner side.
+
+    async def get_batch(
+        self, num_groups: int, learner_version: int, timeout_s: float, min_groups: int | None = None
+    ) -> list[Group]:
+        """`num_groups` ready groups with lag <= max_staleness, waiting up to `timeout_s`.
+
+        With `min_groups`, returns what is ready (at least `min_groups`) once the wait times out or nothing
+        more can arrive. Otherwise raises `TimeoutError` naming the queue and what it was waiting on.
+        """
+        start = time.monotonic()
+        deadline = start + timeout_s
+        while True:
+            dropped = self.core.counters()["groups_dropped_stale"]
+            batch = self.core.get_batch(num_groups, learner_version)
+            if batch is not None or self.core.counters()["groups_dropped_stale"] != dropped:
+                self._notify()  # fewer groups ahead: admission may have opened for waiting producers
+            if batch is not None:
+                return batch
+            if min_groups is not None and (self.core.drained() or time.monotonic() >= deadline):
+                batch = self.core.get_batch(num_groups, learner_version, min_groups=min_groups)
+                if batch is not None:
+                    self._notify()
+                    return batch
+            if time.monotonic() >= deadline:
+                want = f"{num_groups} groups" if min_groups is None else f"{num_groups} (at least {min_groups}) groups"
+                raise TimeoutError(
+                    f"ReplayQueue '{self.name}': get_batch waited {time.monotonic() - start:.1f}s (timeout {timeout_s}s) "
+                    f"for {want} at learner version {learner_version}: {self._describe()}"
+                )
+            await self._wait_change(deadline)
+
+    # ------------------------------------------------------------------------------------------------
+    # Accounting, metrics, checkpoint.
+
+    async def counters(self) -> dict[str, int]:
+        return self.core.counters()
+
+    async def check_conservation(self) -> dict[str, int]:
+        return self.core.check_conservation()
+
+    async def stats(self) -> dict[str, float]:
+        if self.core.expire_stragglers():
+            self._notify()
+        return self.core.stats()
+
+    async def staleness_histogram(self) -> dict[int, int]:
+        return self.core.staleness_histogram()
+
+    async def state_dict(self) -> dict[str, Any]:
+        return self.core.state_dict()
+
+    async def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.core.load_state_dict(state)
+        self._notify()
+
+    async def close(self) -> None:
+        self.core.close()
+
+
+def start_replay_queue(
+    config: BufferConfig | dict[str, Any] | None = None,
+    batch_groups: int = 1,
+    name: str = "replay_queue",
+    log_dir: str | Path | None = None,
+    num_cpus: float = 0,
+) -> Any:
+    """Start the queue as a named async Ray actor and return its handle."""
+    import ray
+
+    if isinstance(config, BufferConfig):
+        config = config.model_dump()
+    actor_cls = ray.remote(ReplayQueue)
+    return actor_cls.options(name=name, num_cpus=num_cpus, max_concurrency=1000).remote(
+        config, batch_groups=batch_groups, name=name, log_dir=str(log_dir) if log_dir is not None else None
+    )

@@ -1,0 +1,593 @@
+"""The staleness-bounded replay queue as a plain, deterministic Python object (no Ray, no asyncio).
+
+`ReplayQueueCore` sits between the rollout pool and the learner. The Ray actor in `actor.py` wraps it and
+adds waiting; everything that decides *what happens to a sample* lives here, driven by an injectable clock
+so that tests can replay any interleaving.
+
+Life of a sample (the unit of counting is one trajectory; a group's fate applies to all its members):
+
+    backlog ──admission──▶ pending ──acquire──▶ out (a worker holds it) ──put──▶ arrived ──group done──▶ ready
+                              ▲                   │ requeue_worker                                        │ get_batch
+                              └───────────────────┘                                                       ▼
+                                                         terminal: trained | dropped_stale | filtered:* | failed:*
+
+A sample is *dispatched* when its group is admitted (all `samples_per_prompt` members at once) and stays
+*in flight* until it reaches a terminal state, so at every moment (invariant 3)
+
+    dispatched == trained + dropped_stale + Σ filtered:* + Σ failed:* + in_flight
+
+Staleness (invariant 2) is enforced twice. Admission control, as in AReaL: with B groups consumed per
+learner step, the n-th group (0-based, in consumption order) is consumed at learner version floor(n / B), so
+a group started at version v arrives within the bound iff n + 1 <= (v + eta + 1) * B, where
+n = consumed + in flight + ready. Hand-out check: a ready group with lag > eta is dropped, never handed out.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from asyncrl.buffer import filters
+from asyncrl.config import BufferConfig
+from asyncrl.types import DROPPED_STALE, TRAINED, Group, Prompt, Request, Trajectory
+
+PENDING, OUT, ARRIVED, READY, DONE = "pending", "out", "arrived", "ready", "done"
+"""Member states. Every state but DONE is in flight."""
+
+LATENCY_WINDOW = 100_000
+"""Put-to-get latencies kept for the percentiles (the most recent ones)."""
+
+
+_ALWAYS_COUNTED = (
+    "dispatched", TRAINED, DROPPED_STALE, "acquired", "put", "stale_attempt", "requeued", "retired_prompts",
+    "skipped_retired", "straggler_groups", "groups_started", "groups_consumed", "groups_dropped_stale",
+)
+
+
+class ConservationError(AssertionError):
+    """dispatched != trained + dropped_stale + filtered + failed + in_flight, or in_flight disagrees with the members."""
+
+
+@dataclass
+class _GroupState:
+    """One admitted group. Lives until every member is terminal (late members of a dropped group included)."""
+
+    group_id: str
+    prompt: Prompt
+    size: int
+    start_version: int
+    status: list[str]
+    holder: list[str | None]
+    attempt: list[int]
+    trajectories: list[Trajectory | None]
+    arrived_at: list[float]
+    acquired_at: list[float]
+    rewards_seen: list[float] = field(default_factory=list)
+    first_arrival_at: float | None = None
+    has_deadline: bool = False
+    resolved: bool = False
+    """Ready, filtered or dropped as a whole; members still out get `late_fate` when they arrive."""
+    late_fate: str = filters.FILTERED_STRAGGLER
+    min_version: int = 0
+
+    def count(self, state: str) -> int:
+        return sum(1 for s in self.status if s == state)
+
+    def in_flight(self) -> int:
+        return sum(1 for s in self.status if s != DONE)
+
+
+class ReplayQueueCore:
+    """Admission, readiness, filters, staleness check and conservation counters of the replay queue.
+
+    `clock` (seconds) times straggler deadlines and put-to-get latency; tests pass a fake one. With
+    `config.log_parquet` and a `log_dir`, every trajectory that reached the queue is appended with its
+    terminal state to `<log_dir>/trajectories.parquet` (samples that never came back have no row).
+    """
+
+    def __init__(
+        self,
+        config: BufferConfig,
+        batch_groups: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+        log_dir: str | Path | None = None,
+    ) -> None:
+        if batch_groups < 1:
+            raise ValueError(f"batch_groups must be >= 1 (got {batch_groups})")
+        self.config = config
+        self.batch_groups = batch_groups
+        """B: groups the learner consumes per optimizer step (admission control unit)."""
+        self.version = 0
+        """Policy version served by the rollout pool (`set_version`; also raised by `get_batch`'s learner_version)."""
+        self.clock = clock
+        self._counters: Counter[str] = Counter()
+        self._in_flight = 0
+        self._backlog: deque[tuple[Prompt, int]] = deque()
+        self._groups: dict[str, _GroupState] = {}
+        self._pending: deque[tuple[str, int]] = deque()
+        self._ready: deque[_GroupState] = deque()
+        self._by_worker: dict[str, set[tuple[str, int]]] = {}
+        self._deadlines: list[tuple[float, str]] = []
+        self._unresolved = 0
+        self._next_group = 0
+        self._dispatch_stopped = False
+        threshold = config.pass_rate_threshold if config.pass_rate_curriculum else float("inf")
+        self._pass_rate = filters.PassRateTracker(threshold)
+        self._staleness: Counter[int] = Counter()
+        self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self._log = None
+        if config.log_parquet and log_dir is not None:
+            from asyncrl.buffer.storage import TrajectoryLog, next_log_path
+
+            self._log = TrajectoryLog(next_log_path(log_dir))
+
+    # ------------------------------------------------------------------------------------------------
+    # Controller side: prompts, versions.
+
+    def add_prompts(self, prompts: Sequence[Prompt], samples_per_prompt: int) -> int:
+        """Queue prompts for dispatch (one group of `samples_per_prompt` each); returns the backlog size."""
+        if samples_per_prompt < 1:
+            raise ValueError(f"samples_per_prompt must be >= 1 (got {samples_per_prompt})")
+        for prompt in prompts:
+            if self._pass_rate.is_retired(prompt.prompt_id):
+                self._counters["skipped_retired"] += 1
+            else:
+                self._backlog.append((prompt, samples_per_prompt))
+        return len(self._backlog)
+
+    def set_version(self, version: int) -> None:
+        """The rollout pool now serves `version`; admission opens by B groups per version.
+
+        Call it once the weight sync of `version` is confirmed by every engine: admission assumes that
+        requests started from now on carry at least this version.
+        """
+        if version < self.version:
+            raise ValueError(f"policy version went back from {self.version} to {version}")
+        self.version = version
+
+    def set_batch_groups(self, batch_groups: int) -> None:
+        if batch_groups < 1:
+            raise ValueError(f"batch_groups must be >= 1 (got {batch_groups})")
+        self.batch_groups = batch_groups
+
+    # ------------------------------------------------------------------------------------------------
+    # Rollout side: acquire requests, put trajectories, lose workers.
+
+    def acquire(self, worker: str, max_requests: int) -> list[Request]:
+        """Up to `max_requests` requests: members of started groups first, then new groups while admitted."""
+        self.expire_stragglers()
+        now = self.clock()
+        requests: list[Request] = []
+        while len(requests) < max_requests:
+            item = self._next_pending()
+            if item is None:
+                if not self._start_group():
+                    break
+                continue
+            g, i = item
+            g.status[i] = OUT
+            g.holder[i] = worker
+            g.acquired_at[i] = now
+            self._by_worker.setdefault(worker, set()).add((g.group_id, i))
+            requests.append(
+                Request(
+                    request_id=f"{g.group_id}/{i}/{g.attempt[i]}",
+                    group_id=g.group_id,
+                    sample_index=i,
+                    group_size=g.size,
+                    prompt=g.prompt,
+                    attempt=g.attempt[i],
+                )
+            )
+        self._counters["acquired"] += len(requests)
+        return requests
+
+    def put(self, trajectories: Sequence[Trajectory]) -> int:
+        """Hand finished trajectories to the queue; returns how many were accepted.
+
+        A trajectory is matched to its request by (group_id, sample_index, worker). One whose request was
+        re-dispatched, already answered or aborted is ignored and counted `stale_attempt` (not a terminal
+        state: its sample is accounted by the current attempt). An empty `worker` matches any holder.
+        `Trajectory` carries no attempt number, so a restarted worker that keeps its name and re-acquires
+        the same request cannot be told apart from its previous life; give restarted workers new names.
+        """
+        self.expire_stragglers()
+        now = self.clock()
+        touched: dict[str, _GroupState] = {}
+        accepted = 0
+        for t in trajectories:
+            g = self._groups.get(t.group_id)
+            i = t.sample_index
+            if g is None or not 0 <= i < g.size or g.status[i] != OUT or (t.worker and t.worker != g.holder[i]):
+                self._counters["stale_attempt"] += 1
+                continue
+            accepted += 1
+            self._release(g, i)
+            if g.first_arrival_at is None:
+                g.first_arrival_at = now
+            if g.resolved:
+                self._finish(g, i, g.late_fate, t)
+            elif t.failure is not None:
+                self._finish(g, i, filters.failed_state(t.failure), t)
+            else:
+                g.rewards_seen.append(float(t.reward))
+                if self.config.filter_overlong and filters.is_overlong(t):
+                    self._finish(g, i, filters.FILTERED_OVERLONG, t)
+                else:
+                    g.status[i] = ARRIVED
+                    g.trajectories[i] = t
+                    g.arrived_at[i] = now
+            touched[g.group_id] = g
+        self._counters["put"] += accepted
+        for g in touched.values():
+            if g.resolved:
+                self._forget_if_done(g)
+            elif g.count(PENDING) == 0 and g.count(OUT) == 0:
+                self._resolve(g, [i for i, s in enumerate(g.status) if s == ARRIVED])
+                self._forget_if_done(g)
+            elif not g.has_deadline:
+                g.has_deadline = True
+                heapq.heappush(self._deadlines, (g.first_arrival_at + self.config.group_timeout_s, g.group_id))
+        return accepted
+
+    def requeue_worker(self, worker: str) -> int:
+        """Re-dispatch every request `worker` holds (it died); returns how many were re-dispatched.
+
+        Each gets a new attempt number and goes to the front of the dispatch order. Members of groups that
+        were already resolved (e.g. dropped as stragglers) take their group's fate instead.
+        """
+        requeued = 0
+        for gid, i in sorted(self._by_worker.pop(worker, set()), reverse=True):
+            g = self._groups[gid]
+            g.holder[i] = None
+            if g.resolved:
+                self._finish(g, i, g.late_fate, None)
+                self._forget_if_done(g)
+                continue
+            g.status[i] = PENDING
+            g.attempt[i] += 1
+            self._pending.appendleft((gid, i))
+            requeued += 1
+        self._counters["requeued"] += requeued
+        return requeued
+
+    def abort_outstanding(self, include_ready: bool = True) -> int:
+        """Shutdown: end all in-flight samples as `failed:aborted` and stop dispatching; returns how many.
+
+        With `include_ready=False`, ready groups stay available to a last `get_batch`.
+        """
+        self._dispatch_stopped = True
+        aborted = 0
+        for g in list(self._groups.values()):
+            for i, state in enumerate(g.status):
+                if state == DONE or (state == READY and not include_ready):
+                    continue
+                if state == OUT:
+                    self._release(g, i)
+                self._finish(g, i, filters.FAILED_ABORTED, g.trajectories[i])
+                aborted += 1
+            if not g.resolved:
+                g.resolved = True
+                self._unresolved -= 1
+            self._forget_if_done(g)
+        self._ready = deque(g for g in self._ready if g.group_id in self._groups)
+        self._pending.clear()
+        return aborted
+
+    def expire_stragglers(self) -> int:
+        """Resolve every group incomplete `group_timeout_s` after its first member arrived; returns how many.
+
+        `drop` ends the whole group `filtered:straggler`; `partial` hands out the arrived members if there are
+        at least 2. Members still out stay in flight and take `filtered:straggler` when they arrive.
+        """
+        now = self.clock()
+        expired = 0
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, gid = heapq.heappop(self._deadlines)
+            g = self._groups.get(gid)
+            if g is None or g.resolved:
+                continue
+            expired += 1
+            for i, state in enumerate(g.status):
+                if state == PENDING:
+                    self._finish(g, i, filters.FILTERED_STRAGGLER, None)
+            arrived = [i for i, s in enumerate(g.status) if s == ARRIVED]
+            if self.config.straggler_policy == "partial" and len(arrived) >= 2:
+                self._resolve(g, arrived)
+            else:
+                self._resolve(g, [])
+                for i in arrived:
+                    self._finish(g, i, filters.FILTERED_STRAGGLER, g.trajectories[i])
+            self._forget_if_done(g)
+        self._counters["straggler_groups"] += expired
+        return expired
+
+    def next_deadline(self) -> float | None:
+        """Clock time of the next straggler timeout, so a waiter knows when to look again."""
+        while self._deadlines:
+            deadline, gid = self._deadlines[0]
+            g = self._groups.get(gid)
+            if g is not None and not g.resolved:
+                return deadline
+            heapq.heappop(self._deadlines)
+        return None
+
+    # ------------------------------------------------------------------------------------------------
+    # Learner side.
+
+    def get_batch(self, num_groups: int, learner_version: int, min_groups: int | None = None) -> list[Group] | None:
+        """Hand out the `num_groups` oldest ready groups for a step at `learner_version`, or None.
+
+        Ready groups with lag `learner_version - min_version > max_staleness` are dropped first
+        (`dropped_stale`). With `min_groups`, hands out all ready groups when at least that many are ready
+        (for the end of a run). Returns None, handing out nothing, when too few are ready.
+        """
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1 (got {num_groups})")
+        self.expire_stragglers()
+        self.version = max(self.version, learner_version)
+        self._drop_stale(learner_version)
+        if len(self._ready) >= num_groups:
+            take = num_groups
+        elif min_groups is not None and len(self._ready) >= min_groups:
+            take = len(self._ready)
+        else:
+            return None
+        now = self.clock()
+        batch = []
+        for _ in range(take):
+            g = self._ready.popleft()
+            members = [i for i, s in enumerate(g.status) if s == READY]
+            batch.append(Group(g.group_id, [g.trajectories[i] for i in members]))
+            for i in members:
+                self._staleness[learner_version - g.trajectories[i].min_version] += 1
+                self._latencies.append(now - g.arrived_at[i])
+                self._finish(g, i, TRAINED, g.trajectories[i])
+            self._forget_if_done(g)
+        self._counters["groups_consumed"] += take
+        return batch
+
+    def drained(self) -> bool:
+        """Nothing more can become ready without new prompts: empty backlog, every group resolved."""
+        return self._unresolved == 0 and (not self._backlog or self._dispatch_stopped)
+
+    # ------------------------------------------------------------------------------------------------
+    # Accounting and metrics.
+
+    def counters(self) -> dict[str, int]:
+        """Terminal-state counters plus `dispatched` and `in_flight` (see the module docstring).
+
+        Other keys are informational and not part of the conservation sum: `acquired`, `put`,
+        `stale_attempt`, `requeued`, `retired_prompts`, `skipped_retired`, `straggler_groups`,
+        `groups_started`, `groups_consumed`, `groups_dropped_stale`.
+        """
+        out = dict.fromkeys(_ALWAYS_COUNTED, 0)
+        out.update(self._counters)
+        out["in_flight"] = self._in_flight
+        return out
+
+    def check_conservation(self) -> dict[str, int]:
+        """Raise `ConservationError` unless invariant 3 holds; returns the counters."""
+        c = self.counters()
+        filtered = sum(v for k, v in c.items() if k.startswith("filtered:"))
+        failed = sum(v for k, v in c.items() if k.startswith("failed:"))
+        rhs = c[TRAINED] + c[DROPPED_STALE] + filtered + failed + c["in_flight"]
+        if c["dispatched"] != rhs:
+            raise ConservationError(
+                f"replay queue: dispatched {c['dispatched']} != trained {c[TRAINED]} + dropped_stale {c[DROPPED_STALE]}"
+                f" + filtered {filtered} + failed {failed} + in_flight {c['in_flight']} (= {rhs}); counters {c}"
+            )
+        members = sum(g.in_flight() for g in self._groups.values())
+        if members != self._in_flight:
+            raise ConservationError(f"replay queue: in_flight counter {self._in_flight} != {members} members not yet terminal")
+        return c
+
+    def admission_limit(self) -> int:
+        """Groups that may have been started (consumed + in flight + ready) at the current version."""
+        return (self.version + self.config.max_staleness + 1) * self.batch_groups
+
+    def groups_ahead(self) -> int:
+        """consumed + in flight + ready groups: the position of the next group in consumption order."""
+        return self._counters["groups_consumed"] + self._unresolved + len(self._ready)
+
+    def staleness_histogram(self) -> dict[int, int]:
+        """Lag (learner version - the sample's min_version) -> trained samples."""
+        return dict(sorted(self._staleness.items()))
+
+    def latency_stats(self) -> dict[str, float]:
+        """Put-to-get seconds of the most recent trained samples: count, mean, p50, p99, max."""
+        if not self._latencies:
+            return {"count": 0, "mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0.0}
+        values = np.fromiter(self._latencies, dtype=np.float64)
+        p50, p99 = np.percentile(values, [50, 99])
+        return {"count": len(values), "mean": float(values.mean()), "p50": float(p50), "p99": float(p99), "max": float(values.max())}
+
+    def stats(self) -> dict[str, float]:
+        """A flat dict of numbers for telemetry."""
+        out: dict[str, float] = dict(self.counters())
+        out.update(
+            version=self.version,
+            batch_groups=self.batch_groups,
+            max_staleness=self.config.max_staleness,
+            admission_limit_groups=self.admission_limit(),
+            groups_ahead=self.groups_ahead(),
+            ready_groups=len(self._ready),
+            ready_samples=sum(g.count(READY) for g in self._ready),
+            groups_in_flight=self._unresolved,
+            backlog_groups=len(self._backlog),
+            retired_prompts_total=len(self._pass_rate.retired),
+        )
+        hist = self._staleness
+        total = sum(hist.values())
+        out["staleness_mean_versions"] = sum(lag * n for lag, n in hist.items()) / total if total else 0.0
+        out["staleness_max_versions"] = max(hist) if hist else 0
+        for lag, n in sorted(hist.items()):
+            out[f"staleness_hist:{lag}"] = n
+        for key, value in self.latency_stats().items():
+            out[f"latency_{key}" + ("" if key == "count" else "_s")] = value
+        return out
+
+    def outstanding_by_worker(self) -> dict[str, int]:
+        return {w: len(items) for w, items in self._by_worker.items() if items}
+
+    def oldest_outstanding(self) -> tuple[str, str, float] | None:
+        """(request_id, worker, seconds held) of the request held longest by a worker, for error messages."""
+        held = [(self._groups[gid].acquired_at[i], gid, i, w) for w, items in self._by_worker.items() for gid, i in items]
+        if not held:
+            return None
+        acquired_at, gid, i, worker = min(held)
+        return f"{gid}/{i}/{self._groups[gid].attempt[i]}", worker, self.clock() - acquired_at
+
+    # ------------------------------------------------------------------------------------------------
+    # Checkpointing.
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, version, pass-rate table and backlog; in-flight and ready groups go back to the backlog.
+
+        Their in-flight samples leave `dispatched` with them, so the restored queue starts with
+        in_flight == 0 and conservation holding; on resume they are dispatched again as new groups.
+        """
+        counters = Counter(self._counters)
+        counters["dispatched"] -= self._in_flight
+        redispatch = [(g.prompt, g.size) for g in self._groups.values() if g.in_flight() and not self._is_zombie(g)]
+        counters["groups_started"] -= len(redispatch)
+        backlog = redispatch + list(self._backlog)
+        return {
+            "counters": {k: v for k, v in counters.items() if v},
+            "version": self.version,
+            "batch_groups": self.batch_groups,
+            "next_group": self._next_group,
+            "pass_rate": self._pass_rate.state_dict(),
+            "staleness": dict(self._staleness),
+            "backlog": [{"prompt": asdict(p), "samples_per_prompt": n} for p, n in backlog],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a `state_dict`; only valid on a queue with nothing in flight."""
+        if self._groups:
+            raise RuntimeError(f"load_state_dict on a replay queue with {len(self._groups)} groups in flight")
+        self._counters = Counter({k: int(v) for k, v in state["counters"].items()})
+        self.version = int(state["version"])
+        self.batch_groups = int(state["batch_groups"])
+        self._next_group = int(state["next_group"])
+        self._pass_rate.load_state_dict(state["pass_rate"])
+        self._staleness = Counter({int(k): int(v) for k, v in state["staleness"].items()})
+        self._backlog = deque((Prompt(**item["prompt"]), int(item["samples_per_prompt"])) for item in state["backlog"])
+        self._in_flight = 0
+
+    def close(self) -> None:
+        """Flush and close the Parquet log."""
+        if self._log is not None:
+            self._log.close()
+
+    # ------------------------------------------------------------------------------------------------
+    # Internals.
+
+    def _is_zombie(self, g: _GroupState) -> bool:
+        """A resolved group kept only for members still out (they will be filtered when they arrive)."""
+        return g.resolved and g.count(READY) == 0
+
+    def _can_start(self) -> bool:
+        if self._dispatch_stopped or not self._backlog:
+            return False
+        if len(self._ready) >= self.config.capacity_groups:
+            return False
+        return self.groups_ahead() + 1 <= self.admission_limit()
+
+    def _start_group(self) -> bool:
+        while self._backlog and self._pass_rate.is_retired(self._backlog[0][0].prompt_id):
+            self._backlog.popleft()
+            self._counters["skipped_retired"] += 1
+        if not self._can_start():
+            return False
+        prompt, size = self._backlog.popleft()
+        gid = f"{prompt.prompt_id}#{self._next_group}"
+        self._next_group += 1
+        self._groups[gid] = _GroupState(
+            group_id=gid,
+            prompt=prompt,
+            size=size,
+            start_version=self.version,
+            status=[PENDING] * size,
+            holder=[None] * size,
+            attempt=[0] * size,
+            trajectories=[None] * size,
+            arrived_at=[0.0] * size,
+            acquired_at=[0.0] * size,
+        )
+        self._pending.extend((gid, i) for i in range(size))
+        self._unresolved += 1
+        self._in_flight += size
+        self._counters["dispatched"] += size
+        self._counters["groups_started"] += 1
+        return True
+
+    def _next_pending(self) -> tuple[_GroupState, int] | None:
+        while self._pending:
+            gid, i = self._pending.popleft()
+            g = self._groups.get(gid)
+            if g is not None and g.status[i] == PENDING:
+                return g, i
+        return None
+
+    def _release(self, g: _GroupState, i: int) -> None:
+        """Forget which worker holds member i."""
+        holder = g.holder[i]
+        if holder is not None:
+            self._by_worker.get(holder, set()).discard((g.group_id, i))
+            g.holder[i] = None
+
+    def _finish(self, g: _GroupState, i: int, fate: str, trajectory: Trajectory | None) -> None:
+        """Member i reaches its terminal state `fate`."""
+        g.status[i] = DONE
+        g.trajectories[i] = None
+        self._in_flight -= 1
+        self._counters[fate] += 1
+        if trajectory is not None and self._log is not None:
+            self._log.append(trajectory, fate)
+
+    def _resolve(self, g: _GroupState, members: list[int]) -> None:
+        """The group is finished arriving: update the pass rate, filter it, or make `members` ready."""
+        g.resolved = True
+        self._unresolved -= 1
+        if g.rewards_seen and self._pass_rate.update(g.prompt.prompt_id, g.rewards_seen):
+            self._counters["retired_prompts"] += 1
+        fate = None
+        if g.size >= 2 and 0 < len(members) < 2:
+            fate = filters.FILTERED_TOO_FEW_MEMBERS
+        elif g.size >= 2 and self.config.filter_zero_variance and filters.is_zero_variance([g.trajectories[i].reward for i in members]):
+            fate = filters.FILTERED_ZERO_VARIANCE
+        if fate is not None:
+            for i in members:
+                self._finish(g, i, fate, g.trajectories[i])
+            return
+        if members:
+            for i in members:
+                g.status[i] = READY
+            g.min_version = min(g.trajectories[i].min_version for i in members)
+            self._ready.append(g)
+
+    def _drop_stale(self, learner_version: int) -> None:
+        eta = self.config.max_staleness
+        fresh: deque[_GroupState] = deque()
+        for g in self._ready:
+            if learner_version - g.min_version <= eta:
+                fresh.append(g)
+                continue
+            for i, state in enumerate(g.status):
+                if state == READY:
+                    self._finish(g, i, DROPPED_STALE, g.trajectories[i])
+            self._counters["groups_dropped_stale"] += 1
+            self._forget_if_done(g)
+        self._ready = fresh
+
+    def _forget_if_done(self, g: _GroupState) -> None:
+        if g.resolved and all(s == DONE for s in g.status):
+            self._groups.pop(g.group_id, None)

@@ -1,0 +1,223 @@
+"""W4 `queue`: replay-queue throughput with the staleness check on.
+
+4 producer Ray actors acquire requests from the replay-queue actor and put back small trajectories; 1
+consumer actor drains it with `get_batch` and advances the policy version after every batch (it does no
+training, so this measures the queue). Each new version is pushed to the producers (the weight sync) before
+the queue is told, so the staleness check and admission control run as in a real run. Reported: trajectories/s through
+the queue, put-to-get latency p50/p99 (measured by the queue), and batched puts (64 per call) against
+unbatched ones (1 per call; a smaller count keeps the time bounded).
+
+    python benchmarks/queue_throughput.py            # 20,000 batched + 4,000 unbatched trajectories
+    python benchmarks/queue_throughput.py --quick    # smoke size, ~10-20 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results" / "queue_throughput.json"
+
+
+class Producer:
+    """A stand-in rollout worker: answers every request at once with a fixed-size trajectory."""
+
+    def __init__(self, queue, worker: str, put_batch: int, prompt_tokens: int, response_tokens: int) -> None:
+        import numpy as np
+
+        self.queue, self.worker, self.put_batch = queue, worker, put_batch
+        self.version = 0
+        self.stopped = False
+        self.prompt_ids = np.arange(prompt_tokens, dtype=np.int32)
+        self.response_ids = np.arange(response_tokens, dtype=np.int32) % 16
+        self.logprobs = np.full(response_tokens, -0.7, dtype=np.float32)
+        self.mask = np.ones(response_tokens, dtype=np.int8)
+        self.rng = np.random.default_rng(hash(worker) % 2**32)
+
+    async def ready(self) -> bool:
+        return True
+
+    async def set_version(self, version: int) -> None:
+        self.version = max(self.version, version)
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+    async def run(self) -> int:
+        import numpy as np
+
+        from asyncrl.types import Trajectory
+
+        produced = 0
+        while True:
+            requests = await self.queue.acquire.remote(self.worker, self.put_batch, timeout_s=0.2)
+            if not requests:
+                if self.stopped:
+                    return produced
+                continue
+            versions = np.full(len(self.response_ids), self.version, dtype=np.int32)
+            rewards = self.rng.random(len(requests))
+            trajectories = [
+                Trajectory(
+                    prompt_id=r.prompt.prompt_id,
+                    group_id=r.group_id,
+                    sample_index=r.sample_index,
+                    prompt_ids=self.prompt_ids,
+                    response_ids=self.response_ids,
+                    rollout_logprobs=self.logprobs,
+                    loss_mask=self.mask,
+                    versions=versions,
+                    finish_reason="stop",
+                    reward=float(reward),
+                    worker=self.worker,
+                    dispatch_version=self.version,
+                )
+                for r, reward in zip(requests, rewards)
+            ]
+            for start in range(0, len(trajectories), self.put_batch):
+                await self.queue.put.remote(trajectories[start : start + self.put_batch])
+            produced += len(trajectories)
+
+
+class Consumer:
+    """A stand-in learner: takes `batch_groups` groups per step and publishes version + 1 after each."""
+
+    def __init__(self, queue, producers) -> None:
+        self.queue, self.producers = queue, producers
+
+    async def ready(self) -> bool:
+        return True
+
+    async def run(self, batch_groups: int) -> dict:
+        version, trained, max_lag = 0, 0, 0
+        while True:
+            batch = await self.queue.get_batch.remote(batch_groups, version, timeout_s=60.0, min_groups=0)
+            if not batch:
+                stats = await self.queue.stats.remote()
+                if stats["in_flight"] == 0 and stats["backlog_groups"] == 0:
+                    break
+                continue
+            for group in batch:
+                trained += len(group.trajectories)
+                max_lag = max(max_lag, max(version - t.min_version for t in group.trajectories))
+            version += 1
+            # Weight sync: the queue learns the new version once every engine serves it (invariant 7),
+            # so that groups it admits from now on carry at least this version.
+            await asyncio.gather(*[p.set_version.remote(version) for p in self.producers])
+            await self.queue.set_version.remote(version)
+        return {"trained": trained, "steps": version, "max_lag": max_lag}
+
+
+def run_once(ray, args, num_trajectories: int, put_batch: int, tag: str) -> dict:
+    from asyncrl.buffer import start_replay_queue
+    from asyncrl.types import Prompt
+
+    config = {
+        "max_staleness": args.max_staleness,
+        "filter_zero_variance": False,
+        "log_parquet": False,
+        "capacity_groups": 1024,
+    }
+    queue = start_replay_queue(config, batch_groups=args.batch_groups, name=f"w4-queue-{tag}")
+    producers = [
+        ray.remote(Producer).options(num_cpus=0, max_concurrency=4).remote(queue, f"{tag}-p{k}", put_batch, 16, 16)
+        for k in range(args.producers)
+    ]
+    consumer = ray.remote(Consumer).options(num_cpus=0).remote(queue, producers)
+    ray.get([a.ready.remote() for a in producers + [consumer]] + [queue.counters.remote()])
+    num_prompts = num_trajectories // args.samples_per_prompt
+    prompts = [Prompt(prompt_id=f"q{k}", prompt_ids=list(range(16)), ground_truth="0") for k in range(num_prompts)]
+    ray.get(queue.add_prompts.remote(prompts, args.samples_per_prompt))
+
+    start = time.perf_counter()
+    runs = [p.run.remote() for p in producers]
+    result = ray.get(consumer.run.remote(args.batch_groups))
+    seconds = time.perf_counter() - start
+    ray.get([p.stop.remote() for p in producers])
+    ray.get(runs)
+    stats = ray.get(queue.stats.remote())
+    counters = ray.get(queue.check_conservation.remote())
+    for actor in producers + [consumer, queue]:
+        ray.kill(actor)
+    return {
+        "put_batch": put_batch,
+        "trajectories": num_prompts * args.samples_per_prompt,
+        "trained": counters["trained"],
+        "dropped_stale": counters["dropped_stale"],
+        "seconds": round(seconds, 3),
+        "trajectories_per_s": round(counters["trained"] / seconds, 1),
+        "latency_p50_ms": round(stats["latency_p50_s"] * 1e3, 2),
+        "latency_p99_ms": round(stats["latency_p99_s"] * 1e3, 2),
+        "steps": result["steps"],
+        "max_lag_versions": result["max_lag"],
+        "staleness_mean_versions": round(stats["staleness_mean_versions"], 3),
+        "conservation_ok": counters["in_flight"] == 0 and counters["dispatched"] == counters["trained"] + counters["dropped_stale"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke size (~10-20 s)")
+    parser.add_argument("--trajectories", type=int, default=None, help="batched run size (default 20000, quick 4000)")
+    parser.add_argument("--unbatched-trajectories", type=int, default=None, help="unbatched run size (default 4000, quick 800)")
+    parser.add_argument("--put-batch", type=int, default=64, help="trajectories per put in the batched run")
+    parser.add_argument("--producers", type=int, default=4)
+    parser.add_argument("--samples-per-prompt", type=int, default=4)
+    parser.add_argument("--batch-groups", type=int, default=16, help="groups per consumer step")
+    parser.add_argument("--max-staleness", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    batched_n = args.trajectories or (4000 if args.quick else 20_000)
+    unbatched_n = args.unbatched_trajectories or (800 if args.quick else 4000)
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        rows = [
+            run_once(ray, args, batched_n, args.put_batch, "batched"),
+            run_once(ray, args, unbatched_n, 1, "unbatched"),
+        ]
+    finally:
+        ray.shutdown()
+
+    ratio = rows[0]["trajectories_per_s"] / rows[1]["trajectories_per_s"]
+    header = ["put_batch", "trajectories", "seconds", "trajectories_per_s", "latency_p50_ms", "latency_p99_ms", "dropped_stale", "max_lag_versions", "steps"]
+    widths = [max(len(h), 10) for h in header]
+    print("W4 queue: replay-queue throughput "
+          f"({args.producers} producers, 1 consumer, G={args.samples_per_prompt}, B={args.batch_groups} groups/step, eta={args.max_staleness})")
+    print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
+    for row in rows:
+        print("  ".join(str(row[h]).rjust(w) for h, w in zip(header, widths)))
+    print(f"batched / unbatched throughput: {ratio:.1f}x")
+
+    result = {
+        "workload": "W4 queue",
+        "quick": args.quick,
+        "config": {
+            "producers": args.producers,
+            "consumers": 1,
+            "samples_per_prompt": args.samples_per_prompt,
+            "batch_groups": args.batch_groups,
+            "max_staleness": args.max_staleness,
+            "prompt_tokens": 16,
+            "response_tokens": 16,
+        },
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "runs": rows,
+        "batched_over_unbatched": round(ratio, 2),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

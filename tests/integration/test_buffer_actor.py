@@ -1,0 +1,137 @@
+"""The replay queue as a real async Ray actor: concurrent producers and a learner, timeouts, conservation."""
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from asyncrl.buffer import start_replay_queue
+from asyncrl.types import Prompt, Request, Trajectory
+
+pytestmark = pytest.mark.integration
+
+
+def make_prompts(n: int) -> list[Prompt]:
+    return [Prompt(prompt_id=f"p{k}", prompt_ids=[1, 2, k % 16], ground_truth=str(k)) for k in range(n)]
+
+
+def answer(request: Request, worker: str, version: int, reward: float, failure: str | None = None) -> Trajectory:
+    return Trajectory(
+        prompt_id=request.prompt.prompt_id,
+        group_id=request.group_id,
+        sample_index=request.sample_index,
+        prompt_ids=np.asarray(request.prompt.prompt_ids, dtype=np.int32),
+        response_ids=np.arange(4, dtype=np.int32),
+        rollout_logprobs=np.full(4, -1.0, dtype=np.float32),
+        loss_mask=np.ones(4, dtype=np.int8),
+        versions=np.full(4, version, dtype=np.int32),
+        finish_reason="stop",
+        reward=reward,
+        failure=failure,
+        worker=worker,
+        dispatch_version=version,
+    )
+
+
+def test_concurrent_producers_and_a_learner_conserve_every_sample(ray_cluster):
+    num_prompts, group_size, batch_groups, eta = 48, 2, 4, 1
+    queue = start_replay_queue(
+        {"max_staleness": eta, "log_parquet": False},
+        batch_groups=batch_groups,
+        name="rq-concurrent",
+    )
+    ray_cluster.get(queue.add_prompts.remote(make_prompts(num_prompts), group_size))
+    learner = {"version": 0, "done": False}
+
+    async def producer(worker: str, dies_after: int | None = None) -> None:
+        calls = 0
+        while not learner["done"]:
+            requests = await queue.acquire.remote(worker, 3, timeout_s=0.2)
+            calls += 1
+            if dies_after is not None and calls > dies_after and requests:
+                await queue.requeue_worker.remote(worker)  # what the controller does when it sees the actor die
+                return
+            if not requests:
+                continue
+            version = learner["version"]  # weights of this engine: the last published version
+            answers = [
+                answer(r, worker, version, reward=float(r.sample_index % 2), failure="timeout" if (k + calls) % 7 == 0 else None)
+                for k, r in enumerate(requests)
+            ]
+            await queue.put.remote(answers)
+
+    async def consumer() -> list:
+        lags = []
+        for _ in range(200):
+            batch = await queue.get_batch.remote(batch_groups, learner["version"], timeout_s=20.0, min_groups=0)
+            if not batch:
+                stats = await queue.stats.remote()
+                if stats["in_flight"] == 0 and stats["backlog_groups"] == 0:
+                    break
+                continue
+            lags += [learner["version"] - t.min_version for g in batch for t in g.trajectories]
+            learner["version"] += 1
+            await queue.set_version.remote(learner["version"])
+        learner["done"] = True
+        return lags
+
+    async def run() -> list:
+        results = await asyncio.gather(
+            consumer(), producer("w0"), producer("w1"), producer("w2"), producer("w-dies", dies_after=2)
+        )
+        return results[0]
+
+    start = time.monotonic()
+    lags = asyncio.run(run())
+    assert time.monotonic() - start < 30
+    c = ray_cluster.get(queue.check_conservation.remote())
+    terminal = c["trained"] + c["dropped_stale"] + sum(v for k, v in c.items() if k.startswith(("filtered:", "failed:")))
+    assert c["in_flight"] == 0 and c["dispatched"] == terminal == num_prompts * group_size
+    # Rewards 0/1 within every group: only a timeout removes samples (its partner is left alone in the group).
+    assert c["trained"] + c["failed:timeout"] + c["filtered:too_few_members"] == num_prompts * group_size
+    assert c["requeued"] >= 1 and c["failed:timeout"] >= 1 and c["trained"] >= num_prompts
+    assert c["trained"] == len(lags) and max(lags) <= eta
+    assert sum(ray_cluster.get(queue.staleness_histogram.remote()).values()) == c["trained"]
+
+
+def test_get_batch_times_out_naming_the_queue_and_what_it_waited_for(ray_cluster):
+    queue = start_replay_queue({"log_parquet": False}, name="rq-timeout")
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ReplayQueue 'rq-timeout'.*2 groups at learner version 3.*nothing in flight"):
+        ray_cluster.get(queue.get_batch.remote(2, 3, timeout_s=0.5))
+    assert 0.5 <= time.monotonic() - start < 5
+
+    ray_cluster.get(queue.add_prompts.remote(make_prompts(1), 2))
+    held = ray_cluster.get(queue.acquire.remote("w-slow", 2))
+    with pytest.raises(TimeoutError, match=r"requests held by workers: w-slow=2 \(oldest p0#0/0/0 held by w-slow"):
+        ray_cluster.get(queue.get_batch.remote(1, 0, timeout_s=0.3))
+    assert len(held) == 2
+
+
+def test_a_waiting_learner_wakes_at_the_straggler_timeout(ray_cluster):
+    queue = start_replay_queue(
+        {"group_timeout_s": 0.5, "straggler_policy": "partial", "filter_zero_variance": False, "log_parquet": False},
+        name="rq-straggler",
+    )
+    ray_cluster.get(queue.add_prompts.remote(make_prompts(1), 4))
+    requests = ray_cluster.get(queue.acquire.remote("w0", 4))
+    ray_cluster.get(queue.put.remote([answer(r, "w0", 0, reward=float(r.sample_index)) for r in requests[:2]]))
+    start = time.monotonic()
+    (group,) = ray_cluster.get(queue.get_batch.remote(1, 0, timeout_s=10.0))
+    assert [t.sample_index for t in group.trajectories] == [0, 1]
+    assert time.monotonic() - start < 3  # woke at the 0.5 s group timeout, not at the 10 s get_batch timeout
+    ray_cluster.get(queue.put.remote([answer(r, "w0", 0, reward=0.0) for r in requests[2:]]))
+    c = ray_cluster.get(queue.check_conservation.remote())
+    assert (c["trained"], c["filtered:straggler"], c["in_flight"]) == (2, 2, 0)
+
+
+def test_acquire_waits_for_prompts_and_returns_empty_at_its_timeout(ray_cluster):
+    queue = start_replay_queue({"log_parquet": False}, name="rq-acquire")
+    assert ray_cluster.get(queue.acquire.remote("w0", 4, timeout_s=0.2)) == []
+    pending = queue.acquire.remote("w0", 4, timeout_s=10.0)
+    time.sleep(0.3)
+    start = time.monotonic()
+    ray_cluster.get(queue.add_prompts.remote(make_prompts(1), 3))
+    assert len(ray_cluster.get(pending)) == 3
+    assert time.monotonic() - start < 3

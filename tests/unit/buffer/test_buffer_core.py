@@ -1,0 +1,309 @@
+"""Scenario tests of ReplayQueueCore: readiness, filters, stragglers, admission, staleness, requeue, resume."""
+
+import json
+
+import pytest
+from buffer_fakes import FakeClock, answer, make_config, make_prompts
+
+from asyncrl.buffer.core import ConservationError, ReplayQueueCore
+
+# Rewards with variance, so the zero-variance filter leaves the group alone.
+MIXED = [1.0, 0.0, 1.0, 0.0]
+
+
+def started_queue(num_prompts=1, group_size=4, batch_groups=1, clock=None, **config):
+    config.setdefault("max_staleness", 8)
+    core = ReplayQueueCore(make_config(**config), batch_groups=batch_groups, clock=clock or FakeClock())
+    core.add_prompts(make_prompts(num_prompts), samples_per_prompt=group_size)
+    return core
+
+
+def put_all(core, requests, rewards=None, worker="w0", **kw):
+    rewards = rewards or [float(r.sample_index % 2) for r in requests]
+    return core.put([answer(r, reward=x, worker=worker, **kw) for r, x in zip(requests, rewards)])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Readiness.
+
+
+def test_a_group_is_ready_only_when_every_member_arrived():
+    core = started_queue(group_size=4)
+    requests = core.acquire("w0", 10)
+    assert [r.request_id for r in requests] == [f"p0#0/{i}/0" for i in range(4)]
+    put_all(core, requests[:3], rewards=MIXED[:3])
+    assert core.get_batch(1, learner_version=0) is None
+    put_all(core, requests[3:], rewards=MIXED[3:])
+    (group,) = core.get_batch(1, learner_version=0)
+    assert [t.sample_index for t in group.trajectories] == [0, 1, 2, 3]
+    c = core.check_conservation()
+    assert (c["dispatched"], c["trained"], c["in_flight"]) == (4, 4, 0)
+
+
+def test_a_single_trajectory_is_ready_on_arrival():
+    core = started_queue(num_prompts=3, group_size=1, batch_groups=3)
+    requests = core.acquire("w0", 10)
+    assert len(requests) == 3
+    put_all(core, requests[1:2], rewards=[1.0])
+    (group,) = core.get_batch(1, learner_version=0)
+    assert group.group_id == requests[1].group_id and len(group.trajectories) == 1
+    c = core.check_conservation()
+    assert (c["dispatched"], c["trained"], c["in_flight"]) == (3, 1, 2)
+
+
+def test_get_batch_hands_out_nothing_until_num_groups_are_ready_unless_min_groups():
+    core = started_queue(num_prompts=3, group_size=1, batch_groups=3)
+    put_all(core, core.acquire("w0", 2), rewards=[1.0, 0.0])
+    assert core.get_batch(3, learner_version=0) is None
+    assert core.counters()["trained"] == 0
+    assert len(core.get_batch(3, learner_version=0, min_groups=2)) == 2
+    assert core.counters()["trained"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# Filters, each counted by reason.
+
+
+def test_a_failed_trajectory_is_counted_by_reason_and_leaves_its_group():
+    core = started_queue(group_size=3)
+    requests = core.acquire("w0", 3)
+    core.put([answer(requests[0], failure="reward_error: division by zero"), answer(requests[1], reward=1.0), answer(requests[2])])
+    (group,) = core.get_batch(1, learner_version=0)
+    assert [t.sample_index for t in group.trajectories] == [1, 2]
+    c = core.check_conservation()
+    assert (c["failed:reward_error"], c["trained"], c["in_flight"]) == (1, 2, 0)
+
+
+def test_a_group_left_with_one_member_is_filtered_as_too_few():
+    core = started_queue(group_size=3)
+    requests = core.acquire("w0", 3)
+    core.put([answer(requests[0], failure="timeout"), answer(requests[1], failure="timeout"), answer(requests[2], reward=1.0)])
+    assert core.get_batch(1, learner_version=0, min_groups=0) == []
+    c = core.check_conservation()
+    assert (c["failed:timeout"], c["filtered:too_few_members"], c["trained"]) == (2, 1, 0)
+
+
+@pytest.mark.parametrize("enabled, trained, filtered", [(True, 0, 4), (False, 4, 0)])
+def test_a_zero_variance_group_is_filtered_when_enabled(enabled, trained, filtered):
+    core = started_queue(group_size=4, filter_zero_variance=enabled)
+    put_all(core, core.acquire("w0", 4), rewards=[1.0, 1.0, 1.0, 1.0])
+    core.get_batch(1, learner_version=0, min_groups=0)
+    c = core.check_conservation()
+    assert (c["trained"], c.get("filtered:zero_variance", 0)) == (trained, filtered)
+
+
+@pytest.mark.parametrize("enabled, trained, filtered", [(True, 3, 1), (False, 4, 0)])
+def test_overlong_trajectories_are_filtered_one_by_one_when_enabled(enabled, trained, filtered):
+    core = started_queue(group_size=4, filter_overlong=enabled)
+    requests = core.acquire("w0", 4)
+    core.put([answer(r, reward=MIXED[r.sample_index], finish_reason="length" if r.sample_index == 2 else "stop") for r in requests])
+    core.get_batch(1, learner_version=0, min_groups=0)
+    c = core.check_conservation()
+    assert (c["trained"], c.get("filtered:overlong", 0)) == (trained, filtered)
+
+
+def test_pass_rate_curriculum_retires_a_solved_prompt_and_skips_its_backlog():
+    # eta = 0 and B = 1: one group at a time, so the second epoch of p0 is still in the backlog.
+    core = ReplayQueueCore(make_config(max_staleness=0, pass_rate_curriculum=True, pass_rate_threshold=0.75), clock=FakeClock())
+    p0, p1 = make_prompts(2)
+    core.add_prompts([p0, p0, p1], samples_per_prompt=4)
+    requests = core.acquire("w0", 10)
+    assert {r.group_id for r in requests} == {"p0#0"}
+    put_all(core, requests, rewards=[1.0, 1.0, 1.0, 0.0])  # pass rate 3/4 = 0.75 >= 0.75
+    assert len(core.get_batch(1, learner_version=0)) == 1
+    core.set_version(1)
+    assert {r.group_id for r in core.acquire("w0", 10)} == {"p1#1"}  # p0's second group was skipped
+    assert core.add_prompts([p0], samples_per_prompt=4) == 0
+    c = core.check_conservation()
+    assert (c["retired_prompts"], c["skipped_retired"], c["dispatched"]) == (1, 2, 8)
+
+
+def test_pass_rate_below_threshold_keeps_the_prompt():
+    core = ReplayQueueCore(make_config(max_staleness=0, pass_rate_curriculum=True, pass_rate_threshold=0.9), clock=FakeClock())
+    p0 = make_prompts(1)[0]
+    core.add_prompts([p0, p0], samples_per_prompt=4)
+    put_all(core, core.acquire("w0", 10), rewards=[1.0, 1.0, 1.0, 0.0])
+    core.get_batch(1, learner_version=0)
+    core.set_version(1)
+    assert {r.group_id for r in core.acquire("w0", 10)} == {"p0#1"}
+    assert core.counters().get("retired_prompts", 0) == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stragglers (fake clock).
+
+
+def test_straggler_drop_filters_the_whole_group_including_late_members():
+    clock = FakeClock()
+    core = started_queue(group_size=4, clock=clock, group_timeout_s=10.0, straggler_policy="drop")
+    requests = core.acquire("w0", 3)  # member 3 is never acquired
+    put_all(core, requests[:2], rewards=[1.0, 0.0])
+    clock.advance(9.9)
+    core.expire_stragglers()
+    assert core.counters().get("filtered:straggler", 0) == 0
+    clock.advance(0.1)
+    assert core.get_batch(1, learner_version=0) is None
+    c = core.check_conservation()
+    # 2 arrived + 1 never acquired end now; the member still out stays in flight until it arrives.
+    assert (c["filtered:straggler"], c["in_flight"], c["straggler_groups"]) == (3, 1, 1)
+    put_all(core, requests[2:3])
+    c = core.check_conservation()
+    assert (c["filtered:straggler"], c["in_flight"], c["trained"]) == (4, 0, 0)
+
+
+def test_straggler_partial_hands_out_finished_members_and_filters_late_ones():
+    clock = FakeClock()
+    core = started_queue(group_size=4, clock=clock, group_timeout_s=10.0, straggler_policy="partial")
+    requests = core.acquire("w0", 4)
+    put_all(core, requests[:2], rewards=[1.0, 0.0])
+    clock.advance(10.0)
+    (group,) = core.get_batch(1, learner_version=0)
+    assert [t.sample_index for t in group.trajectories] == [0, 1]
+    put_all(core, requests[2:])
+    c = core.check_conservation()
+    assert (c["trained"], c["filtered:straggler"], c["in_flight"]) == (2, 2, 0)
+
+
+def test_straggler_partial_with_one_finished_member_drops_the_group():
+    clock = FakeClock()
+    core = started_queue(group_size=4, clock=clock, group_timeout_s=10.0, straggler_policy="partial")
+    requests = core.acquire("w0", 4)
+    put_all(core, requests[:1])
+    clock.advance(10.0)
+    assert core.get_batch(1, learner_version=0, min_groups=0) == []
+    assert core.counters()["filtered:straggler"] == 1
+    put_all(core, requests[1:])
+    c = core.check_conservation()
+    assert (c["filtered:straggler"], c["in_flight"]) == (4, 0)
+
+
+def test_a_straggler_member_held_by_a_lost_worker_takes_the_group_fate():
+    clock = FakeClock()
+    core = started_queue(group_size=2, clock=clock, group_timeout_s=5.0)
+    first, second = core.acquire("w0", 1)[0], core.acquire("w1", 1)[0]
+    put_all(core, [first])
+    clock.advance(5.0)
+    core.expire_stragglers()
+    assert core.requeue_worker("w1") == 0
+    c = core.check_conservation()
+    assert (c["filtered:straggler"], c["in_flight"]) == (2, 0)
+    assert core.put([answer(second, worker="w1")]) == 0  # the late answer of a finished sample is ignored
+    assert core.counters()["stale_attempt"] == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# Admission control and the staleness check.
+
+
+def test_admission_with_eta_0_starts_only_b_groups_per_learner_version():
+    core = started_queue(num_prompts=10, group_size=2, batch_groups=2, max_staleness=0)
+    first = core.acquire("w0", 100)
+    assert len({r.group_id for r in first}) == 2 and len(first) == 4  # (0 + 0 + 1) * 2 groups
+    assert core.acquire("w0", 100) == []
+    put_all(core, first)
+    assert len(core.get_batch(2, learner_version=0)) == 2
+    assert core.acquire("w0", 100) == []  # consumed but the version has not advanced
+    core.set_version(1)
+    second = core.acquire("w0", 100)
+    assert len({r.group_id for r in second}) == 2 and len(second) == 4
+    assert core.counters()["groups_started"] == 4
+
+
+def test_admission_with_eta_2_allows_eta_plus_one_steps_of_groups():
+    core = started_queue(num_prompts=20, group_size=2, batch_groups=2, max_staleness=2)
+    assert len({r.group_id for r in core.acquire("w0", 100)}) == 6  # (0 + 2 + 1) * 2
+    core.set_version(3)
+    assert len({r.group_id for r in core.acquire("w0", 100)}) == 6  # (3 + 2 + 1) * 2 = 12 in all
+
+
+def test_capacity_caps_ready_groups():
+    core = started_queue(num_prompts=10, group_size=1, batch_groups=1, max_staleness=100, capacity_groups=2)
+    put_all(core, core.acquire("w0", 2))
+    assert core.acquire("w0", 5) == []
+    core.get_batch(1, learner_version=0)
+    assert len(core.acquire("w0", 5)) == 5  # one ready group left < capacity 2
+
+
+def test_a_stale_group_is_dropped_at_hand_out_and_never_returned():
+    core = started_queue(num_prompts=3, group_size=1, batch_groups=3, max_staleness=1)
+    a, b, c_ = core.acquire("w0", 3)
+    core.put([answer(a, version=0), answer(b, version=[0, 1, 2]), answer(c_, version=1)])
+    # At learner version 2: a has lag 2 > 1 (dropped), b has min_version 0 (dropped), c has lag 1.
+    (group,) = core.get_batch(1, learner_version=2)
+    assert group.group_id == c_.group_id
+    c = core.check_conservation()
+    assert (c["dropped_stale"], c["trained"], c["groups_dropped_stale"]) == (2, 1, 2)
+    assert core.staleness_histogram() == {1: 1}
+
+
+def test_put_to_get_latency_is_measured_on_the_queue_clock():
+    clock = FakeClock()
+    core = started_queue(num_prompts=2, group_size=1, batch_groups=2, clock=clock)
+    requests = core.acquire("w0", 2)
+    put_all(core, requests[:1])
+    clock.advance(1.0)
+    put_all(core, requests[1:])
+    clock.advance(2.0)
+    core.get_batch(2, learner_version=0)
+    lat = core.latency_stats()
+    assert (lat["count"], lat["max"], lat["p50"]) == (2, 3.0, 2.5)  # latencies 3 s and 2 s
+
+
+# ---------------------------------------------------------------------------------------------------
+# Worker loss, shutdown, checkpoint.
+
+
+def test_requests_of_a_lost_worker_are_redispatched_once_and_late_answers_ignored():
+    core = started_queue(group_size=2)
+    lost = core.acquire("w0", 2)
+    assert core.requeue_worker("w0") == 2
+    again = core.acquire("w1", 5)
+    assert [r.request_id for r in again] == ["p0#0/0/1", "p0#0/1/1"]
+    assert core.put([answer(r, worker="w0") for r in lost]) == 0
+    assert core.put([answer(r, reward=float(r.sample_index), worker="w1") for r in again]) == 2
+    core.get_batch(1, learner_version=0)
+    c = core.check_conservation()
+    assert (c["dispatched"], c["trained"], c["stale_attempt"], c["requeued"], c["in_flight"]) == (2, 2, 2, 2, 0)
+
+
+def test_abort_outstanding_ends_every_in_flight_sample_and_stops_dispatch():
+    core = started_queue(num_prompts=4, group_size=2, batch_groups=4)
+    requests = core.acquire("w0", 5)
+    put_all(core, requests[:2])  # one ready group, one half-arrived group, one pending member
+    assert core.abort_outstanding() == 5 + 1  # 5 acquired or ready + 1 never acquired
+    c = core.check_conservation()
+    assert (c["failed:aborted"], c["in_flight"], c["dispatched"]) == (6, 0, 6)
+    assert core.acquire("w0", 5) == []
+
+
+def test_check_conservation_raises_when_a_count_goes_missing():
+    core = started_queue(group_size=2)
+    core.acquire("w0", 2)
+    core._counters["dispatched"] += 1
+    with pytest.raises(ConservationError, match="dispatched 3 != .*in_flight 2"):
+        core.check_conservation()
+
+
+def test_state_dict_round_trip_redispatches_in_flight_work_and_keeps_conservation():
+    core = started_queue(num_prompts=6, group_size=2, batch_groups=2, max_staleness=1, pass_rate_curriculum=True, pass_rate_threshold=1.0)
+    requests = core.acquire("w0", 100)  # 4 groups: (0 + 1 + 1) * 2
+    put_all(core, requests[:4], rewards=[1.0, 1.0, 0.0, 1.0])  # p0 solved -> retired; 2 groups ready
+    core.get_batch(1, learner_version=0)  # 1 group trained
+    put_all(core, requests[4:5])  # p2 half arrived; p3 out
+    before = core.check_conservation()
+    assert (before["dispatched"], before["trained"], before["in_flight"]) == (8, 2, 6)
+
+    state = json.loads(json.dumps(core.state_dict()))
+    resumed = ReplayQueueCore(make_config(max_staleness=1, pass_rate_curriculum=True, pass_rate_threshold=1.0), clock=FakeClock())
+    resumed.load_state_dict(state)
+    c = resumed.check_conservation()
+    assert (c["dispatched"], c["trained"], c["in_flight"], c["retired_prompts"]) == (2, 2, 0, 1)
+    # The ready group (p1) and in-flight groups (p2, p3) go first, ahead of the backlog (p4, p5); admission
+    # still counts the consumed group: 1 + 3 = (0 + 1 + 1) * 2 - 0 leaves room for exactly these 3.
+    again = resumed.acquire("w9", 100)
+    assert [r.prompt.prompt_id for r in again[::2]] == ["p1", "p2", "p3"]
+    assert resumed.batch_groups == 2 and again[0].group_id == "p1#4"
+    put_all(resumed, again, worker="w9")
+    assert len(resumed.get_batch(3, learner_version=0)) == 3
+    c = resumed.check_conservation()
+    assert (c["dispatched"], c["trained"], c["in_flight"]) == (8, 8, 0)
