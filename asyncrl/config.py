@@ -36,13 +36,13 @@ class Section(BaseModel):
 class ModelConfig(Section):
     path: str | None = None
     """A Hugging Face model directory. When unset, the `preset` tiny model is built locally (and cached)."""
-    preset: str = "add-1m"
+    preset: str = "add-3m"
     """Tiny Qwen2-architecture preset from `asyncrl.models` (used when `path` is unset)."""
     warm_start_examples: int = Field(2000, ge=0, le=100_000)
     """Supervised warm-start examples for the built-in task (0 = start from random weights)."""
-    warm_start_epochs: int = Field(6, ge=0, le=1000)
+    warm_start_epochs: int = Field(20, ge=0, le=1000)
     """Epochs of the supervised warm start."""
-    warm_start_lr: float = Field(3e-3, gt=0)
+    warm_start_lr: float = Field(1e-3, gt=0)
     """Learning rate of the supervised warm start."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype for learner and engines. fp32 gives 1e-5 log-prob parity on CPU."""
@@ -74,6 +74,8 @@ class RolloutConfig(Section):
     """Nucleus sampling; rollout log-probs are those of the processed distribution."""
     max_tokens: int = Field(8, ge=1)
     """Maximum generated tokens per trajectory."""
+    max_model_len: int = Field(512, ge=16)
+    """Longest prompt + response an engine serves (sizes the KV cache)."""
     max_requests_in_flight: int = Field(256, ge=1)
     """Requests an engine keeps running at once (continuous batching)."""
     request_timeout_s: float = Field(120.0, gt=0)
@@ -94,7 +96,7 @@ class EnvConfig(Section):
     reward: str = "exact_match"
     """Reward function: a built-in name (`exact_match`) or `module:function` import path."""
     reward_timeout_s: float = Field(10.0, gt=0)
-    """A reward call running longer marks the trajectory `failed:reward_timeout`."""
+    """A reward call running longer marks the trajectory `failed:reward_error` (timed out)."""
 
 
 class BufferConfig(Section):

@@ -1,8 +1,9 @@
-"""Entry point of a run: resolve the model, write the resolved config, run the mode, write summary.json."""
+"""Entry point of a run: resolve the model, build the pools, run the mode's loop, write summary.json."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -10,18 +11,33 @@ from asyncrl.config import Config
 
 
 def run(cfg: Config) -> dict:
-    out = Path(cfg.output_dir)
-    cfg.save(out)
-    start = time.perf_counter()
+    """Run one job end to end and return (and write) its summary."""
+    from asyncrl.controller.loop import Controller
     from asyncrl.models import ensure_model
 
+    out = Path(cfg.output_dir)
+    cfg.save(out)
     model_dir = ensure_model(cfg)
-    warm = json.loads((model_dir / "warm_start.json").read_text()) if (model_dir / "warm_start.json").exists() else {}
-    summary = {
-        "mode": cfg.mode,
-        "model_dir": str(model_dir),
-        "start_accuracy": warm.get("heldout_accuracy"),
-        "wall_clock_s": round(time.perf_counter() - start, 2),
-    }
+    _init_ray(cfg)
+    controller = Controller(cfg, model_dir)
+    try:
+        controller.start()
+        summary = controller.run()
+    finally:
+        controller.shutdown()
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _init_ray(cfg: Config) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        return
+    # Locally, Ray's CPU count is a scheduling label, not a thread limit: ask for what the pools need.
+    need = cfg.rollout.num_workers * cfg.rollout.num_cpus_per_worker + cfg.learner.num_ranks * cfg.learner.num_cpus_per_rank
+    ray.init(num_cpus=max(int(need) + 2, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)

@@ -34,6 +34,7 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "tiny-0.3m": Preset(64, 4, 2, 1, 256),
     "add-1m": Preset(128, 4, 4, 2, 512),
+    "add-3m": Preset(256, 4, 8, 4, 768),
     "ascii-1m": Preset(128, 4, 4, 2, 512, alphabet=ASCII_ALPHABET),
     "w3-0.5m": Preset(96, 4, 3, 1, 320),
     "w3-25m": Preset(512, 6, 8, 4, 2048),

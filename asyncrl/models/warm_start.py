@@ -29,7 +29,7 @@ def _examples(tokenizer, n: int, max_operand: int, seed: int) -> list[tuple[list
     return out
 
 
-def warm_start(model_dir: str | Path, examples: int, epochs: int, lr: float, max_operand: int, seed: int = 0, batch_size: int = 64) -> dict:
+def warm_start(model_dir: str | Path, examples: int, epochs: int, lr: float, max_operand: int, seed: int = 0, batch_size: int = 32) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)

@@ -121,13 +121,14 @@ class RolloutPool:
     # ---------------------------------------------------------------------------------------------
     # Weights
 
-    def update_weights(self, buckets: Sequence[bytes], version: int, in_flight: bool = True, timeout_s: float = 120.0) -> None:
-        """Send the buckets to every engine and wait until each reports `version`.
+    def update_weights(self, buckets: Sequence[Any], version: int, in_flight: bool = True, timeout_s: float = 120.0) -> None:
+        """Send the buckets (bytes, or object refs of bytes such as the learner's export) to every engine
+        and wait until each reports `version`.
 
         Raises WeightSyncTimeout / WeightSyncError naming every engine that did not confirm in `timeout_s`.
         The buckets stay referenced until the next sync so that workers added later get them.
         """
-        refs = [ray.put(bytes(b)) for b in buckets]
+        refs = [b if isinstance(b, ray.ObjectRef) else ray.put(bytes(b)) for b in buckets]
         self._latest = (refs, version)
         self._sync(dict(self._workers), refs, version, in_flight, timeout_s)
 

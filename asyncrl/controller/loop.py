@@ -1,0 +1,235 @@
+"""The controller: builds the pools from one config and runs a mode's loop.
+
+All three modes share one loop; what differs is configuration the modes imply (architecture.md):
+- `sync`: eta = 0, so admission control lets the rollout pool start exactly one batch per version; the
+  weight update is blocking. Generate, train, publish, repeat: the baseline.
+- `streaming`: eta > 0, group readiness, in-flight weight updates (ScaleRL / PipelineRL).
+- `sao`: one trajectory per prompt, ready the moment it finishes; critic + GAE; DIS gate.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import ray
+
+from asyncrl.config import Config
+from asyncrl.telemetry.progress import Progress
+
+
+class Controller:
+    def __init__(self, cfg: Config, model_dir: Path):
+        self.cfg = cfg
+        self.model_dir = Path(model_dir)
+        self.out = Path(cfg.output_dir)
+        self.version = 0
+        self.step = 0
+        self.samples_trained = 0
+        self.tokens_trained = 0
+        self.evals: list[dict] = []
+        self.parity: list[float] = []
+        self.mismatch_k3: list[float] = []
+        self.history: list[dict] = []
+        self.progress = Progress(enabled=cfg.telemetry.progress)
+
+    # ------------------------------------------------------------------------------------------------
+    # Building the pools
+
+    def start(self) -> None:
+        from transformers import AutoTokenizer
+
+        from asyncrl.buffer.actor import start_replay_queue
+        from asyncrl.envs.data import eval_prompts, train_stream
+        from asyncrl.learner.worker import LearnerPool
+        from asyncrl.rollout.pool import RolloutPool
+
+        cfg = self.cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.prompts = train_stream(cfg, self.tokenizer)
+        self.eval_set = eval_prompts(cfg, self.tokenizer)
+        self.queue = start_replay_queue(cfg.buffer, batch_groups=cfg.learner.prompts_per_step, name=f"replay_queue-{self.out.name}", log_dir=self.out)
+        self.learner = LearnerPool.from_config(cfg, self.model_dir)
+        self.rollout = RolloutPool(str(self.model_dir), cfg.rollout, cfg.env, queue=self.queue, dtype=cfg.model.dtype, max_model_len=cfg.rollout.max_model_len, seed=cfg.seed)
+        self.rollout.start()
+        if cfg.checkpoint.resume_from:
+            self._resume(cfg.checkpoint.resume_from)
+        self._top_up_prompts()
+        self.rollout.start_generation()
+
+    def shutdown(self) -> None:
+        for name in ("rollout", "learner"):
+            pool = getattr(self, name, None)
+            if pool is not None:
+                pool.shutdown()
+        if getattr(self, "queue", None) is not None:
+            ray.get(self.queue.close.remote(), timeout=30)
+
+    # ------------------------------------------------------------------------------------------------
+    # The loop (one screen)
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        start = time.perf_counter()
+        (self.out / "metrics.jsonl").write_text("")
+        self._evaluate(start)
+        while self.step < cfg.learner.max_steps:
+            if cfg.learner.max_wall_s and time.perf_counter() - start > cfg.learner.max_wall_s:
+                break
+            wait = time.perf_counter()
+            groups = self._next_batch()
+            stats = self.learner.train_step(groups)
+            self.step += 1
+            self._record(stats, groups, learner_wait_s=time.perf_counter() - wait)
+            if self.step % cfg.weight_sync.every_steps == 0:
+                self._publish()
+            if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0:
+                self._evaluate(start)
+            if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
+                self._checkpoint()
+        if not self.evals or self.evals[-1]["version"] != self.version:
+            self._evaluate(start)
+        self._checkpoint()
+        return self._summary(time.perf_counter() - start)
+
+    # ------------------------------------------------------------------------------------------------
+    # Pieces of the loop
+
+    def _next_batch(self) -> list:
+        """Wait for a batch, topping up prompts meanwhile (filters may discard groups as fast as they finish)."""
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.rollout.request_timeout_s * 2
+        while True:
+            self._top_up_prompts()
+            timeout = min(2.0, max(0.1, deadline - time.monotonic()))
+            try:
+                return ray.get(self.queue.get_batch.remote(cfg.learner.prompts_per_step, self.version, timeout), timeout=timeout + 30)
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+
+    def _top_up_prompts(self) -> None:
+        """Keep enough prompts queued for the pool to run (eta + 2) batches ahead."""
+        cfg = self.cfg
+        want = (cfg.buffer.max_staleness + 2) * cfg.learner.prompts_per_step
+        backlog = ray.get(self.queue.stats.remote(), timeout=30)["backlog_groups"]
+        if backlog < want:
+            batch = [next(self.prompts) for _ in range(want - backlog)]
+            ray.get(self.queue.add_prompts.remote(batch, cfg.rollout.samples_per_prompt), timeout=30)
+
+    def _publish(self) -> None:
+        cfg = self.cfg
+        begin = time.perf_counter()
+        refs = self.learner.export_weights(cfg.weight_sync.bucket_bytes)
+        self.version += 1
+        self.learner.version = self.version
+        self.rollout.update_weights(refs, self.version, in_flight=cfg.weight_sync.in_flight and cfg.mode != "sync", timeout_s=cfg.weight_sync.timeout_s)
+        ray.get(self.queue.set_version.remote(self.version), timeout=30)
+        self.history[-1]["sync_s"] = time.perf_counter() - begin
+        if cfg.weight_sync.parity_probe:
+            self.parity.append(self._parity_probe())
+            self.history[-1]["parity_max_abs_diff"] = self.parity[-1]
+
+    def _parity_probe(self) -> float:
+        """Max |engine - learner| log-prob on one fixed sequence (invariant 4)."""
+        import numpy as np
+
+        ids = self.eval_set[0].prompt_ids + self.tokenizer(self.eval_set[0].ground_truth, add_special_tokens=False).input_ids
+        plen = len(self.eval_set[0].prompt_ids)
+        engine = self.rollout.score(ids, plen)
+        learner = self.learner.score(ids, plen, 1.0)  # vLLM prompt log-probs are raw (temperature 1)
+        return float(np.max(np.abs(np.asarray(engine) - np.asarray(learner))))
+
+    def _evaluate(self, start: float) -> None:
+        if not self.eval_set:
+            return
+        from asyncrl.envs.rewards import resolve_reward
+
+        reward = resolve_reward(self.cfg.env.reward)
+        outputs = self.rollout.evaluate(self.eval_set, max_tokens=self.cfg.rollout.max_tokens)
+        correct = sum(reward(text, p.ground_truth, finish_reason=fin, extra_info=p.extra_info) for p, (text, fin) in zip(self.eval_set, outputs))
+        record = {
+            "version": self.version,
+            "step": self.step,
+            "samples_trained": self.samples_trained,
+            "wall_s": round(time.perf_counter() - start, 2),
+            "accuracy": correct / len(self.eval_set),
+        }
+        self.evals.append(record)
+        self.progress.eval(record)
+
+    def _record(self, stats, groups, learner_wait_s: float) -> None:
+        self.samples_trained += stats.num_samples
+        self.tokens_trained += stats.num_tokens
+        lags = [self.version - t.min_version for g in groups for t in g.trajectories]
+        rewards = [t.reward for g in groups for t in g.trajectories]
+        row = {
+            "step": self.step,
+            "version": self.version,
+            "loss": stats.loss,
+            "grad_norm": stats.grad_norm,
+            "reward": sum(rewards) / max(1, len(rewards)),
+            "samples": stats.num_samples,
+            "tokens": stats.num_tokens,
+            "staleness_mean": sum(lags) / max(1, len(lags)),
+            "staleness_max": max(lags, default=0),
+            "learner_wait_s": learner_wait_s,
+            **{k: v for k, v in stats.metrics.items()},
+        }
+        if "mismatch_k3_kl" in stats.metrics:
+            self.mismatch_k3.append(stats.metrics["mismatch_k3_kl"])
+        self.history.append(row)
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.step % self.cfg.telemetry.log_every_steps == 0:
+            self.progress.step(row)
+
+    def _checkpoint(self) -> None:
+        folder = self.out / "checkpoints" / f"step-{self.step:06d}"
+        queue_state = ray.get(self.queue.state_dict.remote(), timeout=60)
+        extra = {"step": self.step, "version": self.version, "samples_trained": self.samples_trained, "tokens_trained": self.tokens_trained, "queue": queue_state}
+        self.learner.save_checkpoint(folder, extra)
+        if self.cfg.checkpoint.export_hf:
+            self.learner.export_hf(self.out / "final_model")
+
+    def _resume(self, where: str) -> None:
+        folder = Path(where)
+        if where == "latest":
+            folders = sorted((self.out / "checkpoints").glob("step-*"))
+            if not folders:
+                raise FileNotFoundError(f"checkpoint.resume_from=latest: no checkpoint under {self.out / 'checkpoints'}")
+            folder = folders[-1]
+        extra = self.learner.load_checkpoint(folder)
+        self.step, self.version = extra["step"], extra["version"]
+        self.learner.version = self.version
+        self.samples_trained, self.tokens_trained = extra["samples_trained"], extra["tokens_trained"]
+        ray.get(self.queue.load_state_dict.remote(extra["queue"]), timeout=60)
+        # Engines start from the model folder; bring them to the checkpointed weights and version.
+        self.rollout.update_weights(self.learner.export_weights(self.cfg.weight_sync.bucket_bytes), self.version, in_flight=False, timeout_s=self.cfg.weight_sync.timeout_s)
+
+    def _summary(self, wall_s: float) -> dict:
+        counters = ray.get(self.queue.counters.remote(), timeout=30)
+        stats = ray.get(self.queue.stats.remote(), timeout=30)
+        return {
+            "mode": self.cfg.mode,
+            "algorithm": self.cfg.algorithm.resolved_names(),
+            "start_accuracy": self.evals[0]["accuracy"] if self.evals else None,
+            "final_accuracy": self.evals[-1]["accuracy"] if self.evals else None,
+            "wall_clock_s": round(wall_s, 2),
+            "steps": self.step,
+            "final_version": self.version,
+            "samples_trained": self.samples_trained,
+            "tokens_trained": self.tokens_trained,
+            "staleness_histogram": stats.get("staleness_histogram", {}),
+            "counters": counters,
+            "mismatch_k3_mean": sum(self.mismatch_k3) / len(self.mismatch_k3) if self.mismatch_k3 else None,
+            "parity_max_abs_diff_mean": sum(self.parity) / len(self.parity) if self.parity else None,
+            "evals": self.evals,
+            "rollout": self.rollout.stats(),
+        }
+
+
+def staleness_histogram(lags: list[int]) -> dict[str, int]:
+    return {str(k): v for k, v in sorted(Counter(lags).items())}
