@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter
 from pathlib import Path
 
 import ray
@@ -33,6 +32,7 @@ class Controller:
         self.parity: list[float] = []
         self.mismatch_k3: list[float] = []
         self.history: list[dict] = []
+        self.prompts_drawn = 0
         self.progress = Progress(enabled=cfg.telemetry.progress)
 
     # ------------------------------------------------------------------------------------------------
@@ -65,7 +65,10 @@ class Controller:
             if pool is not None:
                 pool.shutdown()
         if getattr(self, "queue", None) is not None:
-            ray.get(self.queue.close.remote(), timeout=30)
+            try:
+                ray.get(self.queue.close.remote(), timeout=30)
+            finally:
+                ray.kill(self.queue)
 
     # ------------------------------------------------------------------------------------------------
     # The loop (one screen)
@@ -117,6 +120,7 @@ class Controller:
         backlog = ray.get(self.queue.stats.remote(), timeout=30)["backlog_groups"]
         if backlog < want:
             batch = [next(self.prompts) for _ in range(want - backlog)]
+            self.prompts_drawn += len(batch)
             ray.get(self.queue.add_prompts.remote(batch, cfg.rollout.samples_per_prompt), timeout=30)
 
     def _publish(self) -> None:
@@ -189,7 +193,14 @@ class Controller:
     def _checkpoint(self) -> None:
         folder = self.out / "checkpoints" / f"step-{self.step:06d}"
         queue_state = ray.get(self.queue.state_dict.remote(), timeout=60)
-        extra = {"step": self.step, "version": self.version, "samples_trained": self.samples_trained, "tokens_trained": self.tokens_trained, "queue": queue_state}
+        extra = {
+            "step": self.step,
+            "version": self.version,
+            "samples_trained": self.samples_trained,
+            "tokens_trained": self.tokens_trained,
+            "prompts_drawn": self.prompts_drawn,
+            "queue": queue_state,
+        }
         self.learner.save_checkpoint(folder, extra)
         if self.cfg.checkpoint.export_hf:
             self.learner.export_hf(self.out / "final_model")
@@ -206,12 +217,16 @@ class Controller:
         self.learner.version = self.version
         self.samples_trained, self.tokens_trained = extra["samples_trained"], extra["tokens_trained"]
         ray.get(self.queue.load_state_dict.remote(extra["queue"]), timeout=60)
+        # The prompt stream is deterministic: skip what the checkpointed run already drew.
+        for _ in range(extra["prompts_drawn"]):
+            next(self.prompts)
+        self.prompts_drawn = extra["prompts_drawn"]
         # Engines start from the model folder; bring them to the checkpointed weights and version.
         self.rollout.update_weights(self.learner.export_weights(self.cfg.weight_sync.bucket_bytes), self.version, in_flight=False, timeout_s=self.cfg.weight_sync.timeout_s)
 
     def _summary(self, wall_s: float) -> dict:
         counters = ray.get(self.queue.counters.remote(), timeout=30)
-        stats = ray.get(self.queue.stats.remote(), timeout=30)
+        histogram = ray.get(self.queue.staleness_histogram.remote(), timeout=30)
         return {
             "mode": self.cfg.mode,
             "algorithm": self.cfg.algorithm.resolved_names(),
@@ -222,14 +237,10 @@ class Controller:
             "final_version": self.version,
             "samples_trained": self.samples_trained,
             "tokens_trained": self.tokens_trained,
-            "staleness_histogram": stats.get("staleness_histogram", {}),
+            "staleness_histogram": {str(lag): n for lag, n in sorted(histogram.items())},
             "counters": counters,
             "mismatch_k3_mean": sum(self.mismatch_k3) / len(self.mismatch_k3) if self.mismatch_k3 else None,
             "parity_max_abs_diff_mean": sum(self.parity) / len(self.parity) if self.parity else None,
             "evals": self.evals,
             "rollout": self.rollout.stats(),
         }
-
-
-def staleness_histogram(lags: list[int]) -> dict[str, int]:
-    return {str(k): v for k, v in sorted(Counter(lags).items())}
