@@ -16,6 +16,7 @@ from pathlib import Path
 import ray
 
 from asyncrl.config import Config
+from asyncrl.telemetry.metrics import RunMetrics
 from asyncrl.telemetry.progress import Progress
 
 
@@ -34,6 +35,8 @@ class Controller:
         self.history: list[dict] = []
         self.prompts_drawn = 0
         self.progress = Progress(enabled=cfg.telemetry.progress)
+        self.metrics = RunMetrics(cfg.telemetry.prometheus_port)
+        self.learner_wait_s = 0.0
 
     # ------------------------------------------------------------------------------------------------
     # Building the pools
@@ -132,9 +135,12 @@ class Controller:
         self.rollout.update_weights(refs, self.version, in_flight=cfg.weight_sync.in_flight and cfg.mode != "sync", timeout_s=cfg.weight_sync.timeout_s)
         ray.get(self.queue.set_version.remote(self.version), timeout=30)
         self.history[-1]["sync_s"] = time.perf_counter() - begin
+        parity = None
         if cfg.weight_sync.parity_probe:
-            self.parity.append(self._parity_probe())
-            self.history[-1]["parity_max_abs_diff"] = self.parity[-1]
+            parity = self._parity_probe()
+            self.parity.append(parity)
+            self.history[-1]["parity_max_abs_diff"] = parity
+        self.metrics.observe_sync(self.version, self.history[-1]["sync_s"], parity)
 
     def _parity_probe(self) -> float:
         """Max |engine - learner| log-prob on one fixed sequence (invariant 4)."""
@@ -163,6 +169,7 @@ class Controller:
         }
         self.evals.append(record)
         self.progress.eval(record)
+        self.metrics.observe_eval(record["accuracy"])
 
     def _record(self, stats, groups, learner_wait_s: float) -> None:
         self.samples_trained += stats.num_samples
@@ -185,6 +192,10 @@ class Controller:
         if "mismatch_k3_kl" in stats.metrics:
             self.mismatch_k3.append(stats.metrics["mismatch_k3_kl"])
         self.history.append(row)
+        self.learner_wait_s += learner_wait_s
+        self.metrics.observe_step(row, lags, self.cfg.algorithm.resolved_names()["correction"])
+        if self.cfg.telemetry.prometheus_port:
+            self.metrics.observe_totals(ray.get(self.queue.counters.remote(), timeout=30), 0.0, 0, 0.0, {})
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         if self.step % self.cfg.telemetry.log_every_steps == 0:
@@ -227,6 +238,8 @@ class Controller:
     def _summary(self, wall_s: float) -> dict:
         counters = ray.get(self.queue.counters.remote(), timeout=30)
         histogram = ray.get(self.queue.staleness_histogram.remote(), timeout=30)
+        rollout = self.rollout.stats()
+        self.metrics.observe_totals(counters, wall_s, self.tokens_trained, self.learner_wait_s, rollout)
         return {
             "mode": self.cfg.mode,
             "algorithm": self.cfg.algorithm.resolved_names(),
@@ -242,5 +255,6 @@ class Controller:
             "mismatch_k3_mean": sum(self.mismatch_k3) / len(self.mismatch_k3) if self.mismatch_k3 else None,
             "parity_max_abs_diff_mean": sum(self.parity) / len(self.parity) if self.parity else None,
             "evals": self.evals,
-            "rollout": self.rollout.stats(),
+            "learner_idle_fraction": self.learner_wait_s / wall_s if wall_s else None,
+            "rollout": rollout,
         }

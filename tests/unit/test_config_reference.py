@@ -91,3 +91,10 @@ def test_runs_as_a_module():
     ).stdout
     assert out.startswith("# asyncrl configuration reference")
     assert "| `rollout.temperature` |" in out
+
+
+def test_committed_reference_is_current():
+    from pathlib import Path
+
+    committed = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+    assert committed.read_text().rstrip("\n") == config_reference.markdown().rstrip("\n"), "regenerate: python -m asyncrl.telemetry.config_reference > docs/configuration.md"

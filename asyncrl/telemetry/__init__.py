@@ -1,0 +1,1 @@
+"""Telemetry: console progress now; Prometheus metrics and dashboards hang off the same records."""
