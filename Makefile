@@ -34,5 +34,14 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit -x; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
+BENCH_SCRIPTS := algo_throughput queue_throughput weight_sync async_speedup learning_add
+
+bench: $(STAMP)
+	@for b in $(BENCH_SCRIPTS); do test -f benchmarks/$$b.py && $(PY) benchmarks/$$b.py || exit 1; done
+	$(PY) benchmarks/report.py
+
+bench-quick: $(STAMP)
+	@for b in $(BENCH_SCRIPTS); do test -f benchmarks/$$b.py && $(PY) benchmarks/$$b.py --quick || exit 1; done
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -40,7 +40,7 @@ class ModelConfig(Section):
     """Tiny Qwen2-architecture preset from `asyncrl.models` (used when `path` is unset)."""
     warm_start_examples: int = Field(2000, ge=0, le=100_000)
     """Supervised warm-start examples for the built-in task (0 = start from random weights)."""
-    warm_start_epochs: int = Field(20, ge=0, le=1000)
+    warm_start_epochs: int = Field(12, ge=0, le=1000)
     """Epochs of the supervised warm start."""
     warm_start_lr: float = Field(1e-3, gt=0)
     """Learning rate of the supervised warm start."""

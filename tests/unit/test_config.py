@@ -17,7 +17,7 @@ def test_every_shipped_config_validates(path):
 def test_default_config_is_streaming_add_with_one_engine_and_one_rank():
     cfg = load_config()
     assert (cfg.mode, cfg.data.task, cfg.rollout.num_workers, cfg.learner.num_ranks) == ("streaming", "add", 1, 1)
-    assert cfg.algorithm.resolved_names() == {"advantage": "batch_norm", "loss": "cispo", "reduction": "prompt_mean", "correction": "none"}
+    assert cfg.algorithm.resolved_names() == {"advantage": "batch_norm", "loss": "cispo", "reduction": "prompt_mean", "correction": "tis"}
 
 
 @pytest.mark.parametrize(

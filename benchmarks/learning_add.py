@@ -1,0 +1,100 @@
+"""W1 `add`: held-out accuracy against wall-clock and trained samples for sync, streaming and sao.
+
+All three modes start from the same cached warm-start checkpoint, in the same process, one after the
+other, so the ratios compare like with like on a noisy shared machine. Writes
+benchmarks/results/learning_add.json (and a PNG plot when matplotlib is installed).
+
+    python benchmarks/learning_add.py [--quick] [--steps N] [--target 0.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+MODES = {"sync": "sync.yaml", "streaming": "default.yaml", "sao": "sao.yaml"}
+
+
+def time_to_target(evals: list[dict], target: float) -> float | None:
+    for e in evals:
+        if e["accuracy"] >= target:
+            return e["wall_s"]
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: a few steps per mode")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--target", type=float, default=0.5, help="held-out accuracy whose wall-clock is reported")
+    args = parser.parse_args()
+    for key, value in (("RAY_AUTH_MODE", "disabled"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind"), ("VLLM_CPU_KVCACHE_SPACE", "1")):
+        os.environ.setdefault(key, value)
+
+    import ray
+
+    from asyncrl.config import REPO_CONFIGS, load_config
+    from asyncrl.controller.run import run
+
+    steps = 3 if args.quick else args.steps
+    every = 1 if args.quick else 5
+    out = Path(tempfile.mkdtemp(prefix="learning_add-"))
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    results = {}
+    for mode, file in MODES.items():
+        cfg = load_config(REPO_CONFIGS / file, [f"output_dir={out / mode}", f"learner.max_steps={steps}", f"eval.every_steps={every}"])
+        summary = run(cfg)
+        results[mode] = {
+            "start_accuracy": summary["start_accuracy"],
+            "final_accuracy": summary["final_accuracy"],
+            "wall_clock_s": summary["wall_clock_s"],
+            "samples_trained": summary["samples_trained"],
+            "time_to_target_s": time_to_target(summary["evals"], args.target),
+            "staleness_histogram": summary["staleness_histogram"],
+            "mismatch_k3_mean": summary["mismatch_k3_mean"],
+            "parity_max_abs_diff_mean": summary["parity_max_abs_diff_mean"],
+            "evals": summary["evals"],
+        }
+    ray.shutdown()
+
+    base = results["sync"]
+    print(f"\nW1 add, {steps} steps per mode, target accuracy {args.target}")
+    print(f"{'mode':<10} {'start':>6} {'final':>6} {'gain':>6} {'wall s':>7} {'samples':>8} {'t(target) s':>11} {'acc/s vs sync':>13}")
+    for mode, r in results.items():
+        gain = r["final_accuracy"] - r["start_accuracy"]
+        rate = gain / r["wall_clock_s"]
+        base_rate = (base["final_accuracy"] - base["start_accuracy"]) / base["wall_clock_s"]
+        ratio = f"{rate / base_rate:.2f}x" if base_rate > 0 else "-"
+        ttt = f"{r['time_to_target_s']:.0f}" if r["time_to_target_s"] is not None else "-"
+        print(f"{mode:<10} {r['start_accuracy']:>6.3f} {r['final_accuracy']:>6.3f} {gain:>+6.3f} {r['wall_clock_s']:>7.0f} {r['samples_trained']:>8d} {ttt:>11} {ratio:>13}")
+    print("peer baseline (TRL GRPOTrainer): not run in this version")
+
+    RESULTS.mkdir(exist_ok=True)
+    name = "learning_add_quick" if args.quick else "learning_add"
+    (RESULTS / f"{name}.json").write_text(json.dumps({"steps": steps, "target": args.target, "modes": results}, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for mode, r in results.items():
+        axes[0].plot([e["wall_s"] for e in r["evals"]], [e["accuracy"] for e in r["evals"]], marker="o", label=mode)
+        axes[1].plot([e["samples_trained"] for e in r["evals"]], [e["accuracy"] for e in r["evals"]], marker="o", label=mode)
+    axes[0].set_xlabel("wall-clock s")
+    axes[1].set_xlabel("trained samples")
+    for ax in axes:
+        ax.set_ylabel("held-out accuracy")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"{name}.png", dpi=100)
+
+
+if __name__ == "__main__":
+    main()
