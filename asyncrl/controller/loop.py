@@ -86,9 +86,10 @@ class Controller:
                 break
             wait = time.perf_counter()
             groups = self._next_batch()
+            learner_wait_s = time.perf_counter() - wait
             stats = self.learner.train_step(groups)
             self.step += 1
-            self._record(stats, groups, learner_wait_s=time.perf_counter() - wait)
+            self._record(stats, groups, learner_wait_s=learner_wait_s)
             if self.step % cfg.weight_sync.every_steps == 0:
                 self._publish()
             if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0:

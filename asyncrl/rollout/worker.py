@@ -14,6 +14,7 @@ Queue API used (the replay queue actor): `acquire(worker, max_requests) -> list[
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -192,8 +193,19 @@ class RolloutWorker:
             self._busy_s += time.monotonic() - self._busy_since
             self._busy_since = None
 
+    def _sampling_for(self, prompt: Prompt) -> SamplingSpec:
+        """The worker's sampling with the prompt's overrides: `extra_info` keys `max_tokens` (int) and
+        `ignore_eos` (bool) apply to this request only (benchmarks with per-request lengths)."""
+        extra = prompt.extra_info or {}
+        changes: dict[str, Any] = {}
+        if "max_tokens" in extra:
+            changes["max_tokens"] = int(extra["max_tokens"])
+        if "ignore_eos" in extra:
+            changes["ignore_eos"] = bool(extra["ignore_eos"])
+        return dataclasses.replace(self.sampling, **changes) if changes else self.sampling
+
     async def _rollout(self, request: Request) -> None:
-        trajectory = await self.engine.generate(request, self.sampling)
+        trajectory = await self.engine.generate(request, self._sampling_for(request.prompt))
         trajectory = await self._score(trajectory, request.prompt)
         self._outbox.append(trajectory)
         self._outbox_event.set()

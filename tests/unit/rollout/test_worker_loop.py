@@ -118,3 +118,26 @@ def test_run_without_a_queue_is_refused():
     worker, _ = _worker(None)
     with pytest.raises(RuntimeError, match="needs a queue"):
         asyncio.run(worker.run())
+
+
+def test_a_prompts_extra_info_overrides_max_tokens_and_ignore_eos_for_that_request_only():
+    from asyncrl.types import Prompt, Request
+
+    class RecordingEngine(FakeEngine):
+        def __init__(self, name):
+            super().__init__(name)
+            self.specs = {}
+
+        async def generate(self, request, sampling):
+            self.specs[request.group_id] = sampling
+            return await super().generate(request, sampling)
+
+    long = Request("long/0/0", "long", 0, 1, Prompt("p-long", [1, 4], "7", extra_info={"max_tokens": 300, "ignore_eos": True}))
+    plain = make_requests(1)
+    queue = FakeQueue([long] + plain)
+    engine = RecordingEngine("rollout-0")
+    worker = RolloutWorker("rollout-0", "unused", {"max_tokens": 8, "temperature": 0.7}, "exact_match", queue, engine=engine)
+    asyncio.run(_serve_until(worker, queue, 2))
+    assert (engine.specs["long"].max_tokens, engine.specs["long"].ignore_eos) == (300, True)
+    assert engine.specs["long"].temperature == 0.7  # everything else comes from the worker's spec
+    assert engine.specs["g0"] is worker.sampling and (worker.sampling.max_tokens, worker.sampling.ignore_eos) == (8, False)

@@ -1,0 +1,202 @@
+"""Markdown results of every benchmark, from `benchmarks/results/*.json` (smoke runs `*_quick.json` skipped).
+
+One section per benchmark with its headline ratio first (ratios hold on a shared, noisy machine; absolute
+times drift). Paste the output into a README or a report.
+
+    python benchmarks/report.py                   # print to stdout
+    python benchmarks/report.py --results DIR     # another results folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return out
+
+
+def fx(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}x"
+
+
+def fnum(value: float | None, fmt: str = ".2f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+# ---------------------------------------------------------------------------------------------------
+# One formatter per benchmark.
+
+
+def weight_sync(d: dict) -> list[str]:
+    sizes = d["sizes"]
+    memcpy = d["memcpy_bytes_per_s"]
+    worst = max(s["parity_after_max"] for s in sizes)
+    lines = [
+        "## W3 `sync` — weight publication (`benchmarks/weight_sync.py`)",
+        "",
+        f"Learner step done → every engine serves v+1, over the Ray object store (1 learner rank, 1 engine, fp32, "
+        f"buckets of {d['config']['bucket_bytes'] >> 20} MiB); median of the syncs. Limit: plain memory copy "
+        f"{memcpy / 1e9:.2f} GB/s on this machine.",
+        "",
+        "**Headline:** " + "; ".join(f"{s['preset']} {s['total_s_median']:.2f} s at {s['memcpy_ratio']:.3f} of memcpy" for s in sizes)
+        + f"; parity after every sync ≤ {worst:.1e}.",
+        "",
+    ]
+    lines += table(
+        ["model", "params", "MB moved", "export s", "load s", "total s", "MB/s", "÷ memcpy", "parity before", "parity after"],
+        [
+            [
+                s["preset"], f"{s['parameters'] / 1e6:.1f}M", f"{s['bytes'] / 1e6:.1f}", fnum(s["export_s_median"], ".3f"),
+                fnum(s["load_s_median"], ".3f"), fnum(s["total_s_median"], ".3f"), f"{s['bytes_per_s_median'] / 1e6:.0f}",
+                fnum(s["memcpy_ratio"], ".4f"), f"{s['parity_before_max']:.1e}", f"{s['parity_after_max']:.1e}",
+            ]
+            for s in sizes
+        ],
+    )
+    return lines
+
+
+def async_speedup(d: dict) -> list[str]:
+    c = d["config"]
+    modes = d["modes"]
+    limit = d.get("engine_alone") or {}
+    sync = next((m for m in modes if m["mode"] == "sync"), None)
+    ratios = d.get("ratios", {})
+    head = []
+    for mode in ("streaming", "sao"):
+        if f"{mode}_over_sync" in ratios:
+            samples = ratios.get(f"{mode}_over_sync_samples_per_s")
+            head.append(f"{mode} / sync {fx(ratios[f'{mode}_over_sync'])} trained tokens/s"
+                        + (f" ({fx(samples)} samples/s)" if samples is not None else ""))
+    head += [f"{m['mode']} rollout efficiency {fnum(m.get('rollout_efficiency'))}" for m in modes]
+    dist = c["length_distribution"]
+    lines = [
+        "## W2 `tail` — async throughput under heavy-tailed lengths (`benchmarks/async_speedup.py`)",
+        "",
+        f"{c['model']}, {c['steps']} steps × {c['prompts_per_step']} prompts × G={c['samples_per_prompt']} per mode "
+        f"(sao: G single-rollout copies of each prompt), η={c['max_staleness']}; per-prompt max_tokens log-normal "
+        f"(median {dist['median']:g}, p99 {dist['p99']:g}, EOS ignored). Trained tokens = prompt + response tokens of "
+        "trained samples; efficiency = trained tokens/s ÷ the same requests on one engine with no learner.",
+        "",
+        "**Headline:** " + "; ".join(head) + ".",
+        "",
+    ]
+    rows = [
+        [
+            m["mode"], m["recipe"], fnum(m["window_s"], ".1f"), str(m["samples_trained"]), str(m["tokens_trained"]),
+            fnum(m.get("mean_response_tokens"), ".1f"), fnum(m["trained_tokens_per_s"], ".0f"),
+            fx(m["trained_tokens_per_s"] / sync["trained_tokens_per_s"]) if sync else "-",
+            fnum(m.get("rollout_efficiency")), fnum(m.get("rollout_idle_fraction")), fnum(m.get("learner_idle_fraction")),
+            fnum(m.get("staleness_mean")), str(m.get("staleness_max", "-")), str(m.get("dropped_stale", "-")),
+        ]
+        for m in modes
+    ]
+    if limit:
+        rows.append([
+            "engine alone", "-", fnum(limit["seconds"], ".1f"), str(limit["requests"]), str(limit["tokens"]),
+            fnum(limit["response_tokens"] / limit["requests"], ".1f"), fnum(limit["tokens_per_s"], ".0f"), "-", "1.00",
+            "-", "-", "-", "-", "-",
+        ])
+    lines += table(
+        ["mode", "recipe", "window s", "samples", "tokens", "mean resp len", "tokens/s", "vs sync", "efficiency",
+         "rollout idle", "learner idle", "staleness mean", "staleness max", "dropped stale"],
+        rows,
+    )
+    return lines
+
+
+def queue_throughput(d: dict) -> list[str]:
+    c = d["config"]
+    lines = [
+        "## W4 `queue` — replay queue throughput (`benchmarks/queue_throughput.py`)",
+        "",
+        f"{c['producers']} producers, 1 consumer, G={c['samples_per_prompt']}, {c['batch_groups']} groups/step, "
+        f"η={c['max_staleness']}, staleness check on.",
+        "",
+        f"**Headline:** batched / unbatched puts {fx(d.get('batched_over_unbatched'), 1)}; "
+        + "; ".join(f"put batch {r['put_batch']}: {r['trajectories_per_s']:.0f} trajectories/s" for r in d["runs"]) + ".",
+        "",
+    ]
+    lines += table(
+        ["put batch", "trajectories", "seconds", "trajectories/s", "p50 ms", "p99 ms", "dropped stale", "max lag"],
+        [
+            [r["put_batch"], r["trajectories"], fnum(r["seconds"], ".2f"), fnum(r["trajectories_per_s"], ".0f"),
+             fnum(r["latency_p50_ms"]), fnum(r["latency_p99_ms"]), r["dropped_stale"], r["max_lag_versions"]]
+            for r in d["runs"]
+        ],
+    )
+    return lines
+
+
+def algo_throughput(d: dict) -> list[str]:
+    rows = sorted(d["rows"], key=lambda r: r["vs_ppo"])
+    lines = [
+        "## Policy-loss throughput (`benchmarks/algo_throughput.py`)",
+        "",
+        f"Loss + backward on a {' × '.join(str(x) for x in d.get('shape', []))} batch ({d.get('device', 'cpu')}, "
+        f"{d.get('statistic', '')}), relative to `{d.get('baseline', 'ppo')}`.",
+        "",
+        f"**Headline:** slowest {rows[0]['case']} {fx(rows[0]['vs_ppo'])}, fastest {rows[-1]['case']} {fx(rows[-1]['vs_ppo'])} of ppo.",
+        "",
+    ]
+    lines += table(
+        ["case", "ms", "M tokens/s", f"vs {d.get('baseline', 'ppo')}"],
+        [[r["case"], fnum(r["ms"]), fnum(r["tokens_per_s"] / 1e6, ".1f"), fx(r["vs_ppo"])] for r in d["rows"]],
+    )
+    return lines
+
+
+def generic(name: str, d: dict) -> list[str]:
+    scalars = {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool)) and v is not None}
+    lines = [f"## {name}", ""]
+    lines += table(["key", "value"], [[k, v] for k, v in scalars.items()])
+    return lines
+
+
+FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
+    "weight_sync": weight_sync,
+    "async_speedup": async_speedup,
+    "queue_throughput": queue_throughput,
+    "algo_throughput": algo_throughput,
+}
+ORDER = ["async_speedup", "weight_sync", "queue_throughput", "algo_throughput"]
+
+
+def render(results: Path) -> str:
+    files = sorted(p for p in results.glob("*.json") if not p.stem.endswith("_quick"))
+    files.sort(key=lambda p: (ORDER.index(p.stem) if p.stem in ORDER else len(ORDER), p.stem))
+    sections = ["# asyncrl benchmark results", ""]
+    if not files:
+        sections.append(f"No results in {results} (run `make bench`).")
+    for path in files:
+        data = json.loads(path.read_text())
+        try:
+            lines = FORMATTERS[path.stem](data) if path.stem in FORMATTERS else generic(path.stem, data)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+            lines = [f"## {path.stem}", "", f"(could not read {path.name}: {type(e).__name__}: {e})"]
+        machine = data.get("machine")
+        if isinstance(machine, dict):
+            lines += ["", f"_Machine: {machine.get('cpus', '?')} CPUs, {machine.get('platform', '')}; source `{path.name}`._"]
+        else:
+            lines += ["", f"_Source `{path.name}`._"]
+        sections += lines + [""]
+    return "\n".join(sections).rstrip() + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    print(render(args.results), end="")
+
+
+if __name__ == "__main__":
+    main()

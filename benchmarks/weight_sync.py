@@ -1,0 +1,275 @@
+"""W3 `sync`: weight publication from the learner to the rollout engines (shared/bench/WORKLOADS.md).
+
+For each random-initialised Qwen2 preset (w3-0.5m, w3-25m, w3-125m): one LearnerPool rank and one
+RolloutPool engine (vLLM, CPU, `max_model_len` 256) in one Ray session. Before every sync the learner takes
+a real optimizer step on a small synthetic batch (untimed), so that the engine's weights are really stale;
+then the timed part runs exactly what the controller's publish does:
+
+    t0  learner step done -> LearnerPool.export_weights_info(bucket_bytes)   (gather + pack + ray.put)
+    t1  refs in hand      -> RolloutPool.update_weights(refs, v + 1, ...)     (fetch + load + set version)
+    t2  every engine serves version v + 1
+
+Figures per size: export and load seconds, total seconds, bytes moved (sum of the safetensors bucket sizes),
+bytes/s, that rate over this machine's plain memory-copy bandwidth (numpy copy of a 256 MB array, best of 5,
+measured in the same run), and parity = max |engine log-prob - learner log-prob| over a fixed sequence,
+before the sync (should be large: the learner moved) and after it (should be ~1e-6 in fp32).
+
+    python benchmarks/weight_sync.py            # all three sizes, ~3-5 min on 2 CPU cores (3 syncs each)
+    python benchmarks/weight_sync.py --quick    # w3-0.5m only (smoke), writes weight_sync_quick.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PRESETS = ["w3-0.5m", "w3-25m", "w3-125m"]
+MAX_MODEL_LEN = 256
+PROBE_LEN, PROBE_PROMPT_LEN = 64, 8
+
+
+def memcpy_bandwidth(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes copied per second by a plain numpy copy of a `num_bytes` array (best of `repeats`)."""
+    import numpy as np
+
+    src = np.ones(num_bytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the pages in
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best
+
+
+def synthetic_groups(vocab: int, seed: int, num_groups: int = 2, group_size: int = 4, length: int = 24):
+    """A small GRPO batch with reward variance, so that one optimizer step really moves the weights."""
+    import numpy as np
+
+    from asyncrl.types import Group, Trajectory
+
+    rng = np.random.default_rng(seed)
+    groups = []
+    for g in range(num_groups):
+        members = []
+        for i in range(group_size):
+            n = length
+            members.append(
+                Trajectory(
+                    prompt_id=f"p{g}",
+                    group_id=f"g{seed}-{g}",
+                    sample_index=i,
+                    prompt_ids=rng.integers(3, vocab, 8).astype(np.int32),
+                    response_ids=rng.integers(3, vocab, n).astype(np.int32),
+                    rollout_logprobs=(-rng.random(n) * 3).astype(np.float32),
+                    loss_mask=np.ones(n, np.int8),
+                    versions=np.zeros(n, np.int32),
+                    finish_reason="length",
+                    reward=float(i % 2),
+                )
+            )
+        groups.append(Group(f"g{seed}-{g}", members))
+    return groups
+
+
+def bench_preset(preset: str, model_root: Path, syncs: int, bucket_bytes: int, timeout_s: float) -> dict:
+    import numpy as np
+    import ray
+
+    from asyncrl.algo.recipes import resolve_recipe
+    from asyncrl.config import EnvConfig, LearnerConfig, RolloutConfig
+    from asyncrl.learner.worker import LearnerPool
+    from asyncrl.models import PRESETS as MODEL_PRESETS
+    from asyncrl.models import build_model, num_parameters
+    from asyncrl.models.tokenizer import SPECIAL_TOKENS
+    from asyncrl.rollout.pool import RolloutPool
+
+    model_dir = build_model(preset, model_root / preset, seed=0)
+    vocab = len(SPECIAL_TOKENS) + len(MODEL_PRESETS[preset].alphabet)
+    probe = [1] + np.random.default_rng(123).integers(3, vocab, PROBE_LEN - 1).tolist()
+
+    def parity() -> float:
+        engine = np.asarray(rollout.score(probe, PROBE_PROMPT_LEN))
+        learner_lp = np.asarray(learner.score(probe, PROBE_PROMPT_LEN, 1.0))
+        return float(np.max(np.abs(engine - learner_lp)))
+
+    started = time.perf_counter()
+    learner = LearnerPool(model_dir, LearnerConfig(num_ranks=1, lr=1e-3, tokens_per_microbatch=4096), resolve_recipe("grpo"), 1.0)
+    rollout = None
+    try:
+        rollout = RolloutPool(
+            str(model_dir), RolloutConfig(num_workers=1, max_requests_in_flight=8), EnvConfig(), queue=None,
+            dtype="float32", max_model_len=MAX_MODEL_LEN,
+        )
+        rollout.start()
+        setup_s = time.perf_counter() - started
+        parity_at_start = parity()
+        rows = []
+        for k in range(syncs):
+            learner.train_step(synthetic_groups(vocab, seed=k))  # the learner step (not timed)
+            parity_before = parity()
+            version = learner.version + 1
+            t0 = time.perf_counter()
+            exported = learner.export_weights_info(bucket_bytes)
+            t1 = time.perf_counter()
+            rollout.update_weights(exported.refs, version, in_flight=True, timeout_s=timeout_s)
+            t2 = time.perf_counter()
+            learner.version = version
+            served = rollout.versions()
+            if set(served.values()) != {version}:
+                raise RuntimeError(f"{preset}: engines serve {served} after publishing version {version}")
+            t3 = time.perf_counter()
+            bucket_sizes = [len(b) for b in ray.get(exported.refs)]  # diagnostic: an object-store fetch alone
+            fetch_s = time.perf_counter() - t3
+            total_bytes = sum(bucket_sizes)
+            rows.append(
+                {
+                    "version": version,
+                    "export_s": t1 - t0,
+                    "load_s": t2 - t1,
+                    "total_s": t2 - t0,
+                    "bytes": total_bytes,
+                    "payload_bytes": exported.num_bytes,
+                    "num_buckets": len(bucket_sizes),
+                    "num_tensors": exported.num_tensors,
+                    "bytes_per_s": total_bytes / (t2 - t0),
+                    "driver_fetch_s": fetch_s,
+                    "parity_before": parity_before,
+                    "parity_after": parity(),
+                }
+            )
+            del exported
+            print(
+                f"  {preset} sync {k + 1}/{syncs}: export {rows[-1]['export_s']:.3f}s load {rows[-1]['load_s']:.3f}s "
+                f"({total_bytes / 1e6:.1f} MB, parity {rows[-1]['parity_after']:.1e})",
+                flush=True,
+            )
+    finally:
+        if rollout is not None:
+            rollout.shutdown()
+        learner.shutdown()
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    return {
+        "preset": preset,
+        "parameters": num_parameters(preset),
+        "syncs": len(rows),
+        "setup_s": round(setup_s, 2),
+        "bytes": rows[0]["bytes"],
+        "payload_bytes": rows[0]["payload_bytes"],
+        "num_buckets": rows[0]["num_buckets"],
+        "num_tensors": rows[0]["num_tensors"],
+        "export_s_median": med("export_s"),
+        "load_s_median": med("load_s"),
+        "total_s_median": med("total_s"),
+        "total_s_min": min(r["total_s"] for r in rows),
+        "driver_fetch_s_median": med("driver_fetch_s"),
+        "bytes_per_s_median": rows[0]["bytes"] / med("total_s"),
+        "parity_at_start": parity_at_start,
+        "parity_before_max": max(r["parity_before"] for r in rows),
+        "parity_after_max": max(r["parity_after"] for r in rows),
+        "runs": rows,
+    }
+
+
+def print_table(rows: list[dict], memcpy_bps: float) -> None:
+    header = ["preset", "params", "MB moved", "buckets", "export_s", "load_s", "total_s", "MB/s", "÷ memcpy", "parity_before", "parity_after"]
+    table = [
+        [
+            r["preset"],
+            f"{r['parameters'] / 1e6:.2f}M",
+            f"{r['bytes'] / 1e6:.1f}",
+            str(r["num_buckets"]),
+            f"{r['export_s_median']:.3f}",
+            f"{r['load_s_median']:.3f}",
+            f"{r['total_s_median']:.3f}",
+            f"{r['bytes_per_s_median'] / 1e6:.1f}",
+            f"{r['memcpy_ratio']:.3f}",
+            f"{r['parity_before_max']:.1e}",
+            f"{r['parity_after_max']:.1e}",
+        ]
+        for r in rows
+    ]
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header)]
+    print(f"W3 sync: learner step done -> every engine serves v+1 (median of syncs; memcpy {memcpy_bps / 1e9:.2f} GB/s)")
+    print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
+    for row in table:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="w3-0.5m only (smoke); writes weight_sync_quick.json")
+    parser.add_argument("--presets", nargs="+", default=None, choices=PRESETS)
+    parser.add_argument("--syncs", type=int, default=3, help="timed syncs per size")
+    parser.add_argument("--syncs-125m", type=int, default=3, help="timed syncs for w3-125m (lower it if the machine is slow)")
+    parser.add_argument("--bucket-bytes", type=int, default=64 << 20, help="weight_sync.bucket_bytes (default 64 MiB)")
+    parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    presets = args.presets or (PRESETS[:1] if args.quick else PRESETS)
+    out = args.out or RESULTS / ("weight_sync_quick.json" if args.quick else "weight_sync.json")
+
+    for key, value in {
+        "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+    }.items():
+        os.environ.setdefault(key, value)
+    import ray
+
+    load_start = os.getloadavg()[0]
+    memcpy_before = memcpy_bandwidth()
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="asyncrl-w3-") as tmp:
+            for preset in presets:
+                syncs = args.syncs_125m if preset == "w3-125m" else args.syncs
+                rows.append(bench_preset(preset, Path(tmp), syncs, args.bucket_bytes, args.timeout_s))
+    finally:
+        ray.shutdown()
+    memcpy_bps = max(memcpy_before, memcpy_bandwidth())
+    for r in rows:
+        r["memcpy_ratio"] = r["bytes_per_s_median"] / memcpy_bps
+
+    print_table(rows, memcpy_bps)
+    result = {
+        "workload": "W3 sync",
+        "quick": args.quick,
+        "config": {
+            "learner_ranks": 1,
+            "rollout_workers": 1,
+            "dtype": "float32",
+            "bucket_bytes": args.bucket_bytes,
+            "transport": "ray object store (ObjectStorePublisher path)",
+            "max_model_len": MAX_MODEL_LEN,
+            "probe_tokens": PROBE_LEN,
+            "probe_prompt_len": PROBE_PROMPT_LEN,
+        },
+        "machine": {
+            "cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+            "load_average_1min_start": load_start, "load_average_1min_end": os.getloadavg()[0],
+        },
+        "memcpy_bytes_per_s": memcpy_bps,
+        "sizes": rows,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
