@@ -116,6 +116,9 @@ class Controller:
             except TimeoutError:
                 if time.monotonic() >= deadline:
                     raise
+                # Nothing ready yet: a dead engine is a likely cause. Replace it; its requests are re-queued.
+                for name in self.rollout.check_health(timeout_s=5.0):
+                    self.progress.note(f"rollout worker {name} died: replaced, its requests re-dispatched")
 
     def _top_up_prompts(self) -> None:
         """Keep enough prompts queued for the pool to run (eta + 2) batches ahead."""

@@ -25,6 +25,9 @@ class Progress:
             f"staleness {row['staleness_mean']:.2f} (max {row['staleness_max']})  mismatch k3 {k3:.1e}  loss {row['loss']:+.4f}"
         )
 
+    def note(self, text: str) -> None:
+        self._print(text)
+
     def eval(self, record: dict) -> None:
         self.accuracy = record["accuracy"]
         self._print(f"eval  v{record['version']:<4d} held-out accuracy {record['accuracy']:.3f} after {record['samples_trained']} samples")
