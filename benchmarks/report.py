@@ -154,6 +154,36 @@ def algo_throughput(d: dict) -> list[str]:
     return lines
 
 
+def learning_add(d: dict) -> list[str]:
+    modes = d["modes"]
+    lines = [
+        "## W1 `add` — learning (`benchmarks/learning_add.py`)",
+        "",
+        f"{d['steps']} optimizer steps per mode from the same warm start (held-out: 500 fixed prompts, greedy); "
+        f"target accuracy {d['target']}. The peer baseline (TRL GRPOTrainer) is not run yet.",
+        "",
+    ]
+    lines += table(
+        ["mode", "start acc", "final acc", "gain", "wall s", "samples", "t(target) s", "staleness max", "mismatch k3", "parity"],
+        [
+            [
+                mode,
+                fnum(r["start_accuracy"], ".3f"),
+                fnum(r["final_accuracy"], ".3f"),
+                fnum(r["final_accuracy"] - r["start_accuracy"], "+.3f"),
+                fnum(r["wall_clock_s"], ".0f"),
+                r["samples_trained"],
+                fnum(r["time_to_target_s"], ".0f"),
+                max((int(k) for k in r["staleness_histogram"]), default=0),
+                fnum(r["mismatch_k3_mean"], ".1e"),
+                fnum(r["parity_max_abs_diff_mean"], ".1e"),
+            ]
+            for mode, r in modes.items()
+        ],
+    )
+    return lines
+
+
 def generic(name: str, d: dict) -> list[str]:
     scalars = {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool)) and v is not None}
     lines = [f"## {name}", ""]
@@ -166,8 +196,9 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "async_speedup": async_speedup,
     "queue_throughput": queue_throughput,
     "algo_throughput": algo_throughput,
+    "learning_add": learning_add,
 }
-ORDER = ["async_speedup", "weight_sync", "queue_throughput", "algo_throughput"]
+ORDER = ["learning_add", "async_speedup", "weight_sync", "queue_throughput", "algo_throughput"]
 
 
 def render(results: Path) -> str:
