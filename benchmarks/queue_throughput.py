@@ -170,8 +170,10 @@ def main() -> None:
     parser.add_argument("--samples-per-prompt", type=int, default=4)
     parser.add_argument("--batch-groups", type=int, default=16, help="groups per consumer step")
     parser.add_argument("--max-staleness", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default results/queue_throughput[_quick].json)")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = RESULTS.with_name("queue_throughput_quick.json") if args.quick else RESULTS
     batched_n = args.trajectories or (4000 if args.quick else 20_000)
     unbatched_n = args.unbatched_trajectories or (800 if args.quick else 4000)
 
