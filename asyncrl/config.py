@@ -36,14 +36,18 @@ class Section(BaseModel):
 class ModelConfig(Section):
     path: str | None = None
     """A Hugging Face model directory. When unset, the `preset` tiny model is built locally (and cached)."""
-    preset: str = "add-3m"
+    preset: str = "add-1m"
     """Tiny Qwen2-architecture preset from `asyncrl.models` (used when `path` is unset)."""
     warm_start_examples: int = Field(2000, ge=0, le=100_000)
     """Supervised warm-start examples for the built-in task (0 = start from random weights)."""
-    warm_start_epochs: int = Field(12, ge=0, le=1000)
-    """Epochs of the supervised warm start."""
+    warm_start_epochs: int = Field(40, ge=0, le=1000)
+    """Upper bound on epochs of the supervised warm start (it stops earlier once `warm_start_target` is met)."""
     warm_start_lr: float = Field(1e-3, gt=0)
-    """Learning rate of the supervised warm start."""
+    """Learning rate of the supervised warm start (linear warm-up over 50 steps, then constant)."""
+    warm_start_target: float | None = Field(0.3, gt=0, le=1)
+    """Stop the warm start once greedy accuracy on 200 validation prompts (disjoint from the held-out set)
+    reaches this. A fixed epoch count lands anywhere on the task's sharp learning curve; a target gives a
+    start that is low but not zero and whose sampled answers still earn reward. None = run all epochs."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype for learner and engines. fp32 gives 1e-5 log-prob parity on CPU."""
 
@@ -184,6 +188,9 @@ class LearnerConfig(Section):
     """Train a value head (needed by `gae`/`vapo` advantages, e.g. `sao` and `ppo_gae`)."""
     critic_lr: float = Field(1e-3, gt=0)
     """Learning rate of the value head."""
+    critic_warmup_steps: int = Field(0, ge=0)
+    """Value pre-training (VAPO): for the first N steps only the critic learns; the policy is not
+    stepped (versions still advance so staleness accounting is unchanged)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend: auto = nccl on GPU, gloo on CPU."""
     num_cpus_per_rank: float = Field(1.0, gt=0)

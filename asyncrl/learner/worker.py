@@ -282,8 +282,9 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------ the step
 
-    def _accumulate(self, rows: TrainBatch) -> dict[str, Any]:
-        """Backward of the policy loss of this rank's rows (gradients accumulate, no step)."""
+    def _accumulate(self, rows: TrainBatch, policy: bool = True) -> dict[str, Any]:
+        """Backward of the policy loss of this rank's rows (gradients accumulate, no step). With
+        `policy=False` only the critic's advantages and returns are computed."""
         from asyncrl.algo.metrics import mismatch_metrics
         from asyncrl.algo.recipes import compute_policy_loss
 
@@ -294,6 +295,8 @@ class LearnerWorker:
             if self.state.critic is None:
                 raise ValueError(f"advantage {recipe.advantage!r} needs a critic: set learner.critic = true")
             advantages, returns = self._critic_advantages(mbs)
+        if not policy:
+            return {"loss": 0.0, "metrics": {}, "mbs": mbs, "real": real, "returns": returns}
         old: list[torch.Tensor | None] = [None] * len(mbs)
         weights = [mb.token_weights for mb in mbs]
         if recipe.denominator_after_rejection:
@@ -356,10 +359,17 @@ class LearnerWorker:
     def train_step(self, rows: TrainBatch) -> StepStats:
         """One optimizer step on this rank's rows. `loss` and `grad_norm` are global (whole batch);
         samples, tokens and metrics are this rank's (the pool merges them)."""
-        acc = self._accumulate(rows)
+        # VAPO-style value pre-training: a random value head gives random GAE advantages (with short
+        # answers the length-adaptive lambda is clamped to 0, so advantages are pure TD errors), which
+        # drive the policy down. The policy waits until the critic has seen `critic_warmup_steps` batches.
+        frozen = self.state.critic is not None and self.step < self.config.critic_warmup_steps
+        acc = self._accumulate(rows, policy=not frozen)
         lr = self.state.optimizer.param_groups[0]["lr"]
-        grad_norm, stepped = self._clip_and_step(self.state.policy, self.state.optimizer, self.state.scheduler)
-        metrics = dict(acc["metrics"], lr=lr, skipped_step=float(not stepped))
+        if frozen:
+            grad_norm, stepped = 0.0, False
+        else:
+            grad_norm, stepped = self._clip_and_step(self.state.policy, self.state.optimizer, self.state.scheduler)
+        metrics = dict(acc["metrics"], lr=lr, skipped_step=float(not stepped and not frozen), policy_frozen=float(frozen))
         if self.state.critic is not None and acc["returns"][0] is not None:
             metrics.update(self._critic_step(acc["mbs"], acc["real"], acc["returns"]))
         self.step += 1

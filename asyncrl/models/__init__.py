@@ -119,8 +119,9 @@ def ensure_model(cfg) -> Path:
         "epochs": cfg.model.warm_start_epochs,
         "lr": cfg.model.warm_start_lr,
         "max_operand": cfg.data.max_operand,
+        "target": cfg.model.warm_start_target,
         "seed": cfg.seed,
-        "v": 1,
+        "v": 2,
     }
     key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
     path = cache_root() / "models" / f"{cfg.model.preset}-{key}"
@@ -133,7 +134,17 @@ def ensure_model(cfg) -> Path:
         if spec["examples"] > 0 and spec["epochs"] > 0:
             from asyncrl.models.warm_start import warm_start
 
-            report.update(warm_start(tmp, spec["examples"], spec["epochs"], spec["lr"], spec["max_operand"], seed=cfg.seed))
+            report.update(
+                warm_start(tmp, spec["examples"], spec["epochs"], spec["lr"], spec["max_operand"], target=spec["target"], seed=cfg.seed)
+            )
+            if not report["target_reached"]:
+                import warnings
+
+                warnings.warn(
+                    f"warm start of {cfg.model.preset} stopped after {spec['epochs']} epochs at validation accuracy "
+                    f"{report['validation_accuracy']} < model.warm_start_target {spec['target']}",
+                    stacklevel=2,
+                )
         (tmp / "warm_start.json").write_text(json.dumps(report, indent=2))
         if path.exists():
             import shutil

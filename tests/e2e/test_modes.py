@@ -2,9 +2,10 @@
 
 What is asserted is what the system guarantees: every mode trains and publishes each step, sync is
 on-policy, streaming stays within its staleness bound, samples are conserved, engines match the learner
-after every sync, and the policy does not collapse (a too-large step size did exactly that in
-development: 0.50 -> 0.06 held-out accuracy in 5 SAO steps at lr 2e-4). A held-out accuracy *gain* is
-not asserted yet: on this workload the gain is still within noise (see the README results section).
+after every sync, and that `streaming` and `sao` raise greedy held-out accuracy (500 prompts) above the
+warm start. The margin (+0.05) is about 2 standard errors of the eval; in development these short runs
+gained +0.10 to +0.13 (streaming 0.354 -> 0.45 after 10 steps; sao 0.354 -> 0.45 after 20 steps, the first
+10 of which only train the critic).
 """
 
 import pytest
@@ -13,7 +14,8 @@ from asyncrl.config import REPO_CONFIGS, load_config
 
 pytestmark = pytest.mark.e2e
 
-STEPS = {"streaming": 8, "sao": 8, "sync": 4}
+STEPS = {"streaming": 16, "sao": 24, "sync": 4}
+GAIN = 0.05
 FILES = {"streaming": "default.yaml", "sao": "sao.yaml", "sync": "sync.yaml"}
 
 
@@ -32,12 +34,15 @@ def runs(ray_cluster, tmp_path_factory):
 def test_every_mode_trains_and_publishes_each_step_from_the_same_warm_start(runs):
     assert {m: s["final_version"] for m, s in runs.items()} == STEPS
     starts = {s["start_accuracy"] for s in runs.values()}
-    assert len(starts) == 1 and 0.0 < starts.pop() < 0.9  # low but non-zero warm start, shared
+    assert len(starts) == 1 and 0.15 < starts.pop() < 0.6  # low but non-zero warm start, shared
 
 
-def test_no_mode_collapses_the_policy(runs):
-    for mode, s in runs.items():
-        assert s["final_accuracy"] >= s["start_accuracy"] - 0.15, (mode, s["evals"])
+def test_streaming_and_sao_raise_heldout_accuracy_above_the_warm_start(runs):
+    for mode in ("streaming", "sao"):
+        s = runs[mode]
+        assert s["final_accuracy"] >= s["start_accuracy"] + GAIN, (mode, s["evals"])
+    sync = runs["sync"]  # 4 steps: too short to assert a gain, long enough to catch a collapse
+    assert sync["final_accuracy"] >= sync["start_accuracy"] - 0.05, sync["evals"]
 
 
 def test_sync_is_on_policy_and_streaming_stays_within_its_bound(runs):

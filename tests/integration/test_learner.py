@@ -253,20 +253,30 @@ def test_export_hf_loads_in_transformers_with_identical_logits(pools, tmp_path):
     assert np.abs(two.score(tokens, prompt_len, 1.0) - exported).max() < 1e-6
 
 
-def test_critic_steps_reduce_the_value_loss_on_a_fixed_batch(ray_cluster, tiny_model_dir):
+def test_critic_steps_reduce_the_value_loss_and_the_policy_waits_for_critic_warmup(ray_cluster, tiny_model_dir):
     from asyncrl.learner.worker import LearnerPool
 
     # GAE from critic values, whitened with batch-global moments; lam = 1 makes the value targets Monte-Carlo
     # returns (fixed except for the bootstrap of truncated rows), so the regression loss must go down.
+    # For the first `critic_warmup_steps` only the critic learns: the policy's log-probs do not move.
     recipe = resolve_recipe("ppo_gae", lam=1.0)
-    config = LearnerConfig(num_ranks=2, tokens_per_microbatch=16, critic=True, critic_lr=5e-4, lr=1e-4)
+    config = LearnerConfig(num_ranks=2, tokens_per_microbatch=16, critic=True, critic_lr=5e-4, lr=1e-3, critic_warmup_steps=2)
     pool = LearnerPool(tiny_model_dir, config, recipe)
     try:
         groups = make_groups(num_groups=4, group_size=1, seed=6)
         for group in groups:  # terminal rows: the targets are the rewards, nothing bootstraps
             group.trajectories = [t.replace(finish_reason="stop") for t in group.trajectories]
-        losses = [pool.train_step(groups).metrics["critic_value_loss"] for _ in range(4)]
+        probe = [1, 4, 8, 10, 3, 5, 2]
+        scores, losses, frozen = [pool.score(probe, 2, 1.0)], [], []
+        for _ in range(4):
+            stats = pool.train_step(groups)
+            losses.append(stats.metrics["critic_value_loss"])
+            frozen.append(stats.metrics["policy_frozen"])
+            scores.append(pool.score(probe, 2, 1.0))
         print("critic value loss per step:", losses)
+        assert frozen == [1.0, 1.0, 0.0, 0.0]
+        assert np.array_equal(scores[0], scores[1]) and np.array_equal(scores[1], scores[2])
+        assert np.abs(scores[3] - scores[2]).max() > 1e-4
         assert all(b < a for a, b in zip(losses, losses[1:]))
         assert losses[-1] < 0.7 * losses[0]
     finally:
