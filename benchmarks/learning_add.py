@@ -1,7 +1,10 @@
-"""W1 `add`: held-out accuracy against wall-clock and trained samples for sync, streaming and sao.
+"""W1 `add`: held-out accuracy against wall-clock and trained samples for sync, streaming and sao, and
+the peer baseline (TRL's GRPOTrainer, benchmarks/peer_trl.py) on the same workload.
 
-All three modes start from the same cached warm-start checkpoint, in the same process, one after the
-other, so the ratios compare like with like on a noisy shared machine. Writes
+All three modes and the peer start from the same cached warm-start checkpoint, one after the other, so
+the ratios compare like with like on a noisy shared machine. asyncrl's wall-clock starts at the first
+rollout and includes its held-out evaluations (run on the engines); the peer's excludes its evaluations.
+The peer runs in a subprocess when `trl` is installed (`pip install -e .[bench]`). Writes
 benchmarks/results/learning_add.json (and a PNG plot when matplotlib is installed).
 
     python benchmarks/learning_add.py [--quick] [--steps N] [--target 0.5]
@@ -10,8 +13,11 @@ benchmarks/results/learning_add.json (and a PNG plot when matplotlib is installe
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -60,6 +66,13 @@ def main() -> None:
             "evals": summary["evals"],
         }
     ray.shutdown()
+    if importlib.util.find_spec("trl") is not None:
+        peer_json = out / "peer_trl.json"
+        cmd = [sys.executable, str(Path(__file__).parent / "peer_trl.py"), "--steps", str(steps), "--eval-every", str(every)]
+        subprocess.run([*cmd, "--target", str(args.target), "--out", str(peer_json)], check=True)
+        peer = json.loads(peer_json.read_text())
+        results["trl"] = {k: peer[k] for k in ("start_accuracy", "final_accuracy", "wall_clock_s", "samples_trained", "time_to_target_s", "evals")}
+        results["trl"]["settings"] = peer["settings"]
 
     base = results["sync"]
     print(f"\nW1 add, {steps} steps per mode, target accuracy {args.target}")
@@ -71,7 +84,11 @@ def main() -> None:
         ratio = f"{rate / base_rate:.2f}x" if base_rate > 0 else "-"
         ttt = f"{r['time_to_target_s']:.0f}" if r["time_to_target_s"] is not None else "-"
         print(f"{mode:<10} {r['start_accuracy']:>6.3f} {r['final_accuracy']:>6.3f} {gain:>+6.3f} {r['wall_clock_s']:>7.0f} {r['samples_trained']:>8d} {ttt:>11} {ratio:>13}")
-    print("peer baseline (TRL GRPOTrainer): not run in this version")
+    if "trl" not in results:
+        print("peer baseline (TRL GRPOTrainer): trl is not installed (pip install -e .[bench])")
+    elif results["trl"]["time_to_target_s"] and results["streaming"]["time_to_target_s"]:
+        ratio = results["streaming"]["time_to_target_s"] / results["trl"]["time_to_target_s"]
+        print(f"time to {args.target}: streaming / trl = {ratio:.2f} (goal <= 0.5)")
 
     RESULTS.mkdir(exist_ok=True)
     name = "learning_add_quick" if args.quick else "learning_add"

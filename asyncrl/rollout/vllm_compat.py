@@ -66,6 +66,10 @@ def engine_args(
       requests keep their KV), so a prefix cache would keep serving KV blocks computed by the old weights
       to *new* requests after the update and break parity.
     - `worker_extension_cls`: adds the bucket-loading methods to vLLM's worker (see `WeightReceiver`).
+    - `distributed_executor_backend="uni"` on CPU (vLLM 0.32): the default multiprocess executor runs the
+      model in a third process, and the engine core busy-waits on it (`sched_yield` in shm_broadcast was
+      60% of the engine core's samples under py-spy), taking a CPU away from the model and the learner on
+      small machines. "uni" runs the model inside the engine core process.
     """
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -78,6 +82,7 @@ def engine_args(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         enforce_eager=cpu,
+        distributed_executor_backend="uni" if cpu else None,
         enable_prefix_caching=False,
         logprobs_mode="processed_logprobs",
         worker_extension_cls=WEIGHT_RECEIVER_QUALNAME,

@@ -31,10 +31,12 @@ def _numbers(obj):
         yield obj
 
 
-@pytest.mark.parametrize("name", ["algo_throughput", "queue_throughput", "weight_sync", "async_speedup"])
+@pytest.mark.parametrize("name", ["algo_throughput", "queue_throughput", "weight_sync", "async_speedup", "peer_trl"])
 def test_benchmark_quick_run_writes_finite_results(name):
     result = _run(name)
     values = list(_numbers(result))
     assert values and all(math.isfinite(v) for v in values)
     if name == "weight_sync":
         assert all(r["parity_after_max"] < 1e-4 < r["parity_before_max"] for r in result["sizes"])
+    if name == "peer_trl":  # same warm start as asyncrl's runs; 4 steps x 256 samples
+        assert 0.15 < result["start_accuracy"] < 0.6 and result["samples_trained"] == 4 * 256
