@@ -35,7 +35,7 @@ def time_to_target(evals: list[dict], target: float) -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: a few steps per mode")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--target", type=float, default=0.5, help="held-out accuracy whose wall-clock is reported")
     args = parser.parse_args()
     for key, value in (("RAY_AUTH_MODE", "disabled"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind"), ("VLLM_CPU_KVCACHE_SPACE", "1")):

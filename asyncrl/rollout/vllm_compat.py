@@ -66,10 +66,12 @@ def engine_args(
       requests keep their KV), so a prefix cache would keep serving KV blocks computed by the old weights
       to *new* requests after the update and break parity.
     - `worker_extension_cls`: adds the bucket-loading methods to vLLM's worker (see `WeightReceiver`).
-    - `distributed_executor_backend="uni"` on CPU (vLLM 0.32): the default multiprocess executor runs the
-      model in a third process, and the engine core busy-waits on it (`sched_yield` in shm_broadcast was
-      60% of the engine core's samples under py-spy), taking a CPU away from the model and the learner on
-      small machines. "uni" runs the model inside the engine core process.
+    - vLLM 0.32 on CPU always runs the model in a separate worker process (the platform replaces a "uni"
+      executor with "mp"), and each side of the shared-memory queue between engine core and worker
+      busy-waits (`os.sched_yield`) for 1 s after every message: under py-spy 60% of the engine core's
+      samples are that spin. Making the readers block instead (SpinCondition.busy_loop_s = 0, tried via
+      a vLLM general plugin) made a W1 step 4x slower (5.4 s vs 1.2 s): the wake-up latency costs more
+      than the spin.
     """
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -82,7 +84,6 @@ def engine_args(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         enforce_eager=cpu,
-        distributed_executor_backend="uni" if cpu else None,
         enable_prefix_caching=False,
         logprobs_mode="processed_logprobs",
         worker_extension_cls=WEIGHT_RECEIVER_QUALNAME,
