@@ -56,6 +56,9 @@ class Trajectory:
     failure: str | None = None
     """Why the trajectory failed (`timeout`, `reward_error: ...`, `engine_died: worker-1`), None if it did not."""
     worker: str = ""
+    attempt: int | None = None
+    """The attempt number of the request this answers (`Request.attempt`); None = unknown, and then the
+    queue matches by `worker` only."""
     dispatch_version: int = 0
     """Policy version of the engine when the request started (lower bound of `versions`)."""
     submitted_at: float = 0.0

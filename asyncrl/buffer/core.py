@@ -192,11 +192,11 @@ class ReplayQueueCore:
     def put(self, trajectories: Sequence[Trajectory]) -> int:
         """Hand finished trajectories to the queue; returns how many were accepted.
 
-        A trajectory is matched to its request by (group_id, sample_index, worker). One whose request was
-        re-dispatched, already answered or aborted is ignored and counted `stale_attempt` (not a terminal
-        state: its sample is accounted by the current attempt). An empty `worker` matches any holder.
-        `Trajectory` carries no attempt number, so a restarted worker that keeps its name and re-acquires
-        the same request cannot be told apart from its previous life; give restarted workers new names.
+        A trajectory is matched to its request by (group_id, sample_index, attempt, worker). One whose
+        request was re-dispatched, already answered or aborted is ignored and counted `stale_attempt` (not
+        a terminal state: its sample is accounted by the current attempt). An empty `worker` matches any
+        holder and `attempt=None` any attempt; with the attempt set, a restarted worker that kept its name
+        and re-acquired the same sample is still told apart from its previous life.
         """
         self.expire_stragglers()
         now = self.clock()
@@ -205,7 +205,13 @@ class ReplayQueueCore:
         for t in trajectories:
             g = self._groups.get(t.group_id)
             i = t.sample_index
-            if g is None or not 0 <= i < g.size or g.status[i] != OUT or (t.worker and t.worker != g.holder[i]):
+            if (
+                g is None
+                or not 0 <= i < g.size
+                or g.status[i] != OUT
+                or (t.worker and t.worker != g.holder[i])
+                or (t.attempt is not None and t.attempt != g.attempt[i])
+            ):
                 self._counters["stale_attempt"] += 1
                 continue
             accepted += 1

@@ -39,6 +39,7 @@ TRAJECTORY_SCHEMA = pa.schema(
         ("reward", pa.float64()),
         ("failure", pa.string()),
         ("worker", pa.string()),
+        ("attempt", pa.int64()),
         ("dispatch_version", pa.int64()),
         ("submitted_at", pa.float64()),
         ("finished_at", pa.float64()),

@@ -208,6 +208,7 @@ class Engine:
             ground_truth=prompt.ground_truth,
             failure=failure,
             worker=self.name,
+            attempt=request.attempt,
             dispatch_version=dispatch_version,
             submitted_at=submitted_at,
             finished_at=time.time(),

@@ -39,8 +39,10 @@ def answer(
     failure: str | None = None,
     worker: str = "w0",
     length: int = 3,
+    attempt: int | None = -1,
 ) -> Trajectory:
-    """The trajectory a rollout worker would put for `request`; `version` per token or one for all."""
+    """The trajectory a rollout worker would put for `request`; `version` per token or one for all;
+    `attempt` -1 = the request's own attempt."""
     versions = np.asarray(version if isinstance(version, list) else [version] * length, dtype=np.int32)
     length = len(versions)
     return Trajectory(
@@ -57,5 +59,6 @@ def answer(
         reward=reward,
         failure=failure,
         worker=worker,
+        attempt=request.attempt if attempt == -1 else attempt,
         dispatch_version=int(versions.min()) if length else 0,
     )

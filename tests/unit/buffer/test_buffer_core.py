@@ -266,6 +266,20 @@ def test_requests_of_a_lost_worker_are_redispatched_once_and_late_answers_ignore
     assert (c["dispatched"], c["trained"], c["stale_attempt"], c["requeued"], c["in_flight"]) == (2, 2, 2, 2, 0)
 
 
+def test_a_restarted_worker_with_the_same_name_is_told_apart_by_the_attempt():
+    core = started_queue(group_size=2)
+    lost = core.acquire("w0", 2)
+    assert core.requeue_worker("w0") == 2
+    again = core.acquire("w0", 5)  # the replacement kept the name and got the same samples back
+    assert [r.attempt for r in again] == [1, 1]
+    assert core.put([answer(r, worker="w0") for r in lost]) == 0  # the dead life's answers (attempt 0)
+    assert core.put([answer(r, worker="w0", attempt=None) for r in lost[:1]]) == 1  # no attempt: matched by name
+    assert core.put([answer(r, worker="w0") for r in again]) == 1  # sample 0 is already answered
+    core.get_batch(1, learner_version=0)
+    c = core.check_conservation()
+    assert (c["dispatched"], c["trained"], c["stale_attempt"], c["requeued"], c["in_flight"]) == (2, 2, 3, 2, 0)
+
+
 def test_abort_outstanding_ends_every_in_flight_sample_and_stops_dispatch():
     core = started_queue(num_prompts=4, group_size=2, batch_groups=4)
     requests = core.acquire("w0", 5)
