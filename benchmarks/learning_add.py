@@ -37,7 +37,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: a few steps per mode")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--target", type=float, default=0.5, help="held-out accuracy whose wall-clock is reported")
+    parser.add_argument("--replot", action="store_true", help="only redraw the PNG from the existing JSON")
     args = parser.parse_args()
+    if args.replot:
+        name = "learning_add_quick" if args.quick else "learning_add"
+        plot(json.loads((RESULTS / f"{name}.json").read_text())["modes"], RESULTS / f"{name}.png")
+        return
     for key, value in (("RAY_AUTH_MODE", "disabled"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind"), ("VLLM_CPU_KVCACHE_SPACE", "1")):
         os.environ.setdefault(key, value)
 
@@ -93,12 +98,18 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     name = "learning_add_quick" if args.quick else "learning_add"
     (RESULTS / f"{name}.json").write_text(json.dumps({"steps": steps, "target": args.target, "modes": results}, indent=2))
+    plot(results, RESULTS / f"{name}.png")
+
+
+def plot(results: dict, path: Path) -> None:
+    """Held-out accuracy against wall-clock and against trained samples, one line per run."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print("matplotlib is not installed (pip install -e .[bench]): no plot")
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for mode, r in results.items():
@@ -110,7 +121,8 @@ def main() -> None:
         ax.set_ylabel("held-out accuracy")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / f"{name}.png", dpi=100)
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Where the time goes in a run: py-spy samples every process of a live `asyncrl run` at once.
 
 Starts `asyncrl run CONFIG [overrides]`, waits for training to be under way, then records each process
-(driver, ReplayQueue, RolloutWorker, vLLM engine core, LearnerWorker) with `py-spy record --format raw`
+(driver, ReplayQueue, RolloutWorker, vLLM engine core and its model worker, LearnerWorker) with `py-spy record --format raw`
 for `--duration` seconds, concurrently, together with its CPU share. Prints, per process, the CPU share
 and the frames with the largest inclusive and self sample fractions; writes benchmarks/results/profile.json.
 Needs `py-spy` (the `bench` extra) and permission to ptrace the run's processes (root, or
@@ -26,7 +26,14 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
 # Process titles set by Ray (`ray::<Actor>`) and vLLM (`VLLM::EngineCore`); the driver is `asyncrl run`.
-ROLES = {"ReplayQueue": "ray::ReplayQueue", "RolloutWorker": "ray::RolloutWorker", "EngineCore": "VLLM::EngineCore", "LearnerWorker": "ray::LearnerWorker"}
+# On CPU vLLM 0.32 runs the model in a child of the engine core (`VLLM::Worker`, multiprocess executor).
+ROLES = {
+    "ReplayQueue": "ray::ReplayQueue",
+    "RolloutWorker": "ray::RolloutWorker",
+    "EngineCore": "VLLM::EngineCore",
+    "EngineWorker": "VLLM::Worker",
+    "LearnerWorker": "ray::LearnerWorker",
+}
 
 
 def find_processes(driver_pid: int) -> dict[str, int]:
@@ -106,7 +113,6 @@ def main() -> None:
     finally:
         os.killpg(run.pid, 15)
         run.wait(timeout=60)
-    # vLLM's engine core may run the model in a child process (multiprocess executor): its CPU counts too.
     report = {"config": args.config, "overrides": args.overrides, "duration_s": args.duration, "processes": {}}
     for role in pids:
         raw = out / f"{role}.txt"

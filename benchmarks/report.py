@@ -197,6 +197,21 @@ def learning_add(d: dict) -> list[str]:
     return lines
 
 
+def profile(d: dict) -> list[str]:
+    lines = [
+        "## Profile — where the time goes (`benchmarks/profile_run.py`)",
+        "",
+        f"py-spy on every process of `asyncrl run {Path(d['config']).name} {' '.join(d['overrides'])}` for "
+        f"{d['duration_s']:.0f} s of training; cores = CPU time / wall time while sampled (py-spy itself adds load).",
+        "",
+    ]
+    rows = []
+    for role, r in d["processes"].items():
+        top = "; ".join(f"{frame} {share:.0%}" for frame, share in r.get("self", [])[:3])
+        rows.append([role, f"{r['cpu_cores']:.2f}", r["samples"], top or "-"])
+    return lines + table(["process", "cores", "samples", "largest self shares"], rows)
+
+
 def generic(name: str, d: dict) -> list[str]:
     scalars = {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool)) and v is not None}
     lines = [f"## {name}", ""]
@@ -210,8 +225,9 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "queue_throughput": queue_throughput,
     "algo_throughput": algo_throughput,
     "learning_add": learning_add,
+    "profile": profile,
 }
-ORDER = ["learning_add", "async_speedup", "weight_sync", "queue_throughput", "algo_throughput"]
+ORDER = ["learning_add", "async_speedup", "weight_sync", "queue_throughput", "algo_throughput", "profile"]
 
 
 def render(results: Path) -> str:
