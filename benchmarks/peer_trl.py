@@ -22,18 +22,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from learning_add import time_to_target  # benchmarks/ is on sys.path when a script there runs
+
 RESULTS = Path(__file__).parent / "results"
 # TRL's loss closest to plain GRPO with group-normalised advantages (asyncrl `grpo` preset: advantage grpo,
 # loss ppo, reduction seq_mean_token_mean). One optimizer step per generation batch, so the PPO ratio is 1.
 LOSS_TYPE = "grpo"
 SCALE_REWARDS = "group"
-
-
-def time_to_target(evals: list[dict], target: float) -> float | None:
-    for e in evals:
-        if e["accuracy"] >= target:
-            return e["wall_s"]
-    return None
 
 
 def main() -> None:

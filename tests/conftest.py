@@ -11,6 +11,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest
+from hypothesis import settings
+
+# Property tests draw the same examples on every run (CI must not flake); HYPOTHESIS_PROFILE=explore
+# draws fresh ones to hunt for new failures locally.
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")

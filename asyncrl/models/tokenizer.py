@@ -33,6 +33,9 @@ def build_char_tokenizer(alphabet: str = ADD_ALPHABET):
         eos_token="<eos>",
         unk_token="<unk>",
         clean_up_tokenization_spaces=False,
+        # Text is only ever characters: a prompt that contains "<eos>" gets 5 tokens, not the EOS id
+        # (no special-token injection from data). Specials are added as ids by the code that needs them.
+        split_special_tokens=True,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer

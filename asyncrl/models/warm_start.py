@@ -84,27 +84,29 @@ def warm_start(
     rng = random.Random(seed)
     start = time.perf_counter()
     step, val_acc, loss = 0, None, torch.tensor(float("nan"))
+
+    def batches():
+        for _ in range(epochs):
+            rng.shuffle(data)
+            for i in range(0, len(data), batch_size):
+                yield data[i : i + batch_size]
+
     model.train()
-    for epoch in range(epochs):
-        rng.shuffle(data)
-        for i in range(0, len(data), batch_size):
-            input_ids, attn, labels = _batch(tokenizer, data[i : i + batch_size])
-            loss = model(input_ids=input_ids, attention_mask=attn, labels=labels).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            if target is not None and step % EVAL_EVERY_STEPS == 0:
-                model.eval()
-                val_acc = greedy_accuracy(model, tokenizer, validation)
-                model.train()
-                if val_acc >= target:
-                    break
-        else:
-            continue
-        break
+    for chunk in batches():
+        input_ids, attn, labels = _batch(tokenizer, chunk)
+        loss = model(input_ids=input_ids, attention_mask=attn, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if target is not None and step % EVAL_EVERY_STEPS == 0:
+            model.eval()
+            val_acc = greedy_accuracy(model, tokenizer, validation)
+            model.train()
+            if val_acc >= target:
+                break
     train_s = time.perf_counter() - start
     model.eval()
     model.save_pretrained(model_dir, safe_serialization=True)

@@ -33,8 +33,15 @@ def test_every_task_string_round_trips(saved_tokenizer):
             assert tok.decode(ids) == text
 
 
+def test_special_token_strings_in_text_are_plain_characters(saved_tokenizer):
+    tok = build_char_tokenizer(ASCII_ALPHABET)
+    for t in (tok, saved_tokenizer):  # also after save_pretrained / AutoTokenizer
+        ids = t("<eos>", add_special_tokens=False).input_ids
+        assert len(ids) == 5 and t.eos_token_id not in ids
+
+
 @settings(max_examples=50, deadline=None)
-@given(st.text(alphabet=ASCII_ALPHABET, max_size=40))
+@given(st.text(alphabet=ASCII_ALPHABET, max_size=40) | st.sampled_from(["<pad>", "a<eos>b", "<bos><unk>"]))
 def test_ascii_tokenizer_round_trips_any_printable_text(text):
     tok = build_char_tokenizer(ASCII_ALPHABET)
     ids = tok(text, add_special_tokens=False).input_ids
