@@ -106,6 +106,10 @@ class EnvConfig(Section):
 class BufferConfig(Section):
     max_staleness: int = Field(4, ge=0, le=1024)
     """eta: the largest policy lag (learner version minus a sample's min_version) allowed in a gradient."""
+    abort_stale_in_flight: bool = True
+    """Abort a running request as soon as it is certain to exceed `max_staleness` (its first token is more than
+    `max_staleness` versions older than the weights its engine now serves): it ends `dropped_stale` with its
+    group, and the engine's slot goes to new work instead of tokens that would be thrown away."""
     group_timeout_s: float = Field(120.0, gt=0)
     """A group whose members are not all in within this time after its first member is a straggler."""
     straggler_policy: Literal["drop", "partial"] = "drop"

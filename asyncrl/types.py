@@ -17,6 +17,9 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 # Terminal states of a dispatched sample (invariant 3). `filtered:<reason>` and `failed:<reason>` carry a reason.
 TRAINED = "trained"
 DROPPED_STALE = "dropped_stale"
+STALE_FAILURE = "stale"
+"""`failure` reason (text before the first ':') of a request its engine aborted because it was certain to exceed
+`max_staleness`; the replay queue ends it, and its group, `dropped_stale` rather than `failed:`."""
 
 
 @dataclass

@@ -20,6 +20,8 @@ Staleness (invariant 2) is enforced twice. Admission control, as in AReaL: with 
 learner step, the n-th group (0-based, in consumption order) is consumed at learner version floor(n / B), so
 a group started at version v arrives within the bound iff n + 1 <= (v + eta + 1) * B, where
 n = consumed + in flight + ready. Hand-out check: a ready group with lag > eta is dropped, never handed out.
+Groups finish out of order (long samples), so some still exceed the bound; an engine aborts such a request
+as soon as that is certain and hands it in with `failure="stale: ..."`, which drops its group at once.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import numpy as np
 
 from asyncrl.buffer import filters
 from asyncrl.config import BufferConfig
-from asyncrl.types import DROPPED_STALE, TRAINED, Group, Prompt, Request, Trajectory
+from asyncrl.types import DROPPED_STALE, STALE_FAILURE, TRAINED, Group, Prompt, Request, Trajectory
 
 PENDING, OUT, ARRIVED, READY, DONE = "pending", "out", "arrived", "ready", "done"
 """Member states. Every state but DONE is in flight."""
@@ -220,6 +222,8 @@ class ReplayQueueCore:
                 g.first_arrival_at = now
             if g.resolved:
                 self._finish(g, i, g.late_fate, t)
+            elif t.failure is not None and filters.failure_reason(t.failure) == STALE_FAILURE:
+                self._drop_group_stale(g, i, t)
             elif t.failure is not None:
                 self._finish(g, i, filters.failed_state(t.failure), t)
             else:
@@ -593,6 +597,19 @@ class ReplayQueueCore:
             self._counters["groups_dropped_stale"] += 1
             self._forget_if_done(g)
         self._ready = fresh
+
+    def _drop_group_stale(self, g: _GroupState, i: int, t: Trajectory) -> None:
+        """Member i was aborted by its engine as certain to exceed the bound: the whole group is
+        `dropped_stale` now (members not yet back take that fate when they arrive)."""
+        self._finish(g, i, DROPPED_STALE, t)
+        for j, state in enumerate(g.status):
+            if state == PENDING:
+                self._finish(g, j, DROPPED_STALE, None)
+            elif state == ARRIVED:
+                self._finish(g, j, DROPPED_STALE, g.trajectories[j])
+        g.resolved, g.late_fate = True, DROPPED_STALE
+        self._unresolved -= 1
+        self._counters["groups_dropped_stale"] += 1
 
     def _forget_if_done(self, g: _GroupState) -> None:
         if g.resolved and all(s == DONE for s in g.status):

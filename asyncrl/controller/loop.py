@@ -55,7 +55,11 @@ class Controller:
         self.eval_set = eval_prompts(cfg, self.tokenizer)
         self.queue = start_replay_queue(cfg.buffer, batch_groups=cfg.learner.prompts_per_step, name=f"replay_queue-{self.out.name}", log_dir=self.out)
         self.learner = LearnerPool.from_config(cfg, self.model_dir)
-        self.rollout = RolloutPool(str(self.model_dir), cfg.rollout, cfg.env, queue=self.queue, dtype=cfg.model.dtype, max_model_len=cfg.rollout.max_model_len, seed=cfg.seed)
+        self.rollout = RolloutPool(
+            str(self.model_dir), cfg.rollout, cfg.env, queue=self.queue, dtype=cfg.model.dtype,
+            max_model_len=cfg.rollout.max_model_len, seed=cfg.seed,
+            abort_stale_after=cfg.buffer.max_staleness if cfg.buffer.abort_stale_in_flight else None,
+        )
         self.rollout.start()
         if cfg.checkpoint.resume_from:
             self._resume(cfg.checkpoint.resume_from)
@@ -96,6 +100,7 @@ class Controller:
                 self._evaluate(start)
             if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
                 self._checkpoint()
+            self._log_step()
         if not self.evals or self.evals[-1]["version"] != self.version:
             self._evaluate(start)
         self._checkpoint()
@@ -141,9 +146,10 @@ class Controller:
         self.history[-1]["sync_s"] = time.perf_counter() - begin
         parity = None
         if cfg.weight_sync.parity_probe:
+            begin = time.perf_counter()
             parity = self._parity_probe()
             self.parity.append(parity)
-            self.history[-1]["parity_max_abs_diff"] = parity
+            self.history[-1].update(parity_max_abs_diff=parity, parity_probe_s=time.perf_counter() - begin)
         self.metrics.observe_sync(self.version, self.history[-1]["sync_s"], parity)
 
     def _parity_probe(self) -> float:
@@ -200,6 +206,10 @@ class Controller:
         self.metrics.observe_step(row, lags, self.cfg.algorithm.resolved_names()["correction"])
         if self.cfg.telemetry.prometheus_port:
             self.metrics.observe_totals(ray.get(self.queue.counters.remote(), timeout=30), 0.0, 0, 0.0, {})
+
+    def _log_step(self) -> None:
+        """The step's row, with the timings of its weight sync and parity probe, to metrics.jsonl and the console."""
+        row = self.history[-1]
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         if self.step % self.cfg.telemetry.log_every_steps == 0:

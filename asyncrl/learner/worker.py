@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -558,11 +559,13 @@ class LearnerPool:
         return self.train_batch(self.make_batch(groups))
 
     def train_batch(self, batch: TrainBatch) -> StepStats:
+        began = time.perf_counter()
         shards = split_rows(batch, self.num_ranks, loss_needs_whole_groups(self.recipe))
         results: list[StepStats] = self._call("train_step", per_rank=[(s,) for s in shards])
         self.step = results[0].step
         metrics = merge_metrics([(r.metrics, r.metrics.get("loss_tokens", 0.0)) for r in results])
         metrics.pop("loss_tokens", None)
+        metrics["learner_step_s"] = time.perf_counter() - began
         lag = (self.version - batch.min_version).float()
         metrics.update(staleness_mean_versions=float(lag.mean()), staleness_max_versions=float(lag.max()))
         return StepStats(

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from asyncrl.rollout import vllm_compat
-from asyncrl.types import Prompt, Request, Trajectory
+from asyncrl.types import STALE_FAILURE, Prompt, Request, Trajectory
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,9 @@ class Engine:
         self._update_lock = asyncio.Lock()
         self._ids = itertools.count()
         self._progress: dict[str, int] = {}
+        self._running: dict[str, tuple[str, int | None]] = {}
+        """`Request.request_id` -> (vLLM request id, engine version when its first token came back or None)."""
+        self._abort_reasons: dict[str, str] = {}
         self.num_tokens_generated = 0
         self.num_requests_done = 0
 
@@ -91,10 +94,8 @@ class Engine:
 
     async def start(self) -> None:
         vllm_compat.configure_process_env(self._kv_cache_gib)
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         args = vllm_compat.engine_args(self.model_dir, **self._engine_kwargs)
-        self._llm = AsyncLLM.from_engine_args(args)
+        self._llm = vllm_compat.create_async_llm(args)
         self._tokenizer = self._llm.tokenizer
         await vllm_compat.set_weight_version(self._llm, self._version)
         # The first request pays a one-off warm-up (~7 s on a 2-core CPU); pay it here, before serving,
@@ -153,6 +154,7 @@ class Engine:
         finish_reason = "abort"
         failure: str | None = None
         self._progress[request.request_id] = 0
+        self._running[request.request_id] = (request_id, None)
 
         async def consume() -> None:
             nonlocal spans, finish_reason
@@ -162,6 +164,10 @@ class Engine:
             async for out in stream:
                 completion = out.outputs[0]
                 new = list(completion.token_ids)
+                if new and not token_ids:
+                    # The first token was sampled with weights no newer than those served now: an upper
+                    # bound on the trajectory's min_version (the label changes only while paused).
+                    self._running[request.request_id] = (request_id, self._version)
                 token_ids.extend(new)
                 if new:
                     logprobs.extend(vllm_compat.sampled_logprobs(completion.logprobs, new))
@@ -190,6 +196,10 @@ class Engine:
             finish_reason = "error"
         finally:
             self._progress.pop(request.request_id, None)
+            self._running.pop(request.request_id, None)
+            abort_reason = self._abort_reasons.pop(request.request_id, None)
+        if abort_reason is not None and failure is None:
+            failure, finish_reason = abort_reason, "abort"
 
         n = len(token_ids)
         logprobs = logprobs[:n]
@@ -275,6 +285,30 @@ class Engine:
             finally:
                 await vllm_compat.resume_after_update(self._llm)
         return num_tensors
+
+    async def abort_stale(self, max_staleness: int) -> int:
+        """Abort every running request that is certain to exceed `max_staleness`; returns how many.
+
+        A request whose first token came back while the engine served version `f` has min_version <= f, and
+        any learner step that could consume it runs at a version >= the one served now, so its lag will be
+        more than `max_staleness` if `version - f > max_staleness`. Its trajectory comes back with the partial
+        response and `failure="stale: ..."` (`STALE_FAILURE`). Requests without a token yet are left alone.
+        """
+        self._require_started()
+        doomed = [
+            (rid, vllm_id, first)
+            for rid, (vllm_id, first) in self._running.items()
+            if first is not None and self._version - first > max_staleness and rid not in self._abort_reasons
+        ]
+        for rid, _, first in doomed:
+            self._abort_reasons[rid] = (
+                f"{STALE_FAILURE}: first token at version {first}, engine serves {self._version}, "
+                f"max_staleness {max_staleness}"
+            )
+        if doomed:
+            # An external abort makes vLLM emit a final "abort" output: `generate` returns the partial response.
+            await self._llm.abort([vllm_id for _, vllm_id, _ in doomed])
+        return len(doomed)
 
     def _require_started(self) -> None:
         if self._llm is None:

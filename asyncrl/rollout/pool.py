@@ -40,7 +40,11 @@ _CONTROL_TIMEOUT_S = 30.0  # stop / stats / health calls
 
 
 class RolloutPool:
-    """Driver-side owner of the rollout workers. Not thread-safe; call from one controller thread."""
+    """Driver-side owner of the rollout workers. Not thread-safe; call from one controller thread.
+
+    `abort_stale_after`: each worker aborts, after an in-flight weight update, the requests certain to exceed
+    this staleness (`buffer.max_staleness` when `buffer.abort_stale_in_flight`); None never aborts.
+    """
 
     def __init__(
         self,
@@ -53,6 +57,7 @@ class RolloutPool:
         max_model_len: int | None = None,
         seed: int = 0,
         sampling: SamplingSpec | None = None,
+        abort_stale_after: int | None = None,
     ) -> None:
         self.model_dir = str(model_dir)
         self.rollout = rollout
@@ -62,6 +67,7 @@ class RolloutPool:
         self._max_model_len = max_model_len
         self._seed = seed
         self._sampling = sampling
+        self._abort_stale_after = abort_stale_after
         self._index = itertools.count()
         self._workers: dict[str, Any] = {}
         self._run_refs: dict[str, Any] = {}
@@ -222,6 +228,7 @@ class RolloutPool:
                 max_model_len=self._max_model_len,
                 seed=self._seed + int(name.rsplit("-", 1)[1]),  # distinct sampling streams per engine
                 sampling=self._sampling,
+                abort_stale_after=self._abort_stale_after,
             )
             for name in names
         }

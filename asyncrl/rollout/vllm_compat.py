@@ -6,6 +6,7 @@ assumptions need re-checking; `engine.py` talks to vLLM through the public `Asyn
 Contents:
 - `configure_process_env`: environment variables that must be set before the engine process starts.
 - `engine_args`: the `AsyncEngineArgs` that give fp32 log-prob parity with the learner.
+- `create_async_llm`: the engine, with the model in the engine-core process on CPU (no busy-waiting worker).
 - `WeightReceiver`: the worker extension (`worker_extension_cls`) that loads safetensors buckets in place.
 - `version_per_token`: per-token policy versions from vLLM's weight-version spans.
 - `pause_for_update` / `resume_after_update`: in-flight (keep running requests) and draining pauses.
@@ -66,12 +67,6 @@ def engine_args(
       requests keep their KV), so a prefix cache would keep serving KV blocks computed by the old weights
       to *new* requests after the update and break parity.
     - `worker_extension_cls`: adds the bucket-loading methods to vLLM's worker (see `WeightReceiver`).
-    - vLLM 0.32 on CPU always runs the model in a separate worker process (the platform replaces a "uni"
-      executor with "mp"), and each side of the shared-memory queue between engine core and worker
-      busy-waits (`os.sched_yield`) for 1 s after every message: under py-spy 60% of the engine core's
-      samples are that spin. Making the readers block instead (SpinCondition.busy_loop_s = 0, tried via
-      a vLLM general plugin) made a W1 step 4x slower (5.4 s vs 1.2 s): the wake-up latency costs more
-      than the spin.
     """
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -126,6 +121,36 @@ class WeightReceiver:
 
         self.model_runner.reload_weights(weights_iterator=named_tensors())
         return len(names)
+
+
+def create_async_llm(args: Any) -> Any:
+    """An `AsyncLLM` for `args`; on CPU its model runs inside the engine-core process.
+
+    vLLM 0.32 on CPU replaces a "uni" executor with "mp" unless `VLLM_ENABLE_V1_MULTIPROCESSING=0` while the
+    config is built (`CpuPlatform.check_and_update_config`). With "mp" the model runs in a third process and
+    each side of the shared-memory queue between engine core and that worker busy-waits (`os.sched_yield`)
+    for 1 s after every message: under py-spy 60% of the engine core's samples were that spin, CPU taken
+    from the model and the learner on a small machine. Blocking readers instead (SpinCondition.busy_loop_s
+    = 0) made a W1 step 4x slower. So the config is built with the variable set to 0 and the executor set
+    to "uni"; the variable is restored afterwards (`AsyncLLM` always runs its engine core in a separate
+    process, whatever its value). With one thread per engine (Ray's `OMP_NUM_THREADS` from `num_cpus`)
+    the OpenMP setup the "mp" executor exists for is not needed.
+    """
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    if not on_cpu():
+        return AsyncLLM.from_engine_args(args)
+    args.distributed_executor_backend = "uni"
+    previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        config = args.create_engine_config()
+    finally:
+        if previous is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
+    return AsyncLLM.from_vllm_config(config, disable_log_stats=True, enable_log_requests=False)
 
 
 async def load_weight_buckets(llm: Any, buckets: list[bytes], timeout_s: float | None = None) -> int:

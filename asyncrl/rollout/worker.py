@@ -44,6 +44,8 @@ class RolloutWorker:
         reward_timeout_s: a reward call running longer fails its trajectory.
         dtype, max_model_len, seed, initial_version: engine settings.
         sampling: overrides the sampling derived from `rollout` (e.g. `ignore_eos` for benchmarks).
+        abort_stale_after: after each in-flight weight update, abort the running requests certain to exceed
+            this staleness (`Engine.abort_stale`); None never aborts.
         engine: an already built engine (tests); by default one is built from the arguments above.
     """
 
@@ -61,6 +63,7 @@ class RolloutWorker:
         seed: int = 0,
         initial_version: int = 0,
         sampling: SamplingSpec | None = None,
+        abort_stale_after: int | None = None,
         engine: Engine | None = None,
     ) -> None:
         self.name = name
@@ -68,6 +71,7 @@ class RolloutWorker:
         self.reward_fn = resolve_reward(reward)
         self.reward_timeout_s = reward_timeout_s
         self.queue = queue
+        self.abort_stale_after = abort_stale_after
         self.sampling = sampling or SamplingSpec.from_rollout_config(self.config)
         self.engine = engine or Engine(
             model_dir,
@@ -96,6 +100,7 @@ class RolloutWorker:
         self._busy_s = 0.0
         self._reward_failures = 0
         self._trajectories_put = 0
+        self._stale_aborts = 0
 
     # ---------------------------------------------------------------------------------------------
     # Lifecycle
@@ -266,6 +271,8 @@ class RolloutWorker:
         await self.ready()
         buckets = [await ref if not isinstance(ref, (bytes, bytearray, memoryview)) else ref for ref in bucket_refs]
         await self.engine.update_weights(buckets, version, in_flight=in_flight)
+        if in_flight and self.abort_stale_after is not None:
+            self._stale_aborts += await self.engine.abort_stale(self.abort_stale_after)
         return self.engine.version
 
     async def score(self, token_ids: Sequence[int], prompt_len: int) -> np.ndarray:
@@ -296,6 +303,7 @@ class RolloutWorker:
             "tokens_generated": self.engine.num_tokens_generated,
             "trajectories_put": self._trajectories_put,
             "reward_failures": self._reward_failures,
+            "stale_aborts": self._stale_aborts,
             "busy_s": busy_s,
             "idle_s": max(0.0, elapsed_s - busy_s),
         }

@@ -192,6 +192,37 @@ def test_blocking_update_lets_running_requests_finish_on_the_old_version(loop, e
     assert all(set(t.versions.tolist()) == {2} for t in trajectories)
 
 
+def test_abort_stale_ends_only_the_requests_certain_to_exceed_the_bound(loop, engine, hf_model):
+    from asyncrl.rollout.engine import SamplingSpec
+    from asyncrl.rollout.weights import hf_named_tensors, pack_buckets
+
+    buckets = pack_buckets(hf_named_tensors(hf_model), bucket_bytes=1 << 30)  # the weights it serves already
+    v0 = engine.version
+    spec = SamplingSpec(max_tokens=400, ignore_eos=True)
+
+    async def scenario():
+        old = asyncio.ensure_future(engine.generate(_request(0, PROMPTS[3], "old"), spec))
+        while engine.progress("old0/0/0") < 5:
+            await asyncio.sleep(0.005)
+        await engine.update_weights(buckets, version=v0 + 1, in_flight=True)
+        new = asyncio.ensure_future(engine.generate(_request(0, PROMPTS[4], "new"), spec))
+        while engine.progress("new0/0/0") < 5:
+            await asyncio.sleep(0.005)
+        await engine.update_weights(buckets, version=v0 + 2, in_flight=True)
+        # old: first token at v0, lag >= 2 at any later consumption; new: first token at v0 + 1, lag may be 1.
+        aborted = await engine.abort_stale(max_staleness=1)
+        again = await engine.abort_stale(max_staleness=1)
+        return await old, await new, aborted, again
+
+    old, new, aborted, again = loop.run_until_complete(scenario())
+    assert (aborted, again) == (1, 0)
+    assert old.failure.startswith("stale:") and f"version {v0}," in old.failure and old.finish_reason == "abort"
+    assert 5 <= len(old.response_ids) < 400 and len(old.versions) == len(old.rollout_logprobs) == len(old.response_ids)
+    assert old.min_version == v0
+    assert new.failure is None and new.finish_reason == "length" and len(new.response_ids) == 400
+    assert new.min_version == v0 + 1 and new.max_version == v0 + 2
+
+
 def test_a_request_past_its_timeout_is_aborted_and_comes_back_failed_timeout(loop, engine):
     from asyncrl.rollout.engine import SamplingSpec
 

@@ -236,6 +236,24 @@ def test_a_stale_group_is_dropped_at_hand_out_and_never_returned():
     assert core.staleness_histogram() == {1: 1}
 
 
+def test_a_member_aborted_as_certainly_stale_drops_its_whole_group_at_once():
+    core = started_queue(num_prompts=2, group_size=4, batch_groups=1, max_staleness=1)
+    doomed, other = core.acquire("w0", 4), core.acquire("w0", 4)
+    core.put([answer(doomed[0], reward=1.0)])  # arrived before its sibling was aborted
+    core.put([answer(doomed[1], failure="stale: first token at version 0, engine serves 2, max_staleness 1", finish_reason="abort")])
+    c = core.check_conservation()
+    # The aborted member, the one already in, and neither of the two still out: those end when they come back.
+    assert (c["dropped_stale"], c["groups_dropped_stale"], c["in_flight"]) == (2, 1, 6)
+    assert not any(k.startswith("failed:") for k in c)
+    core.put([answer(r) for r in doomed[2:]])
+    put_all(core, other, rewards=MIXED)
+    (group,) = core.get_batch(1, learner_version=0)
+    assert group.group_id == other[0].group_id
+    c = core.check_conservation()
+    assert (c["dropped_stale"], c["trained"], c["in_flight"], c["stale_attempt"]) == (4, 4, 0, 0)
+    assert core.get_batch(1, learner_version=0) is None
+
+
 def test_put_to_get_latency_is_measured_on_the_queue_clock():
     clock = FakeClock()
     core = started_queue(num_prompts=2, group_size=1, batch_groups=2, clock=clock)

@@ -84,7 +84,7 @@ def test_random_interleavings_never_hand_out_stale_samples_and_always_conserve(
                         reward=data.draw(st.sampled_from([0.0, 1.0])),
                         version=[first, min(first + 1, core.version)],
                         finish_reason=data.draw(st.sampled_from(["stop", "stop", "length"])),
-                        failure=data.draw(st.sampled_from([None, None, None, "timeout", "reward_error: x"])),
+                        failure=data.draw(st.sampled_from([None, None, None, "timeout", "reward_error: x", "stale: aborted"])),
                     )
                 )
             # A live worker's answers are always accepted, even for a group already dropped as a straggler.

@@ -141,3 +141,24 @@ def test_a_prompts_extra_info_overrides_max_tokens_and_ignore_eos_for_that_reque
     assert (engine.specs["long"].max_tokens, engine.specs["long"].ignore_eos) == (300, True)
     assert engine.specs["long"].temperature == 0.7  # everything else comes from the worker's spec
     assert engine.specs["g0"] is worker.sampling and (worker.sampling.max_tokens, worker.sampling.ignore_eos) == (8, False)
+
+
+@pytest.mark.parametrize(("abort_after", "in_flight", "calls"), [(2, True, [2]), (2, False, []), (None, True, [])])
+def test_an_in_flight_weight_update_aborts_requests_certain_to_exceed_the_bound(abort_after, in_flight, calls):
+    class UpdatingEngine(FakeEngine):
+        def __init__(self, name):
+            super().__init__(name)
+            self.abort_calls = []
+
+        async def update_weights(self, buckets, version, in_flight=True):
+            self.version = version
+
+        async def abort_stale(self, max_staleness):
+            self.abort_calls.append(max_staleness)
+            return 3
+
+    engine = UpdatingEngine("rollout-0")
+    worker = RolloutWorker("rollout-0", "unused", {}, "exact_match", None, abort_stale_after=abort_after, engine=engine)
+    assert asyncio.run(worker.update_weights([b""], 5, in_flight=in_flight)) == 5
+    assert engine.abort_calls == calls
+    assert asyncio.run(worker.stats())["stale_aborts"] == 3 * len(calls)
