@@ -214,8 +214,13 @@ class WeightSyncConfig(Section):
     """A sync not confirmed by every engine within this time fails naming the engine."""
     in_flight: bool = True
     """Update engines without draining running requests (their later tokens carry the new version)."""
+    overlap: bool = True
+    """With `in_flight` (streaming, sao): the learner starts its next step while the engines load; the next
+    publication, evaluation or checkpoint first waits for the confirmation. At most one sync is in flight."""
     parity_probe: bool = True
-    """After each sync, compare engine and learner log-probs on one fixed sequence."""
+    """Compare engine and learner log-probs on one fixed sequence after a sync (waits for that sync)."""
+    parity_probe_every: int = Field(10, ge=1)
+    """Probe after the first sync and after every k-th one."""
 
 
 class EvalConfig(Section):

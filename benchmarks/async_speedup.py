@@ -217,6 +217,7 @@ def run_mode(mode: str, args, out_dir: Path, model_dir: Path, prompts) -> dict:
         "staleness_mean": sum(k * v for k, v in hist.items()) / max(1, trained),
         "staleness_max": max(hist, default=0),
         "dropped_stale": conservation.get("dropped_stale", 0),
+        "stale_aborts": sum(s.get("stale_aborts", 0) for s in stats),
         "dispatched": conservation.get("dispatched", 0),
         "conservation": conservation,
         "load_average_1min": [load_start, os.getloadavg()[0]],

@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 
 from asyncrl.config import Config
 from asyncrl.telemetry.metrics import RunMetrics
 from asyncrl.telemetry.progress import Progress
+
+if TYPE_CHECKING:
+    from asyncrl.rollout.pool import PendingSync
 
 
 class Controller:
@@ -33,6 +38,9 @@ class Controller:
         self.parity: list[float] = []
         self.mismatch_k3: list[float] = []
         self.history: list[dict] = []
+        self._unlogged: deque[dict] = deque()
+        self._sync: tuple[PendingSync, dict, float] | None = None
+        """The weight sync in flight: (pending calls, row of the step that published it, start time)."""
         self.prompts_drawn = 0
         self.progress = Progress(enabled=cfg.telemetry.progress)
         self.metrics = RunMetrics(cfg.telemetry.prometheus_port)
@@ -100,7 +108,9 @@ class Controller:
                 self._evaluate(start)
             if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
                 self._checkpoint()
-            self._log_step()
+            self._log_steps()
+        self._finish_sync()
+        self._log_steps()
         if not self.evals or self.evals[-1]["version"] != self.version:
             self._evaluate(start)
         self._checkpoint()
@@ -136,21 +146,38 @@ class Controller:
             ray.get(self.queue.add_prompts.remote(batch, cfg.rollout.samples_per_prompt), timeout=30)
 
     def _publish(self) -> None:
+        """Export the policy as version v+1 and send it to every engine. With `weight_sync.overlap` in the
+        in-flight modes the learner goes on while the engines load (`_finish_sync` waits); a sync whose
+        parity is probed is waited for at once, before the learner's weights move again."""
         cfg = self.cfg
-        begin = time.perf_counter()
+        self._finish_sync()  # at most one sync in flight: engines take versions in order
+        began = time.perf_counter()
         refs = self.learner.export_weights(cfg.weight_sync.bucket_bytes)
         self.version += 1
         self.learner.version = self.version
-        self.rollout.update_weights(refs, self.version, in_flight=cfg.weight_sync.in_flight and cfg.mode != "sync", timeout_s=cfg.weight_sync.timeout_s)
-        ray.get(self.queue.set_version.remote(self.version), timeout=30)
-        self.history[-1]["sync_s"] = time.perf_counter() - begin
+        in_flight = cfg.weight_sync.in_flight and cfg.mode != "sync"
+        self._sync = (self.rollout.start_update(refs, self.version, in_flight=in_flight), self.history[-1], began)
+        probe = cfg.weight_sync.parity_probe and (self.version == 1 or self.version % cfg.weight_sync.parity_probe_every == 0)
+        if probe or not (in_flight and cfg.weight_sync.overlap):
+            self._finish_sync(probe)
+
+    def _finish_sync(self, probe: bool = False) -> None:
+        """Wait for the sync in flight (raises naming the engines that did not confirm), open admission for
+        its version, and record it on the row of the step that published it."""
+        if self._sync is None:
+            return
+        pending, row, began = self._sync
+        self._sync = None
+        self.rollout.finish_update(pending, timeout_s=self.cfg.weight_sync.timeout_s)
+        ray.get(self.queue.set_version.remote(pending.version), timeout=30)
+        row["sync_s"] = time.perf_counter() - began
         parity = None
-        if cfg.weight_sync.parity_probe:
-            begin = time.perf_counter()
+        if probe:
+            began = time.perf_counter()
             parity = self._parity_probe()
             self.parity.append(parity)
-            self.history[-1].update(parity_max_abs_diff=parity, parity_probe_s=time.perf_counter() - begin)
-        self.metrics.observe_sync(self.version, self.history[-1]["sync_s"], parity)
+            row.update(parity_max_abs_diff=parity, parity_probe_s=time.perf_counter() - began)
+        self.metrics.observe_sync(pending.version, row["sync_s"], parity)
 
     def _parity_probe(self) -> float:
         """Max |engine - learner| log-prob on one fixed sequence (invariant 4)."""
@@ -165,6 +192,7 @@ class Controller:
     def _evaluate(self, start: float) -> None:
         if not self.eval_set:
             return
+        self._finish_sync()  # every engine serves `self.version`
         from asyncrl.envs.rewards import resolve_reward
 
         reward = resolve_reward(self.cfg.env.reward)
@@ -202,20 +230,25 @@ class Controller:
         if "mismatch_k3_kl" in stats.metrics:
             self.mismatch_k3.append(stats.metrics["mismatch_k3_kl"])
         self.history.append(row)
+        self._unlogged.append(row)
         self.learner_wait_s += learner_wait_s
         self.metrics.observe_step(row, lags, self.cfg.algorithm.resolved_names()["correction"])
         if self.cfg.telemetry.prometheus_port:
             self.metrics.observe_totals(ray.get(self.queue.counters.remote(), timeout=30), 0.0, 0, 0.0, {})
 
-    def _log_step(self) -> None:
-        """The step's row, with the timings of its weight sync and parity probe, to metrics.jsonl and the console."""
-        row = self.history[-1]
-        with open(self.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
-        if self.step % self.cfg.telemetry.log_every_steps == 0:
-            self.progress.step(row)
+    def _log_steps(self) -> None:
+        """Rows of finished steps, in order, to metrics.jsonl and the console; a row whose weight sync is still
+        in flight (and the rows after it) waits until the sync's timings are in."""
+        pending_row = self._sync[1] if self._sync is not None else None
+        while self._unlogged and self._unlogged[0] is not pending_row:
+            row = self._unlogged.popleft()
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+            if row["step"] % self.cfg.telemetry.log_every_steps == 0:
+                self.progress.step(row)
 
     def _checkpoint(self) -> None:
+        self._finish_sync()  # the queue's version and the engines agree with the checkpointed learner
         folder = self.out / "checkpoints" / f"step-{self.step:06d}"
         queue_state = ray.get(self.queue.state_dict.remote(), timeout=60)
         extra = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,15 @@ class WeightSyncError(RuntimeError):
 
 class WeightSyncTimeout(WeightSyncError):
     """Some engine did not confirm the new version within the sync timeout."""
+
+
+@dataclass(frozen=True)
+class PendingSync:
+    """A weight sync sent to the engines and not yet confirmed (`RolloutPool.start_update`)."""
+
+    calls: dict[Any, str]
+    """Object ref of each engine's `update_weights` call -> the worker's name."""
+    version: int
 
 
 _CONTROL_TIMEOUT_S = 30.0  # stop / stats / health calls
@@ -134,13 +144,18 @@ class RolloutPool:
         Raises WeightSyncTimeout / WeightSyncError naming every engine that did not confirm in `timeout_s`.
         The buckets stay referenced until the next sync so that workers added later get them.
         """
+        self.finish_update(self.start_update(buckets, version, in_flight), timeout_s)
+
+    def start_update(self, buckets: Sequence[Any], version: int, in_flight: bool = True) -> PendingSync:
+        """`update_weights` without the wait: the engines load while the caller goes on; `finish_update` waits."""
         refs = [b if isinstance(b, ray.ObjectRef) else ray.put(bytes(b)) for b in buckets]
         self._latest = (refs, version)
-        self._sync(dict(self._workers), refs, version, in_flight, timeout_s)
+        return self._start_sync(dict(self._workers), refs, version, in_flight)
 
-    def _sync(self, workers: dict[str, Any], refs: list[Any], version: int, in_flight: bool, timeout_s: float) -> None:
-        calls = {handle.update_weights.remote(refs, version, in_flight): name for name, handle in workers.items()}
-        done, pending = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
+    def finish_update(self, pending: PendingSync, timeout_s: float) -> None:
+        """Wait until every engine of `pending` reports its version; raises as `update_weights` does."""
+        calls, version = pending.calls, pending.version
+        done, waiting = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
         problems: list[str] = []
         for ref in done:
             name = calls[ref]
@@ -154,11 +169,14 @@ class RolloutPool:
                 continue
             if reported != version:
                 problems.append(f"{name} reports version {reported} instead of {version}")
-        timed_out = [calls[ref] for ref in pending]
+        timed_out = [calls[ref] for ref in waiting]
         problems += [f"{name} did not confirm version {version} within {timeout_s}s" for name in timed_out]
         if problems:
             error = WeightSyncTimeout if timed_out else WeightSyncError
             raise error("weight sync failed: " + "; ".join(problems))
+
+    def _start_sync(self, workers: dict[str, Any], refs: list[Any], version: int, in_flight: bool) -> PendingSync:
+        return PendingSync({handle.update_weights.remote(refs, version, in_flight): name for name, handle in workers.items()}, version)
 
     # ---------------------------------------------------------------------------------------------
     # Scaling and health
@@ -250,7 +268,7 @@ class RolloutPool:
             refs, version = self._latest
             remaining = max(1.0, timeout_s - (time.monotonic() - started))
             try:
-                self._sync(handles, refs, version, in_flight=False, timeout_s=remaining)
+                self.finish_update(self._start_sync(handles, refs, version, in_flight=False), remaining)
             except WeightSyncError:
                 for h in handles.values():
                     ray.kill(h)

@@ -27,7 +27,7 @@ class RunMetrics:
         self.k3 = Gauge("asyncrl_mismatch_k3_kl", "k3 KL between learner and rollout log-probs", registry=r)
         self.masked = Gauge("asyncrl_correction_masked_fraction", "Fraction of tokens masked by the correction", ["method"], registry=r)
         self.sync_seconds = Histogram(
-            "asyncrl_weight_sync_seconds", "Learner step done to every engine serving the new version", buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30), registry=r
+            "asyncrl_weight_sync_seconds", "Learner step done to every engine serving the new version (with weight_sync.overlap: to the controller seeing it, an upper bound)", buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30), registry=r
         )
         self.parity = Gauge("asyncrl_weight_sync_parity_max_abs_diff", "Max |engine - learner| log-prob after the last sync", registry=r)
         self.rollout_tps = Gauge("asyncrl_rollout_tokens_per_second", "Generated tokens per second over the run", registry=r)

@@ -20,10 +20,14 @@ FILES = {"streaming": "default.yaml", "sao": "sao.yaml", "sync": "sync.yaml"}
 
 
 @pytest.fixture(scope="module")
-def runs(ray_cluster, tmp_path_factory):
+def out(tmp_path_factory):
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="module")
+def runs(ray_cluster, out):
     from asyncrl.controller.run import run
 
-    out = tmp_path_factory.mktemp("e2e")
     overrides = ["eval.every_steps=0", "telemetry.progress=false", "checkpoint.export_hf=false"]
     return {
         mode: run(load_config(REPO_CONFIGS / FILES[mode], [f"output_dir={out / mode}", f"learner.max_steps={STEPS[mode]}", *overrides]))
@@ -54,6 +58,16 @@ def test_sync_is_on_policy_and_streaming_stays_within_its_bound(runs):
 def test_engines_match_the_learner_after_every_sync(runs):
     for mode, s in runs.items():
         assert s["parity_max_abs_diff_mean"] < 1e-5, mode
+
+
+def test_overlapped_syncs_are_each_confirmed_and_logged_in_order(runs, out):
+    import json
+
+    # streaming overlaps a sync with the next learner step; probed syncs (the 1st, every 10th) are waited for.
+    rows = [json.loads(line) for line in (out / "streaming" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS["streaming"] + 1))
+    assert all(r["sync_s"] > 0 for r in rows)
+    assert [r["step"] for r in rows if "parity_max_abs_diff" in r] == [1, 10]
 
 
 def test_every_mode_conserves_samples(runs):

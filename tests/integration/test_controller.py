@@ -29,6 +29,7 @@ def _config(tmp_path, **extra):
         "learner.max_steps": 3,
         "data.eval_prompts": 20,
         "eval.every_steps": 0,
+        "weight_sync.parity_probe_every": 1,  # probe (and so wait for) every sync
         "telemetry.progress": False,
         "checkpoint.export_hf": True,
     }
