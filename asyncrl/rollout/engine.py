@@ -40,6 +40,10 @@ class SamplingSpec:
     ignore_eos: bool = False
     """Keep generating past end-of-sequence (benchmarks and tests that need long requests)."""
     seed: int | None = None
+    stream_interval: int = 16
+    """A running request reports its new tokens every this many tokens, and always its first and last ones
+    (vLLM `SamplingParams.stream_interval`): fewer wake-ups of the worker per request. The first token's
+    report is what `Engine.abort_stale` needs; `Engine.progress` advances in these steps."""
 
     @classmethod
     def from_rollout_config(cls, rollout: Any) -> SamplingSpec:
@@ -139,6 +143,7 @@ class Engine:
             detokenize=False,
             skip_special_tokens=True,
             output_kind=RequestOutputKind.DELTA,
+            stream_interval=spec.stream_interval,
         )
 
     async def generate(self, request: Request, sampling: SamplingSpec) -> Trajectory:

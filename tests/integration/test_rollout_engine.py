@@ -138,7 +138,7 @@ def test_in_flight_update_keeps_running_requests_and_labels_later_tokens_with_th
 
     async def scenario():
         long_request = _request(0, PROMPTS[0], "long")
-        task = asyncio.ensure_future(engine.generate(long_request, SamplingSpec(max_tokens=400, ignore_eos=True)))
+        task = asyncio.ensure_future(engine.generate(long_request, SamplingSpec(max_tokens=400, ignore_eos=True, stream_interval=1)))
         while engine.progress("long0/0/0") < 20:
             await asyncio.sleep(0.005)
         tokens_before = engine.progress("long0/0/0")
@@ -178,7 +178,7 @@ def test_blocking_update_lets_running_requests_finish_on_the_old_version(loop, e
     buckets = pack_buckets(hf_named_tensors(hf_model), bucket_bytes=1 << 30)
 
     async def scenario():
-        task = asyncio.ensure_future(engine.generate(_request(0, PROMPTS[1], "drain"), SamplingSpec(max_tokens=200, ignore_eos=True)))
+        task = asyncio.ensure_future(engine.generate(_request(0, PROMPTS[1], "drain"), SamplingSpec(max_tokens=200, ignore_eos=True, stream_interval=1)))
         while engine.progress("drain0/0/0") < 10:
             await asyncio.sleep(0.005)
         await engine.update_weights(buckets, version=2, in_flight=False)
