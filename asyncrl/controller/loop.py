@@ -45,6 +45,8 @@ class Controller:
         self.progress = Progress(enabled=cfg.telemetry.progress)
         self.metrics = RunMetrics(cfg.telemetry.prometheus_port)
         self.learner_wait_s = 0.0
+        self.eval_s = 0.0
+        """Seconds spent in held-out evaluations (the loop waits for them)."""
 
     # ------------------------------------------------------------------------------------------------
     # Building the pools
@@ -195,6 +197,8 @@ class Controller:
         self._finish_sync()  # every engine serves `self.version`
         from asyncrl.envs.rewards import resolve_reward
 
+        began = time.perf_counter()
+
         reward = resolve_reward(self.cfg.env.reward)
         outputs = self.rollout.evaluate(self.eval_set, max_tokens=self.cfg.rollout.max_tokens)
         correct = sum(reward(text, p.ground_truth, finish_reason=fin, extra_info=p.extra_info) for p, (text, fin) in zip(self.eval_set, outputs))
@@ -203,8 +207,11 @@ class Controller:
             "step": self.step,
             "samples_trained": self.samples_trained,
             "wall_s": round(time.perf_counter() - start, 2),
+            "wall_s_excl_eval": round(began - start - self.eval_s, 2),
+            "eval_s": round(time.perf_counter() - began, 2),
             "accuracy": correct / len(self.eval_set),
         }
+        self.eval_s += record["eval_s"]
         self.evals.append(record)
         self.progress.eval(record)
         self.metrics.observe_eval(record["accuracy"])

@@ -70,6 +70,15 @@ def test_overlapped_syncs_are_each_confirmed_and_logged_in_order(runs, out):
     assert [r["step"] for r in rows if "parity_max_abs_diff" in r] == [1, 10]
 
 
+def test_eval_records_separate_evaluation_time_from_training_time(runs):
+    for mode, s in runs.items():
+        evals = s["evals"]
+        assert len(evals) == 2 and all(e["eval_s"] > 0 for e in evals), mode
+        assert 0 <= evals[0]["wall_s_excl_eval"] < 1.0, mode  # the first evaluation runs before any training
+        # wall_s is taken at the end of an evaluation: training time + every evaluation so far.
+        assert abs(evals[-1]["wall_s_excl_eval"] + sum(e["eval_s"] for e in evals) - evals[-1]["wall_s"]) < 0.05, mode
+
+
 def test_every_mode_conserves_samples(runs):
     for mode, s in runs.items():
         c = s["counters"]
