@@ -198,7 +198,6 @@ class Controller:
         from asyncrl.envs.rewards import resolve_reward
 
         began = time.perf_counter()
-
         reward = resolve_reward(self.cfg.env.reward)
         outputs = self.rollout.evaluate(self.eval_set, max_tokens=self.cfg.rollout.max_tokens)
         correct = sum(reward(text, p.ground_truth, finish_reason=fin, extra_info=p.extra_info) for p, (text, fin) in zip(self.eval_set, outputs))
