@@ -2,8 +2,8 @@
 
 What is asserted is what the system guarantees: every mode trains and publishes each step, sync is
 on-policy, streaming stays within its staleness bound, samples are conserved, engines match the learner
-after every sync, and that `streaming` and `sao` raise greedy held-out accuracy (500 prompts) above the
-warm start. The margin (+0.05) is about 2 standard errors of the eval; in development these short runs
+after every probed sync (the first and every 10th), and that `streaming` and `sao` raise greedy held-out
+accuracy (500 prompts) above the warm start. The margin (+0.05) is about 2 standard errors of the eval; in development these short runs
 gained +0.10 to +0.13 (streaming 0.354 -> 0.45 after 10 steps; sao 0.354 -> 0.45 after 20 steps, the first
 10 of which only train the critic).
 """
@@ -55,7 +55,7 @@ def test_sync_is_on_policy_and_streaming_stays_within_its_bound(runs):
     assert max(int(k) for k in runs["sao"]["staleness_histogram"]) <= 4
 
 
-def test_engines_match_the_learner_after_every_sync(runs):
+def test_engines_match_the_learner_after_every_probed_sync(runs):
     for mode, s in runs.items():
         assert s["parity_max_abs_diff_mean"] < 1e-5, mode
 
