@@ -65,11 +65,7 @@ class Controller:
         self.eval_set = eval_prompts(cfg, self.tokenizer)
         self.queue = start_replay_queue(cfg.buffer, batch_groups=cfg.learner.prompts_per_step, name=f"replay_queue-{self.out.name}", log_dir=self.out)
         self.learner = LearnerPool.from_config(cfg, self.model_dir)
-        self.rollout = RolloutPool(
-            str(self.model_dir), cfg.rollout, cfg.env, queue=self.queue, dtype=cfg.model.dtype,
-            max_model_len=cfg.rollout.max_model_len, seed=cfg.seed,
-            abort_stale_after=cfg.buffer.max_staleness if cfg.buffer.abort_stale_in_flight else None,
-        )
+        self.rollout = RolloutPool.from_config(cfg, self.model_dir, queue=self.queue)
         self.rollout.start()
         if cfg.checkpoint.resume_from:
             self._resume(cfg.checkpoint.resume_from)

@@ -9,6 +9,7 @@ is lost; a late answer of the old attempt is recognisable by its request id.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -19,9 +20,9 @@ import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from asyncrl.config import EnvConfig, RolloutConfig
+from asyncrl.config import Config, EnvConfig, RolloutConfig
 from asyncrl.rollout.engine import SamplingSpec
-from asyncrl.rollout.worker import RolloutWorker
+from asyncrl.rollout.worker import RolloutWorker, WorkerSpec
 from asyncrl.types import Prompt
 
 
@@ -52,8 +53,8 @@ _CONTROL_TIMEOUT_S = 30.0  # stop / stats / health calls
 class RolloutPool:
     """Driver-side owner of the rollout workers. Not thread-safe; call from one controller thread.
 
-    `abort_stale_after`: each worker aborts, after an in-flight weight update, the requests certain to exceed
-    this staleness (`buffer.max_staleness` when `buffer.abort_stale_in_flight`); None never aborts.
+    Every worker gets the same typed `WorkerSpec` (built here from the arguments, or from the run's config by
+    `from_config`), with its own sampling seed.
     """
 
     def __init__(
@@ -67,17 +68,14 @@ class RolloutPool:
         max_model_len: int | None = None,
         seed: int = 0,
         sampling: SamplingSpec | None = None,
-        abort_stale_after: int | None = None,
+        max_staleness: int | None = None,
     ) -> None:
-        self.model_dir = str(model_dir)
+        self.spec = WorkerSpec(
+            model_dir=str(model_dir), rollout=rollout, env=env or EnvConfig(), dtype=dtype, max_model_len=max_model_len,
+            seed=seed, sampling=sampling, max_staleness=max_staleness,
+        )
         self.rollout = rollout
-        self.env = env or EnvConfig()
         self.queue = queue
-        self._dtype = dtype
-        self._max_model_len = max_model_len
-        self._seed = seed
-        self._sampling = sampling
-        self._abort_stale_after = abort_stale_after
         self._index = itertools.count()
         self._workers: dict[str, Any] = {}
         self._run_refs: dict[str, Any] = {}
@@ -87,6 +85,15 @@ class RolloutPool:
 
     # ---------------------------------------------------------------------------------------------
     # Lifecycle
+
+    @classmethod
+    def from_config(cls, cfg: Config, model_dir: str, queue: Any = None) -> RolloutPool:
+        """The run's pool: engines, sampling and reward from `cfg`; engines abort requests certain to exceed
+        `buffer.max_staleness` when `buffer.abort_stale_in_flight`."""
+        return cls(
+            str(model_dir), cfg.rollout, cfg.env, queue, dtype=cfg.model.dtype, max_model_len=cfg.rollout.max_model_len,
+            seed=cfg.seed, max_staleness=cfg.buffer.max_staleness if cfg.buffer.abort_stale_in_flight else None,
+        )
 
     @property
     def names(self) -> list[str]:
@@ -235,19 +242,7 @@ class RolloutPool:
                 num_cpus=self.rollout.num_cpus_per_worker,
                 num_gpus=self.rollout.num_gpus_per_worker,
                 max_concurrency=1000,
-            ).remote(
-                name,
-                self.model_dir,
-                self.rollout.model_dump(),
-                self.env.reward,
-                self.queue,
-                reward_timeout_s=self.env.reward_timeout_s,
-                dtype=self._dtype,
-                max_model_len=self._max_model_len,
-                seed=self._seed + int(name.rsplit("-", 1)[1]),  # distinct sampling streams per engine
-                sampling=self._sampling,
-                abort_stale_after=self._abort_stale_after,
-            )
+            ).remote(name, dataclasses.replace(self.spec, seed=self.spec.seed + int(name.rsplit("-", 1)[1])), self.queue)
             for name in names
         }
         timeout_s = self.rollout.engine_start_timeout_s

@@ -3,7 +3,7 @@
 The loop pulls requests with `queue.acquire(name, free_slots)` (an empty answer is back-pressure), keeps up
 to `max_requests_in_flight` generations running at once (vLLM batches them continuously), scores each
 finished trajectory with the reward function, and hands finished trajectories back with `queue.put` in
-small batches. A reward that raises or runs past `reward_timeout_s` marks its trajectory
+small batches. A reward that raises or runs past `env.reward_timeout_s` marks its trajectory
 `failure="reward_error: ..."`; the worker keeps serving.
 
 The class is plain Python so a test can drive it in-process; the pool runs it as `ray.remote(RolloutWorker)`.
@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from dataclasses import dataclass, field
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from asyncrl.config import RolloutConfig
+from asyncrl.config import EnvConfig, RolloutConfig
 from asyncrl.envs.rewards import resolve_reward
 from asyncrl.rollout.engine import Engine, SamplingSpec
 from asyncrl.types import Prompt, Request, Trajectory
@@ -32,57 +33,50 @@ IDLE_POLL_S = (0.01, 0.2)
 """Back-off range when the queue has nothing to hand out (back-pressure or empty)."""
 
 
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a rollout worker needs to build its engine and serve; the pool builds it once from the run's config
+    and sends the same typed record to every worker (only `seed` differs per worker)."""
+
+    model_dir: str
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    seed: int = 0
+    sampling: SamplingSpec | None = None
+    """Overrides the sampling derived from `rollout` (e.g. `ignore_eos` for benchmarks)."""
+    max_staleness: int | None = None
+    """After each in-flight weight update, abort the running requests certain to exceed this staleness
+    (`Engine.abort_stale`; `buffer.max_staleness` when `buffer.abort_stale_in_flight`); None never aborts."""
+
+
 class RolloutWorker:
     """Hosts one `Engine`; `run()` serves the queue until `stop()`.
 
     Args:
         name: the worker's name (`rollout-0`, ...); the queue tracks in-flight requests under it.
-        model_dir: Hugging Face model folder the engine loads.
-        rollout: `RolloutConfig` (or its dict) — sampling, concurrency, timeouts, KV cache.
-        reward: reward function name (`exact_match` or `module:function`).
+        spec: the engine, sampling, reward and staleness settings (`WorkerSpec`).
         queue: the replay queue actor handle (None: only score/evaluate/update_weights are used).
-        reward_timeout_s: a reward call running longer fails its trajectory.
-        dtype, max_model_len, seed, initial_version: engine settings.
-        sampling: overrides the sampling derived from `rollout` (e.g. `ignore_eos` for benchmarks).
-        abort_stale_after: after each in-flight weight update, abort the running requests certain to exceed
-            this staleness (`Engine.abort_stale`); None never aborts.
-        engine: an already built engine (tests); by default one is built from the arguments above.
+        engine: an already built engine (tests); by default one is built from `spec`.
     """
 
-    def __init__(
-        self,
-        name: str,
-        model_dir: str,
-        rollout: RolloutConfig | dict[str, Any] | None = None,
-        reward: str = "exact_match",
-        queue: Any = None,
-        *,
-        reward_timeout_s: float = 10.0,
-        dtype: str = "float32",
-        max_model_len: int | None = None,
-        seed: int = 0,
-        initial_version: int = 0,
-        sampling: SamplingSpec | None = None,
-        abort_stale_after: int | None = None,
-        engine: Engine | None = None,
-    ) -> None:
+    def __init__(self, name: str, spec: WorkerSpec, queue: Any = None, *, engine: Engine | None = None) -> None:
         self.name = name
-        self.config = rollout if isinstance(rollout, RolloutConfig) else RolloutConfig(**(rollout or {}))
-        self.reward_fn = resolve_reward(reward)
-        self.reward_timeout_s = reward_timeout_s
+        self.spec = spec
+        self.config = spec.rollout
+        self.reward_fn = resolve_reward(spec.env.reward)
         self.queue = queue
-        self.abort_stale_after = abort_stale_after
-        self.sampling = sampling or SamplingSpec.from_rollout_config(self.config)
+        self.sampling = spec.sampling or SamplingSpec.from_rollout_config(self.config)
         self.engine = engine or Engine(
-            model_dir,
+            spec.model_dir,
             name=name,
-            dtype=dtype,
-            max_model_len=max_model_len,
+            dtype=spec.dtype,
+            max_model_len=spec.max_model_len,
             max_num_seqs=self.config.max_requests_in_flight,
             kv_cache_gib=self.config.kv_cache_gib,
             gpu_memory_utilization=self.config.gpu_memory_utilization,
-            seed=seed,
-            initial_version=initial_version,
+            seed=spec.seed,
         )
         self._start_lock = asyncio.Lock()
         self._running = False
@@ -226,11 +220,11 @@ class RolloutWorker:
             extra_info=dict(prompt.extra_info),
         )
         try:
-            reward = float(await asyncio.wait_for(call, timeout=self.reward_timeout_s))
+            reward = float(await asyncio.wait_for(call, timeout=self.spec.env.reward_timeout_s))
         except asyncio.TimeoutError:
             # The thread cannot be interrupted; it is abandoned and finishes on its own.
             self._reward_failures += 1
-            return trajectory.replace(failure=f"reward_error: timed out after {self.reward_timeout_s}s")
+            return trajectory.replace(failure=f"reward_error: timed out after {self.spec.env.reward_timeout_s}s")
         except Exception as e:
             self._reward_failures += 1
             return trajectory.replace(failure=f"reward_error: {type(e).__name__}: {e}")
@@ -271,8 +265,8 @@ class RolloutWorker:
         await self.ready()
         buckets = [await ref if not isinstance(ref, (bytes, bytearray, memoryview)) else ref for ref in bucket_refs]
         await self.engine.update_weights(buckets, version, in_flight=in_flight)
-        if in_flight and self.abort_stale_after is not None:
-            self._stale_aborts += await self.engine.abort_stale(self.abort_stale_after)
+        if in_flight and self.spec.max_staleness is not None:
+            self._stale_aborts += await self.engine.abort_stale(self.spec.max_staleness)
         return self.engine.version
 
     async def score(self, token_ids: Sequence[int], prompt_len: int) -> np.ndarray:

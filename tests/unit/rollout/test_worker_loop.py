@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from asyncrl.rollout.worker import RolloutWorker
+from asyncrl.config import EnvConfig, RolloutConfig
+from asyncrl.rollout.worker import RolloutWorker, WorkerSpec
 
 from .fakes import FakeEngine, FakeQueue, make_requests
 
@@ -26,10 +27,8 @@ def slow_reward(response, ground_truth, *, finish_reason, extra_info):
 
 def _worker(queue, *, max_in_flight=4, reward="exact_match", delay_s=0.01, reward_timeout_s=10.0):
     engine = FakeEngine("rollout-0", delay_s=delay_s)
-    worker = RolloutWorker(
-        "rollout-0", "unused", {"max_requests_in_flight": max_in_flight}, reward, queue,
-        reward_timeout_s=reward_timeout_s, engine=engine,
-    )
+    spec = WorkerSpec("unused", RolloutConfig(max_requests_in_flight=max_in_flight), EnvConfig(reward=reward, reward_timeout_s=reward_timeout_s))
+    worker = RolloutWorker("rollout-0", spec, queue, engine=engine)
     return worker, engine
 
 
@@ -136,15 +135,15 @@ def test_a_prompts_extra_info_overrides_max_tokens_and_ignore_eos_for_that_reque
     plain = make_requests(1)
     queue = FakeQueue([long] + plain)
     engine = RecordingEngine("rollout-0")
-    worker = RolloutWorker("rollout-0", "unused", {"max_tokens": 8, "temperature": 0.7}, "exact_match", queue, engine=engine)
+    worker = RolloutWorker("rollout-0", WorkerSpec("unused", RolloutConfig(max_tokens=8, temperature=0.7)), queue, engine=engine)
     asyncio.run(_serve_until(worker, queue, 2))
     assert (engine.specs["long"].max_tokens, engine.specs["long"].ignore_eos) == (300, True)
     assert engine.specs["long"].temperature == 0.7  # everything else comes from the worker's spec
     assert engine.specs["g0"] is worker.sampling and (worker.sampling.max_tokens, worker.sampling.ignore_eos) == (8, False)
 
 
-@pytest.mark.parametrize(("abort_after", "in_flight", "calls"), [(2, True, [2]), (2, False, []), (None, True, [])])
-def test_an_in_flight_weight_update_aborts_requests_certain_to_exceed_the_bound(abort_after, in_flight, calls):
+@pytest.mark.parametrize(("max_staleness", "in_flight", "calls"), [(2, True, [2]), (2, False, []), (None, True, [])])
+def test_an_in_flight_weight_update_aborts_requests_certain_to_exceed_the_bound(max_staleness, in_flight, calls):
     class UpdatingEngine(FakeEngine):
         def __init__(self, name):
             super().__init__(name)
@@ -158,7 +157,7 @@ def test_an_in_flight_weight_update_aborts_requests_certain_to_exceed_the_bound(
             return 3
 
     engine = UpdatingEngine("rollout-0")
-    worker = RolloutWorker("rollout-0", "unused", {}, "exact_match", None, abort_stale_after=abort_after, engine=engine)
+    worker = RolloutWorker("rollout-0", WorkerSpec("unused", max_staleness=max_staleness), None, engine=engine)
     assert asyncio.run(worker.update_weights([b""], 5, in_flight=in_flight)) == 5
     assert engine.abort_calls == calls
     assert asyncio.run(worker.stats())["stale_aborts"] == 3 * len(calls)
