@@ -18,10 +18,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a job (no CONFIG = the embedded default, configs/default.yaml)")
-    run.add_argument("config", nargs="?", help="YAML recipe")
+    run.add_argument("config", nargs="?", help="YAML recipe: a file, or a shipped recipe by name (default, sync, sao, scalerl, grpo, dapo)")
     run.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. learner.max_steps=20")
     check = sub.add_parser("check", help="validate a config and print it with the planned placement; starts nothing")
-    check.add_argument("config", nargs="?", help="YAML recipe")
+    check.add_argument("config", nargs="?", help="YAML recipe: a file or a shipped recipe name")
     check.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return parser
 

@@ -19,8 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from asyncrl.algo import names as algo_names
 
-REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-DEFAULT_CONFIG = REPO_CONFIGS / "default.yaml"
+RECIPES = Path(__file__).resolve().parent / "recipes"
+"""The shipped recipes, package data of the wheel (`configs/` in the repository links here)."""
+DEFAULT_CONFIG = RECIPES / "default.yaml"
 
 Mode = Literal["sync", "streaming", "sao"]
 
@@ -332,8 +333,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML recipe (default: configs/default.yaml) and apply `section.key=value` overrides."""
-    path = Path(path) if path is not None else DEFAULT_CONFIG
+    """Read a YAML recipe and apply `section.key=value` overrides. `path` is a file, or the name of a shipped
+    recipe (`scalerl`, `sao.yaml`); None is the embedded default (`default`)."""
+    path = resolve_recipe_path(path)
     source = str(path)
     try:
         data = yaml.safe_load(path.read_text()) or {}
@@ -354,6 +356,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                 raise ConfigError(f"override {text!r}: '{key}' is not a section")
         node[keys[-1]] = value
     return validate_config(data, source)
+
+
+def shipped_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES.glob("*.yaml"))
+
+
+def resolve_recipe_path(path: str | Path | None) -> Path:
+    """A file that exists wins; otherwise a bare name (no directory part) names a shipped recipe."""
+    if path is None:
+        return DEFAULT_CONFIG
+    path = Path(path)
+    if path.exists() or len(path.parts) > 1:
+        return path
+    shipped = RECIPES / (path.name if path.suffix in (".yaml", ".yml") else f"{path.name}.yaml")
+    if shipped.exists():
+        return shipped
+    raise ConfigError(f"config file not found: {path} (not a file, nor a shipped recipe: {', '.join(shipped_recipes())})")
 
 
 def _nest(keys: list[str], value: Any) -> dict[str, Any]:

@@ -85,11 +85,11 @@ def verl_prompts(tokenizer: Any, path: str | Path) -> list[Prompt]:
 
 
 def train_stream(cfg, tokenizer: Any) -> Iterator[Prompt]:
-    """The endless training prompt stream of a config (`data` section)."""
+    """The endless training prompt stream of a config (`data` section). A Parquet dataset repeats epoch after
+    epoch with the same prompt ids, so per-prompt state (the pass-rate curriculum) sees a prompt again."""
     if cfg.data.task == "add":
         return add_prompt_stream(tokenizer, cfg.data.seed, cfg.data.max_operand)
-    prompts = verl_prompts(tokenizer, cfg.data.train_path)
-    return (p.__class__(**{**p.__dict__, "prompt_id": f"{p.prompt_id}@{epoch}"}) for epoch in itertools.count() for p in prompts)
+    return itertools.cycle(verl_prompts(tokenizer, cfg.data.train_path))
 
 
 def eval_prompts(cfg, tokenizer: Any) -> list[Prompt]:

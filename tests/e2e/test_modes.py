@@ -10,7 +10,7 @@ gained +0.10 to +0.13 (streaming 0.354 -> 0.45 after 10 steps; sao 0.354 -> 0.45
 
 import pytest
 
-from asyncrl.config import REPO_CONFIGS, load_config
+from asyncrl.config import RECIPES, load_config
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +30,7 @@ def runs(ray_cluster, out):
 
     overrides = ["eval.every_steps=0", "telemetry.progress=false", "checkpoint.export_hf=false"]
     return {
-        mode: run(load_config(REPO_CONFIGS / FILES[mode], [f"output_dir={out / mode}", f"learner.max_steps={STEPS[mode]}", *overrides]))
+        mode: run(load_config(RECIPES / FILES[mode], [f"output_dir={out / mode}", f"learner.max_steps={STEPS[mode]}", *overrides]))
         for mode in STEPS
     }
 

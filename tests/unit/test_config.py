@@ -3,12 +3,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from asyncrl.config import DEFAULT_CONFIG, REPO_CONFIGS, ConfigError, load_config
+from asyncrl.config import DEFAULT_CONFIG, RECIPES, ConfigError, load_config
 
 BAD = Path(__file__).parent.parent / "assets" / "bad_configs"
 
 
-@pytest.mark.parametrize("path", sorted(REPO_CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_validates(path):
     cfg = load_config(path)
     assert cfg.mode in ("sync", "streaming", "sao")

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from asyncrl.cli import _parser, _split_overrides, placement
-from asyncrl.config import REPO_CONFIGS, load_config
+from asyncrl.config import RECIPES, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -111,7 +111,7 @@ def test_every_referenced_config_exists():
         for name in pattern.findall(path.read_text()):
             referenced.setdefault(name, path.relative_to(DEPLOY))
     assert referenced, "deploy files reference no config"
-    missing = {name: str(where) for name, where in referenced.items() if not (REPO_CONFIGS / name).is_file()}
+    missing = {name: str(where) for name, where in referenced.items() if not (RECIPES / name).is_file()}
     assert not missing, f"deploy files reference configs that do not exist in configs/: {missing}"
 
 
@@ -197,9 +197,11 @@ def test_cluster_launcher_submit_command_is_a_valid_config():
     assert cfg.telemetry.prometheus_port == METRICS_PORT
 
 
-def test_dockerfile_installs_the_gpu_extra_editable_with_asyncrl_entrypoint():
+def test_dockerfile_installs_the_gpu_extra_as_a_plain_package_with_asyncrl_entrypoint():
     docker = (DEPLOY / "Dockerfile").read_text()
-    assert re.search(r'pip install [^\n]*-e "?\.\[gpu\]"?', docker)
+    install = re.search(r'pip install [^\n]*"?\.\[gpu\]"?[^\n]*', docker)
+    assert install and " -e " not in install.group(0)  # recipes are package data: no source tree needed
+    assert "asyncrl check scalerl" in install.group(0)
     assert re.search(r'^ENTRYPOINT \["asyncrl"\]$', docker, re.M)
     for copied in re.findall(r"^COPY (?:--\S+ )*(\S+) ", docker, re.M):
         assert (ROOT / copied).exists(), f"Dockerfile copies {copied}, which does not exist"
