@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -23,6 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="validate a config and print it with the planned placement; starts nothing")
     check.add_argument("config", nargs="?", help="YAML recipe: a file or a shipped recipe name")
     check.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    check.add_argument("--address", help="Ray cluster whose resources the placement must fit (default: RAY_ADDRESS, else this machine)")
     return parser
 
 
@@ -55,6 +57,16 @@ def placement(cfg) -> dict:
     return {"mode": cfg.mode, "algorithm": cfg.algorithm.resolved_names(), "rollout_pool": rollout, "learner_pool": learner, "total": total}
 
 
+def _preflight(cfg, address: str | None) -> int:
+    """Model, data, reward, checkpoint and placement checks; every problem on stderr, exit 2 if any."""
+    from asyncrl.controller.preflight import cluster_resources, local_resources, preflight
+
+    problems = preflight(cfg, cluster_resources(address) if address else local_resources())
+    for problem in problems:
+        print(f"asyncrl check: {problem}", file=sys.stderr)
+    return 2 if problems else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from asyncrl.config import ConfigError, load_config
@@ -71,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(cfg.dump(), sort_keys=False), end="")
         print("# planned placement")
         print(json.dumps(placement(cfg), indent=2))
-        return 0
+        return _preflight(cfg, args.address or os.environ.get("RAY_ADDRESS"))
     from asyncrl.controller import run
 
     summary = run(cfg)

@@ -59,12 +59,18 @@ def read_verl_parquet(path: str | Path) -> list[dict[str, Any]]:
     if missing:
         raise ValueError(f"{path}: missing verl columns {sorted(missing)} (has {table.column_names})")
     rows = table.to_pylist()
-    for i, row in enumerate(rows):
-        if not isinstance(row["prompt"], list) or not all({"role", "content"} <= set(m) for m in row["prompt"]):
-            raise ValueError(f"{path}: row {i}: 'prompt' must be a list of {{role, content}} messages")
-        if "ground_truth" not in (row["reward_model"] or {}):
-            raise ValueError(f"{path}: row {i}: reward_model.ground_truth is missing")
+    check_verl_rows(rows, path)
     return rows
+
+
+def check_verl_rows(rows: list[dict[str, Any]], path: str | Path) -> None:
+    """Raise naming the file and row unless every row has the nested verl layout."""
+    for i, row in enumerate(rows):
+        prompt = row["prompt"]
+        if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt):
+            raise ValueError(f"{path}: row {i}: 'prompt' must be a non-empty list of {{role, content}} messages")
+        if not isinstance(row["reward_model"], dict) or "ground_truth" not in row["reward_model"]:
+            raise ValueError(f"{path}: row {i}: reward_model.ground_truth is missing")
 
 
 def verl_prompts(tokenizer: Any, path: str | Path) -> list[Prompt]:

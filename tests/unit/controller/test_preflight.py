@@ -1,0 +1,81 @@
+"""`asyncrl check` looks outside the schema: model folder, data files and columns, reward import path,
+checkpoint, placement. Each rejection names the key and the reason and exits 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.cli import main
+from asyncrl.controller.preflight import Resources, preflight
+from asyncrl.config import load_config
+from asyncrl.envs.data import write_verl_parquet
+
+GOOD_ROW = {"data_source": "d", "prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": "2"}}
+
+
+def _check(capsys, *overrides: str) -> tuple[int, str]:
+    code = main(["check", *overrides])
+    return code, capsys.readouterr().err
+
+
+def test_the_default_recipe_passes(capsys):
+    assert _check(capsys) == (0, "")
+
+
+def test_a_missing_model_folder_is_rejected_naming_model_path(capsys, tmp_path):
+    code, err = _check(capsys, f"model.path={tmp_path / 'nope'}")
+    assert code == 2 and f"model.path: {tmp_path / 'nope'} does not exist" in err
+
+
+def test_a_folder_without_config_json_is_not_a_model(capsys, tmp_path):
+    code, err = _check(capsys, f"model.path={tmp_path}")
+    assert code == 2 and "model.path" in err and "no config.json" in err
+
+
+def test_a_missing_data_file_is_rejected_naming_the_key(capsys, tmp_path):
+    code, err = _check(capsys, "data.task=parquet", f"data.train_path={tmp_path / 'train.parquet'}")
+    assert code == 2 and "data.train_path" in err and "does not exist" in err
+
+
+def test_a_missing_column_is_rejected_naming_the_column(capsys, tmp_path):
+    write_verl_parquet([{"data_source": "d", "prompt": GOOD_ROW["prompt"]}], tmp_path / "t.parquet")
+    code, err = _check(capsys, "data.task=parquet", f"data.train_path={tmp_path / 't.parquet'}")
+    assert code == 2 and "data.train_path" in err and "['reward_model']" in err
+
+
+def test_a_wrongly_nested_prompt_is_rejected_naming_the_row(capsys, tmp_path):
+    rows = [GOOD_ROW, {**GOOD_ROW, "prompt": []}]
+    write_verl_parquet(rows, tmp_path / "e.parquet")
+    write_verl_parquet([GOOD_ROW], tmp_path / "t.parquet")
+    code, err = _check(capsys, "data.task=parquet", f"data.train_path={tmp_path / 't.parquet'}", f"data.eval_path={tmp_path / 'e.parquet'}")
+    assert code == 2 and "data.eval_path" in err and "row 1" in err and "data.train_path" not in err
+
+
+def test_an_unimportable_reward_is_rejected_with_the_import_error(capsys):
+    code, err = _check(capsys, "env.reward=no_such_module:score")
+    assert code == 2 and "env.reward" in err and "No module named 'no_such_module'" in err
+
+
+def test_a_checkpoint_folder_without_its_marker_is_rejected(capsys, tmp_path):
+    code, err = _check(capsys, f"checkpoint.resume_from={tmp_path}")
+    assert code == 2 and "checkpoint.resume_from" in err and "not a complete checkpoint" in err
+
+
+def test_gpus_this_machine_lacks_are_rejected_naming_the_pool(capsys):
+    code, err = _check(capsys, "rollout.num_workers=1000", "rollout.num_gpus_per_worker=8")
+    assert code == 2
+    assert "rollout_pool: the pools need 8000 GPU (rollout_pool 8000 + learner_pool 0)" in err
+
+
+def test_local_cpus_may_be_oversubscribed_but_a_cluster_is_strict():
+    cfg = load_config(None, ["rollout.num_workers=3", "learner.num_ranks=2"])  # 5 CPUs
+    assert preflight(cfg, Resources("this machine", [{"CPU": 2.0}], cpus_oversubscribe=True)) == []
+    problems = preflight(cfg, Resources("the cluster", [{"CPU": 2.0}, {"CPU": 2.0}]))
+    assert [str(p) for p in problems] == ["rollout_pool: the pools need 5 CPU (rollout_pool 3 + learner_pool 2); the cluster has 4"]
+
+
+@pytest.mark.parametrize(("gpus_per_rank", "expected"), [(4, []), (8, ["learner_pool: one unit needs 8 GPU; the largest node of c has 4"])])
+def test_one_unit_must_fit_on_one_node(gpus_per_rank, expected):
+    cfg = load_config(None, ["learner.num_ranks=1", f"learner.num_gpus_per_rank={gpus_per_rank}"])
+    nodes = [{"CPU": 16.0, "GPU": 4.0}, {"CPU": 16.0, "GPU": 4.0}]  # 8 GPUs in all, 4 per node
+    assert [str(p) for p in preflight(cfg, Resources("c", nodes))] == expected
