@@ -120,6 +120,37 @@ class Group:
 
 
 @dataclass
+class Batch:
+    """What the replay queue hands the learner for one step: groups, the learner version they were handed
+    out at, and each sample's lag.
+
+    Invariant: `lags[k] == version - min_version` of the k-th trajectory (groups in order, members in order),
+    computed once, here, when the queue hands the batch out; the queue never hands out a lag above
+    `max_staleness`. Every staleness figure downstream (metrics rows, histograms) is read from `lags`.
+    """
+
+    groups: list[Group]
+    version: int
+    lags: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.lags = [self.version - t.min_version for g in self.groups for t in g.trajectories]
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.lags)
+
+    @property
+    def staleness_mean(self) -> float:
+        """Mean lag in policy versions (0.0 for an empty batch)."""
+        return sum(self.lags) / max(1, len(self.lags))
+
+    @property
+    def staleness_max(self) -> int:
+        return max(self.lags, default=0)
+
+
+@dataclass
 class WeightUpdate:
     """Metadata of one weight publication: the version the engines must report once loaded."""
 

@@ -126,9 +126,9 @@ def make_controller_class():
             finally:
                 self.wait_s += time.perf_counter() - began
 
-        def _record(self, stats, groups, learner_wait_s: float) -> None:
-            super()._record(stats, groups, learner_wait_s)
-            self.response_tokens += sum(len(t.response_ids) for g in groups for t in g.trajectories)
+        def _record(self, stats, batch, learner_wait_s: float) -> None:
+            super()._record(stats, batch, learner_wait_s)
+            self.response_tokens += sum(len(t.response_ids) for g in batch.groups for t in g.trajectories)
             if self.step >= self.cfg.learner.max_steps:
                 self.t_end = time.perf_counter()
                 self.rollout_stats_at_end = self.rollout.stats()
@@ -173,7 +173,6 @@ def mode_config(mode: str, args, out_dir: Path, model_dir: Path):
 
 
 def run_mode(mode: str, args, out_dir: Path, model_dir: Path, prompts) -> dict:
-    import ray
 
     cfg = mode_config(mode, args, out_dir, model_dir)
     cfg.save(cfg.output_dir)
@@ -184,7 +183,7 @@ def run_mode(mode: str, args, out_dir: Path, model_dir: Path, prompts) -> dict:
         controller.start()
         setup_s = controller.t_start - began
         summary = controller.run()
-        conservation = ray.get(controller.queue.check_conservation.remote(), timeout=30)
+        conservation = controller.queue.check_conservation()
     finally:
         controller.shutdown()
     window = controller.t_end - controller.t_start

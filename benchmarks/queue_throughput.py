@@ -97,14 +97,13 @@ class Consumer:
         version, trained, max_lag = 0, 0, 0
         while True:
             batch = await self.queue.get_batch.remote(batch_groups, version, timeout_s=60.0, min_groups=0)
-            if not batch:
+            if not batch.groups:
                 stats = await self.queue.stats.remote()
                 if stats["in_flight"] == 0 and stats["backlog_groups"] == 0:
                     break
                 continue
-            for group in batch:
-                trained += len(group.trajectories)
-                max_lag = max(max_lag, max(version - t.min_version for t in group.trajectories))
+            trained += batch.num_samples
+            max_lag = max(max_lag, batch.staleness_max)
             version += 1
             # Weight sync: the queue learns the new version once every engine serves it (invariant 7),
             # so that groups it admits from now on carry at least this version.
@@ -115,24 +114,21 @@ class Consumer:
 
 def run_once(ray, args, num_trajectories: int, put_batch: int, tag: str) -> dict:
     from asyncrl.buffer import start_replay_queue
+    from asyncrl.config import BufferConfig
     from asyncrl.types import Prompt
 
-    config = {
-        "max_staleness": args.max_staleness,
-        "filter_zero_variance": False,
-        "log_parquet": False,
-        "capacity_groups": 1024,
-    }
+    config = BufferConfig(max_staleness=args.max_staleness, filter_zero_variance=False, log_parquet=False, capacity_groups=1024)
     queue = start_replay_queue(config, batch_groups=args.batch_groups, name=f"w4-queue-{tag}")
     producers = [
-        ray.remote(Producer).options(num_cpus=0, max_concurrency=4).remote(queue, f"{tag}-p{k}", put_batch, 16, 16)
+        ray.remote(Producer).options(num_cpus=0, max_concurrency=4).remote(queue.handle, f"{tag}-p{k}", put_batch, 16, 16)
         for k in range(args.producers)
     ]
-    consumer = ray.remote(Consumer).options(num_cpus=0).remote(queue, producers)
-    ray.get([a.ready.remote() for a in producers + [consumer]] + [queue.counters.remote()])
+    consumer = ray.remote(Consumer).options(num_cpus=0).remote(queue.handle, producers)
+    ray.get([a.ready.remote() for a in producers + [consumer]])
+    queue.counters()  # the queue actor is up too
     num_prompts = num_trajectories // args.samples_per_prompt
     prompts = [Prompt(prompt_id=f"q{k}", prompt_ids=list(range(16)), ground_truth="0") for k in range(num_prompts)]
-    ray.get(queue.add_prompts.remote(prompts, args.samples_per_prompt))
+    queue.add_prompts(prompts, args.samples_per_prompt)
 
     start = time.perf_counter()
     runs = [p.run.remote() for p in producers]
@@ -140,9 +136,10 @@ def run_once(ray, args, num_trajectories: int, put_batch: int, tag: str) -> dict
     seconds = time.perf_counter() - start
     ray.get([p.stop.remote() for p in producers])
     ray.get(runs)
-    stats = ray.get(queue.stats.remote())
-    counters = ray.get(queue.check_conservation.remote())
-    for actor in producers + [consumer, queue]:
+    stats = queue.stats()
+    counters = queue.check_conservation()
+    queue.close()
+    for actor in producers + [consumer]:
         ray.kill(actor)
     return {
         "put_batch": put_batch,
@@ -155,7 +152,7 @@ def run_once(ray, args, num_trajectories: int, put_batch: int, tag: str) -> dict
         "latency_p99_ms": round(stats["latency_p99_s"] * 1e3, 2),
         "steps": result["steps"],
         "max_lag_versions": result["max_lag"],
-        "staleness_mean_versions": round(stats["staleness_mean_versions"], 3),
+        "staleness_mean": round(stats["staleness_mean"], 3),
         "conservation_ok": counters["in_flight"] == 0 and counters["dispatched"] == counters["trained"] + counters["dropped_stale"],
     }
 

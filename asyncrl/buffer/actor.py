@@ -2,7 +2,8 @@
 
 All methods run on the actor's single event loop, so the core needs no locks. Waiters sleep on a
 "something changed" event that every mutating call replaces, and wake at least at the next straggler
-deadline so that timeouts fire even when no trajectory arrives. Ray is imported only by `start_replay_queue`.
+deadline so that timeouts fire even when no trajectory arrives. This module does not import Ray: the driver
+starts the actor and calls it through `client.QueueClient`.
 """
 
 from __future__ import annotations
@@ -15,21 +16,19 @@ from typing import Any
 
 from asyncrl.buffer.core import ReplayQueueCore
 from asyncrl.config import BufferConfig
-from asyncrl.types import Group, Prompt, Request, Trajectory
+from asyncrl.types import Batch, Prompt, Request, Trajectory
 
 
 class ReplayQueue:
-    """Async facade of `ReplayQueueCore`; run it as a Ray actor with `start_replay_queue`."""
+    """Async facade of `ReplayQueueCore`; run it as a Ray actor with `client.start_replay_queue`."""
 
     def __init__(
         self,
-        config: BufferConfig | dict[str, Any] | None = None,
+        config: BufferConfig,
         batch_groups: int = 1,
         name: str = "replay_queue",
         log_dir: str | Path | None = None,
     ) -> None:
-        if not isinstance(config, BufferConfig):
-            config = BufferConfig.model_validate(config or {})
         self.name = name
         self.core = ReplayQueueCore(config, batch_groups=batch_groups, clock=time.monotonic, log_dir=log_dir)
         self._changed = asyncio.Event()
@@ -70,14 +69,14 @@ class ReplayQueue:
             hint = "; nothing in flight and the backlog is empty (were prompts added?)"
         elif s["groups_ahead"] >= s["admission_limit_groups"] and s["backlog_groups"]:
             hint = (
-                f"; admission is closed (consumed + in flight + ready = {s['groups_ahead']} >= (version + max_staleness"
-                f" + 1) * batch_groups = {s['admission_limit_groups']}) until the learner version advances: is"
+                f"; admission is closed (consumed + in flight + ready = {s['groups_ahead']} >= (admission version +"
+                f" max_staleness + 1) * batch_groups = {s['admission_limit_groups']}) until a weight sync is confirmed: is"
                 f" batch_groups ({s['batch_groups']}) the number of groups consumed per step?"
             )
         return (
             f"ready groups {s['ready_groups']}, groups in flight {s['groups_in_flight']}, samples in flight "
-            f"{s['in_flight']}, backlog groups {s['backlog_groups']}, version {s['version']}; requests held by workers:"
-            f" {holders}{hint}"
+            f"{s['in_flight']}, backlog groups {s['backlog_groups']}, admission version {s['admission_version']};"
+            f" requests held by workers: {holders}{hint}"
         )
 
     # ------------------------------------------------------------------------------------------------
@@ -128,8 +127,8 @@ class ReplayQueue:
 
     async def get_batch(
         self, num_groups: int, learner_version: int, timeout_s: float, min_groups: int | None = None
-    ) -> list[Group]:
-        """`num_groups` ready groups with lag <= max_staleness, waiting up to `timeout_s`.
+    ) -> Batch:
+        """A `Batch` of `num_groups` ready groups with lag <= max_staleness, waiting up to `timeout_s`.
 
         With `min_groups`, returns what is ready (at least `min_groups`) once the wait times out or nothing
         more can arrive. Otherwise raises `TimeoutError` naming the queue and what it was waiting on.
@@ -137,9 +136,9 @@ class ReplayQueue:
         start = time.monotonic()
         deadline = start + timeout_s
         while True:
-            dropped = self.core.counters()["groups_dropped_stale"]
+            dropped = self.core.ledger.counts["groups_dropped_stale"]
             batch = self.core.get_batch(num_groups, learner_version)
-            if batch is not None or self.core.counters()["groups_dropped_stale"] != dropped:
+            if batch is not None or self.core.ledger.counts["groups_dropped_stale"] != dropped:
                 self._notify()  # fewer groups ahead: admission may have opened for waiting producers
             if batch is not None:
                 return batch
@@ -182,21 +181,3 @@ class ReplayQueue:
 
     async def close(self) -> None:
         self.core.close()
-
-
-def start_replay_queue(
-    config: BufferConfig | dict[str, Any] | None = None,
-    batch_groups: int = 1,
-    name: str = "replay_queue",
-    log_dir: str | Path | None = None,
-    num_cpus: float = 0,
-) -> Any:
-    """Start the queue as a named async Ray actor and return its handle."""
-    import ray
-
-    if isinstance(config, BufferConfig):
-        config = config.model_dump()
-    actor_cls = ray.remote(ReplayQueue)
-    return actor_cls.options(name=name, num_cpus=num_cpus, max_concurrency=1000).remote(
-        config, batch_groups=batch_groups, name=name, log_dir=str(log_dir) if log_dir is not None else None
-    )

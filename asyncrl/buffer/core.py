@@ -11,50 +11,68 @@ Life of a sample (the unit of counting is one trajectory; a group's fate applies
                               └───────────────────┘                                                       ▼
                                                          terminal: trained | dropped_stale | filtered:* | failed:*
 
+Each box is a `MemberState` of the sample's `Member` (PENDING, OUT, ARRIVED, READY; DONE once terminal).
 A sample is *dispatched* when its group is admitted (all `samples_per_prompt` members at once) and stays
 *in flight* until it reaches a terminal state, so at every moment (invariant 3)
 
     dispatched == trained + dropped_stale + Σ filtered:* + Σ failed:* + in_flight
 
+The counting itself (counters, the conservation check, the staleness histogram, latencies) is `ledger.Ledger`.
+
 Staleness (invariant 2) is enforced twice. Admission control, as in AReaL: with B groups consumed per
 learner step, the n-th group (0-based, in consumption order) is consumed at learner version floor(n / B), so
 a group started at version v arrives within the bound iff n + 1 <= (v + eta + 1) * B, where
-n = consumed + in flight + ready. Hand-out check: a ready group with lag > eta is dropped, never handed out.
+n = consumed + in flight + ready and v is the *admission version*: the version every engine has confirmed,
+set by the controller alone (`set_version`), never raised by the learner version `get_batch` is called at.
+Hand-out check: a ready group with lag > eta is dropped, never handed out.
 Groups finish out of order (long samples), so some still exceed the bound; an engine aborts such a request
 as soon as that is certain and hands it in with `failure="stale: ..."`, which drops its group at once.
 """
 
 from __future__ import annotations
 
+import enum
 import heapq
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from asyncrl.buffer import filters
+from asyncrl.buffer.ledger import ConservationError, Ledger
 from asyncrl.config import BufferConfig
-from asyncrl.types import DROPPED_STALE, STALE_FAILURE, TRAINED, Group, Prompt, Request, Trajectory
+from asyncrl.types import DROPPED_STALE, STALE_FAILURE, TRAINED, Batch, Group, Prompt, Request, Trajectory
 
-PENDING, OUT, ARRIVED, READY, DONE = "pending", "out", "arrived", "ready", "done"
-"""Member states. Every state but DONE is in flight."""
-
-LATENCY_WINDOW = 100_000
-"""Put-to-get latencies kept for the percentiles (the most recent ones)."""
+__all__ = ["ConservationError", "Member", "MemberState", "ReplayQueueCore"]
 
 
-_ALWAYS_COUNTED = (
-    "dispatched", TRAINED, DROPPED_STALE, "acquired", "put", "stale_attempt", "requeued", "retired_prompts",
-    "skipped_retired", "straggler_groups", "groups_started", "groups_consumed", "groups_dropped_stale",
-)
+class MemberState(enum.Enum):
+    """Where one member of an admitted group is (the boxes of the diagram above). Every state but DONE is in flight."""
+
+    PENDING = "pending"
+    OUT = "out"
+    ARRIVED = "arrived"
+    READY = "ready"
+    DONE = "done"
 
 
-class ConservationError(AssertionError):
-    """dispatched != trained + dropped_stale + filtered + failed + in_flight, or in_flight disagrees with the members."""
+PENDING, OUT, ARRIVED, READY, DONE = MemberState
+"""Short names for the states, which this module spells on almost every line."""
+
+
+@dataclass
+class Member:
+    """One sample of an admitted group. `holder` is set only while OUT, `trajectory` only while ARRIVED or READY."""
+
+    state: MemberState = MemberState.PENDING
+    holder: str | None = None
+    attempt: int = 0
+    """Bumped each time the sample is re-dispatched, so a late answer of an earlier attempt is recognisable."""
+    trajectory: Trajectory | None = None
+    arrived_at: float = 0.0
+    acquired_at: float = 0.0
 
 
 @dataclass
@@ -63,14 +81,7 @@ class _GroupState:
 
     group_id: str
     prompt: Prompt
-    size: int
-    start_version: int
-    status: list[str]
-    holder: list[str | None]
-    attempt: list[int]
-    trajectories: list[Trajectory | None]
-    arrived_at: list[float]
-    acquired_at: list[float]
+    members: list[Member]
     rewards_seen: list[float] = field(default_factory=list)
     first_arrival_at: float | None = None
     has_deadline: bool = False
@@ -79,11 +90,18 @@ class _GroupState:
     late_fate: str = filters.FILTERED_STRAGGLER
     min_version: int = 0
 
-    def count(self, state: str) -> int:
-        return sum(1 for s in self.status if s == state)
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def indices(self, state: MemberState) -> list[int]:
+        return [i for i, m in enumerate(self.members) if m.state is state]
+
+    def count(self, state: MemberState) -> int:
+        return sum(1 for m in self.members if m.state is state)
 
     def in_flight(self) -> int:
-        return sum(1 for s in self.status if s != DONE)
+        return sum(1 for m in self.members if m.state is not DONE)
 
 
 class ReplayQueueCore:
@@ -106,11 +124,11 @@ class ReplayQueueCore:
         self.config = config
         self.batch_groups = batch_groups
         """B: groups the learner consumes per optimizer step (admission control unit)."""
-        self.version = 0
-        """Policy version served by the rollout pool (`set_version`; also raised by `get_batch`'s learner_version)."""
+        self.admission_version = 0
+        """The policy version every engine has confirmed (`set_version`, by the controller only); admission
+        counts from it. The learner version passed to `get_batch` may run ahead and never moves it."""
         self.clock = clock
-        self._counters: Counter[str] = Counter()
-        self._in_flight = 0
+        self.ledger = Ledger()
         self._backlog: deque[tuple[Prompt, int]] = deque()
         self._groups: dict[str, _GroupState] = {}
         self._pending: deque[tuple[str, int]] = deque()
@@ -122,8 +140,6 @@ class ReplayQueueCore:
         self._dispatch_stopped = False
         threshold = config.pass_rate_threshold if config.pass_rate_curriculum else float("inf")
         self._pass_rate = filters.PassRateTracker(threshold)
-        self._staleness: Counter[int] = Counter()
-        self._latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self._log = None
         if config.log_parquet and log_dir is not None:
             from asyncrl.buffer.storage import TrajectoryLog, next_log_path
@@ -139,7 +155,7 @@ class ReplayQueueCore:
             raise ValueError(f"samples_per_prompt must be >= 1 (got {samples_per_prompt})")
         for prompt in prompts:
             if self._pass_rate.is_retired(prompt.prompt_id):
-                self._counters["skipped_retired"] += 1
+                self.ledger.count("skipped_retired")
             else:
                 self._backlog.append((prompt, samples_per_prompt))
         return len(self._backlog)
@@ -150,9 +166,9 @@ class ReplayQueueCore:
         Call it once the weight sync of `version` is confirmed by every engine: admission assumes that
         requests started from now on carry at least this version.
         """
-        if version < self.version:
-            raise ValueError(f"policy version went back from {self.version} to {version}")
-        self.version = version
+        if version < self.admission_version:
+            raise ValueError(f"policy version went back from {self.admission_version} to {version}")
+        self.admission_version = version
 
     def set_batch_groups(self, batch_groups: int) -> None:
         if batch_groups < 1:
@@ -174,21 +190,20 @@ class ReplayQueueCore:
                     break
                 continue
             g, i = item
-            g.status[i] = OUT
-            g.holder[i] = worker
-            g.acquired_at[i] = now
+            m = g.members[i]
+            m.state, m.holder, m.acquired_at = OUT, worker, now
             self._by_worker.setdefault(worker, set()).add((g.group_id, i))
             requests.append(
                 Request(
-                    request_id=f"{g.group_id}/{i}/{g.attempt[i]}",
+                    request_id=f"{g.group_id}/{i}/{m.attempt}",
                     group_id=g.group_id,
                     sample_index=i,
                     group_size=g.size,
                     prompt=g.prompt,
-                    attempt=g.attempt[i],
+                    attempt=m.attempt,
                 )
             )
-        self._counters["acquired"] += len(requests)
+        self.ledger.count("acquired", len(requests))
         return requests
 
     def put(self, trajectories: Sequence[Trajectory]) -> int:
@@ -205,46 +220,16 @@ class ReplayQueueCore:
         touched: dict[str, _GroupState] = {}
         accepted = 0
         for t in trajectories:
-            g = self._groups.get(t.group_id)
-            i = t.sample_index
-            if (
-                g is None
-                or not 0 <= i < g.size
-                or g.status[i] != OUT
-                or (t.worker and t.worker != g.holder[i])
-                or (t.attempt is not None and t.attempt != g.attempt[i])
-            ):
-                self._counters["stale_attempt"] += 1
+            g = self._match(t)
+            if g is None:
+                self.ledger.count("stale_attempt")
                 continue
             accepted += 1
-            self._release(g, i)
-            if g.first_arrival_at is None:
-                g.first_arrival_at = now
-            if g.resolved:
-                self._finish(g, i, g.late_fate, t)
-            elif t.failure is not None and filters.failure_reason(t.failure) == STALE_FAILURE:
-                self._drop_group_stale(g, i, t)
-            elif t.failure is not None:
-                self._finish(g, i, filters.failed_state(t.failure), t)
-            else:
-                g.rewards_seen.append(float(t.reward))
-                if self.config.filter_overlong and filters.is_overlong(t):
-                    self._finish(g, i, filters.FILTERED_OVERLONG, t)
-                else:
-                    g.status[i] = ARRIVED
-                    g.trajectories[i] = t
-                    g.arrived_at[i] = now
+            self._arrive(g, t, now)
             touched[g.group_id] = g
-        self._counters["put"] += accepted
+        self.ledger.count("put", accepted)
         for g in touched.values():
-            if g.resolved:
-                self._forget_if_done(g)
-            elif g.count(PENDING) == 0 and g.count(OUT) == 0:
-                self._resolve(g, [i for i, s in enumerate(g.status) if s == ARRIVED])
-                self._forget_if_done(g)
-            elif not g.has_deadline:
-                g.has_deadline = True
-                heapq.heappush(self._deadlines, (g.first_arrival_at + self.config.group_timeout_s, g.group_id))
+            self._after_arrivals(g)
         return accepted
 
     def requeue_worker(self, worker: str) -> int:
@@ -256,16 +241,17 @@ class ReplayQueueCore:
         requeued = 0
         for gid, i in sorted(self._by_worker.pop(worker, set()), reverse=True):
             g = self._groups[gid]
-            g.holder[i] = None
+            m = g.members[i]
+            m.holder = None
             if g.resolved:
-                self._finish(g, i, g.late_fate, None)
+                self._finish(g, i, g.late_fate)
                 self._forget_if_done(g)
                 continue
-            g.status[i] = PENDING
-            g.attempt[i] += 1
+            m.state = PENDING
+            m.attempt += 1
             self._pending.appendleft((gid, i))
             requeued += 1
-        self._counters["requeued"] += requeued
+        self.ledger.count("requeued", requeued)
         return requeued
 
     def abort_outstanding(self, include_ready: bool = True) -> int:
@@ -276,12 +262,12 @@ class ReplayQueueCore:
         self._dispatch_stopped = True
         aborted = 0
         for g in list(self._groups.values()):
-            for i, state in enumerate(g.status):
-                if state == DONE or (state == READY and not include_ready):
+            for i, m in enumerate(g.members):
+                if m.state is DONE or (m.state is READY and not include_ready):
                     continue
-                if state == OUT:
+                if m.state is OUT:
                     self._release(g, i)
-                self._finish(g, i, filters.FAILED_ABORTED, g.trajectories[i])
+                self._finish(g, i, filters.FAILED_ABORTED)
                 aborted += 1
             if not g.resolved:
                 g.resolved = True
@@ -305,18 +291,17 @@ class ReplayQueueCore:
             if g is None or g.resolved:
                 continue
             expired += 1
-            for i, state in enumerate(g.status):
-                if state == PENDING:
-                    self._finish(g, i, filters.FILTERED_STRAGGLER, None)
-            arrived = [i for i, s in enumerate(g.status) if s == ARRIVED]
+            for i in g.indices(PENDING):
+                self._finish(g, i, filters.FILTERED_STRAGGLER)
+            arrived = g.indices(ARRIVED)
             if self.config.straggler_policy == "partial" and len(arrived) >= 2:
                 self._resolve(g, arrived)
             else:
                 self._resolve(g, [])
                 for i in arrived:
-                    self._finish(g, i, filters.FILTERED_STRAGGLER, g.trajectories[i])
+                    self._finish(g, i, filters.FILTERED_STRAGGLER)
             self._forget_if_done(g)
-        self._counters["straggler_groups"] += expired
+        self.ledger.count("straggler_groups", expired)
         return expired
 
     def next_deadline(self) -> float | None:
@@ -332,17 +317,17 @@ class ReplayQueueCore:
     # ------------------------------------------------------------------------------------------------
     # Learner side.
 
-    def get_batch(self, num_groups: int, learner_version: int, min_groups: int | None = None) -> list[Group] | None:
+    def get_batch(self, num_groups: int, learner_version: int, min_groups: int | None = None) -> Batch | None:
         """Hand out the `num_groups` oldest ready groups for a step at `learner_version`, or None.
 
         Ready groups with lag `learner_version - min_version > max_staleness` are dropped first
         (`dropped_stale`). With `min_groups`, hands out all ready groups when at least that many are ready
-        (for the end of a run). Returns None, handing out nothing, when too few are ready.
+        (for the end of a run). Returns None, handing out nothing, when too few are ready. The admission
+        version is left alone: only the controller moves it, once engines confirm a sync.
         """
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1 (got {num_groups})")
         self.expire_stragglers()
-        self.version = max(self.version, learner_version)
         self._drop_stale(learner_version)
         if len(self._ready) >= num_groups:
             take = num_groups
@@ -351,17 +336,12 @@ class ReplayQueueCore:
         else:
             return None
         now = self.clock()
-        batch = []
-        for _ in range(take):
-            g = self._ready.popleft()
-            members = [i for i, s in enumerate(g.status) if s == READY]
-            batch.append(Group(g.group_id, [g.trajectories[i] for i in members]))
-            for i in members:
-                self._staleness[learner_version - g.trajectories[i].min_version] += 1
-                self._latencies.append(now - g.arrived_at[i])
-                self._finish(g, i, TRAINED, g.trajectories[i])
-            self._forget_if_done(g)
-        self._counters["groups_consumed"] += take
+        handed = [self._hand_out(self._ready.popleft(), now) for _ in range(take)]
+        batch = Batch([group for group, _ in handed], learner_version)
+        waited = [seconds for _, latencies in handed for seconds in latencies]
+        for lag, seconds in zip(batch.lags, waited):
+            self.ledger.record_trained(lag, seconds)
+        self.ledger.count("groups_consumed", take)
         return batch
 
     def drained(self) -> bool:
@@ -369,7 +349,7 @@ class ReplayQueueCore:
         return self._unresolved == 0 and (not self._backlog or self._dispatch_stopped)
 
     # ------------------------------------------------------------------------------------------------
-    # Accounting and metrics.
+    # Accounting and metrics (the books are kept by `ledger.Ledger`).
 
     def counters(self) -> dict[str, int]:
         """Terminal-state counters plus `dispatched` and `in_flight` (see the module docstring).
@@ -378,52 +358,37 @@ class ReplayQueueCore:
         `stale_attempt`, `requeued`, `retired_prompts`, `skipped_retired`, `straggler_groups`,
         `groups_started`, `groups_consumed`, `groups_dropped_stale`.
         """
-        out = dict.fromkeys(_ALWAYS_COUNTED, 0)
-        out.update(self._counters)
-        out["in_flight"] = self._in_flight
-        return out
+        return self.ledger.counters()
 
     def check_conservation(self) -> dict[str, int]:
         """Raise `ConservationError` unless invariant 3 holds; returns the counters."""
-        c = self.counters()
-        filtered = sum(v for k, v in c.items() if k.startswith("filtered:"))
-        failed = sum(v for k, v in c.items() if k.startswith("failed:"))
-        rhs = c[TRAINED] + c[DROPPED_STALE] + filtered + failed + c["in_flight"]
-        if c["dispatched"] != rhs:
-            raise ConservationError(
-                f"replay queue: dispatched {c['dispatched']} != trained {c[TRAINED]} + dropped_stale {c[DROPPED_STALE]}"
-                f" + filtered {filtered} + failed {failed} + in_flight {c['in_flight']} (= {rhs}); counters {c}"
-            )
-        members = sum(g.in_flight() for g in self._groups.values())
-        if members != self._in_flight:
-            raise ConservationError(f"replay queue: in_flight counter {self._in_flight} != {members} members not yet terminal")
-        return c
+        return self.ledger.check(sum(g.in_flight() for g in self._groups.values()))
 
     def admission_limit(self) -> int:
-        """Groups that may have been started (consumed + in flight + ready) at the current version."""
-        return (self.version + self.config.max_staleness + 1) * self.batch_groups
+        """Groups that may have been started (consumed + in flight + ready) at the admission version."""
+        return (self.admission_version + self.config.max_staleness + 1) * self.batch_groups
 
     def groups_ahead(self) -> int:
         """consumed + in flight + ready groups: the position of the next group in consumption order."""
-        return self._counters["groups_consumed"] + self._unresolved + len(self._ready)
+        return self.ledger.counts["groups_consumed"] + self._unresolved + len(self._ready)
 
     def staleness_histogram(self) -> dict[int, int]:
         """Lag (learner version - the sample's min_version) -> trained samples."""
-        return dict(sorted(self._staleness.items()))
+        return self.ledger.staleness_histogram()
 
     def latency_stats(self) -> dict[str, float]:
         """Put-to-get seconds of the most recent trained samples: count, mean, p50, p99, max."""
-        if not self._latencies:
-            return {"count": 0, "mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0.0}
-        values = np.fromiter(self._latencies, dtype=np.float64)
-        p50, p99 = np.percentile(values, [50, 99])
-        return {"count": len(values), "mean": float(values.mean()), "p50": float(p50), "p99": float(p99), "max": float(values.max())}
+        return self.ledger.latency_stats()
 
     def stats(self) -> dict[str, float]:
-        """A flat dict of numbers for telemetry."""
+        """A flat dict of numbers for telemetry: `counters()`, the queue's state (`admission_version`,
+        `batch_groups`, `max_staleness`, `admission_limit_groups`, `groups_ahead`, `ready_groups`,
+        `ready_samples`, `groups_in_flight`, `backlog_groups`, `retired_prompts_total`), the staleness of
+        trained samples (`staleness_mean`, `staleness_max`, `staleness_hist:<lag>`) and put-to-get latency
+        (`latency_count`, `latency_{mean,p50,p99,max}_s`)."""
         out: dict[str, float] = dict(self.counters())
         out.update(
-            version=self.version,
+            admission_version=self.admission_version,
             batch_groups=self.batch_groups,
             max_staleness=self.config.max_staleness,
             admission_limit_groups=self.admission_limit(),
@@ -434,12 +399,7 @@ class ReplayQueueCore:
             backlog_groups=len(self._backlog),
             retired_prompts_total=len(self._pass_rate.retired),
         )
-        hist = self._staleness
-        total = sum(hist.values())
-        out["staleness_mean_versions"] = sum(lag * n for lag, n in hist.items()) / total if total else 0.0
-        out["staleness_max_versions"] = max(hist) if hist else 0
-        for lag, n in sorted(hist.items()):
-            out[f"staleness_hist:{lag}"] = n
+        out.update(self.ledger.staleness_stats())
         for key, value in self.latency_stats().items():
             out[f"latency_{key}" + ("" if key == "count" else "_s")] = value
         return out
@@ -449,11 +409,11 @@ class ReplayQueueCore:
 
     def oldest_outstanding(self) -> tuple[str, str, float] | None:
         """(request_id, worker, seconds held) of the request held longest by a worker, for error messages."""
-        held = [(self._groups[gid].acquired_at[i], gid, i, w) for w, items in self._by_worker.items() for gid, i in items]
+        held = [(self._groups[gid].members[i].acquired_at, gid, i, w) for w, items in self._by_worker.items() for gid, i in items]
         if not held:
             return None
         acquired_at, gid, i, worker = min(held)
-        return f"{gid}/{i}/{self._groups[gid].attempt[i]}", worker, self.clock() - acquired_at
+        return f"{gid}/{i}/{self._groups[gid].members[i].attempt}", worker, self.clock() - acquired_at
 
     # ------------------------------------------------------------------------------------------------
     # Checkpointing.
@@ -463,19 +423,16 @@ class ReplayQueueCore:
 
         Their in-flight samples leave `dispatched` with them, so the restored queue starts with
         in_flight == 0 and conservation holding; on resume they are dispatched again as new groups.
+        The admission version is saved under `version` (the key older checkpoints have).
         """
-        counters = Counter(self._counters)
-        counters["dispatched"] -= self._in_flight
         redispatch = [(g.prompt, g.size) for g in self._groups.values() if g.in_flight() and not self._is_zombie(g)]
-        counters["groups_started"] -= len(redispatch)
         backlog = redispatch + list(self._backlog)
         return {
-            "counters": {k: v for k, v in counters.items() if v},
-            "version": self.version,
+            **self.ledger.state_dict(redispatched_groups=len(redispatch)),
+            "version": self.admission_version,
             "batch_groups": self.batch_groups,
             "next_group": self._next_group,
             "pass_rate": self._pass_rate.state_dict(),
-            "staleness": dict(self._staleness),
             "backlog": [{"prompt": asdict(p), "samples_per_prompt": n} for p, n in backlog],
         }
 
@@ -483,14 +440,12 @@ class ReplayQueueCore:
         """Restore a `state_dict`; only valid on a queue with nothing in flight."""
         if self._groups:
             raise RuntimeError(f"load_state_dict on a replay queue with {len(self._groups)} groups in flight")
-        self._counters = Counter({k: int(v) for k, v in state["counters"].items()})
-        self.version = int(state["version"])
+        self.ledger.load_state_dict(state)
+        self.admission_version = int(state["version"])
         self.batch_groups = int(state["batch_groups"])
         self._next_group = int(state["next_group"])
         self._pass_rate.load_state_dict(state["pass_rate"])
-        self._staleness = Counter({int(k): int(v) for k, v in state["staleness"].items()})
         self._backlog = deque((Prompt(**item["prompt"]), int(item["samples_per_prompt"])) for item in state["backlog"])
-        self._in_flight = 0
 
     def close(self) -> None:
         """Flush and close the Parquet log."""
@@ -498,7 +453,51 @@ class ReplayQueueCore:
             self._log.close()
 
     # ------------------------------------------------------------------------------------------------
-    # Internals.
+    # Internals: arrivals.
+
+    def _match(self, t: Trajectory) -> _GroupState | None:
+        """The group whose member is waiting for `t`, or None if `t` answers no request currently out."""
+        g = self._groups.get(t.group_id)
+        if g is None or not 0 <= t.sample_index < g.size:
+            return None
+        m = g.members[t.sample_index]
+        if m.state is not OUT or (t.worker and t.worker != m.holder) or (t.attempt is not None and t.attempt != m.attempt):
+            return None
+        return g
+
+    def _arrive(self, g: _GroupState, t: Trajectory, now: float) -> None:
+        """An accepted trajectory: its member ends at once (late, failed, overlong) or waits for its group."""
+        i = t.sample_index
+        self._release(g, i)
+        if g.first_arrival_at is None:
+            g.first_arrival_at = now
+        if g.resolved:
+            self._finish(g, i, g.late_fate, t)
+        elif t.failure is not None and filters.failure_reason(t.failure) == STALE_FAILURE:
+            self._drop_group_stale(g, i, t)
+        elif t.failure is not None:
+            self._finish(g, i, filters.failed_state(t.failure), t)
+        else:
+            g.rewards_seen.append(float(t.reward))
+            if self.config.filter_overlong and filters.is_overlong(t):
+                self._finish(g, i, filters.FILTERED_OVERLONG, t)
+            else:
+                m = g.members[i]
+                m.state, m.trajectory, m.arrived_at = ARRIVED, t, now
+
+    def _after_arrivals(self, g: _GroupState) -> None:
+        """Resolve a group nobody works on any more; otherwise start its straggler clock."""
+        if g.resolved:
+            self._forget_if_done(g)
+        elif g.count(PENDING) == 0 and g.count(OUT) == 0:
+            self._resolve(g, g.indices(ARRIVED))
+            self._forget_if_done(g)
+        elif not g.has_deadline:
+            g.has_deadline = True
+            heapq.heappush(self._deadlines, (g.first_arrival_at + self.config.group_timeout_s, g.group_id))
+
+    # ------------------------------------------------------------------------------------------------
+    # Internals: admission and member life.
 
     def _is_zombie(self, g: _GroupState) -> bool:
         """A resolved group kept only for members still out (they will be filtered when they arrive)."""
@@ -514,75 +513,78 @@ class ReplayQueueCore:
     def _start_group(self) -> bool:
         while self._backlog and self._pass_rate.is_retired(self._backlog[0][0].prompt_id):
             self._backlog.popleft()
-            self._counters["skipped_retired"] += 1
+            self.ledger.count("skipped_retired")
         if not self._can_start():
             return False
         prompt, size = self._backlog.popleft()
         gid = f"{prompt.prompt_id}#{self._next_group}"
         self._next_group += 1
-        self._groups[gid] = _GroupState(
-            group_id=gid,
-            prompt=prompt,
-            size=size,
-            start_version=self.version,
-            status=[PENDING] * size,
-            holder=[None] * size,
-            attempt=[0] * size,
-            trajectories=[None] * size,
-            arrived_at=[0.0] * size,
-            acquired_at=[0.0] * size,
-        )
+        self._groups[gid] = _GroupState(gid, prompt, [Member() for _ in range(size)])
         self._pending.extend((gid, i) for i in range(size))
         self._unresolved += 1
-        self._in_flight += size
-        self._counters["dispatched"] += size
-        self._counters["groups_started"] += 1
+        self.ledger.dispatch(size)
+        self.ledger.count("groups_started")
         return True
 
     def _next_pending(self) -> tuple[_GroupState, int] | None:
         while self._pending:
             gid, i = self._pending.popleft()
             g = self._groups.get(gid)
-            if g is not None and g.status[i] == PENDING:
+            if g is not None and g.members[i].state is PENDING:
                 return g, i
         return None
 
     def _release(self, g: _GroupState, i: int) -> None:
         """Forget which worker holds member i."""
-        holder = g.holder[i]
-        if holder is not None:
-            self._by_worker.get(holder, set()).discard((g.group_id, i))
-            g.holder[i] = None
+        m = g.members[i]
+        if m.holder is not None:
+            self._by_worker.get(m.holder, set()).discard((g.group_id, i))
+            m.holder = None
 
-    def _finish(self, g: _GroupState, i: int, fate: str, trajectory: Trajectory | None) -> None:
-        """Member i reaches its terminal state `fate`."""
-        g.status[i] = DONE
-        g.trajectories[i] = None
-        self._in_flight -= 1
-        self._counters[fate] += 1
+    def _finish(self, g: _GroupState, i: int, fate: str, arriving: Trajectory | None = None) -> None:
+        """Member i reaches its terminal state `fate`; its trajectory (the `arriving` one, else the one it
+        holds) is logged with that fate."""
+        m = g.members[i]
+        trajectory = arriving if arriving is not None else m.trajectory
+        m.state, m.trajectory = DONE, None
+        self.ledger.finish(fate)
         if trajectory is not None and self._log is not None:
             self._log.append(trajectory, fate)
+
+    # ------------------------------------------------------------------------------------------------
+    # Internals: a group's fate.
 
     def _resolve(self, g: _GroupState, members: list[int]) -> None:
         """The group is finished arriving: update the pass rate, filter it, or make `members` ready."""
         g.resolved = True
         self._unresolved -= 1
         if g.rewards_seen and self._pass_rate.update(g.prompt.prompt_id, g.rewards_seen):
-            self._counters["retired_prompts"] += 1
+            self.ledger.count("retired_prompts")
         fate = None
         if g.size >= 2 and 0 < len(members) < 2:
             fate = filters.FILTERED_TOO_FEW_MEMBERS
-        elif g.size >= 2 and self.config.filter_zero_variance and filters.is_zero_variance([g.trajectories[i].reward for i in members]):
+        elif g.size >= 2 and self.config.filter_zero_variance and filters.is_zero_variance([g.members[i].trajectory.reward for i in members]):
             fate = filters.FILTERED_ZERO_VARIANCE
         if fate is not None:
             for i in members:
-                self._finish(g, i, fate, g.trajectories[i])
+                self._finish(g, i, fate)
             return
         if members:
             for i in members:
-                g.status[i] = READY
-            g.min_version = min(g.trajectories[i].min_version for i in members)
+                g.members[i].state = READY
+            g.min_version = min(g.members[i].trajectory.min_version for i in members)
             self._ready.append(g)
+
+    def _hand_out(self, g: _GroupState, now: float) -> tuple[Group, list[float]]:
+        """A ready group leaves for the learner: its members end `trained`; returns it with each member's
+        seconds since arrival (put-to-get latency)."""
+        members = g.indices(READY)
+        group = Group(g.group_id, [g.members[i].trajectory for i in members])
+        waited = [now - g.members[i].arrived_at for i in members]
+        for i in members:
+            self._finish(g, i, TRAINED)
+        self._forget_if_done(g)
+        return group, waited
 
     def _drop_stale(self, learner_version: int) -> None:
         eta = self.config.max_staleness
@@ -591,10 +593,9 @@ class ReplayQueueCore:
             if learner_version - g.min_version <= eta:
                 fresh.append(g)
                 continue
-            for i, state in enumerate(g.status):
-                if state == READY:
-                    self._finish(g, i, DROPPED_STALE, g.trajectories[i])
-            self._counters["groups_dropped_stale"] += 1
+            for i in g.indices(READY):
+                self._finish(g, i, DROPPED_STALE)
+            self.ledger.count("groups_dropped_stale")
             self._forget_if_done(g)
         self._ready = fresh
 
@@ -602,15 +603,12 @@ class ReplayQueueCore:
         """Member i was aborted by its engine as certain to exceed the bound: the whole group is
         `dropped_stale` now (members not yet back take that fate when they arrive)."""
         self._finish(g, i, DROPPED_STALE, t)
-        for j, state in enumerate(g.status):
-            if state == PENDING:
-                self._finish(g, j, DROPPED_STALE, None)
-            elif state == ARRIVED:
-                self._finish(g, j, DROPPED_STALE, g.trajectories[j])
+        for j in g.indices(PENDING) + g.indices(ARRIVED):
+            self._finish(g, j, DROPPED_STALE)
         g.resolved, g.late_fate = True, DROPPED_STALE
         self._unresolved -= 1
-        self._counters["groups_dropped_stale"] += 1
+        self.ledger.count("groups_dropped_stale")
 
     def _forget_if_done(self, g: _GroupState) -> None:
-        if g.resolved and all(s == DONE for s in g.status):
+        if g.resolved and g.in_flight() == 0:
             self._groups.pop(g.group_id, None)

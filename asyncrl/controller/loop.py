@@ -15,14 +15,13 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import ray
-
 from asyncrl.config import Config
 from asyncrl.telemetry.metrics import RunMetrics
 from asyncrl.telemetry.progress import Progress
 
 if TYPE_CHECKING:
     from asyncrl.rollout.pool import PendingSync
+    from asyncrl.types import Batch
 
 
 class Controller:
@@ -54,7 +53,7 @@ class Controller:
     def start(self) -> None:
         from transformers import AutoTokenizer
 
-        from asyncrl.buffer.actor import start_replay_queue
+        from asyncrl.buffer.client import start_replay_queue
         from asyncrl.envs.data import eval_prompts, train_stream
         from asyncrl.learner.worker import LearnerPool
         from asyncrl.rollout.pool import RolloutPool
@@ -65,7 +64,7 @@ class Controller:
         self.eval_set = eval_prompts(cfg, self.tokenizer)
         self.queue = start_replay_queue(cfg.buffer, batch_groups=cfg.learner.prompts_per_step, name=f"replay_queue-{self.out.name}", log_dir=self.out)
         self.learner = LearnerPool.from_config(cfg, self.model_dir)
-        self.rollout = RolloutPool.from_config(cfg, self.model_dir, queue=self.queue)
+        self.rollout = RolloutPool.from_config(cfg, self.model_dir, queue=self.queue.handle)
         self.rollout.start()
         if cfg.checkpoint.resume_from:
             self._resume(cfg.checkpoint.resume_from)
@@ -78,10 +77,7 @@ class Controller:
             if pool is not None:
                 pool.shutdown()
         if getattr(self, "queue", None) is not None:
-            try:
-                ray.get(self.queue.close.remote(), timeout=30)
-            finally:
-                ray.kill(self.queue)
+            self.queue.close()
 
     # ------------------------------------------------------------------------------------------------
     # The loop (one screen)
@@ -95,11 +91,11 @@ class Controller:
             if cfg.learner.max_wall_s and time.perf_counter() - start > cfg.learner.max_wall_s:
                 break
             wait = time.perf_counter()
-            groups = self._next_batch()
+            batch = self._next_batch()
             learner_wait_s = time.perf_counter() - wait
-            stats = self.learner.train_step(groups)
+            stats = self.learner.train_step(batch.groups)
             self.step += 1
-            self._record(stats, groups, learner_wait_s=learner_wait_s)
+            self._record(stats, batch, learner_wait_s=learner_wait_s)
             if self.step % cfg.weight_sync.every_steps == 0:
                 self._publish()
             if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0:
@@ -117,15 +113,17 @@ class Controller:
     # ------------------------------------------------------------------------------------------------
     # Pieces of the loop
 
-    def _next_batch(self) -> list:
+    def _next_batch(self) -> Batch:
         """Wait for a batch, topping up prompts meanwhile (filters may discard groups as fast as they finish)."""
         cfg = self.cfg
+        if cfg.buffer.max_staleness == 0:
+            self._finish_sync()  # the queue admits this step's groups only once the engines confirmed the last sync
         deadline = time.monotonic() + cfg.rollout.request_timeout_s * 2
         while True:
             self._top_up_prompts()
             timeout = min(2.0, max(0.1, deadline - time.monotonic()))
             try:
-                return ray.get(self.queue.get_batch.remote(cfg.learner.prompts_per_step, self.version, timeout), timeout=timeout + 30)
+                return self.queue.get_batch(cfg.learner.prompts_per_step, self.version, timeout)
             except TimeoutError:
                 if time.monotonic() >= deadline:
                     raise
@@ -137,11 +135,11 @@ class Controller:
         """Keep enough prompts queued for the pool to run (eta + 2) batches ahead."""
         cfg = self.cfg
         want = (cfg.buffer.max_staleness + 2) * cfg.learner.prompts_per_step
-        backlog = ray.get(self.queue.stats.remote(), timeout=30)["backlog_groups"]
+        backlog = self.queue.stats()["backlog_groups"]
         if backlog < want:
             batch = [next(self.prompts) for _ in range(want - backlog)]
             self.prompts_drawn += len(batch)
-            ray.get(self.queue.add_prompts.remote(batch, cfg.rollout.samples_per_prompt), timeout=30)
+            self.queue.add_prompts(batch, cfg.rollout.samples_per_prompt)
 
     def _publish(self) -> None:
         """Export the policy as version v+1 and send it to every engine. With `weight_sync.overlap` in the
@@ -167,7 +165,7 @@ class Controller:
         pending, row, began = self._sync
         self._sync = None
         self.rollout.finish_update(pending, timeout_s=self.cfg.weight_sync.timeout_s)
-        ray.get(self.queue.set_version.remote(pending.version), timeout=30)
+        self.queue.set_version(pending.version)
         row["sync_s"] = time.perf_counter() - began
         parity = None
         if probe:
@@ -211,11 +209,10 @@ class Controller:
         self.progress.eval(record)
         self.metrics.observe_eval(record["accuracy"])
 
-    def _record(self, stats, groups, learner_wait_s: float) -> None:
+    def _record(self, stats, batch: Batch, learner_wait_s: float) -> None:
         self.samples_trained += stats.num_samples
         self.tokens_trained += stats.num_tokens
-        lags = [self.version - t.min_version for g in groups for t in g.trajectories]
-        rewards = [t.reward for g in groups for t in g.trajectories]
+        rewards = [t.reward for g in batch.groups for t in g.trajectories]
         row = {
             "step": self.step,
             "version": self.version,
@@ -224,8 +221,8 @@ class Controller:
             "reward": sum(rewards) / max(1, len(rewards)),
             "samples": stats.num_samples,
             "tokens": stats.num_tokens,
-            "staleness_mean": sum(lags) / max(1, len(lags)),
-            "staleness_max": max(lags, default=0),
+            "staleness_mean": batch.staleness_mean,
+            "staleness_max": batch.staleness_max,
             "learner_wait_s": learner_wait_s,
             **{k: v for k, v in stats.metrics.items()},
         }
@@ -234,9 +231,9 @@ class Controller:
         self.history.append(row)
         self._unlogged.append(row)
         self.learner_wait_s += learner_wait_s
-        self.metrics.observe_step(row, lags, self.cfg.algorithm.resolved_names()["correction"])
+        self.metrics.observe_step(row, batch.lags, self.cfg.algorithm.resolved_names()["correction"])
         if self.cfg.telemetry.prometheus_port:
-            self.metrics.observe_totals(ray.get(self.queue.counters.remote(), timeout=30), 0.0, 0, 0.0, {})
+            self.metrics.observe_totals(self.queue.counters(), 0.0, 0, 0.0, {})
 
     def _log_steps(self) -> None:
         """Rows of finished steps, in order, to metrics.jsonl and the console; a row whose weight sync is still
@@ -252,7 +249,7 @@ class Controller:
     def _checkpoint(self) -> None:
         self._finish_sync()  # the queue's version and the engines agree with the checkpointed learner
         folder = self.out / "checkpoints" / f"step-{self.step:06d}"
-        queue_state = ray.get(self.queue.state_dict.remote(), timeout=60)
+        queue_state = self.queue.state_dict()
         extra = {
             "step": self.step,
             "version": self.version,
@@ -276,7 +273,7 @@ class Controller:
         self.step, self.version = extra["step"], extra["version"]
         self.learner.version = self.version
         self.samples_trained, self.tokens_trained = extra["samples_trained"], extra["tokens_trained"]
-        ray.get(self.queue.load_state_dict.remote(extra["queue"]), timeout=60)
+        self.queue.load_state_dict(extra["queue"])
         # The prompt stream is deterministic: skip what the checkpointed run already drew.
         for _ in range(extra["prompts_drawn"]):
             next(self.prompts)
@@ -285,8 +282,8 @@ class Controller:
         self.rollout.update_weights(self.learner.export_weights(self.cfg.weight_sync.bucket_bytes), self.version, in_flight=False, timeout_s=self.cfg.weight_sync.timeout_s)
 
     def _summary(self, wall_s: float) -> dict:
-        counters = ray.get(self.queue.counters.remote(), timeout=30)
-        histogram = ray.get(self.queue.staleness_histogram.remote(), timeout=30)
+        counters = self.queue.counters()
+        histogram = self.queue.staleness_histogram()
         rollout = self.rollout.stats()
         self.metrics.observe_totals(counters, wall_s, self.tokens_trained, self.learner_wait_s, rollout)
         return {

@@ -6,7 +6,8 @@ import time
 import numpy as np
 import pytest
 
-from asyncrl.buffer import start_replay_queue
+from asyncrl.buffer import QueueCallTimeout, QueueClient, QueueTimeouts, start_replay_queue
+from asyncrl.config import BufferConfig
 from asyncrl.types import Prompt, Request, Trajectory
 
 pytestmark = pytest.mark.integration
@@ -36,12 +37,9 @@ def answer(request: Request, worker: str, version: int, reward: float, failure: 
 
 def test_concurrent_producers_and_a_learner_conserve_every_sample(ray_cluster):
     num_prompts, group_size, batch_groups, eta = 48, 2, 4, 1
-    queue = start_replay_queue(
-        {"max_staleness": eta, "log_parquet": False},
-        batch_groups=batch_groups,
-        name="rq-concurrent",
-    )
-    ray_cluster.get(queue.add_prompts.remote(make_prompts(num_prompts), group_size))
+    client = start_replay_queue(BufferConfig(max_staleness=eta, log_parquet=False), batch_groups=batch_groups, name="rq-concurrent")
+    client.add_prompts(make_prompts(num_prompts), group_size)
+    queue = client.handle  # producers and the learner below call the actor concurrently, as rollout workers do
     learner = {"version": 0, "done": False}
 
     async def producer(worker: str, dies_after: int | None = None) -> None:
@@ -65,12 +63,14 @@ def test_concurrent_producers_and_a_learner_conserve_every_sample(ray_cluster):
         lags = []
         for _ in range(200):
             batch = await queue.get_batch.remote(batch_groups, learner["version"], timeout_s=20.0, min_groups=0)
-            if not batch:
+            if not batch.groups:
                 stats = await queue.stats.remote()
                 if stats["in_flight"] == 0 and stats["backlog_groups"] == 0:
                     break
                 continue
-            lags += [learner["version"] - t.min_version for g in batch for t in g.trajectories]
+            assert batch.version == learner["version"]
+            assert batch.lags == [learner["version"] - t.min_version for g in batch.groups for t in g.trajectories]
+            lags += batch.lags
             learner["version"] += 1
             await queue.set_version.remote(learner["version"])
         learner["done"] = True
@@ -85,53 +85,62 @@ def test_concurrent_producers_and_a_learner_conserve_every_sample(ray_cluster):
     start = time.monotonic()
     lags = asyncio.run(run())
     assert time.monotonic() - start < 30
-    c = ray_cluster.get(queue.check_conservation.remote())
+    c = client.check_conservation()
     terminal = c["trained"] + c["dropped_stale"] + sum(v for k, v in c.items() if k.startswith(("filtered:", "failed:")))
     assert c["in_flight"] == 0 and c["dispatched"] == terminal == num_prompts * group_size
     # Rewards 0/1 within every group: only a timeout removes samples (its partner is left alone in the group).
     assert c["trained"] + c["failed:timeout"] + c["filtered:too_few_members"] == num_prompts * group_size
     assert c["requeued"] >= 1 and c["failed:timeout"] >= 1 and c["trained"] >= num_prompts
     assert c["trained"] == len(lags) and max(lags) <= eta
-    assert sum(ray_cluster.get(queue.staleness_histogram.remote()).values()) == c["trained"]
+    assert sum(client.staleness_histogram().values()) == c["trained"]
 
 
 def test_get_batch_times_out_naming_the_queue_and_what_it_waited_for(ray_cluster):
-    queue = start_replay_queue({"log_parquet": False}, name="rq-timeout")
+    queue = start_replay_queue(BufferConfig(log_parquet=False), name="rq-timeout")
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ReplayQueue 'rq-timeout'.*2 groups at learner version 3.*nothing in flight"):
-        ray_cluster.get(queue.get_batch.remote(2, 3, timeout_s=0.5))
+        queue.get_batch(2, 3, timeout_s=0.5)
     assert 0.5 <= time.monotonic() - start < 5
 
-    ray_cluster.get(queue.add_prompts.remote(make_prompts(1), 2))
-    held = ray_cluster.get(queue.acquire.remote("w-slow", 2))
+    queue.add_prompts(make_prompts(1), 2)
+    held = ray_cluster.get(queue.handle.acquire.remote("w-slow", 2))
     with pytest.raises(TimeoutError, match=r"requests held by workers: w-slow=2 \(oldest p0#0/0/0 held by w-slow"):
-        ray_cluster.get(queue.get_batch.remote(1, 0, timeout_s=0.3))
+        queue.get_batch(1, 0, timeout_s=0.3)
     assert len(held) == 2
 
 
-def test_a_waiting_learner_wakes_at_the_straggler_timeout(ray_cluster):
-    queue = start_replay_queue(
-        {"group_timeout_s": 0.5, "straggler_policy": "partial", "filter_zero_variance": False, "log_parquet": False},
-        name="rq-straggler",
-    )
-    ray_cluster.get(queue.add_prompts.remote(make_prompts(1), 4))
-    requests = ray_cluster.get(queue.acquire.remote("w0", 4))
-    ray_cluster.get(queue.put.remote([answer(r, "w0", 0, reward=float(r.sample_index)) for r in requests[:2]]))
+def test_a_queue_that_does_not_answer_in_time_is_named_with_the_call(ray_cluster):
+    # A driver that waits 0.5 s less than the actor's own 1 s wait: the actor has not answered yet.
+    queue = start_replay_queue(BufferConfig(log_parquet=False), name="rq-silent")
+    impatient = QueueClient(queue.handle, "rq-silent", QueueTimeouts(batch_grace_s=-0.5))
     start = time.monotonic()
-    (group,) = ray_cluster.get(queue.get_batch.remote(1, 0, timeout_s=10.0))
+    with pytest.raises(QueueCallTimeout, match=r"ReplayQueue 'rq-silent': get_batch got no answer within 0.5s"):
+        impatient.get_batch(1, 0, timeout_s=1.0)
+    assert time.monotonic() - start < 1.0
+
+
+def test_a_waiting_learner_wakes_at_the_straggler_timeout(ray_cluster):
+    config = BufferConfig(group_timeout_s=0.5, straggler_policy="partial", filter_zero_variance=False, log_parquet=False)
+    queue = start_replay_queue(config, name="rq-straggler")
+    queue.add_prompts(make_prompts(1), 4)
+    requests = ray_cluster.get(queue.handle.acquire.remote("w0", 4))
+    ray_cluster.get(queue.handle.put.remote([answer(r, "w0", 0, reward=float(r.sample_index)) for r in requests[:2]]))
+    start = time.monotonic()
+    (group,) = queue.get_batch(1, 0, timeout_s=10.0).groups
     assert [t.sample_index for t in group.trajectories] == [0, 1]
     assert time.monotonic() - start < 3  # woke at the 0.5 s group timeout, not at the 10 s get_batch timeout
-    ray_cluster.get(queue.put.remote([answer(r, "w0", 0, reward=0.0) for r in requests[2:]]))
-    c = ray_cluster.get(queue.check_conservation.remote())
+    ray_cluster.get(queue.handle.put.remote([answer(r, "w0", 0, reward=0.0) for r in requests[2:]]))
+    c = queue.check_conservation()
     assert (c["trained"], c["filtered:straggler"], c["in_flight"]) == (2, 2, 0)
 
 
 def test_acquire_waits_for_prompts_and_returns_empty_at_its_timeout(ray_cluster):
-    queue = start_replay_queue({"log_parquet": False}, name="rq-acquire")
+    client = start_replay_queue(BufferConfig(log_parquet=False), name="rq-acquire")
+    queue = client.handle
     assert ray_cluster.get(queue.acquire.remote("w0", 4, timeout_s=0.2)) == []
     pending = queue.acquire.remote("w0", 4, timeout_s=10.0)
     time.sleep(0.3)
     start = time.monotonic()
-    ray_cluster.get(queue.add_prompts.remote(make_prompts(1), 3))
+    client.add_prompts(make_prompts(1), 3)
     assert len(ray_cluster.get(pending)) == 3
     assert time.monotonic() - start < 3

@@ -44,10 +44,7 @@ def _run(cfg, model_dir):
     try:
         controller.start()
         summary = controller.run()
-        conservation = controller.queue.check_conservation.remote()
-        import ray
-
-        return summary, ray.get(conservation), controller.history
+        return summary, controller.queue.check_conservation(), controller.history
     finally:
         controller.shutdown()
 

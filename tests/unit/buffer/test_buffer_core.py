@@ -34,7 +34,7 @@ def test_a_group_is_ready_only_when_every_member_arrived():
     put_all(core, requests[:3], rewards=MIXED[:3])
     assert core.get_batch(1, learner_version=0) is None
     put_all(core, requests[3:], rewards=MIXED[3:])
-    (group,) = core.get_batch(1, learner_version=0)
+    (group,) = core.get_batch(1, learner_version=0).groups
     assert [t.sample_index for t in group.trajectories] == [0, 1, 2, 3]
     c = core.check_conservation()
     assert (c["dispatched"], c["trained"], c["in_flight"]) == (4, 4, 0)
@@ -45,7 +45,7 @@ def test_a_single_trajectory_is_ready_on_arrival():
     requests = core.acquire("w0", 10)
     assert len(requests) == 3
     put_all(core, requests[1:2], rewards=[1.0])
-    (group,) = core.get_batch(1, learner_version=0)
+    (group,) = core.get_batch(1, learner_version=0).groups
     assert group.group_id == requests[1].group_id and len(group.trajectories) == 1
     c = core.check_conservation()
     assert (c["dispatched"], c["trained"], c["in_flight"]) == (3, 1, 2)
@@ -56,7 +56,7 @@ def test_get_batch_hands_out_nothing_until_num_groups_are_ready_unless_min_group
     put_all(core, core.acquire("w0", 2), rewards=[1.0, 0.0])
     assert core.get_batch(3, learner_version=0) is None
     assert core.counters()["trained"] == 0
-    assert len(core.get_batch(3, learner_version=0, min_groups=2)) == 2
+    assert len(core.get_batch(3, learner_version=0, min_groups=2).groups) == 2
     assert core.counters()["trained"] == 2
 
 
@@ -68,7 +68,7 @@ def test_a_failed_trajectory_is_counted_by_reason_and_leaves_its_group():
     core = started_queue(group_size=3)
     requests = core.acquire("w0", 3)
     core.put([answer(requests[0], failure="reward_error: division by zero"), answer(requests[1], reward=1.0), answer(requests[2])])
-    (group,) = core.get_batch(1, learner_version=0)
+    (group,) = core.get_batch(1, learner_version=0).groups
     assert [t.sample_index for t in group.trajectories] == [1, 2]
     c = core.check_conservation()
     assert (c["failed:reward_error"], c["trained"], c["in_flight"]) == (1, 2, 0)
@@ -78,7 +78,7 @@ def test_a_group_left_with_one_member_is_filtered_as_too_few():
     core = started_queue(group_size=3)
     requests = core.acquire("w0", 3)
     core.put([answer(requests[0], failure="timeout"), answer(requests[1], failure="timeout"), answer(requests[2], reward=1.0)])
-    assert core.get_batch(1, learner_version=0, min_groups=0) == []
+    assert core.get_batch(1, learner_version=0, min_groups=0).groups == []
     c = core.check_conservation()
     assert (c["failed:timeout"], c["filtered:too_few_members"], c["trained"]) == (2, 1, 0)
 
@@ -110,7 +110,7 @@ def test_pass_rate_curriculum_retires_a_solved_prompt_and_skips_its_backlog():
     requests = core.acquire("w0", 10)
     assert {r.group_id for r in requests} == {"p0#0"}
     put_all(core, requests, rewards=[1.0, 1.0, 1.0, 0.0])  # pass rate 3/4 = 0.75 >= 0.75
-    assert len(core.get_batch(1, learner_version=0)) == 1
+    assert len(core.get_batch(1, learner_version=0).groups) == 1
     core.set_version(1)
     assert {r.group_id for r in core.acquire("w0", 10)} == {"p1#1"}  # p0's second group was skipped
     assert core.add_prompts([p0], samples_per_prompt=4) == 0
@@ -157,7 +157,7 @@ def test_straggler_partial_hands_out_finished_members_and_filters_late_ones():
     requests = core.acquire("w0", 4)
     put_all(core, requests[:2], rewards=[1.0, 0.0])
     clock.advance(10.0)
-    (group,) = core.get_batch(1, learner_version=0)
+    (group,) = core.get_batch(1, learner_version=0).groups
     assert [t.sample_index for t in group.trajectories] == [0, 1]
     put_all(core, requests[2:])
     c = core.check_conservation()
@@ -170,7 +170,7 @@ def test_straggler_partial_with_one_finished_member_drops_the_group():
     requests = core.acquire("w0", 4)
     put_all(core, requests[:1])
     clock.advance(10.0)
-    assert core.get_batch(1, learner_version=0, min_groups=0) == []
+    assert core.get_batch(1, learner_version=0, min_groups=0).groups == []
     assert core.counters()["filtered:straggler"] == 1
     put_all(core, requests[1:])
     c = core.check_conservation()
@@ -201,7 +201,7 @@ def test_admission_with_eta_0_starts_only_b_groups_per_learner_version():
     assert len({r.group_id for r in first}) == 2 and len(first) == 4  # (0 + 0 + 1) * 2 groups
     assert core.acquire("w0", 100) == []
     put_all(core, first)
-    assert len(core.get_batch(2, learner_version=0)) == 2
+    assert len(core.get_batch(2, learner_version=0).groups) == 2
     assert core.acquire("w0", 100) == []  # consumed but the version has not advanced
     core.set_version(1)
     second = core.acquire("w0", 100)
@@ -229,7 +229,7 @@ def test_a_stale_group_is_dropped_at_hand_out_and_never_returned():
     a, b, c_ = core.acquire("w0", 3)
     core.put([answer(a, version=0), answer(b, version=[0, 1, 2]), answer(c_, version=1)])
     # At learner version 2: a has lag 2 > 1 (dropped), b has min_version 0 (dropped), c has lag 1.
-    (group,) = core.get_batch(1, learner_version=2)
+    (group,) = core.get_batch(1, learner_version=2).groups
     assert group.group_id == c_.group_id
     c = core.check_conservation()
     assert (c["dropped_stale"], c["trained"], c["groups_dropped_stale"]) == (2, 1, 2)
@@ -247,7 +247,7 @@ def test_a_member_aborted_as_certainly_stale_drops_its_whole_group_at_once():
     assert not any(k.startswith("failed:") for k in c)
     core.put([answer(r) for r in doomed[2:]])
     put_all(core, other, rewards=MIXED)
-    (group,) = core.get_batch(1, learner_version=0)
+    (group,) = core.get_batch(1, learner_version=0).groups
     assert group.group_id == other[0].group_id
     c = core.check_conservation()
     assert (c["dropped_stale"], c["trained"], c["in_flight"], c["stale_attempt"]) == (4, 4, 0, 0)
@@ -311,7 +311,7 @@ def test_abort_outstanding_ends_every_in_flight_sample_and_stops_dispatch():
 def test_check_conservation_raises_when_a_count_goes_missing():
     core = started_queue(group_size=2)
     core.acquire("w0", 2)
-    core._counters["dispatched"] += 1
+    core.ledger.counts["dispatched"] += 1
     with pytest.raises(ConservationError, match="dispatched 3 != .*in_flight 2"):
         core.check_conservation()
 
@@ -336,6 +336,19 @@ def test_state_dict_round_trip_redispatches_in_flight_work_and_keeps_conservatio
     assert [r.prompt.prompt_id for r in again[::2]] == ["p1", "p2", "p3"]
     assert resumed.batch_groups == 2 and again[0].group_id == "p1#4"
     put_all(resumed, again, worker="w9")
-    assert len(resumed.get_batch(3, learner_version=0)) == 3
+    assert len(resumed.get_batch(3, learner_version=0).groups) == 3
     c = resumed.check_conservation()
     assert (c["dispatched"], c["trained"], c["in_flight"]) == (8, 8, 0)
+
+
+def test_get_batch_carries_each_samples_lag_and_never_moves_the_admission_version():
+    core = started_queue(group_size=2, batch_groups=1, max_staleness=2)
+    first, second = core.acquire("w0", 2)
+    core.put([answer(first, reward=1.0, version=[0, 1]), answer(second, version=1)])
+    batch = core.get_batch(1, learner_version=2)
+    assert (batch.version, batch.lags, batch.num_samples) == (2, [2, 1], 2)  # 2 - 0 and 2 - 1
+    assert (batch.staleness_mean, batch.staleness_max) == (1.5, 2)
+    assert core.admission_version == 0 and core.admission_limit() == 3  # (0 + 2 + 1) * 1: the learner's 2 is not a sync
+    assert core.stats()["staleness_mean"] == 1.5
+    with pytest.raises(ValueError, match="went back from 0 to -1"):
+        core.set_version(-1)

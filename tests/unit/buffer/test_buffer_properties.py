@@ -50,6 +50,7 @@ def test_random_interleavings_never_hand_out_stale_samples_and_always_conserve(
     abandoned: list = []  # (request, worker) of attempts whose worker was lost
     trained: set[tuple[str, int]] = set()
     handed_lags: Counter[int] = Counter()
+    learner_version = 0
     lost_trained = 0  # trained before a checkpoint, carried by the resumed counters
     # Resume re-dispatches a group whole, while its members that already ended stay counted.
     ended_before_resume = 0
@@ -76,13 +77,13 @@ def test_random_interleavings_never_hand_out_stale_samples_and_always_conserve(
             answers = []
             for r in chosen:
                 lag = data.draw(st.integers(0, eta + 1))  # engine weights may be older than the bound
-                first = max(0, core.version - lag)
+                first = max(0, core.admission_version - lag)
                 answers.append(
                     answer(
                         r,
                         worker=worker,
                         reward=data.draw(st.sampled_from([0.0, 1.0])),
-                        version=[first, min(first + 1, core.version)],
+                        version=[first, min(first + 1, core.admission_version)],
                         finish_reason=data.draw(st.sampled_from(["stop", "stop", "length"])),
                         failure=data.draw(st.sampled_from([None, None, None, "timeout", "reward_error: x", "stale: aborted"])),
                     )
@@ -105,11 +106,15 @@ def test_random_interleavings_never_hand_out_stale_samples_and_always_conserve(
             clock.advance(data.draw(st.sampled_from([0.5, 3.0, TIMEOUT_S])))
             core.expire_stragglers()
         elif op == "bump":
-            core.set_version(core.version + 1)
+            core.set_version(core.admission_version + 1)
         elif op == "get":
-            learner_version = core.version + data.draw(st.integers(0, 1))
+            # The learner's version never goes back and runs at most one version ahead of the last confirmed sync.
+            learner_version = max(learner_version, core.admission_version + data.draw(st.integers(0, 1)))
             batch = core.get_batch(batch_groups, learner_version, min_groups=data.draw(st.sampled_from([None, 1])))
-            for group in batch or []:
+            if batch is not None:
+                assert batch.version == learner_version
+                assert batch.lags == [learner_version - t.min_version for g in batch.groups for t in g.trajectories]
+            for group in batch.groups if batch is not None else []:
                 assert group.trajectories and len({t.group_id for t in group.trajectories}) == 1
                 for t in group.trajectories:
                     lag = learner_version - t.min_version

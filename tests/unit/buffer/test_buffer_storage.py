@@ -100,11 +100,11 @@ def test_the_queue_logs_every_arrived_trajectory_with_its_fate(tmp_path):
     core.put([answer(r, reward=float(r.sample_index)) for r in trained])
     core.put([answer(r, reward=1.0) for r in zero_var])
     core.put([answer(overlong_failed[0], reward=1.0, finish_reason="length"), answer(overlong_failed[1], failure="timeout")])
-    assert [g.group_id for g in core.get_batch(1, learner_version=0)] == [trained[0].group_id]
+    assert [g.group_id for g in core.get_batch(1, learner_version=0).groups] == [trained[0].group_id]
     core.put([answer(r, reward=float(r.sample_index), version=0) for r in stale])
     core.put([answer(straggler[0])])
     clock.advance(5.0)
-    assert core.get_batch(1, learner_version=1, min_groups=0) == []  # lag 1 > eta 0: the ready group is dropped
+    assert core.get_batch(1, learner_version=1, min_groups=0).groups == []  # lag 1 > eta 0: the ready group is dropped
     core.put([answer(straggler[1])])  # late member of the dropped straggler group
     core.close()
 
