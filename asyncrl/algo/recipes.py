@@ -7,14 +7,18 @@ A `Recipe` is resolved once from the config (`resolve_recipe`). Per optimizer st
    over the whole batch (group and batch statistics must see the whole batch);
 2. `token_weights = compute_token_weights(recipe, mask, group_ids, old_logprobs, rollout_logprobs)` over
    the whole optimizer batch (or with `stats=` all-reduced across ranks, see `reduction.py`);
+   with `recipe.normalizes_tis`: `tis_stats = tis_normalizer_stats(recipe, mask, old_logprobs,
+   rollout_logprobs)` summed over every micro-batch and rank, like the reduction statistics;
 3. per micro-batch (row slices of every tensor):
    `loss, metrics = compute_policy_loss(recipe, learner_logprobs, old_logprobs, rollout_logprobs,
-   advantages, mask, token_weights, group_ids)` then `loss.backward()`; the micro-batch losses sum to
-   the batch loss exactly (multiply by dp_size if the backend averages gradients across ranks);
+   advantages, mask, token_weights, group_ids, ref_logprobs, tis_stats)` then `loss.backward()`; the
+   micro-batch losses sum to the batch loss exactly (multiply by dp_size if the backend averages
+   gradients across ranks);
 4. with a critic: `compute_value_loss(values, returns, mask, token_weights)`.
 
 `compute_policy_loss` applies correction -> surrogate -> weighted sum: `l = w * keep * l_loss`, with the
-correction's detached weight `w` and keep mask. Composition rules that are choices of this library:
+correction's detached weight `w` and keep mask; the KL term `kl_coef * k` is reduced with the same
+token weights but never multiplied by `w`. Composition rules that are choices of this library:
 - `bypass` replaces old_logprobs by rollout_logprobs (two-policy mode, verl); with the `reinforce` loss it
   adds the truncated IS weight min(q, tis_cap), with ratio losses no extra weight (it would double-count).
 - `dis` gates q = exp(learner - rollout). Its weight is q divided by the ratio the surrogate already
@@ -56,11 +60,15 @@ __all__ = [
     "compute_value_loss",
     "denominator_mask",
     "resolve_recipe",
+    "tis_normalizer_stats",
 ]
 
 # Default clip range of each surrogate when eps_low / eps_high are not given.
 _LOSS_EPS = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "cispo": (0.2, 0.28)}
 _PPO_EPS = (0.2, 0.2)
+
+# TIS corrections and the level their truncated weight is taken at.
+_TIS_LEVEL = {"tis": "token", "tis_seq": "sequence"}
 
 # Corrections whose keep mask depends only on old and rollout log-probs, so it can be known before the
 # backward passes and may shrink the reduction denominator.
@@ -162,7 +170,8 @@ class Recipe:
     tis_cap: float = 2.0
     """C of truncated IS min(w, C) (`tis`, `tis_seq`, bypass with `reinforce`)."""
     tis_batch_normalize: bool = False
-    """Divide TIS weights by their batch mean after truncation (folded into the token weights)."""
+    """Divide the TIS weights by their mean over the whole optimizer batch, after truncation (verl). Only
+    the policy-gradient term is rescaled, never the KL or value terms; see `tis_normalizer_stats`."""
     mis_upper: float = 2.0
     """Upper bound of the MIS keep interval on kappa (token, sequence product or geometric mean)."""
     mis_lower: float | None = None
@@ -234,6 +243,11 @@ class Recipe:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def normalizes_tis(self) -> bool:
+        """True when the loss needs the batch-global `tis_normalizer_stats`."""
+        return self.tis_batch_normalize and self.correction in _TIS_LEVEL
 
 
 _PARAM_NAMES = tuple(f.name for f in dataclasses.fields(Recipe) if f.name not in ("advantage", "loss", "reduction", "correction"))
@@ -350,39 +364,53 @@ def compute_token_weights(
     old_logprobs: torch.Tensor | None = None,
     rollout_logprobs: torch.Tensor | None = None,
     stats: torch.Tensor | None = None,
-    is_weight_mean: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`reduction_weights` of the recipe's reduction over the whole optimizer batch -> [B, T].
 
-    With `tis_batch_normalize`, the 1 / mean(truncated IS weight) factor is folded in here so that it is a
-    batch constant and micro-batching stays exact. Distributed case: pass `stats` from
-    `reduction.global_reduction_stats(denominator_mask(...), ...)` and the global `is_weight_mean`.
+    These weights reduce every term (policy gradient, KL, value), so nothing term-specific is folded in:
+    the TIS batch normalisation is applied to the policy-gradient term by `compute_policy_loss`.
+    Distributed case: pass `stats` from `reduction.global_reduction_stats(denominator_mask(...), ...)`.
     """
     m = denominator_mask(recipe, mask, old_logprobs, rollout_logprobs)
-    weights = reduction_weights(recipe.reduction, m, group_ids, recipe.l_max, stats)
-    if recipe.correction in ("tis", "tis_seq") and recipe.tis_batch_normalize:
-        if is_weight_mean is None:
-            if old_logprobs is None or rollout_logprobs is None:
-                raise ValueError("tis_batch_normalize needs old_logprobs and rollout_logprobs (or is_weight_mean)")
-            mask = as_mask(mask)
-            log_kappa = corr_lib.detached_log_ratio(old_logprobs, rollout_logprobs, mask)
-            level = "token" if recipe.correction == "tis" else "sequence"
-            w = corr_lib.truncated_is_weights(log_kappa, mask, recipe.tis_cap, level)
-            is_weight_mean = w[mask].mean() if bool(mask.any()) else 1.0
-        weights = weights / is_weight_mean
-    return weights
+    return reduction_weights(recipe.reduction, m, group_ids, recipe.l_max, stats)
 
 
-def _correction(recipe, learner_logprobs, old_logprobs, rollout_logprobs, advantages, mask):
+def _tis_weights(recipe: Recipe, log_kappa: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return corr_lib.truncated_is_weights(log_kappa, mask, recipe.tis_cap, _TIS_LEVEL[recipe.correction])
+
+
+def tis_normalizer_stats(
+    recipe: Recipe, mask: torch.Tensor, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor
+) -> torch.Tensor:
+    """(sum of the truncated TIS weights, number of valid tokens) of these rows, float64 [2].
+
+    Summing the vectors of disjoint row sets (micro-batches, ranks: all-reduce SUM) gives those of their
+    union; `compute_policy_loss(..., tis_stats=)` divides the weights by sum / count. Shapes [B, T].
+    """
+    mask = as_mask(mask)
+    log_kappa = corr_lib.detached_log_ratio(old_logprobs, rollout_logprobs, mask)
+    w = _tis_weights(recipe, log_kappa, mask)
+    return torch.stack([w.double().sum(), mask.sum().double()])
+
+
+def _batch_normalized(w: torch.Tensor, mask: torch.Tensor, tis_stats: torch.Tensor | None) -> torch.Tensor:
+    """TIS weights divided by their batch mean sum / count from `tis_stats`."""
+    if tis_stats is None:
+        # A mean over this call's rows would silently differ per micro-batch: the caller must say.
+        raise ValueError("tis_batch_normalize needs tis_stats: tis_normalizer_stats(...) summed over the whole optimizer batch")
+    mean = (tis_stats[0] / tis_stats[1].clamp(min=1)).to(device=w.device, dtype=w.dtype)
+    return corr_lib.batch_normalize_weights(w, mask, mean)
+
+
+def _correction(recipe, learner_logprobs, old_logprobs, rollout_logprobs, advantages, mask, tis_stats=None):
     """-> (weight [B, T] | None, keep [B, T] | None, metrics). Everything detached."""
     name = recipe.correction
     log_kappa = corr_lib.detached_log_ratio(old_logprobs, rollout_logprobs, mask)
     weight = keep = None
-    if name == "tis":
-        # tis_batch_normalize is folded into the token weights (a batch constant), see compute_token_weights.
-        weight = corr_lib.truncated_is_weights(log_kappa, mask, recipe.tis_cap, "token")
-    elif name == "tis_seq":
-        weight = corr_lib.truncated_is_weights(log_kappa, mask, recipe.tis_cap, "sequence")
+    if name in _TIS_LEVEL:
+        weight = _tis_weights(recipe, log_kappa, mask)
+        if recipe.tis_batch_normalize:
+            weight = _batch_normalized(weight, mask, tis_stats)
     elif name in ("mis", "mis_seq", "mis_geo"):
         level = {"mis": "token", "mis_seq": "sequence", "mis_geo": "geometric"}[name]
         weight, keep = corr_lib.masked_is(log_kappa, mask, recipe.mis_upper, recipe.mis_lower, level)
@@ -453,12 +481,14 @@ def compute_policy_loss(
     token_weights: torch.Tensor,
     group_ids: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
+    tis_stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Correction -> surrogate -> weighted sum, for one micro-batch (or the whole batch).
 
     learner_logprobs (the only input with gradient), old_logprobs, rollout_logprobs, advantages, mask,
     token_weights: [B, T]; group_ids: [B] (gvpo); ref_logprobs: [B, T] (needed when kl_coef > 0).
     token_weights come from `compute_token_weights` over the whole optimizer batch, sliced like the rest.
+    tis_stats: `tis_normalizer_stats` of the whole optimizer batch, required when `recipe.normalizes_tis`.
     Returns (scalar fp32 loss, metrics as Python floats).
     """
     mask = as_mask(mask)
@@ -466,7 +496,7 @@ def compute_policy_loss(
         raise ValueError("loss 'gvpo' needs group_ids")
     if recipe.correction == "bypass":
         old_logprobs = rollout_logprobs
-    weight, keep, metrics = _correction(recipe, learner_logprobs, old_logprobs, rollout_logprobs, advantages, mask)
+    weight, keep, metrics = _correction(recipe, learner_logprobs, old_logprobs, rollout_logprobs, advantages, mask, tis_stats)
     per_token, loss_metrics = _SURROGATES[recipe.loss](
         recipe, learner_logprobs, old_logprobs, rollout_logprobs, advantages, mask, group_ids
     )
