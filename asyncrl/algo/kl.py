@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 
 from asyncrl.algo._masked import LOG_RATIO_BOUND, as_mask, log_difference, valid
+from asyncrl.algo.names import KL_ESTIMATORS
 
 __all__ = ["KL_ESTIMATORS", "kl_in_reward", "kl_penalty"]
 
-KL_ESTIMATORS = ("k1", "k2", "k3", "k3_plus")
 K3_BOUND = 10.0
 
 

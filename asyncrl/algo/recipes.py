@@ -40,10 +40,12 @@ import torch
 from asyncrl.algo import advantages as adv_lib
 from asyncrl.algo import correction as corr_lib
 from asyncrl.algo import losses as loss_lib
+from asyncrl.algo import params as params_lib
 from asyncrl.algo._masked import as_mask
-from asyncrl.algo.kl import KL_ESTIMATORS, kl_penalty
-from asyncrl.algo.names import ADVANTAGES, CORRECTIONS, LOSSES, PRESET_COMPONENTS, PRESETS, REDUCTIONS
+from asyncrl.algo.kl import kl_penalty
+from asyncrl.algo.names import ADVANTAGES, CORRECTIONS, KL_ESTIMATORS, LOSSES, PRESET_COMPONENTS, PRESET_FILTERS, PRESETS, REDUCTIONS
 from asyncrl.algo.reduction import reduction_weights, weighted_sum
+from asyncrl.algo.shaping import overlong_penalty
 
 __all__ = [
     "ADVANTAGES",
@@ -60,6 +62,7 @@ __all__ = [
     "compute_value_loss",
     "denominator_mask",
     "resolve_recipe",
+    "shape_rewards",
     "tis_normalizer_stats",
 ]
 
@@ -76,7 +79,7 @@ _PRECOMPUTABLE_REJECTION = ("mis", "mis_seq", "mis_geo", "icepop", "decoupled")
 
 # Numbers each preset sets on top of the Recipe defaults (components are in names.PRESET_COMPONENTS).
 PRESET_PARAMS: dict[str, dict[str, Any]] = {
-    "dapo": {"eps_low": 0.2, "eps_high": 0.28},
+    "dapo": {"eps_low": 0.2, "eps_high": 0.28, "overlong_max_length": 20480, "overlong_cache_length": 4096},
     "vapo": {"eps_low": 0.2, "eps_high": 0.28},
     "cispo": {"cispo_eps_max": 5.0},
     "scalerl": {"cispo_eps_max": 5.0},
@@ -84,15 +87,6 @@ PRESET_PARAMS: dict[str, dict[str, Any]] = {
     "sao": {"dis_eps_low": 0.3, "dis_eps_high": 5.0},
     "maxrl": {"maxrl_divide_by_group_size": False},
 }
-
-# Sampling filters and reward shaping a preset expects of the replay buffer (`asyncrl.algo.shaping`).
-# Informational: the buffer's own config switches them on.
-PRESET_FILTERS: dict[str, dict[str, Any]] = {
-    "dapo": {"dynamic_sampling": True, "overlong_max_length": 20480, "overlong_cache_length": 4096},
-    "cispo": {"zero_variance_filter": True},
-    "scalerl": {"zero_variance_filter": True, "retire_pass_rate": 0.9},
-}
-
 
 def _did_you_mean(value: str, valid) -> str:
     close = difflib.get_close_matches(str(value), list(valid), n=1)
@@ -148,7 +142,8 @@ class Recipe:
     dual_clip_c: float | None = None
     """PPO dual clip constant c > 1 (verl uses 3); None = off."""
     cispo_eps_max: float | None = 5.0
-    """CISPO absolute cap w = min(rho, eps_max) (ScaleRL); None = band clip(rho, 1-eps_low, 1+eps_high)."""
+    """CISPO absolute cap w = min(rho, eps_max) (ScaleRL); None = band clip(rho, 1-eps_low, 1+eps_high).
+    The cap wins: giving eps_low / eps_high to CISPO without cispo_eps_max = None is rejected."""
     sapo_tau_pos: float = 1.0
     """SAPO gate temperature for A > 0."""
     sapo_tau_neg: float = 1.05
@@ -197,6 +192,15 @@ class Recipe:
     l_max: int | None = None
     """Fixed max response length for `seq_mean_token_sum_norm` (Dr. GRPO); not the padded width."""
 
+    # --- reward shaping (before the advantages, see `shape_rewards`)
+    overlong_max_length: int | None = None
+    """DAPO soft overlong punishment L_max: responses longer than L_max - overlong_cache_length tokens lose
+    reward linearly, down to -overlong_penalty_factor at L_max and beyond; None = off."""
+    overlong_cache_length: int = 4096
+    """DAPO L_cache: the length of the penalty ramp below overlong_max_length."""
+    overlong_penalty_factor: float = 1.0
+    """Scale of the overlong penalty (verl `penalty_factor`)."""
+
     def __post_init__(self) -> None:
         _check_name("advantage", self.advantage, ADVANTAGES)
         _check_name("loss", self.loss, LOSSES)
@@ -208,31 +212,15 @@ class Recipe:
             object.__setattr__(self, "eps_low", default_low)
         if self.eps_high is None:
             object.__setattr__(self, "eps_high", default_high)
-        problems = []
-        if self.eps_low < 0 or self.eps_high < 0:
-            problems.append(f"eps_low and eps_high must be >= 0 (got {self.eps_low}, {self.eps_high})")
-        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
-            problems.append(f"dual_clip_c must be > 1 (got {self.dual_clip_c})")
-        if not 0 < self.gamma <= 1:
-            problems.append(f"gamma must be in (0, 1] (got {self.gamma})")
-        if not 0 <= self.lam <= 1 or not 0 <= self.critic_lam <= 1:
-            problems.append(f"lam and critic_lam must be in [0, 1] (got {self.lam}, {self.critic_lam})")
-        if self.vapo_alpha <= 0:
-            problems.append(f"vapo_alpha must be > 0 (got {self.vapo_alpha})")
-        if self.reduction == "seq_mean_token_sum_norm" and (self.l_max is None or self.l_max <= 0):
+        problems = params_lib.value_problems({name: getattr(self, name) for name in params_lib.PARAMS})
+        if self.reduction == "seq_mean_token_sum_norm" and self.l_max is None:
             problems.append("reduction 'seq_mean_token_sum_norm' needs l_max > 0 (the fixed max response length)")
-        if self.cispo_eps_max is not None and self.cispo_eps_max <= 0:
-            problems.append(f"cispo_eps_max must be > 0 (got {self.cispo_eps_max})")
-        if self.tis_cap <= 0 or self.mis_upper <= 0 or (self.mis_lower is not None and self.mis_lower < 0):
-            problems.append("tis_cap and mis_upper must be > 0, mis_lower >= 0")
-        if not 0 <= self.icepop_alpha < self.icepop_beta:
-            problems.append(f"need 0 <= icepop_alpha < icepop_beta (got {self.icepop_alpha}, {self.icepop_beta})")
-        if not 0 <= self.dis_eps_low <= 1 or self.dis_eps_high <= 0:
-            problems.append(f"need 0 <= dis_eps_low <= 1 and dis_eps_high > 0 (got {self.dis_eps_low}, {self.dis_eps_high})")
-        if self.sapo_tau_pos <= 0 or self.sapo_tau_neg <= 0 or self.gvpo_beta <= 0 or self.dppo_clip_c <= 0:
-            problems.append("sapo_tau_pos, sapo_tau_neg, gvpo_beta and dppo_clip_c must be > 0")
-        if self.kl_coef < 0:
-            problems.append(f"kl_coef must be >= 0 (got {self.kl_coef})")
+        if not self.icepop_alpha < self.icepop_beta:
+            problems.append(f"need icepop_alpha < icepop_beta (got {self.icepop_alpha}, {self.icepop_beta})")
+        if self.overlong_max_length is not None and self.overlong_cache_length > self.overlong_max_length:
+            problems.append(
+                f"need overlong_cache_length <= overlong_max_length (got {self.overlong_cache_length}, {self.overlong_max_length})"
+            )
         if self.denominator_after_rejection and self.correction in ("dis", "opsm"):
             problems.append(
                 f"correction {self.correction!r} depends on the current policy, so its rejections cannot shrink "
@@ -262,7 +250,10 @@ def resolve_recipe(
     **params: Any,
 ) -> Recipe:
     """Build a Recipe from a preset and overrides. Raises ValueError naming any unknown preset, component
-    or parameter together with the valid names (and the closest one)."""
+    or parameter together with the valid names (and the closest one), and for eps_low / eps_high given to
+    CISPO while its cap is on (`params.cispo_band_conflict`). Parameters that the chosen components do
+    not read are accepted here (tests share parameter sets across components); `asyncrl.config` rejects
+    them in a run's config with `params.check_params`."""
     unknown = sorted(set(params) - set(_PARAM_NAMES))
     if unknown:
         hints = "".join(_did_you_mean(name, _PARAM_NAMES) for name in unknown)
@@ -274,8 +265,21 @@ def resolve_recipe(
         fields.update(PRESET_PARAMS.get(preset, {}))
     overrides = {"advantage": advantage, "loss": loss, "reduction": reduction, "correction": correction}
     fields.update({k: v for k, v in overrides.items() if v is not None})
+    conflict = params_lib.cispo_band_conflict(fields.get("loss", Recipe.loss), params)
+    if conflict:
+        raise ValueError(conflict)
     fields.update(params)
     return Recipe(**fields)
+
+
+def shape_rewards(recipe: Recipe, rewards: torch.Tensor, response_lengths: list[int]) -> torch.Tensor:
+    """Task rewards [N] plus the recipe's DAPO overlong penalty of each response (spec 4.1), before any
+    advantage sees them; `rewards` itself when the recipe shapes nothing. response_lengths: tokens [N]."""
+    if recipe.overlong_max_length is None:
+        return rewards
+    max_length, cache_length = recipe.overlong_max_length, recipe.overlong_cache_length
+    penalty = [overlong_penalty(n, max_length, cache_length, recipe.overlong_penalty_factor) for n in response_lengths]
+    return rewards + torch.tensor(penalty, dtype=rewards.dtype, device=rewards.device)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -53,7 +53,8 @@ def test_preset_numbers_follow_the_spec():
 
 
 def test_explicit_overrides_win_over_the_preset():
-    recipe = resolve_recipe("grpo", loss="cispo", correction="tis", eps_high=0.3)
+    # CISPO reads eps_high only in its band mode (cispo_eps_max = None).
+    recipe = resolve_recipe("grpo", loss="cispo", correction="tis", eps_high=0.3, cispo_eps_max=None)
     assert (recipe.loss, recipe.correction, recipe.eps_high, recipe.reduction) == ("cispo", "tis", 0.3, "seq_mean_token_mean")
 
 
@@ -118,6 +119,25 @@ def test_grpo_recipe_broadcasts_the_spec_advantages(fadv):
 def test_critic_advantages_refuse_to_run_without_values():
     with pytest.raises(ValueError, match="critic values"):
         compute_advantages(resolve_recipe("sao"), torch.ones(2), None, torch.ones(2, 3, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------- shape_rewards
+
+
+def test_overlong_shaping_adds_the_dapo_penalty_to_the_task_rewards():
+    recipe = resolve_recipe("grpo", overlong_max_length=10, overlong_cache_length=4, overlong_penalty_factor=0.5)
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0])
+    # expected length 10 - 4 = 6: |y| <= 6 -> 0; 8 -> (6 - 8) / 4 * 0.5 = -0.25; 10 -> -0.5; beyond -> -0.5.
+    shaped = recipes.shape_rewards(recipe, rewards, [6, 8, 9, 10, 40])
+    close(shaped, [1.0, 0.75, -0.375, 0.5, -0.5])  # 9 -> (6 - 9) / 4 * 0.5 = -0.375
+    assert recipes.shape_rewards(resolve_recipe("grpo"), rewards, [6, 8, 9, 10, 40]) is rewards
+
+
+def test_dapo_preset_shapes_with_the_paper_lengths():
+    recipe = resolve_recipe("dapo")
+    assert (recipe.overlong_max_length, recipe.overlong_cache_length) == (20480, 4096)
+    # spec 4.1: |y| = 18000 -> (16384 - 18000) / 4096 = -0.394531.
+    close(recipes.shape_rewards(recipe, torch.zeros(2), [16384, 18000]), [0.0, -0.394531])
 
 
 # ---------------------------------------------------------------- compute_policy_loss
