@@ -116,8 +116,8 @@ class BufferConfig(Section):
     straggler_policy: Literal["drop", "partial"] = "drop"
     """`drop` the whole group, or train the finished members (`partial`, needs >= 2 members for group advantages)."""
     filter_zero_variance: bool = True
-    """Drop groups whose rewards are all equal (their group advantage is 0). The `dapo`, `cispo` and
-    `scalerl` presets turn it on unless it is set explicitly (`asyncrl.algo.names.PRESET_FILTERS`)."""
+    """Drop groups whose rewards are all equal (their group advantage is 0). On by default; the `dapo`,
+    `cispo` and `scalerl` presets ask for it too (`asyncrl.algo.names.PRESET_FILTERS`): an explicit value wins."""
     filter_overlong: bool = False
     """Drop trajectories truncated at `rollout.max_tokens`."""
     pass_rate_curriculum: bool = False
@@ -148,7 +148,7 @@ class AlgorithmConfig(Section):
     (`asyncrl.algo.params` lists what each component takes)."""
 
     @model_validator(mode="after")
-    def _known_names(self) -> AlgorithmConfig:
+    def _known_names_and_params(self) -> AlgorithmConfig:
         for field, valid in (
             ("preset", algo_names.PRESETS),
             ("advantage", algo_names.ADVANTAGES),

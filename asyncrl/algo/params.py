@@ -44,18 +44,20 @@ class Param:
     choices: tuple[str, ...] = ()
 
     def range_text(self) -> str:
-        """The allowed values as the messages print them: '> 1', '>= 0', 'in (0, 1]', 'one of k1, k2'."""
+        """The allowed values as messages print them: '> 1', '>= 0', 'in (0, 1]', 'one of k1, k2'; '' if any."""
         if self.choices:
             return "one of " + ", ".join(self.choices)
-        lower = None if self.low is None else ("> " if self.low_open else ">= ") + f"{self.low:g}"
-        upper = None if self.high is None else ("< " if self.high_open else "<= ") + f"{self.high:g}"
-        if lower and upper:
+        if self.low is not None and self.high is not None:
             return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
-        return lower or upper or "any"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        if self.high is not None:
+            return f"{'<' if self.high_open else '<='} {self.high:g}"
+        return ""
 
     def describe(self) -> str:
         """'float > 0 or null': the type, the range and whether null is allowed."""
-        text = f"{self.kind.__name__} {self.range_text()}".replace(" any", "")
+        text = f"{self.kind.__name__} {self.range_text()}".rstrip()
         return text + (" or null" if self.nullable else "")
 
     def problem(self, name: str, value: Any) -> str | None:
@@ -187,10 +189,10 @@ _KINDS = (("advantage", ADVANTAGE_PARAMS), ("loss", LOSS_PARAMS), ("reduction", 
 
 def accepted_params(components: Mapping[str, str]) -> tuple[str, ...]:
     """The parameters the chosen components take; `components` maps advantage, loss, reduction and
-    correction (default none) to their names."""
+    correction to their names (as `AlgorithmConfig.resolved_names()` gives them)."""
     names: list[str] = []
     for kind, table in _KINDS:
-        names += table[components.get(kind, "none")]
+        names += table[components[kind]]
     # bypass weights the plain policy gradient by min(q, tis_cap); ratio losses carry q already.
     if components.get("correction") == "bypass" and components.get("loss") == "reinforce":
         names.append("tis_cap")
@@ -220,7 +222,7 @@ def check_params(components: Mapping[str, str], params: Mapping[str, Any]) -> No
     """Raise ValueError if a parameter is not taken by the chosen components (naming it, the components
     and the parameters they take), has the wrong type or range, or conflicts with CISPO's cap."""
     accepted = accepted_params(components)
-    chosen = ", ".join(f"{kind} {components.get(kind, 'none')!r}" for kind, _ in _KINDS)
+    chosen = ", ".join(f"{kind} {components[kind]!r}" for kind, _ in _KINDS)
     problems = []
     for name in params:
         if name not in accepted:
@@ -228,7 +230,7 @@ def check_params(components: Mapping[str, str], params: Mapping[str, Any]) -> No
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             problems.append(f"parameter {name!r} is not taken by the chosen {chosen}{hint}; valid params: {', '.join(accepted)}")
     problems += value_problems({k: v for k, v in params.items() if k in accepted})
-    conflict = cispo_band_conflict(components.get("loss", ""), params)
+    conflict = cispo_band_conflict(components["loss"], params)
     if conflict:
         problems.append(conflict)
     if problems:

@@ -88,6 +88,7 @@ PRESET_PARAMS: dict[str, dict[str, Any]] = {
     "maxrl": {"maxrl_divide_by_group_size": False},
 }
 
+
 def _did_you_mean(value: str, valid) -> str:
     close = difflib.get_close_matches(str(value), list(valid), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
