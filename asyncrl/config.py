@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from asyncrl.algo import names as algo_names
+from asyncrl.algo import params as algo_params
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
 """The shipped recipes, package data of the wheel (`configs/` in the repository links here)."""
@@ -116,13 +117,15 @@ class BufferConfig(Section):
     straggler_policy: Literal["drop", "partial"] = "drop"
     """`drop` the whole group, or train the finished members (`partial`, needs >= 2 members for group advantages)."""
     filter_zero_variance: bool = True
-    """Drop groups whose rewards are all equal (their group advantage is 0)."""
+    """Drop groups whose rewards are all equal (their group advantage is 0). On by default; the `dapo`,
+    `cispo` and `scalerl` presets ask for it too (`asyncrl.algo.names.PRESET_FILTERS`): an explicit value wins."""
     filter_overlong: bool = False
     """Drop trajectories truncated at `rollout.max_tokens`."""
     pass_rate_curriculum: bool = False
-    """Retire prompts whose pass rate reached `pass_rate_threshold` (ScaleRL no-positive-resampling)."""
+    """Retire prompts whose pass rate reached `pass_rate_threshold` (ScaleRL no-positive-resampling). The
+    `scalerl` preset turns it on unless it is set explicitly (`asyncrl.algo.names.PRESET_FILTERS`)."""
     pass_rate_threshold: float = Field(0.9, gt=0, le=1)
-    """Pass rate at which a prompt is retired."""
+    """Pass rate at which a prompt is retired (0.9 is ScaleRL's)."""
     capacity_groups: int = Field(1024, ge=1)
     """Ready groups held before producers are back-pressured."""
     log_parquet: bool = True
@@ -141,10 +144,12 @@ class AlgorithmConfig(Section):
     correction: str | None = None
     """Override the preset's train-vs-rollout mismatch correction."""
     params: dict[str, float | int | bool | str | None] = Field(default_factory=dict)
-    """Numeric parameters of the recipe (e.g. eps_low, eps_high, tis_cap); unknown names are rejected."""
+    """Parameters of the recipe (e.g. eps_low, eps_high, tis_cap). A name that none of the chosen
+    components takes, a wrong type or range, and eps_low/eps_high with CISPO's cap on are rejected
+    (`asyncrl.algo.params` lists what each component takes)."""
 
     @model_validator(mode="after")
-    def _known_names(self) -> AlgorithmConfig:
+    def _known_names_and_params(self) -> AlgorithmConfig:
         for field, valid in (
             ("preset", algo_names.PRESETS),
             ("advantage", algo_names.ADVANTAGES),
@@ -157,6 +162,7 @@ class AlgorithmConfig(Section):
                 raise ValueError(f"unknown {field} {value!r}{_did_you_mean(value, valid)}; valid: {', '.join(valid)}")
         if self.preset is None and None in (self.advantage, self.loss, self.reduction):
             raise ValueError("without a preset, set advantage, loss and reduction")
+        algo_params.check_params(self.resolved_names(), self.params)
         return self
 
     def resolved_names(self) -> dict[str, str]:
@@ -267,6 +273,15 @@ class Config(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    @model_validator(mode="after")
+    def _preset_filters(self) -> Config:
+        """The chosen preset's buffer filters become the defaults of those `buffer.*` fields: a value the
+        user set (in the file or an override) wins."""
+        for key, value in algo_names.PRESET_FILTERS.get(self.algorithm.preset or "", {}).items():
+            if key not in self.buffer.model_fields_set:
+                setattr(self.buffer, key, value)
+        return self
 
     @model_validator(mode="after")
     def _cross_field(self) -> Config:

@@ -10,6 +10,7 @@ Modules (each one family, shapes in docstrings, paper links in module docstrings
     metrics     mismatch metrics as floats
     recipes     named recipes and the learner entry points
     names       the valid names (imports nothing, so configs can validate cheaply)
+    params      which parameters each component takes, with types and ranges (imports only names)
 
 This package imports only torch, and `import asyncrl.algo` / `asyncrl.algo.names` imports nothing at all.
 Spec: shared/spec/algorithms.md.

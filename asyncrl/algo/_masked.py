@@ -28,10 +28,17 @@ def valid(x: torch.Tensor, mask: torch.Tensor, fill: float = 0.0) -> torch.Tenso
     return torch.where(mask, x, fill)
 
 
+def log_difference(numerator: torch.Tensor, denominator: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Exact `numerator - denominator` of log-probs, 0 at masked positions; gradient flows to both.
+
+    For quantities that are polynomial in the difference (k1, k2): they stay finite at any ratio."""
+    return valid(numerator, mask) - valid(denominator, mask)
+
+
 def log_ratio(numerator: torch.Tensor, denominator: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Clamped `numerator - denominator` of log-probs, 0 at masked positions. Keeps numerator's gradient."""
-    diff = valid(numerator, mask) - valid(denominator, mask)
-    return diff.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    """`log_difference` clamped to +-LOG_RATIO_BOUND, for callers that exponentiate it. The clamp zeroes
+    the gradient beyond the bound, so never use it where the difference itself is the quantity."""
+    return log_difference(numerator, denominator, mask).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

@@ -7,6 +7,7 @@
 ADVANTAGES = ("reinforce", "gae", "vapo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "batch_norm", "maxrl")
 LOSSES = ("ppo", "cispo", "gspo", "gspo_token", "sapo", "dppo_tv", "dppo_kl", "gvpo", "reinforce")
 REDUCTIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm", "prompt_mean")
+KL_ESTIMATORS = ("k1", "k2", "k3", "k3_plus")
 CORRECTIONS = ("none", "tis", "tis_seq", "mis", "mis_seq", "mis_geo", "icepop", "dis", "decoupled", "bypass", "opsm")
 
 # preset -> its components (advantage, loss, reduction, correction). Numeric defaults live in recipes.py.
@@ -28,3 +29,11 @@ PRESET_COMPONENTS = {
     "sao": dict(advantage="vapo", loss="reinforce", reduction="token_mean", correction="dis"),
 }
 PRESETS = tuple(PRESET_COMPONENTS)
+
+# preset -> the replay-buffer filters its paper uses, as `buffer.*` field values. `asyncrl.config` makes
+# them the defaults of those fields when the preset is chosen; a value the user sets wins.
+PRESET_FILTERS = {
+    "dapo": {"filter_zero_variance": True},  # dynamic sampling
+    "cispo": {"filter_zero_variance": True},
+    "scalerl": {"filter_zero_variance": True, "pass_rate_curriculum": True},  # + no-positive-resampling at 0.9
+}

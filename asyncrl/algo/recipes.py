@@ -7,14 +7,18 @@ A `Recipe` is resolved once from the config (`resolve_recipe`). Per optimizer st
    over the whole batch (group and batch statistics must see the whole batch);
 2. `token_weights = compute_token_weights(recipe, mask, group_ids, old_logprobs, rollout_logprobs)` over
    the whole optimizer batch (or with `stats=` all-reduced across ranks, see `reduction.py`);
+   with `recipe.normalizes_tis`: `tis_stats = tis_normalizer_stats(recipe, mask, old_logprobs,
+   rollout_logprobs)` summed over every micro-batch and rank, like the reduction statistics;
 3. per micro-batch (row slices of every tensor):
    `loss, metrics = compute_policy_loss(recipe, learner_logprobs, old_logprobs, rollout_logprobs,
-   advantages, mask, token_weights, group_ids)` then `loss.backward()`; the micro-batch losses sum to
-   the batch loss exactly (multiply by dp_size if the backend averages gradients across ranks);
+   advantages, mask, token_weights, group_ids, ref_logprobs, tis_stats)` then `loss.backward()`; the
+   micro-batch losses sum to the batch loss exactly (multiply by dp_size if the backend averages
+   gradients across ranks);
 4. with a critic: `compute_value_loss(values, returns, mask, token_weights)`.
 
 `compute_policy_loss` applies correction -> surrogate -> weighted sum: `l = w * keep * l_loss`, with the
-correction's detached weight `w` and keep mask. Composition rules that are choices of this library:
+correction's detached weight `w` and keep mask; the KL term `kl_coef * k` is reduced with the same
+token weights but never multiplied by `w`. Composition rules that are choices of this library:
 - `bypass` replaces old_logprobs by rollout_logprobs (two-policy mode, verl); with the `reinforce` loss it
   adds the truncated IS weight min(q, tis_cap), with ratio losses no extra weight (it would double-count).
 - `dis` gates q = exp(learner - rollout). Its weight is q divided by the ratio the surrogate already
@@ -36,10 +40,12 @@ import torch
 from asyncrl.algo import advantages as adv_lib
 from asyncrl.algo import correction as corr_lib
 from asyncrl.algo import losses as loss_lib
+from asyncrl.algo import params as params_lib
 from asyncrl.algo._masked import as_mask
-from asyncrl.algo.kl import KL_ESTIMATORS, kl_penalty
-from asyncrl.algo.names import ADVANTAGES, CORRECTIONS, LOSSES, PRESET_COMPONENTS, PRESETS, REDUCTIONS
+from asyncrl.algo.kl import kl_penalty
+from asyncrl.algo.names import ADVANTAGES, CORRECTIONS, KL_ESTIMATORS, LOSSES, PRESET_COMPONENTS, PRESET_FILTERS, PRESETS, REDUCTIONS
 from asyncrl.algo.reduction import reduction_weights, weighted_sum
+from asyncrl.algo.shaping import overlong_penalty
 
 __all__ = [
     "ADVANTAGES",
@@ -56,11 +62,16 @@ __all__ = [
     "compute_value_loss",
     "denominator_mask",
     "resolve_recipe",
+    "shape_rewards",
+    "tis_normalizer_stats",
 ]
 
 # Default clip range of each surrogate when eps_low / eps_high are not given.
 _LOSS_EPS = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "cispo": (0.2, 0.28)}
 _PPO_EPS = (0.2, 0.2)
+
+# TIS corrections and the level their truncated weight is taken at.
+_TIS_LEVEL = {"tis": "token", "tis_seq": "sequence"}
 
 # Corrections whose keep mask depends only on old and rollout log-probs, so it can be known before the
 # backward passes and may shrink the reduction denominator.
@@ -68,21 +79,13 @@ _PRECOMPUTABLE_REJECTION = ("mis", "mis_seq", "mis_geo", "icepop", "decoupled")
 
 # Numbers each preset sets on top of the Recipe defaults (components are in names.PRESET_COMPONENTS).
 PRESET_PARAMS: dict[str, dict[str, Any]] = {
-    "dapo": {"eps_low": 0.2, "eps_high": 0.28},
+    "dapo": {"eps_low": 0.2, "eps_high": 0.28, "overlong_max_length": 20480, "overlong_cache_length": 4096},
     "vapo": {"eps_low": 0.2, "eps_high": 0.28},
     "cispo": {"cispo_eps_max": 5.0},
     "scalerl": {"cispo_eps_max": 5.0},
     "ppo_gae": {"whiten_advantages": True},
     "sao": {"dis_eps_low": 0.3, "dis_eps_high": 5.0},
     "maxrl": {"maxrl_divide_by_group_size": False},
-}
-
-# Sampling filters and reward shaping a preset expects of the replay buffer (`asyncrl.algo.shaping`).
-# Informational: the buffer's own config switches them on.
-PRESET_FILTERS: dict[str, dict[str, Any]] = {
-    "dapo": {"dynamic_sampling": True, "overlong_max_length": 20480, "overlong_cache_length": 4096},
-    "cispo": {"zero_variance_filter": True},
-    "scalerl": {"zero_variance_filter": True, "retire_pass_rate": 0.9},
 }
 
 
@@ -140,7 +143,8 @@ class Recipe:
     dual_clip_c: float | None = None
     """PPO dual clip constant c > 1 (verl uses 3); None = off."""
     cispo_eps_max: float | None = 5.0
-    """CISPO absolute cap w = min(rho, eps_max) (ScaleRL); None = band clip(rho, 1-eps_low, 1+eps_high)."""
+    """CISPO absolute cap w = min(rho, eps_max) (ScaleRL); None = band clip(rho, 1-eps_low, 1+eps_high).
+    The cap wins: giving eps_low / eps_high to CISPO without cispo_eps_max = None is rejected."""
     sapo_tau_pos: float = 1.0
     """SAPO gate temperature for A > 0."""
     sapo_tau_neg: float = 1.05
@@ -162,7 +166,8 @@ class Recipe:
     tis_cap: float = 2.0
     """C of truncated IS min(w, C) (`tis`, `tis_seq`, bypass with `reinforce`)."""
     tis_batch_normalize: bool = False
-    """Divide TIS weights by their batch mean after truncation (folded into the token weights)."""
+    """Divide the TIS weights by their mean over the whole optimizer batch, after truncation (verl). Only
+    the policy-gradient term is rescaled, never the KL or value terms; see `tis_normalizer_stats`."""
     mis_upper: float = 2.0
     """Upper bound of the MIS keep interval on kappa (token, sequence product or geometric mean)."""
     mis_lower: float | None = None
@@ -188,6 +193,15 @@ class Recipe:
     l_max: int | None = None
     """Fixed max response length for `seq_mean_token_sum_norm` (Dr. GRPO); not the padded width."""
 
+    # --- reward shaping (before the advantages, see `shape_rewards`)
+    overlong_max_length: int | None = None
+    """DAPO soft overlong punishment L_max: responses longer than L_max - overlong_cache_length tokens lose
+    reward linearly, down to -overlong_penalty_factor at L_max and beyond; None = off."""
+    overlong_cache_length: int = 4096
+    """DAPO L_cache: the length of the penalty ramp below overlong_max_length."""
+    overlong_penalty_factor: float = 1.0
+    """Scale of the overlong penalty (verl `penalty_factor`)."""
+
     def __post_init__(self) -> None:
         _check_name("advantage", self.advantage, ADVANTAGES)
         _check_name("loss", self.loss, LOSSES)
@@ -199,31 +213,15 @@ class Recipe:
             object.__setattr__(self, "eps_low", default_low)
         if self.eps_high is None:
             object.__setattr__(self, "eps_high", default_high)
-        problems = []
-        if self.eps_low < 0 or self.eps_high < 0:
-            problems.append(f"eps_low and eps_high must be >= 0 (got {self.eps_low}, {self.eps_high})")
-        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
-            problems.append(f"dual_clip_c must be > 1 (got {self.dual_clip_c})")
-        if not 0 < self.gamma <= 1:
-            problems.append(f"gamma must be in (0, 1] (got {self.gamma})")
-        if not 0 <= self.lam <= 1 or not 0 <= self.critic_lam <= 1:
-            problems.append(f"lam and critic_lam must be in [0, 1] (got {self.lam}, {self.critic_lam})")
-        if self.vapo_alpha <= 0:
-            problems.append(f"vapo_alpha must be > 0 (got {self.vapo_alpha})")
-        if self.reduction == "seq_mean_token_sum_norm" and (self.l_max is None or self.l_max <= 0):
+        problems = params_lib.value_problems({name: getattr(self, name) for name in params_lib.PARAMS})
+        if self.reduction == "seq_mean_token_sum_norm" and self.l_max is None:
             problems.append("reduction 'seq_mean_token_sum_norm' needs l_max > 0 (the fixed max response length)")
-        if self.cispo_eps_max is not None and self.cispo_eps_max <= 0:
-            problems.append(f"cispo_eps_max must be > 0 (got {self.cispo_eps_max})")
-        if self.tis_cap <= 0 or self.mis_upper <= 0 or (self.mis_lower is not None and self.mis_lower < 0):
-            problems.append("tis_cap and mis_upper must be > 0, mis_lower >= 0")
-        if not 0 <= self.icepop_alpha < self.icepop_beta:
-            problems.append(f"need 0 <= icepop_alpha < icepop_beta (got {self.icepop_alpha}, {self.icepop_beta})")
-        if not 0 <= self.dis_eps_low <= 1 or self.dis_eps_high <= 0:
-            problems.append(f"need 0 <= dis_eps_low <= 1 and dis_eps_high > 0 (got {self.dis_eps_low}, {self.dis_eps_high})")
-        if self.sapo_tau_pos <= 0 or self.sapo_tau_neg <= 0 or self.gvpo_beta <= 0 or self.dppo_clip_c <= 0:
-            problems.append("sapo_tau_pos, sapo_tau_neg, gvpo_beta and dppo_clip_c must be > 0")
-        if self.kl_coef < 0:
-            problems.append(f"kl_coef must be >= 0 (got {self.kl_coef})")
+        if not self.icepop_alpha < self.icepop_beta:
+            problems.append(f"need icepop_alpha < icepop_beta (got {self.icepop_alpha}, {self.icepop_beta})")
+        if self.overlong_max_length is not None and self.overlong_cache_length > self.overlong_max_length:
+            problems.append(
+                f"need overlong_cache_length <= overlong_max_length (got {self.overlong_cache_length}, {self.overlong_max_length})"
+            )
         if self.denominator_after_rejection and self.correction in ("dis", "opsm"):
             problems.append(
                 f"correction {self.correction!r} depends on the current policy, so its rejections cannot shrink "
@@ -234,6 +232,11 @@ class Recipe:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def normalizes_tis(self) -> bool:
+        """True when the loss needs the batch-global `tis_normalizer_stats`."""
+        return self.tis_batch_normalize and self.correction in _TIS_LEVEL
 
 
 _PARAM_NAMES = tuple(f.name for f in dataclasses.fields(Recipe) if f.name not in ("advantage", "loss", "reduction", "correction"))
@@ -248,7 +251,10 @@ def resolve_recipe(
     **params: Any,
 ) -> Recipe:
     """Build a Recipe from a preset and overrides. Raises ValueError naming any unknown preset, component
-    or parameter together with the valid names (and the closest one)."""
+    or parameter together with the valid names (and the closest one), and for eps_low / eps_high given to
+    CISPO while its cap is on (`params.cispo_band_conflict`). Parameters that the chosen components do
+    not read are accepted here (tests share parameter sets across components); `asyncrl.config` rejects
+    them in a run's config with `params.check_params`."""
     unknown = sorted(set(params) - set(_PARAM_NAMES))
     if unknown:
         hints = "".join(_did_you_mean(name, _PARAM_NAMES) for name in unknown)
@@ -260,8 +266,21 @@ def resolve_recipe(
         fields.update(PRESET_PARAMS.get(preset, {}))
     overrides = {"advantage": advantage, "loss": loss, "reduction": reduction, "correction": correction}
     fields.update({k: v for k, v in overrides.items() if v is not None})
+    conflict = params_lib.cispo_band_conflict(fields.get("loss", Recipe.loss), params)
+    if conflict:
+        raise ValueError(conflict)
     fields.update(params)
     return Recipe(**fields)
+
+
+def shape_rewards(recipe: Recipe, rewards: torch.Tensor, response_lengths: list[int]) -> torch.Tensor:
+    """Task rewards [N] plus the recipe's DAPO overlong penalty of each response (spec 4.1), before any
+    advantage sees them; `rewards` itself when the recipe shapes nothing. response_lengths: tokens [N]."""
+    if recipe.overlong_max_length is None:
+        return rewards
+    max_length, cache_length = recipe.overlong_max_length, recipe.overlong_cache_length
+    penalty = [overlong_penalty(n, max_length, cache_length, recipe.overlong_penalty_factor) for n in response_lengths]
+    return rewards + torch.tensor(penalty, dtype=rewards.dtype, device=rewards.device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,39 +369,53 @@ def compute_token_weights(
     old_logprobs: torch.Tensor | None = None,
     rollout_logprobs: torch.Tensor | None = None,
     stats: torch.Tensor | None = None,
-    is_weight_mean: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`reduction_weights` of the recipe's reduction over the whole optimizer batch -> [B, T].
 
-    With `tis_batch_normalize`, the 1 / mean(truncated IS weight) factor is folded in here so that it is a
-    batch constant and micro-batching stays exact. Distributed case: pass `stats` from
-    `reduction.global_reduction_stats(denominator_mask(...), ...)` and the global `is_weight_mean`.
+    These weights reduce every term (policy gradient, KL, value), so nothing term-specific is folded in:
+    the TIS batch normalisation is applied to the policy-gradient term by `compute_policy_loss`.
+    Distributed case: pass `stats` from `reduction.global_reduction_stats(denominator_mask(...), ...)`.
     """
     m = denominator_mask(recipe, mask, old_logprobs, rollout_logprobs)
-    weights = reduction_weights(recipe.reduction, m, group_ids, recipe.l_max, stats)
-    if recipe.correction in ("tis", "tis_seq") and recipe.tis_batch_normalize:
-        if is_weight_mean is None:
-            if old_logprobs is None or rollout_logprobs is None:
-                raise ValueError("tis_batch_normalize needs old_logprobs and rollout_logprobs (or is_weight_mean)")
-            mask = as_mask(mask)
-            log_kappa = corr_lib.detached_log_ratio(old_logprobs, rollout_logprobs, mask)
-            level = "token" if recipe.correction == "tis" else "sequence"
-            w = corr_lib.truncated_is_weights(log_kappa, mask, recipe.tis_cap, level)
-            is_weight_mean = w[mask].mean() if bool(mask.any()) else 1.0
-        weights = weights / is_weight_mean
-    return weights
+    return reduction_weights(recipe.reduction, m, group_ids, recipe.l_max, stats)
 
 
-def _correction(recipe, learner_logprobs, old_logprobs, rollout_logprobs, advantages, mask):
+def _tis_weights(recipe: Recipe, log_kappa: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return corr_lib.truncated_is_weights(log_kappa, mask, recipe.tis_cap, _TIS_LEVEL[recipe.correction])
+
+
+def tis_normalizer_stats(
+    recipe: Recipe, mask: torch.Tensor, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor
+) -> torch.Tensor:
+    """(sum of the truncated TIS weights, number of valid tokens) of these rows, float64 [2].
+
+    Summing the vectors of disjoint row sets (micro-batches, ranks: all-reduce SUM) gives those of their
+    union; `compute_policy_loss(..., tis_stats=)` divides the weights by sum / count. Shapes [B, T].
+    """
+    mask = as_mask(mask)
+    log_kappa = corr_lib.detached_log_ratio(old_logprobs, rollout_logprobs, mask)
+    w = _tis_weights(recipe, log_kappa, mask)
+    return torch.stack([w.double().sum(), mask.sum().double()])
+
+
+def _batch_normalized(w: torch.Tensor, mask: torch.Tensor, tis_stats: torch.Tensor | None) -> torch.Tensor:
+    """TIS weights divided by their batch mean sum / count from `tis_stats`."""
+    if tis_stats is None:
+        # A mean over this call's rows would silently differ per micro-batch: the caller must say.
+        raise ValueError("tis_batch_normalize needs tis_stats: tis_normalizer_stats(...) summed over the whole optimizer batch")
+    mean = (tis_stats[0] / tis_stats[1].clamp(min=1)).to(device=w.device, dtype=w.dtype)
+    return corr_lib.batch_normalize_weights(w, mask, mean)
+
+
+def _correction(recipe, learner_logprobs, old_logprobs, rollout_logprobs, advantages, mask, tis_stats=None):
     """-> (weight [B, T] | None, keep [B, T] | None, metrics). Everything detached."""
     name = recipe.correction
     log_kappa = corr_lib.detached_log_ratio(old_logprobs, rollout_logprobs, mask)
     weight = keep = None
-    if name == "tis":
-        # tis_batch_normalize is folded into the token weights (a batch constant), see compute_token_weights.
-        weight = corr_lib.truncated_is_weights(log_kappa, mask, recipe.tis_cap, "token")
-    elif name == "tis_seq":
-        weight = corr_lib.truncated_is_weights(log_kappa, mask, recipe.tis_cap, "sequence")
+    if name in _TIS_LEVEL:
+        weight = _tis_weights(recipe, log_kappa, mask)
+        if recipe.tis_batch_normalize:
+            weight = _batch_normalized(weight, mask, tis_stats)
     elif name in ("mis", "mis_seq", "mis_geo"):
         level = {"mis": "token", "mis_seq": "sequence", "mis_geo": "geometric"}[name]
         weight, keep = corr_lib.masked_is(log_kappa, mask, recipe.mis_upper, recipe.mis_lower, level)
@@ -453,12 +486,14 @@ def compute_policy_loss(
     token_weights: torch.Tensor,
     group_ids: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
+    tis_stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Correction -> surrogate -> weighted sum, for one micro-batch (or the whole batch).
 
     learner_logprobs (the only input with gradient), old_logprobs, rollout_logprobs, advantages, mask,
     token_weights: [B, T]; group_ids: [B] (gvpo); ref_logprobs: [B, T] (needed when kl_coef > 0).
     token_weights come from `compute_token_weights` over the whole optimizer batch, sliced like the rest.
+    tis_stats: `tis_normalizer_stats` of the whole optimizer batch, required when `recipe.normalizes_tis`.
     Returns (scalar fp32 loss, metrics as Python floats).
     """
     mask = as_mask(mask)
@@ -466,7 +501,7 @@ def compute_policy_loss(
         raise ValueError("loss 'gvpo' needs group_ids")
     if recipe.correction == "bypass":
         old_logprobs = rollout_logprobs
-    weight, keep, metrics = _correction(recipe, learner_logprobs, old_logprobs, rollout_logprobs, advantages, mask)
+    weight, keep, metrics = _correction(recipe, learner_logprobs, old_logprobs, rollout_logprobs, advantages, mask, tis_stats)
     per_token, loss_metrics = _SURROGATES[recipe.loss](
         recipe, learner_logprobs, old_logprobs, rollout_logprobs, advantages, mask, group_ids
     )

@@ -1,5 +1,6 @@
-"""Reward shaping and sampling filters the replay buffer calls: DAPO overlong punishment, dynamic
-sampling / zero-variance filtering, and the pass-rate curriculum.
+"""Reward shaping and sampling filters: DAPO overlong punishment (applied by the recipe,
+`recipes.shape_rewards`, when the learner builds its batch), dynamic sampling / zero-variance filtering
+and the pass-rate curriculum (the replay buffer runs its own `asyncrl.buffer.filters`).
 
 References: DAPO, Yu et al. 2025, https://arxiv.org/abs/2503.14476 (verl `reward_manager/dapo.py`,
 `docs/algo/dapo.md`); ScaleRL, Khatri et al. 2025, https://arxiv.org/abs/2510.13786.

@@ -69,7 +69,7 @@ class TrainBatch:
     advantages: torch.Tensor  # float32 [B, L]; outcome advantages, zeros for critic estimators
     token_weights: torch.Tensor  # float32 [B, L]; the policy loss reduction of the whole batch
     value_weights: torch.Tensor  # float32 [B, L]; token-mean weights of the whole batch (critic loss)
-    rewards: torch.Tensor  # float32 [B]
+    rewards: torch.Tensor  # float32 [B], task reward plus the recipe's shaping (`shape_rewards`)
     group_ids: torch.Tensor  # int64 [B], dense over the whole batch
     dones: torch.Tensor  # bool [B], finish_reason == "stop" (False = truncated: GAE bootstraps)
     min_version: torch.Tensor  # int64 [B]
@@ -107,13 +107,14 @@ class TrainBatch:
 
 def build_batch(groups: Sequence[Group], recipe) -> TrainBatch:
     """Pad the trajectories of `groups` into one TrainBatch and compute the whole-batch quantities:
-    outcome advantages (unless the recipe's estimator needs a critic) and the reduction weights.
+    shaped rewards (the recipe's DAPO overlong penalty on response lengths), outcome advantages (unless
+    the recipe's estimator needs a critic) and the reduction weights.
 
     `recipe` is an `asyncrl.algo.recipes.Recipe`. When `recipe.denominator_after_rejection` is set the
     weights here count the mask before rejection; the learner recomputes them from its own old log-probs
     with statistics all-reduced across ranks.
     """
-    from asyncrl.algo.recipes import compute_advantages, compute_token_weights
+    from asyncrl.algo.recipes import compute_advantages, compute_token_weights, shape_rewards
     from asyncrl.algo.reduction import reduction_weights
 
     trajectories = [(g, t) for g, group in enumerate(groups) for t in group.trajectories]
@@ -141,7 +142,8 @@ def build_batch(groups: Sequence[Group], recipe) -> TrainBatch:
         rollout_logprobs[b, cols] = np.where(loss_mask[b, cols], t.rollout_logprobs, 0.0)
 
     mask = torch.from_numpy(loss_mask)
-    rewards = torch.tensor([t.reward for _, t in trajectories], dtype=torch.float32)
+    task_rewards = torch.tensor([t.reward for _, t in trajectories], dtype=torch.float32)
+    rewards = shape_rewards(recipe, task_rewards, [len(t.response_ids) for _, t in trajectories])
     group_ids = torch.tensor([g for g, _ in trajectories], dtype=torch.long)
     if recipe.advantage in CRITIC_ADVANTAGES:
         advantages = torch.zeros(num_rows, width)

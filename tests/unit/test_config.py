@@ -40,11 +40,11 @@ def test_bad_configs_fail_with_the_key_the_file_and_a_hint(name, expected):
 
 
 def test_overrides_apply_with_yaml_typed_values():
-    cfg = load_config(None, ["learner.lr=3e-4", "rollout.samples_per_prompt=4", "buffer.filter_zero_variance=false", "algorithm.params.eps_max=4"])
+    cfg = load_config(None, ["learner.lr=3e-4", "rollout.samples_per_prompt=4", "buffer.filter_zero_variance=false", "algorithm.params.cispo_eps_max=4"])
     assert cfg.learner.lr == pytest.approx(3e-4)
     assert cfg.rollout.samples_per_prompt == 4
     assert cfg.buffer.filter_zero_variance is False
-    assert cfg.algorithm.params == {"eps_max": 4}
+    assert cfg.algorithm.params == {"cispo_eps_max": 4}
 
 
 def test_unknown_override_names_the_override_and_the_closest_key():
@@ -81,3 +81,45 @@ def test_every_field_has_a_docstring():
     missing = [name for name, doc in walk(Config) if not doc]
     assert missing == []
     assert DEFAULT_CONFIG.exists()
+
+
+def test_check_rejects_a_param_the_chosen_components_do_not_take(capsys):
+    from asyncrl.cli import main
+
+    assert main(["check", str(REPO_CONFIGS / "scalerl.yaml"), "algorithm.params.foo=1"]) == 2
+    err = capsys.readouterr().err
+    assert "scalerl.yaml" in err
+    assert "parameter 'foo' is not taken by the chosen advantage 'batch_norm', loss 'cispo', reduction 'prompt_mean', correction 'none'" in err
+    assert "valid params: batch_norm_eps, cispo_eps_max, eps_low, eps_high, kl_coef" in err
+
+
+def test_params_of_an_overridden_component_follow_the_override():
+    with pytest.raises(ConfigError, match="parameter 'dual_clip_c' is not taken"):
+        load_config(None, ["algorithm.params.dual_clip_c=3"])  # default: cispo
+    assert load_config(None, ["algorithm.loss=ppo", "algorithm.params.dual_clip_c=3"]).algorithm.params == {"dual_clip_c": 3}
+    with pytest.raises(ConfigError, match="tis_cap must be > 0"):
+        load_config(None, ["algorithm.params.tis_cap=0"])
+
+
+def test_cispo_band_needs_its_cap_switched_off_explicitly():
+    with pytest.raises(ConfigError, match="caps its IS weight at cispo_eps_max"):
+        load_config(None, ["algorithm.params.eps_high=0.3"])
+    cfg = load_config(None, ["algorithm.params.eps_high=0.3", "algorithm.params.cispo_eps_max=null"])
+    assert cfg.algorithm.params == {"eps_high": 0.3, "cispo_eps_max": None}
+
+
+def test_preset_filters_are_buffer_defaults_that_explicit_values_override():
+    scalerl = ["algorithm.preset=scalerl", "algorithm.correction=null"]
+    assert load_config(None, scalerl).buffer.pass_rate_curriculum is True
+    assert load_config(None, [*scalerl, "buffer.pass_rate_curriculum=false"]).buffer.pass_rate_curriculum is False
+    assert load_config(None, ["algorithm.preset=grpo"]).buffer.pass_rate_curriculum is False
+    assert load_config(None, ["algorithm.preset=dapo", "buffer.filter_zero_variance=false"]).buffer.filter_zero_variance is False
+
+
+def test_preset_filter_fields_document_the_presets_that_set_them():
+    from asyncrl.algo.names import PRESET_FILTERS
+    from asyncrl.config import BufferConfig
+
+    for preset, filters in PRESET_FILTERS.items():
+        for key in filters:
+            assert f"`{preset}`" in BufferConfig.model_fields[key].description, (preset, key)

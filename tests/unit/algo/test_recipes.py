@@ -53,7 +53,8 @@ def test_preset_numbers_follow_the_spec():
 
 
 def test_explicit_overrides_win_over_the_preset():
-    recipe = resolve_recipe("grpo", loss="cispo", correction="tis", eps_high=0.3)
+    # CISPO reads eps_high only in its band mode (cispo_eps_max = None).
+    recipe = resolve_recipe("grpo", loss="cispo", correction="tis", eps_high=0.3, cispo_eps_max=None)
     assert (recipe.loss, recipe.correction, recipe.eps_high, recipe.reduction) == ("cispo", "tis", 0.3, "seq_mean_token_mean")
 
 
@@ -120,12 +121,33 @@ def test_critic_advantages_refuse_to_run_without_values():
         compute_advantages(resolve_recipe("sao"), torch.ones(2), None, torch.ones(2, 3, dtype=torch.bool))
 
 
+# ---------------------------------------------------------------- shape_rewards
+
+
+def test_overlong_shaping_adds_the_dapo_penalty_to_the_task_rewards():
+    recipe = resolve_recipe("grpo", overlong_max_length=10, overlong_cache_length=4, overlong_penalty_factor=0.5)
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0])
+    # expected length 10 - 4 = 6: |y| <= 6 -> 0; 8 -> (6 - 8) / 4 * 0.5 = -0.25; 10 -> -0.5; beyond -> -0.5.
+    shaped = recipes.shape_rewards(recipe, rewards, [6, 8, 9, 10, 40])
+    close(shaped, [1.0, 0.75, -0.375, 0.5, -0.5])  # 9 -> (6 - 9) / 4 * 0.5 = -0.375
+    assert recipes.shape_rewards(resolve_recipe("grpo"), rewards, [6, 8, 9, 10, 40]) is rewards
+
+
+def test_dapo_preset_shapes_with_the_paper_lengths():
+    recipe = resolve_recipe("dapo")
+    assert (recipe.overlong_max_length, recipe.overlong_cache_length) == (20480, 4096)
+    # spec 4.1: |y| = 18000 -> (16384 - 18000) / 4096 = -0.394531.
+    close(recipes.shape_rewards(recipe, torch.zeros(2), [16384, 18000]), [0.0, -0.394531])
+
+
 # ---------------------------------------------------------------- compute_policy_loss
 
 
 def run(recipe, pol, group_ids=None, ref=None):
+    """The policy loss of `pol` as one whole optimizer batch."""
     weights = compute_token_weights(recipe, pol.mask, group_ids, pol.old, pol.rollout)
-    return compute_policy_loss(recipe, pol.logp, pol.old, pol.rollout, pol.adv, pol.mask, weights, group_ids, ref)
+    tis_stats = recipes.tis_normalizer_stats(recipe, pol.mask, pol.old, pol.rollout) if recipe.normalizes_tis else None
+    return compute_policy_loss(recipe, pol.logp, pol.old, pol.rollout, pol.adv, pol.mask, weights, group_ids, ref, tis_stats)
 
 
 def test_grpo_preset_is_ppo_with_seq_mean_token_mean(fpol):
@@ -230,19 +252,62 @@ def test_micro_batched_policy_loss_equals_the_whole_batch(batch, loss, reduction
     close(g_split, g_whole, atol=1e-10)
 
 
+TIS_MEAN = (1.051271 + 0.472367 + 1 + 2 + 1.349859 + 0.980199 + 2 + 0.904837 + 1.822119 + 1 + 0.506617) / 11
+
+
 def test_tis_batch_normalisation_is_a_batch_constant_so_micro_batches_stay_exact(fpol):
     recipe = resolve_recipe("grpo", correction="tis", tis_batch_normalize=True)
     plain = resolve_recipe("grpo", correction="tis")
     normalised, _ = run(recipe, fpol)
     unnormalised, _ = run(plain, make_fpol())
-    mean_w = (1.051271 + 0.472367 + 1 + 2 + 1.349859 + 0.980199 + 2 + 0.904837 + 1.822119 + 1 + 0.506617) / 11
-    close(normalised, unnormalised.item() / mean_w, atol=1e-6)
+    close(normalised, unnormalised.item() / TIS_MEAN, atol=1e-6)
     weights = compute_token_weights(recipe, fpol.mask, None, fpol.old, fpol.rollout)
+    slices = (slice(0, 1), slice(1, 3))
+    tis_stats = sum(recipes.tis_normalizer_stats(recipe, fpol.mask[s], fpol.old[s], fpol.rollout[s]) for s in slices)
+    close(tis_stats, [TIS_MEAN * 11, 11], atol=1e-5)  # the whole batch: 11 valid tokens, weights to 6 decimals
     parts = [
-        compute_policy_loss(recipe, fpol.logp[s], fpol.old[s], fpol.rollout[s], fpol.adv[s], fpol.mask[s], weights[s])[0]
-        for s in (slice(0, 1), slice(1, 3))
+        compute_policy_loss(
+            recipe, fpol.logp[s], fpol.old[s], fpol.rollout[s], fpol.adv[s], fpol.mask[s], weights[s], tis_stats=tis_stats
+        )[0]
+        for s in slices
     ]
     close(parts[0] + parts[1], normalised.item(), atol=1e-6)
+
+
+def test_tis_batch_normalisation_rescales_only_the_policy_gradient_term(fpol):
+    ref = fpol.old - 0.1
+    kl = dict(kl_coef=0.5, kl_estimator="k2")
+    normalised, m_norm = run(resolve_recipe("grpo", correction="tis", tis_batch_normalize=True, **kl), fpol, ref=ref)
+    plain, m_plain = run(resolve_recipe("grpo", correction="tis", **kl), make_fpol(), ref=ref)
+    # k2 = 0.5 (logp - ref)^2 reduced by seq-mean-token-mean: the same with and without normalisation.
+    assert m_norm["kl_loss"] == pytest.approx(m_plain["kl_loss"], abs=1e-9)
+    close(normalised, m_plain["pg_loss"] / TIS_MEAN + 0.5 * m_plain["kl_loss"], atol=1e-6)
+    # The token weights reduce the KL and value terms: they must not carry the 1 / mean(w) factor.
+    w_norm, w_plain = (
+        compute_token_weights(resolve_recipe("grpo", correction="tis", tis_batch_normalize=flag), fpol.mask, None, fpol.old, fpol.rollout)
+        for flag in (True, False)
+    )
+    assert torch.equal(w_norm, w_plain)
+    values, returns = torch.tensor([[1.0, 2.0, 0.5, 0.0]] * 3), torch.zeros(3, 4)
+    close(compute_value_loss(values, returns, fpol.mask, w_norm)[0], compute_value_loss(values, returns, fpol.mask, w_plain)[0].item())
+
+
+@pytest.mark.parametrize("correction", ["tis", "tis_seq"])
+def test_micro_batches_with_the_global_tis_normaliser_give_the_whole_batch_loss_and_gradient(correction, fpol):
+    recipe = resolve_recipe("grpo", correction=correction, tis_batch_normalize=True, kl_coef=0.1, kl_estimator="k1")
+    ref = fpol.old - 0.2
+    whole, _ = run(recipe, fpol, ref=ref)
+    g_whole = fpol.grad(whole)
+    weights = compute_token_weights(recipe, fpol.mask, None, fpol.old, fpol.rollout)
+    slices = (slice(0, 1), slice(1, 2), slice(2, 3))
+    tis_stats = sum(recipes.tis_normalizer_stats(recipe, fpol.mask[s], fpol.old[s], fpol.rollout[s]) for s in slices)
+    split = make_fpol()
+    args = (split.logp, split.old, split.rollout, split.adv, split.mask, weights)
+    total = sum(compute_policy_loss(recipe, *(a[s] for a in args), None, ref[s], tis_stats)[0] for s in slices)
+    close(total, whole.item(), atol=1e-6)
+    close(split.grad(total), g_whole, atol=1e-6)
+    with pytest.raises(ValueError, match="tis_batch_normalize needs tis_stats"):
+        compute_policy_loss(recipe, *args, None, ref)
 
 
 def test_value_loss_entry_point_reduces_with_token_weights():

@@ -26,6 +26,16 @@ def test_each_response_token_is_scored_at_the_column_before_it():
     assert batch.dones.tolist() == [True]
 
 
+def test_rewards_are_shaped_by_the_recipe_before_the_advantages():
+    # Overlong penalty with L_max = 3, L_cache = 2: responses of 1, 2, 3 tokens get 0, -0.5, -1.
+    members = [trajectory([1], [3] * n, reward=1.0, group="a", index=n) for n in (1, 2, 3)]
+    recipe = resolve_recipe("dr_grpo", l_max=3, overlong_max_length=3, overlong_cache_length=2)
+    batch = build_batch([Group("a", members)], recipe)
+    assert batch.rewards.tolist() == [1.0, 0.5, 0.0]
+    # Dr. GRPO: A = r - mean(r) = [0.5, 0, -0.5] on each row's tokens.
+    assert [batch.advantages[i][batch.loss_mask[i]].tolist() for i in range(3)] == [[0.5], [0.0, 0.0], [-0.5] * 3]
+
+
 def test_outcome_advantages_and_weights_span_the_whole_batch():
     g0 = Group("a", [trajectory([1], [3, 4], reward=1.0, group="a"), trajectory([1, 2], [3], reward=0.0, group="a", index=1)])
     g1 = Group("b", [trajectory([1], [5, 6, 7], reward=0.5, group="b"), trajectory([1], [5], reward=0.5, group="b", index=1, finish="length")])
