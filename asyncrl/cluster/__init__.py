@@ -1,0 +1,1 @@
+"""Running on a Ray cluster: jobs through the Ray Jobs API (`jobs`)."""

@@ -1,0 +1,108 @@
+"""`asyncrl submit/status/logs/stop` against a real Ray head started by `ray start` (dashboard + Jobs API).
+
+The head binds 127.0.0.1 and gets its own ports and temp dir, so it never meets the Ray sessions that other
+test modules start with `ray.init`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    """A one-node cluster with the dashboard; yields its Jobs API address."""
+    dashboard = f"http://127.0.0.1:{(dash_port := _free_port())}"
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}")  # jobs find this venv's `asyncrl`
+    temp = Path("/tmp") / f"ray-jobs-{os.getpid()}"  # short: Ray's socket paths have a length limit
+    start = [
+        str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={_free_port()}",
+        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
+        "--num-cpus=4", f"--temp-dir={temp}", "--disable-usage-stats",
+    ]
+    subprocess.run(start, check=True, env=env, capture_output=True, text=True, timeout=180)
+    try:
+        yield dashboard, env
+    finally:
+        _stop_cluster(str(temp))
+
+
+def _stop_cluster(marker: str) -> None:
+    """Kill exactly this cluster's processes (their command lines name its temp dir). Never `ray stop`: it
+    kills every Ray process on the machine, other test sessions' included."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        time.sleep(2)
+
+
+def _cli(args: list[str], env: dict, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "asyncrl"), *args], env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def test_submit_runs_a_short_job_to_completion_and_status_and_logs_read_it_back(head, tmp_path):
+    address, env = head
+    out = tmp_path / "run"
+    overrides = [
+        f"output_dir={out}", "learner.max_steps=2", "learner.prompts_per_step=4", "rollout.samples_per_prompt=2",
+        "eval.every_steps=0", "data.eval_prompts=8", "model.preset=tiny-0.3m", "model.warm_start_examples=0",
+        "buffer.filter_zero_variance=false",  # a random model earns no reward: every group would be filtered
+    ]
+    done = _cli(["submit", *overrides, "--address", address, "--working-dir", "", "--job-id", "asyncrl-test-1"], env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "submitted asyncrl-test-1" in done.stdout and "asyncrl-test-1 SUCCEEDED" in done.stdout
+    assert (out / "summary.json").exists() and '"steps": 2' in (out / "summary.json").read_text()
+
+    status = _cli(["status", "--address", address], env)
+    assert status.returncode == 0 and "asyncrl-test-1  SUCCEEDED  asyncrl run --config-env ASYNCRL_JOB_CONFIG" in status.stdout
+    logs = _cli(["logs", "asyncrl-test-1", "--address", address], env)
+    assert logs.returncode == 0 and '"final_version": 2' in logs.stdout
+
+
+def test_stop_ends_a_running_job(head, tmp_path):
+    address, env = head
+    overrides = [f"output_dir={tmp_path / 'run'}", "model.preset=tiny-0.3m", "model.warm_start_examples=0", "learner.max_steps=100000"]
+    done = _cli(["submit", *overrides, "--address", address, "--working-dir", "", "--job-id", "asyncrl-test-2", "--no-wait"], env)
+    assert done.returncode == 0, done.stderr
+    deadline = time.monotonic() + 120
+    while "RUNNING" not in _cli(["status", "asyncrl-test-2", "--address", address], env).stdout:
+        assert time.monotonic() < deadline, "the job never started running"
+        time.sleep(1)
+    assert "stop requested" in _cli(["stop", "asyncrl-test-2", "--address", address], env).stdout
+    deadline = time.monotonic() + 120
+    while "STOPPED" not in (last := _cli(["status", "asyncrl-test-2", "--address", address], env).stdout):
+        assert time.monotonic() < deadline, f"the job did not stop: {last}"
+        time.sleep(1)
+
+
+def test_a_config_error_is_reported_before_anything_is_submitted(head):
+    address, env = head
+    done = _cli(["submit", "learner.lrr=3", "--address", address], env)
+    assert done.returncode == 2 and "learner.lrr" in done.stderr and "submitted" not in done.stdout
