@@ -51,7 +51,7 @@ def main() -> None:
 
     import ray
 
-    from asyncrl.config import REPO_CONFIGS, load_config
+    from asyncrl.config import RECIPES, load_config
     from asyncrl.controller.run import run
 
     steps = 3 if args.quick else args.steps
@@ -60,7 +60,7 @@ def main() -> None:
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     results = {}
     for mode, file in MODES.items():
-        cfg = load_config(REPO_CONFIGS / file, [f"output_dir={out / mode}", f"learner.max_steps={steps}", f"eval.every_steps={every}"])
+        cfg = load_config(RECIPES / file, [f"output_dir={out / mode}", f"learner.max_steps={steps}", f"eval.every_steps={every}"])
         summary = run(cfg)
         results[mode] = {
             "start_accuracy": summary["start_accuracy"],

@@ -53,13 +53,13 @@ def main() -> None:
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from asyncrl.config import REPO_CONFIGS, load_config
+    from asyncrl.config import RECIPES, load_config
     from asyncrl.envs.data import add_prompt_stream, heldout_add_prompts
     from asyncrl.envs.rewards import exact_match
     from asyncrl.models import ensure_model
     from asyncrl.models.warm_start import greedy_accuracy
 
-    cfg = load_config(REPO_CONFIGS / "default.yaml")
+    cfg = load_config(RECIPES / "default.yaml")
     model_dir = ensure_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

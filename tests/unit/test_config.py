@@ -86,7 +86,7 @@ def test_every_field_has_a_docstring():
 def test_check_rejects_a_param_the_chosen_components_do_not_take(capsys):
     from asyncrl.cli import main
 
-    assert main(["check", str(REPO_CONFIGS / "scalerl.yaml"), "algorithm.params.foo=1"]) == 2
+    assert main(["check", str(RECIPES / "scalerl.yaml"), "algorithm.params.foo=1"]) == 2
     err = capsys.readouterr().err
     assert "scalerl.yaml" in err
     assert "parameter 'foo' is not taken by the chosen advantage 'batch_norm', loss 'cispo', reduction 'prompt_mean', correction 'none'" in err
