@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,6 +28,8 @@ from asyncrl.learner.batch import CRITIC_ADVANTAGES, TrainBatch, dummy_microbatc
 from asyncrl.types import StepStats
 
 if TYPE_CHECKING:
+    from asyncrl.algo.recipes import Recipe
+    from asyncrl.config import LearnerConfig
     from asyncrl.learner.checkpoint import TrainState
 
 __all__ = ["Accumulated", "AllReduce", "RankStep", "apply_whitening", "merge_metrics", "whitening_moments"]
@@ -108,8 +110,8 @@ class RankStep:
     """The step of one rank over its share of a batch; every method is collective (all ranks together)."""
 
     state: TrainState
-    config: Any  # asyncrl.config.LearnerConfig
-    recipe: Any  # asyncrl.algo.recipes.Recipe
+    config: LearnerConfig
+    recipe: Recipe
     temperature: float
     device: torch.device
     all_reduce: AllReduce
