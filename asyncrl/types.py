@@ -150,22 +150,10 @@ class Batch:
         return max(self.lags, default=0)
 
 
-@dataclass
-class WeightUpdate:
-    """Metadata of one weight publication: the version the engines must report once loaded."""
-
-    version: int
-    num_bytes: int
-    num_tensors: int
-    num_buckets: int
-
-
-@dataclass
 class StepStats:
     """What the learner reports for one optimizer step; every field is a plain number."""
 
     step: int
-    version: int
     loss: float
     grad_norm: float
     num_samples: int

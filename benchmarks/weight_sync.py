@@ -3,10 +3,10 @@
 For each random-initialised Qwen2 preset (w3-0.5m, w3-25m, w3-125m): one LearnerPool rank and one
 RolloutPool engine (vLLM, CPU, `max_model_len` 256) in one Ray session. Before every sync the learner takes
 a real optimizer step on a small synthetic batch (untimed), so that the engine's weights are really stale;
-then the timed part runs exactly what the controller's publish does:
+then the timed part runs exactly what the controller's publish does (`ObjectStoreSync`):
 
-    t0  learner step done -> LearnerPool.export_weights_info(bucket_bytes)   (gather + pack + ray.put)
-    t1  refs in hand      -> RolloutPool.update_weights(refs, v + 1, ...)     (fetch + load + set version)
+    t0  learner step done -> sync.start(v + 1)    (gather + pack + ray.put, then every engine starts loading)
+    t1  refs in hand      -> sync.finish(pending) (fetch + load + set version, confirmed by every engine)
     t2  every engine serves version v + 1
 
 Figures per size: export and load seconds, total seconds, bytes moved (sum of the safetensors bucket sizes),
@@ -88,12 +88,13 @@ def bench_preset(preset: str, model_root: Path, syncs: int, bucket_bytes: int, t
     import ray
 
     from asyncrl.algo.recipes import resolve_recipe
-    from asyncrl.config import EnvConfig, LearnerConfig, RolloutConfig
-    from asyncrl.learner.worker import LearnerPool
+    from asyncrl.config import EnvConfig, LearnerConfig, RolloutConfig, WeightSyncConfig
+    from asyncrl.learner.pool import LearnerPool
     from asyncrl.models import PRESETS as MODEL_PRESETS
     from asyncrl.models import build_model, num_parameters
     from asyncrl.models.tokenizer import SPECIAL_TOKENS
     from asyncrl.rollout.pool import RolloutPool
+    from asyncrl.weight_sync.object_store import ObjectStoreSync
 
     model_dir = build_model(preset, model_root / preset, seed=0)
     vocab = len(SPECIAL_TOKENS) + len(MODEL_PRESETS[preset].alphabet)
@@ -113,24 +114,24 @@ def bench_preset(preset: str, model_root: Path, syncs: int, bucket_bytes: int, t
             dtype="float32", max_model_len=MAX_MODEL_LEN,
         )
         rollout.start()
+        sync = ObjectStoreSync(learner, rollout, WeightSyncConfig(bucket_bytes=bucket_bytes, timeout_s=timeout_s), mode="streaming")
         setup_s = time.perf_counter() - started
         parity_at_start = parity()
         rows = []
         for k in range(syncs):
             learner.train_step(synthetic_groups(vocab, seed=k))  # the learner step (not timed)
             parity_before = parity()
-            version = learner.version + 1
+            version = k + 1
             t0 = time.perf_counter()
-            exported = learner.export_weights_info(bucket_bytes)
+            pending = sync.start(version)
             t1 = time.perf_counter()
-            rollout.update_weights(exported.refs, version, in_flight=True, timeout_s=timeout_s)
+            synced = sync.finish(pending)
             t2 = time.perf_counter()
-            learner.version = version
             served = rollout.versions()
             if set(served.values()) != {version}:
                 raise RuntimeError(f"{preset}: engines serve {served} after publishing version {version}")
             t3 = time.perf_counter()
-            bucket_sizes = [len(b) for b in ray.get(exported.refs)]  # diagnostic: an object-store fetch alone
+            bucket_sizes = [len(b) for b in ray.get(sync.latest().refs)]  # diagnostic: an object-store fetch alone
             fetch_s = time.perf_counter() - t3
             total_bytes = sum(bucket_sizes)
             rows.append(
@@ -140,16 +141,15 @@ def bench_preset(preset: str, model_root: Path, syncs: int, bucket_bytes: int, t
                     "load_s": t2 - t1,
                     "total_s": t2 - t0,
                     "bytes": total_bytes,
-                    "payload_bytes": exported.num_bytes,
+                    "payload_bytes": synced.num_bytes,
                     "num_buckets": len(bucket_sizes),
-                    "num_tensors": exported.num_tensors,
+                    "num_tensors": synced.num_tensors,
                     "bytes_per_s": total_bytes / (t2 - t0),
                     "driver_fetch_s": fetch_s,
                     "parity_before": parity_before,
                     "parity_after": parity(),
                 }
             )
-            del exported
             print(
                 f"  {preset} sync {k + 1}/{syncs}: export {rows[-1]['export_s']:.3f}s load {rows[-1]['load_s']:.3f}s "
                 f"({total_bytes / 1e6:.1f} MB, parity {rows[-1]['parity_after']:.1e})",
@@ -254,7 +254,7 @@ def main() -> None:
             "rollout_workers": 1,
             "dtype": "float32",
             "bucket_bytes": args.bucket_bytes,
-            "transport": "ray object store (ObjectStorePublisher path)",
+            "transport": "ray object store (ObjectStoreSync)",
             "max_model_len": MAX_MODEL_LEN,
             "probe_tokens": PROBE_LEN,
             "probe_prompt_len": PROBE_PROMPT_LEN,

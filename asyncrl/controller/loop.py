@@ -20,8 +20,8 @@ from asyncrl.telemetry.metrics import RunMetrics
 from asyncrl.telemetry.progress import Progress
 
 if TYPE_CHECKING:
-    from asyncrl.rollout.pool import PendingSync
     from asyncrl.types import Batch
+    from asyncrl.weight_sync.base import PendingSync
 
 
 class Controller:
@@ -38,8 +38,8 @@ class Controller:
         self.mismatch_k3: list[float] = []
         self.history: list[dict] = []
         self._unlogged: deque[dict] = deque()
-        self._sync: tuple[PendingSync, dict, float] | None = None
-        """The weight sync in flight: (pending calls, row of the step that published it, start time)."""
+        self._pending_sync: tuple[PendingSync, dict] | None = None
+        """The weight sync in flight: (pending sync, row of the step that published it)."""
         self.prompts_drawn = 0
         self.progress = Progress(enabled=cfg.telemetry.progress)
         self.metrics = RunMetrics(cfg.telemetry.prometheus_port)
@@ -55,8 +55,9 @@ class Controller:
 
         from asyncrl.buffer.client import start_replay_queue
         from asyncrl.envs.data import eval_prompts, train_stream
-        from asyncrl.learner.worker import LearnerPool
+        from asyncrl.learner.pool import LearnerPool
         from asyncrl.rollout.pool import RolloutPool
+        from asyncrl.weight_sync.object_store import ObjectStoreSync
 
         cfg = self.cfg
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -64,7 +65,8 @@ class Controller:
         self.eval_set = eval_prompts(cfg, self.tokenizer)
         self.queue = start_replay_queue(cfg.buffer, batch_groups=cfg.learner.prompts_per_step, name=f"replay_queue-{self.out.name}", log_dir=self.out)
         self.learner = LearnerPool.from_config(cfg, self.model_dir)
-        self.rollout = RolloutPool.from_config(cfg, self.model_dir, queue=self.queue.handle)
+        self.rollout = RolloutPool.from_config(cfg, self.model_dir, queue=self.queue.handle, latest=lambda: self.sync.latest())
+        self.sync = ObjectStoreSync(self.learner, self.rollout, cfg.weight_sync, cfg.mode)
         self.rollout.start()
         if cfg.checkpoint.resume_from:
             self._resume(cfg.checkpoint.resume_from)
@@ -142,38 +144,33 @@ class Controller:
             self.queue.add_prompts(batch, cfg.rollout.samples_per_prompt)
 
     def _publish(self) -> None:
-        """Export the policy as version v+1 and send it to every engine. With `weight_sync.overlap` in the
-        in-flight modes the learner goes on while the engines load (`_finish_sync` waits); a sync whose
-        parity is probed is waited for at once, before the learner's weights move again."""
-        cfg = self.cfg
+        """Export the policy as version v+1 and send it to every engine. When the sync overlaps (in-flight
+        modes with `weight_sync.overlap`) the learner goes on while the engines load (`_finish_sync` waits);
+        a sync whose parity is probed is waited for at once, before the learner's weights move again."""
         self._finish_sync()  # at most one sync in flight: engines take versions in order
-        began = time.perf_counter()
-        refs = self.learner.export_weights(cfg.weight_sync.bucket_bytes)
         self.version += 1
-        self.learner.version = self.version
-        in_flight = cfg.weight_sync.in_flight and cfg.mode != "sync"
-        self._sync = (self.rollout.start_update(refs, self.version, in_flight=in_flight), self.history[-1], began)
-        probe = cfg.weight_sync.parity_probe and (self.version == 1 or self.version % cfg.weight_sync.parity_probe_every == 0)
-        if probe or not (in_flight and cfg.weight_sync.overlap):
+        self._pending_sync = (self.sync.start(self.version), self.history[-1])
+        probe = self.sync.probes(self.version)
+        if probe or not self.sync.overlaps():
             self._finish_sync(probe)
 
     def _finish_sync(self, probe: bool = False) -> None:
         """Wait for the sync in flight (raises naming the engines that did not confirm), open admission for
         its version, and record it on the row of the step that published it."""
-        if self._sync is None:
+        if self._pending_sync is None:
             return
-        pending, row, began = self._sync
-        self._sync = None
-        self.rollout.finish_update(pending, timeout_s=self.cfg.weight_sync.timeout_s)
-        self.queue.set_version(pending.version)
-        row["sync_s"] = time.perf_counter() - began
+        pending, row = self._pending_sync
+        self._pending_sync = None
+        result = self.sync.finish(pending)
+        self.queue.set_version(result.version)
+        row["sync_s"] = result.seconds
         parity = None
         if probe:
             began = time.perf_counter()
             parity = self._parity_probe()
             self.parity.append(parity)
             row.update(parity_max_abs_diff=parity, parity_probe_s=time.perf_counter() - began)
-        self.metrics.observe_sync(pending.version, row["sync_s"], parity)
+        self.metrics.observe_sync(result.version, result.seconds, parity)
 
     def _parity_probe(self) -> float:
         """Max |engine - learner| log-prob on one fixed sequence (invariant 4)."""
@@ -238,7 +235,7 @@ class Controller:
     def _log_steps(self) -> None:
         """Rows of finished steps, in order, to metrics.jsonl and the console; a row whose weight sync is still
         in flight (and the rows after it) waits until the sync's timings are in."""
-        pending_row = self._sync[1] if self._sync is not None else None
+        pending_row = self._pending_sync[1] if self._pending_sync is not None else None
         while self._unlogged and self._unlogged[0] is not pending_row:
             row = self._unlogged.popleft()
             with open(self.out / "metrics.jsonl", "a") as f:
@@ -258,7 +255,7 @@ class Controller:
             "prompts_drawn": self.prompts_drawn,
             "queue": queue_state,
         }
-        self.learner.save_checkpoint(folder, extra)
+        self.learner.save_checkpoint(folder, self.version, extra)
         if self.cfg.checkpoint.export_hf:
             self.learner.export_hf(self.out / "final_model")
 
@@ -269,9 +266,9 @@ class Controller:
             if not folders:
                 raise FileNotFoundError(f"checkpoint.resume_from=latest: no checkpoint under {self.out / 'checkpoints'}")
             folder = folders[-1]
-        extra = self.learner.load_checkpoint(folder)
-        self.step, self.version = extra["step"], extra["version"]
-        self.learner.version = self.version
+        restored = self.learner.load_checkpoint(folder)
+        extra = restored.extra
+        self.step, self.version = restored.step, restored.version
         self.samples_trained, self.tokens_trained = extra["samples_trained"], extra["tokens_trained"]
         self.queue.load_state_dict(extra["queue"])
         # The prompt stream is deterministic: skip what the checkpointed run already drew.
@@ -279,7 +276,7 @@ class Controller:
             next(self.prompts)
         self.prompts_drawn = extra["prompts_drawn"]
         # Engines start from the model folder; bring them to the checkpointed weights and version.
-        self.rollout.update_weights(self.learner.export_weights(self.cfg.weight_sync.bucket_bytes), self.version, in_flight=False, timeout_s=self.cfg.weight_sync.timeout_s)
+        self.sync.finish(self.sync.start(self.version, in_flight=False))
 
     def _summary(self, wall_s: float) -> dict:
         counters = self.queue.counters()

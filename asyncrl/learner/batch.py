@@ -72,8 +72,6 @@ class TrainBatch:
     rewards: torch.Tensor  # float32 [B], task reward plus the recipe's shaping (`shape_rewards`)
     group_ids: torch.Tensor  # int64 [B], dense over the whole batch
     dones: torch.Tensor  # bool [B], finish_reason == "stop" (False = truncated: GAE bootstraps)
-    min_version: torch.Tensor  # int64 [B]
-    max_version: torch.Tensor  # int64 [B]
     seq_lens: torch.Tensor  # int64 [B], prompt + response tokens
     num_groups: int
 
@@ -166,8 +164,6 @@ def build_batch(groups: Sequence[Group], recipe) -> TrainBatch:
         rewards=rewards,
         group_ids=group_ids,
         dones=torch.tensor([t.finish_reason == "stop" for _, t in trajectories]),
-        min_version=torch.tensor([t.min_version for _, t in trajectories], dtype=torch.long),
-        max_version=torch.tensor([t.max_version for _, t in trajectories], dtype=torch.long),
         seq_lens=torch.tensor(seq_lens, dtype=torch.long),
         num_groups=len(groups),
     )
@@ -242,8 +238,6 @@ def dummy_microbatch(num_groups: int = 1) -> TrainBatch:
         rewards=torch.zeros(1),
         group_ids=torch.zeros(1, dtype=torch.long),
         dones=torch.ones(1, dtype=torch.bool),
-        min_version=torch.zeros(1, dtype=torch.long),
-        max_version=torch.zeros(1, dtype=torch.long),
         seq_lens=torch.full((1,), 2, dtype=torch.long),
         num_groups=num_groups,
     )

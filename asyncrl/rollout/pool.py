@@ -12,8 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,6 +23,7 @@ from asyncrl.config import Config, EnvConfig, RolloutConfig
 from asyncrl.rollout.engine import SamplingSpec
 from asyncrl.rollout.worker import RolloutWorker, WorkerSpec
 from asyncrl.types import Prompt
+from asyncrl.weight_sync.base import PublishedWeights
 
 
 class WorkerStartError(RuntimeError):
@@ -38,15 +38,6 @@ class WeightSyncTimeout(WeightSyncError):
     """Some engine did not confirm the new version within the sync timeout."""
 
 
-@dataclass(frozen=True)
-class PendingSync:
-    """A weight sync sent to the engines and not yet confirmed (`RolloutPool.start_update`)."""
-
-    calls: dict[Any, str]
-    """Object ref of each engine's `update_weights` call -> the worker's name."""
-    version: int
-
-
 _CONTROL_TIMEOUT_S = 30.0  # stop / stats / health calls
 
 
@@ -54,7 +45,8 @@ class RolloutPool:
     """Driver-side owner of the rollout workers. Not thread-safe; call from one controller thread.
 
     Every worker gets the same typed `WorkerSpec` (built here from the arguments, or from the run's config by
-    `from_config`), with its own sampling seed.
+    `from_config`), with its own sampling seed. `latest`: the last published weights (the weight sync's
+    `latest`), loaded by every worker started later.
     """
 
     def __init__(
@@ -69,6 +61,7 @@ class RolloutPool:
         seed: int = 0,
         sampling: SamplingSpec | None = None,
         max_staleness: int | None = None,
+        latest: Callable[[], PublishedWeights | None] = lambda: None,
     ) -> None:
         self.spec = WorkerSpec(
             model_dir=str(model_dir), rollout=rollout, env=env or EnvConfig(), dtype=dtype, max_model_len=max_model_len,
@@ -80,28 +73,26 @@ class RolloutPool:
         self._workers: dict[str, Any] = {}
         self._run_refs: dict[str, Any] = {}
         self._generating = False
-        self._latest: tuple[list[Any], int] | None = None  # (bucket refs, version) last published
+        self._latest = latest
         self._actor_cls = ray.remote(RolloutWorker)
 
     # ---------------------------------------------------------------------------------------------
     # Lifecycle
 
     @classmethod
-    def from_config(cls, cfg: Config, model_dir: str, queue: Any = None) -> RolloutPool:
+    def from_config(
+        cls, cfg: Config, model_dir: str, queue: Any = None, latest: Callable[[], PublishedWeights | None] = lambda: None
+    ) -> RolloutPool:
         """The run's pool: engines, sampling and reward from `cfg`; engines abort requests certain to exceed
         `buffer.max_staleness` when `buffer.abort_stale_in_flight`."""
         return cls(
             str(model_dir), cfg.rollout, cfg.env, queue, dtype=cfg.model.dtype, max_model_len=cfg.rollout.max_model_len,
-            seed=cfg.seed, max_staleness=cfg.buffer.max_staleness if cfg.buffer.abort_stale_in_flight else None,
+            seed=cfg.seed, max_staleness=cfg.buffer.max_staleness if cfg.buffer.abort_stale_in_flight else None, latest=latest,
         )
 
     @property
     def names(self) -> list[str]:
         return list(self._workers)
-
-    @property
-    def version(self) -> int:
-        return self._latest[1] if self._latest else 0
 
     def handle(self, name: str) -> Any:
         return self._workers[name]
@@ -149,19 +140,18 @@ class RolloutPool:
         and wait until each reports `version`.
 
         Raises WeightSyncTimeout / WeightSyncError naming every engine that did not confirm in `timeout_s`.
-        The buckets stay referenced until the next sync so that workers added later get them.
+        Workers added later load `latest()`, not these buckets: publishing is the weight sync's business.
         """
-        self.finish_update(self.start_update(buckets, version, in_flight), timeout_s)
+        self.finish_update(self.start_update(buckets, version, in_flight), version, timeout_s)
 
-    def start_update(self, buckets: Sequence[Any], version: int, in_flight: bool = True) -> PendingSync:
-        """`update_weights` without the wait: the engines load while the caller goes on; `finish_update` waits."""
+    def start_update(self, buckets: Sequence[Any], version: int, in_flight: bool = True) -> dict[Any, str]:
+        """`update_weights` without the wait: the engines load while the caller goes on; -> the engines'
+        load calls (object ref -> worker name), for `finish_update`."""
         refs = [b if isinstance(b, ray.ObjectRef) else ray.put(bytes(b)) for b in buckets]
-        self._latest = (refs, version)
         return self._start_sync(dict(self._workers), refs, version, in_flight)
 
-    def finish_update(self, pending: PendingSync, timeout_s: float) -> None:
-        """Wait until every engine of `pending` reports its version; raises as `update_weights` does."""
-        calls, version = pending.calls, pending.version
+    def finish_update(self, calls: dict[Any, str], version: int, timeout_s: float) -> None:
+        """Wait until every engine of `calls` reports `version`; raises as `update_weights` does."""
         done, waiting = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
         problems: list[str] = []
         for ref in done:
@@ -182,8 +172,8 @@ class RolloutPool:
             error = WeightSyncTimeout if timed_out else WeightSyncError
             raise error("weight sync failed: " + "; ".join(problems))
 
-    def _start_sync(self, workers: dict[str, Any], refs: list[Any], version: int, in_flight: bool) -> PendingSync:
-        return PendingSync({handle.update_weights.remote(refs, version, in_flight): name for name, handle in workers.items()}, version)
+    def _start_sync(self, workers: dict[str, Any], refs: list[Any], version: int, in_flight: bool) -> dict[Any, str]:
+        return {handle.update_weights.remote(refs, version, in_flight): name for name, handle in workers.items()}
 
     # ---------------------------------------------------------------------------------------------
     # Scaling and health
@@ -259,11 +249,11 @@ class RolloutPool:
             for h in handles.values():
                 ray.kill(h)
             raise WorkerStartError("; ".join(problems))
-        if self._latest is not None:
-            refs, version = self._latest
+        latest = self._latest()
+        if latest is not None:
             remaining = max(1.0, timeout_s - (time.monotonic() - started))
             try:
-                self.finish_update(self._start_sync(handles, refs, version, in_flight=False), remaining)
+                self.finish_update(self._start_sync(handles, latest.refs, latest.version, in_flight=False), latest.version, remaining)
             except WeightSyncError:
                 for h in handles.values():
                     ray.kill(h)

@@ -22,7 +22,7 @@ STEPS = 4
 def _run(model_dir, preset, overrides):
     from asyncrl.algo.recipes import resolve_recipe
     from asyncrl.config import LearnerConfig
-    from asyncrl.learner.worker import LearnerPool
+    from asyncrl.learner.pool import LearnerPool
 
     recipe = resolve_recipe(preset, **overrides)
     pool = LearnerPool(model_dir, LearnerConfig(lr=1e-3, num_ranks=1, tokens_per_microbatch=64, seed=0), recipe, temperature=1.0)

@@ -12,7 +12,7 @@ from asyncrl.types import Group, Trajectory
 pytestmark = pytest.mark.integration
 
 
-def make_groups(num_groups=4, group_size=3, seed=0, version=0):
+def make_groups(num_groups=4, group_size=3, seed=0):
     """Random sequences (some tool tokens, some truncated) with rewards and rollout log-probs."""
     rng = np.random.default_rng(seed)
     groups = []
@@ -29,7 +29,7 @@ def make_groups(num_groups=4, group_size=3, seed=0, version=0):
                     response_ids=rng.integers(3, 16, response_len).astype(np.int32),
                     rollout_logprobs=(-rng.random(response_len) * 3).astype(np.float32),
                     loss_mask=(rng.random(response_len) > 0.2).astype(np.int8),
-                    versions=np.full(response_len, version, np.int32),
+                    versions=np.zeros(response_len, np.int32),
                     finish_reason="stop" if rng.random() < 0.7 else "length",
                     reward=float(rng.integers(0, 2)) if i else float(rng.random()),
                 )
@@ -48,7 +48,7 @@ RECIPE = resolve_recipe("cispo")  # batch-normalised advantages, CISPO, prompt-m
 
 @pytest.fixture(scope="module")
 def pools(ray_cluster, tiny_model_dir):
-    from asyncrl.learner.worker import LearnerPool
+    from asyncrl.learner.pool import LearnerPool
 
     # One rank with one micro-batch vs two ranks with many micro-batches of at most 12 padded tokens.
     one = LearnerPool(tiny_model_dir, LearnerConfig(num_ranks=1, tokens_per_microbatch=4096, lr=1e-2), RECIPE)
@@ -128,17 +128,6 @@ def test_one_train_step_gives_the_same_loss_norm_and_weights_on_one_and_two_rank
         assert np.abs(after_1[name] - before[name])[clear].min(initial=1e-2) > 5e-3, name
 
 
-def test_staleness_of_the_batch_is_reported(pools):
-    _, two = pools
-    two.version = 3
-    try:
-        stats = two.train_step(make_groups(seed=3, version=1))
-    finally:
-        two.version = 0
-    assert stats.metrics["staleness_mean_versions"] == 2.0 and stats.metrics["staleness_max_versions"] == 2.0
-    assert stats.version == 3
-
-
 def _reference_model(tiny_model_dir, params):
     from transformers import AutoModelForCausalLM
 
@@ -166,12 +155,12 @@ def test_score_equals_a_transformers_fp32_forward_with_temperature(pools, tiny_m
 
 
 class _FakeRolloutPool:
-    """Records what a rollout pool would load."""
+    """Records what a rollout pool would load: (version, in_flight, timeout_s, number of buckets, tensors)."""
 
     def __init__(self):
         self.calls = []
 
-    def update_weights(self, refs, version, in_flight, timeout_s):
+    def start_update(self, refs, version, in_flight):
         import ray
 
         from asyncrl.rollout.weights import unpack_bucket
@@ -179,44 +168,47 @@ class _FakeRolloutPool:
         tensors = {}
         for data in ray.get(list(refs)):
             tensors.update(unpack_bucket(data))
-        self.calls.append((version, in_flight, timeout_s, len(refs), tensors))
+        self.started = (version, in_flight, len(refs), tensors)
+        return {}
+
+    def finish_update(self, calls, version, timeout_s):
+        started_version, in_flight, num_buckets, tensors = self.started
+        assert version == started_version
+        self.calls.append((version, in_flight, timeout_s, num_buckets, tensors))
 
 
 def test_published_buckets_hold_every_parameter_under_hf_names_with_the_tied_head(pools):
-    from asyncrl.learner.publish import ObjectStorePublisher
+    from asyncrl.weight_sync.object_store import ObjectStoreSync
 
     _, two = pools
     params = two.state_snapshot()["params"]
     sink = _FakeRolloutPool()
-    update = ObjectStorePublisher(two, sink, WeightSyncConfig(bucket_bytes=1 << 16, timeout_s=7.0)).publish(version=5)
-    try:
-        (version, in_flight, timeout_s, num_buckets, tensors) = sink.calls[0]
-        assert (version, in_flight, timeout_s) == (5, True, 7.0)
-        assert two.version == 5 and update.version == 5
-        assert num_buckets == update.num_buckets > 1  # ~1.2 MB of fp32 weights in 64 KiB buckets
-        assert update.num_tensors == len(tensors) == len(params) == 51  # 50 parameters + the tied lm_head.weight
-        assert torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
-        for name, value in params.items():
-            assert np.array_equal(tensors[name].numpy(), value), name
-    finally:
-        two.version = 0
+    sync = ObjectStoreSync(two, sink, WeightSyncConfig(bucket_bytes=1 << 16, timeout_s=7.0), mode="streaming")
+    update = sync.finish(sync.start(version=5))
+    (version, in_flight, timeout_s, num_buckets, tensors) = sink.calls[0]
+    assert (version, in_flight, timeout_s) == (5, True, 7.0)
+    assert sync.latest().version == 5 and update.version == 5
+    assert num_buckets == update.num_buckets > 1  # ~1.2 MB of fp32 weights in 64 KiB buckets
+    assert update.num_tensors == len(tensors) == len(params) == 51  # 50 parameters + the tied lm_head.weight
+    assert torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
+    for name, value in params.items():
+        assert np.array_equal(tensors[name].numpy(), value), name
 
 
 def test_checkpoint_restores_parameters_optimizer_step_version_and_extra_into_another_pool_size(pools, tiny_model_dir, tmp_path):
-    from asyncrl.learner.worker import LearnerPool
+    from asyncrl.learner.pool import LearnerPool
 
     _, two = pools
     two.train_step(make_groups(seed=4))
-    two.version = 7
     extra = {"queue": {"pending": ["g1", "g2"]}, "counters": {"dispatched": 12, "trained": 9}}
-    two.save_checkpoint(tmp_path / "ckpt", extra)
-    two.version = 0
+    two.save_checkpoint(tmp_path / "ckpt", 7, extra)
     saved = two.state_snapshot()
 
     restored = LearnerPool(tiny_model_dir, LearnerConfig(num_ranks=1, tokens_per_microbatch=64, lr=1e-2), RECIPE)
     try:
-        assert restored.load_checkpoint(tmp_path / "ckpt") == extra
-        assert (restored.step, restored.version) == (two.step, 7)
+        checkpoint = restored.load_checkpoint(tmp_path / "ckpt")
+        assert checkpoint.extra == extra
+        assert (restored.step, checkpoint.step, checkpoint.version) == (two.step, two.step, 7)
         loaded = restored.state_snapshot()
         assert loaded["step"] == saved["step"] and loaded["lr"] == saved["lr"]
         assert max_abs_diff(saved["params"], loaded["params"]) == 0.0
@@ -254,7 +246,7 @@ def test_export_hf_loads_in_transformers_with_identical_logits(pools, tmp_path):
 
 
 def test_critic_steps_reduce_the_value_loss_and_the_policy_waits_for_critic_warmup(ray_cluster, tiny_model_dir):
-    from asyncrl.learner.worker import LearnerPool
+    from asyncrl.learner.pool import LearnerPool
 
     # GAE from critic values, whitened with batch-global moments; lam = 1 makes the value targets Monte-Carlo
     # returns (fixed except for the bootstrap of truncated rows), so the regression loss must go down.

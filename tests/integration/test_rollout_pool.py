@@ -116,8 +116,32 @@ def queue(ray_cluster):
     return ray_cluster.remote(FakeQueue).remote()
 
 
+class LatestWeights:
+    """The weight sync's `latest()` for this module: the weights a test published last (or None)."""
+
+    def __init__(self) -> None:
+        self.weights = None
+
+    def __call__(self):
+        return self.weights
+
+    def publish(self, pool, buckets, version: int, timeout_s: float) -> None:
+        """Publish as a weight sync does: record the weights as the latest, then update every engine."""
+        from asyncrl.rollout.weights import unpack_bucket
+        from asyncrl.weight_sync.base import PublishedWeights
+
+        num_tensors = sum(len(unpack_bucket(b)) for b in buckets)
+        self.weights = PublishedWeights(version, list(buckets), sum(len(b) for b in buckets), num_tensors)
+        pool.update_weights(buckets, version=version, in_flight=True, timeout_s=timeout_s)
+
+
 @pytest.fixture(scope="module")
-def pool(ray_cluster, tiny_model_dir, queue):
+def latest():
+    return LatestWeights()
+
+
+@pytest.fixture(scope="module")
+def pool(ray_cluster, tiny_model_dir, queue, latest):
     from asyncrl.config import EnvConfig, RolloutConfig
     from asyncrl.rollout.engine import SamplingSpec
     from asyncrl.rollout.pool import RolloutPool
@@ -132,6 +156,7 @@ def pool(ray_cluster, tiny_model_dir, queue):
         queue,
         max_model_len=256,
         sampling=SamplingSpec(max_tokens=MAX_TOKENS, temperature=1.0, ignore_eos=True, timeout_s=120),
+        latest=latest,
     )
     pool.start()
     yield pool
@@ -184,8 +209,8 @@ def test_the_pool_serves_the_queue_and_a_crashing_reward_fails_only_its_trajecto
     assert stats["reward_failures"] == 1 and stats["busy_s"] > 0 and stats["idle_s"] >= 0
 
 
-def test_an_added_worker_serves_the_latest_published_weights(pool, hf_model, published):
-    pool.update_weights(published, version=1, in_flight=True, timeout_s=60)
+def test_an_added_worker_serves_the_latest_published_weights(pool, latest, hf_model, published):
+    latest.publish(pool, published, version=1, timeout_s=60)
     assert pool.versions() == {"rollout-0": 1}
     name = pool.add_worker()
     assert name == "rollout-1"
@@ -219,7 +244,7 @@ def test_removing_a_worker_with_requests_in_flight_re_dispatches_them_and_none_i
     assert all(t.min_version == 1 for t, _ in finished)
 
 
-def test_a_weight_sync_to_a_killed_worker_fails_within_its_timeout_naming_it(pool, queue, published):
+def test_a_weight_sync_to_a_killed_worker_fails_within_its_timeout_naming_it(pool, queue, latest, published):
     import ray
 
     from asyncrl.rollout.pool import WeightSyncError
@@ -229,7 +254,7 @@ def test_a_weight_sync_to_a_killed_worker_fails_within_its_timeout_naming_it(poo
     ray.kill(pool.handle("rollout-1"))
     started = time.monotonic()
     with pytest.raises(WeightSyncError, match="rollout-1") as error:
-        pool.update_weights(published, version=2, in_flight=True, timeout_s=20)
+        latest.publish(pool, published, version=2, timeout_s=20)
     print(f"sync to a killed worker failed after {time.monotonic() - started:.2f}s: {error.value}")
     assert time.monotonic() - started < 20 + 5
 

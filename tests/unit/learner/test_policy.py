@@ -5,7 +5,7 @@ from asyncrl.algo.advantages import masked_whiten
 from asyncrl.algo.recipes import compute_policy_loss, resolve_recipe
 from asyncrl.learner.batch import build_batch, dummy_microbatch, micro_batches
 from asyncrl.learner.policy import PolicyModel, ValueModel, load_causal_lm
-from asyncrl.learner.worker import apply_whitening, merge_metrics, whitening_moments
+from asyncrl.learner.step import apply_whitening, merge_metrics, whitening_moments
 
 from .helpers import random_groups
 
@@ -87,7 +87,7 @@ def test_merge_metrics_sums_losses_takes_extremes_and_weights_means():
 
 def test_the_recipe_comes_from_the_algorithm_section_with_l_max_from_the_rollout_length():
     from asyncrl.config import validate_config
-    from asyncrl.learner.worker import recipe_from_config
+    from asyncrl.learner.pool import recipe_from_config
 
     cfg = validate_config({"algorithm": {"preset": "dr_grpo", "params": {"eps_high": 0.3}}, "rollout": {"max_tokens": 12}})
     recipe = recipe_from_config(cfg)
@@ -99,7 +99,7 @@ def test_a_state_dict_before_the_first_step_does_not_change_that_step():
     `materialize_optimizer_state` the first real step is still the fresh-AdamW step lr * g / (|g| + eps)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from asyncrl.learner.worker import materialize_optimizer_state
+    from asyncrl.learner.rank import materialize_optimizer_state
 
     def first_step(snapshot_first: bool) -> torch.Tensor:
         weight = torch.nn.Parameter(torch.tensor([1.0, 2.0]))

@@ -1,0 +1,173 @@
+"""`LearnerPool`: the driver-side handle on every learner rank (`rank.LearnerWorker` actors).
+
+One optimizer step per batch:
+
+    pool: groups -> build_batch (outcome advantages + reduction weights over the WHOLE batch)
+          -> split_rows (token-balanced; whole groups for gvpo) -> each rank's train_step (step.py)
+          -> merge the ranks' metrics
+
+The pool holds the step counter but not the policy version: the controller owns it and hands it to
+`save_checkpoint`; `load_checkpoint` gives it back.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from asyncrl.learner.batch import TrainBatch, build_batch, loss_needs_whole_groups, split_rows
+from asyncrl.learner.export import ExportedWeights
+from asyncrl.learner.rank import LearnerWorker
+from asyncrl.learner.step import merge_metrics
+from asyncrl.types import Group, StepStats
+
+__all__ = ["LearnerCheckpoint", "LearnerPool", "recipe_from_config"]
+
+
+def recipe_from_config(cfg):
+    """The run's `Recipe`: `algorithm` preset, overrides and params; Dr. GRPO's fixed L_max defaults to
+    `rollout.max_tokens` (the longest response the engines may produce)."""
+    from asyncrl.algo.recipes import resolve_recipe
+
+    algo = cfg.algorithm
+    params = dict(algo.params)
+    if algo.resolved_names()["reduction"] == "seq_mean_token_sum_norm":
+        params.setdefault("l_max", cfg.rollout.max_tokens)
+    return resolve_recipe(algo.preset, algo.advantage, algo.loss, algo.reduction, algo.correction, **params)
+
+
+@dataclass(frozen=True)
+class LearnerCheckpoint:
+    """What `LearnerPool.load_checkpoint` restored: the optimizer step count, the policy version the caller
+    saved with it, and the caller's `extra` state (JSON), untouched."""
+
+    step: int
+    version: int
+    extra: dict[str, Any]
+
+
+class LearnerPool:
+    """Driver-side handle on `num_ranks` LearnerWorker actors forming one torch.distributed group."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        config,
+        recipe,
+        temperature: float = 1.0,
+        dtype: str = "float32",
+        init_timeout_s: float = 300.0,
+    ):
+        import ray
+
+        self.config = config
+        self.recipe = recipe
+        self.num_ranks = config.num_ranks
+        self.step = 0
+        actor = ray.remote(LearnerWorker).options(num_cpus=config.num_cpus_per_rank, num_gpus=config.num_gpus_per_rank)
+        self.workers = [
+            actor.remote(rank, self.num_ranks, str(model_dir), config, recipe, temperature, dtype) for rank in range(self.num_ranks)
+        ]
+        addr, port = ray.get(self.workers[0].master_address.remote(), timeout=init_timeout_s)
+        self._call("setup", addr, port, init_timeout_s, timeout_s=init_timeout_s + 60)
+
+    @classmethod
+    def from_config(cls, cfg, model_dir: str | os.PathLike) -> LearnerPool:
+        """Build from the run's `asyncrl.config.Config` (recipe from `algorithm`, temperature from `rollout`)."""
+        return cls(model_dir, cfg.learner, recipe_from_config(cfg), cfg.rollout.temperature, cfg.model.dtype)
+
+    def _call(self, method: str, *args, timeout_s: float | None = None, per_rank: Sequence[tuple] | None = None) -> list:
+        """Call `method` on every rank at once (collective) and wait; a failure names the rank."""
+        import ray
+
+        refs = [
+            getattr(w, method).remote(*(per_rank[r] if per_rank is not None else args)) for r, w in enumerate(self.workers)
+        ]
+        results = []
+        for rank, ref in enumerate(refs):
+            try:
+                results.append(ray.get(ref, timeout=timeout_s))
+            except Exception as e:
+                raise RuntimeError(f"learner rank {rank}: {method} failed: {e}") from e
+        return results
+
+    # ------------------------------------------------------------------ training
+
+    def make_batch(self, groups: Sequence[Group], recipe=None) -> TrainBatch:
+        return build_batch(groups, recipe or self.recipe)
+
+    def train_step(self, groups: Sequence[Group]) -> StepStats:
+        """One optimizer step on `groups` (the readiness units the buffer handed out)."""
+        return self.train_batch(self.make_batch(groups))
+
+    def train_batch(self, batch: TrainBatch) -> StepStats:
+        began = time.perf_counter()
+        shards = split_rows(batch, self.num_ranks, loss_needs_whole_groups(self.recipe))
+        results: list[StepStats] = self._call("train_step", per_rank=[(s,) for s in shards])
+        self.step = results[0].step
+        metrics = merge_metrics([(r.metrics, r.metrics.get("loss_tokens", 0.0)) for r in results])
+        metrics.pop("loss_tokens", None)
+        metrics["learner_step_s"] = time.perf_counter() - began
+        return StepStats(
+            step=self.step,
+            loss=results[0].loss,
+            grad_norm=results[0].grad_norm,
+            num_samples=sum(r.num_samples for r in results),
+            num_tokens=sum(r.num_tokens for r in results),
+            metrics=metrics,
+        )
+
+    def compute_gradients(self, batch: TrainBatch, recipe=None) -> tuple[float, dict[str, np.ndarray]]:
+        """(batch loss, full policy gradient by HF name) without an optimizer step (tests, debugging).
+        `recipe` (default: the pool's) must be the one `batch` was built with."""
+        recipe = recipe or self.recipe
+        shards = split_rows(batch, self.num_ranks, loss_needs_whole_groups(recipe))
+        loss, grads = self._call("compute_gradients", per_rank=[(s, recipe) for s in shards])[0]
+        return loss, grads
+
+    def score(self, token_ids: Sequence[int], prompt_len: int, temperature: float | None = None) -> np.ndarray:
+        return self._call("score", list(token_ids), prompt_len, temperature)[0]
+
+    # ------------------------------------------------------------------ weights and checkpoints
+
+    def export_weights(self, bucket_bytes: int) -> ExportedWeights:
+        """Gather the policy, pack HF-named safetensors buckets (tied lm_head explicit) and put them in the
+        object store; the refs are owned by rank 0."""
+        return self._call("export_weights", bucket_bytes)[0]
+
+    def state_snapshot(self) -> dict[str, Any]:
+        return self._call("state_snapshot")[0]
+
+    def save_checkpoint(self, folder: str | os.PathLike, version: int, extra: dict[str, Any] | None = None) -> None:
+        """Model, optimizer, schedulers, RNG (+ critic) of every rank, then `extra` (JSON) and the
+        step/version marker that makes the checkpoint complete. `version`: the caller's policy version."""
+        from asyncrl.learner.checkpoint import write_learner_state
+
+        self._call("save_checkpoint", str(folder))
+        write_learner_state(folder, step=self.step, version=version, num_ranks=self.num_ranks, extra=extra or {})
+
+    def load_checkpoint(self, folder: str | os.PathLike) -> LearnerCheckpoint:
+        """Restore a complete checkpoint into this pool (any number of ranks)."""
+        from asyncrl.learner.checkpoint import read_learner_state
+
+        state, extra = read_learner_state(folder)
+        self._call("load_checkpoint", str(folder))
+        self.step = int(state["step"])
+        return LearnerCheckpoint(step=self.step, version=int(state["version"]), extra=extra)
+
+    def export_hf(self, folder: str | os.PathLike) -> None:
+        self._call("export_hf", str(folder))
+
+    def shutdown(self) -> None:
+        import ray
+
+        try:
+            self._call("shutdown", timeout_s=30)
+        finally:
+            for w in self.workers:
+                ray.kill(w)

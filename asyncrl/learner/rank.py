@@ -1,0 +1,251 @@
+"""`LearnerWorker`: one learner rank as a Ray actor (`LearnerPool` creates and drives them).
+
+The ranks form ONE torch.distributed group (gloo on CPU, nccl on GPU) and shard the policy (and the
+optional critic) with FSDP2. A rank owns its process group, its shard of the train state and the step
+counter; the step itself is `step.RankStep`. Weights leave the rank as Hugging Face-named safetensors
+buckets (`export.py`), checkpoints as DCP shards (`checkpoint.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncrl.learner.batch import TrainBatch
+from asyncrl.learner.export import ExportedWeights
+from asyncrl.learner.step import RankStep
+from asyncrl.types import StepStats
+
+__all__ = ["LearnerWorker", "materialize_optimizer_state"]
+
+
+def _linear_warmup(warmup_steps: int):
+    def factor(step: int) -> float:
+        return min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+
+    return factor
+
+
+def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create AdamW's per-parameter state now, equal to a fresh optimizer's.
+
+    torch.distributed.checkpoint's `get_state_dict` creates a missing optimizer state lazily by stepping
+    once with zero gradients and lr = 0; that step still counts (`step` = 1), so a checkpoint or snapshot
+    taken before the first real step would change the bias correction of that step (its update becomes
+    0.74 lr instead of lr). Doing the same zero step here and rewinding `step` to 0 leaves zero moments at
+    step 0, which is exactly a fresh AdamW, and makes later state-dict calls side-effect free.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    for state in optimizer.state.values():
+        if "step" in state:
+            state["step"].zero_() if isinstance(state["step"], torch.Tensor) else state.update(step=0)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class LearnerWorker:
+    """One learner rank. Construct through `LearnerPool` (it is wrapped with `ray.remote` there); every
+    public method except `master_address` is collective: all ranks must call it together."""
+
+    def __init__(self, rank: int, num_ranks: int, model_dir: str, config, recipe, temperature: float, dtype: str = "float32"):
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.model_dir = str(model_dir)
+        self.config = config  # asyncrl.config.LearnerConfig
+        self.recipe = recipe  # asyncrl.algo.recipes.Recipe
+        self.temperature = temperature
+        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        self.step = 0
+
+    # ------------------------------------------------------------------ setup and collectives
+
+    def master_address(self) -> tuple[str, int]:
+        """Rank 0 picks the rendezvous address (its node IP and a free port)."""
+        import ray
+
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def setup(self, master_addr: str, master_port: int, timeout_s: float) -> None:
+        """Join the process group, load and shard the policy (+ critic), build the optimizers."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._init_process_group(master_addr, master_port, timeout_s)
+        mesh = init_device_mesh(self.device.type, (self.num_ranks,))
+        torch.manual_seed(self.config.seed)
+        self.state = self._train_state(mesh)
+        self._step = RankStep(self.state, self.config, self.recipe, self.temperature, self.device, self._all_reduce)
+
+    def _init_process_group(self, master_addr: str, master_port: int, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        cfg = self.config
+        backend = cfg.backend if cfg.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(0)  # Ray exposes this rank's GPU as device 0
+            self.device = torch.device("cuda", 0)
+        else:
+            self.device = torch.device("cpu")
+            torch.set_num_threads(max(1, int(cfg.num_cpus_per_rank)))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.num_ranks,
+            timeout=timedelta(seconds=timeout_s),
+        )
+
+    def _train_state(self, mesh):
+        from asyncrl.learner.checkpoint import TrainState
+        from asyncrl.learner.policy import PolicyModel, ValueModel, load_causal_lm, shard
+
+        cfg = self.config
+        causal_lm = load_causal_lm(self.model_dir, self.dtype)
+        self.model_config = causal_lm.config
+        policy = PolicyModel(causal_lm).to(self.device)
+        shard(policy, mesh)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        materialize_optimizer_state(optimizer)
+        state = TrainState(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _linear_warmup(cfg.warmup_steps)))
+        if cfg.critic:
+            critic = ValueModel(load_causal_lm(self.model_dir, self.dtype), seed=cfg.seed).to(self.device)
+            shard(critic, mesh)
+            critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, betas=cfg.betas)
+            materialize_optimizer_state(critic_optimizer)
+            state.critic = critic
+            state.critic_optimizer = critic_optimizer
+            state.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, _linear_warmup(cfg.warmup_steps))
+        return state
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        import torch.distributed as dist
+
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        tensor = tensor.to(self.device)
+        dist.all_reduce(tensor, op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------ training and scoring
+
+    def train_step(self, rows: TrainBatch) -> StepStats:
+        """One optimizer step on this rank's rows (see `RankStep.train`)."""
+        stats = self._step.train(rows, self.step)
+        self.step = stats.step
+        return stats
+
+    def compute_gradients(self, rows: TrainBatch, recipe=None) -> tuple[float, dict[str, np.ndarray] | None]:
+        """The full (unsharded) policy gradient of the batch loss, without stepping; -> (loss, grads on
+        rank 0 / None elsewhere), by Hugging Face name. `recipe` overrides the pool's for this call."""
+        loss, grads = dataclasses.replace(self._step, recipe=recipe or self.recipe).gradients(rows)
+        return loss, (grads if self.rank == 0 else None)
+
+    def score(self, token_ids: Sequence[int], prompt_len: int, temperature: float | None = None) -> np.ndarray:
+        """Learner log-probs of `token_ids[prompt_len:]` given their prefixes (the parity probe)."""
+        ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device).unsqueeze(0)
+        n = ids.shape[1]
+        if not 1 <= prompt_len < n:
+            raise ValueError(f"score: need 1 <= prompt_len < len(token_ids) (got {prompt_len}, {n})")
+        positions = torch.arange(n, device=self.device).unsqueeze(0)
+        with torch.no_grad():
+            logprobs = self.state.policy(ids, torch.ones_like(ids), positions, temperature or self.temperature)
+        return logprobs[0, prompt_len - 1 : n - 1].cpu().numpy()
+
+    # ------------------------------------------------------------------ weights, snapshots, checkpoints
+
+    def _full_model_state(self, module) -> dict[str, torch.Tensor]:
+        """Full state dict gathered by all ranks; populated on rank 0, empty elsewhere."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def _hf_state(self) -> dict[str, torch.Tensor]:
+        from asyncrl.learner.export import hf_state_dict
+
+        full = self._full_model_state(self.state.policy)
+        return hf_state_dict(full, bool(getattr(self.model_config, "tie_word_embeddings", False))) if self.rank == 0 else {}
+
+    def export_weights(self, bucket_bytes: int) -> ExportedWeights | None:
+        """Rank 0 packs the HF-named weights into safetensors buckets and puts them in the object store."""
+        import ray
+
+        from asyncrl.learner.export import pack_state_dict
+
+        state = self._hf_state()
+        if self.rank != 0:
+            return None
+        buckets, num_bytes, num_tensors = pack_state_dict(state, bucket_bytes, self.dtype)
+        return ExportedWeights(refs=[ray.put(b) for b in buckets], num_bytes=num_bytes, num_tensors=num_tensors)
+
+    def state_snapshot(self) -> dict[str, Any] | None:
+        """Full parameters (HF names) and optimizer state as numpy on rank 0, for tests and debugging."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        params = self._hf_state()
+        optim = get_optimizer_state_dict(
+            self.state.policy, self.state.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self.rank != 0:
+            return None
+        moments = {
+            f"{hf_name_}/{key}": torch.as_tensor(value).float().numpy()
+            for name, entry in optim["state"].items()
+            for key, value in entry.items()
+            for hf_name_ in [name.removeprefix("causal_lm.")]
+        }
+        return {
+            "params": {k: v.float().numpy() for k, v in params.items()},
+            "optimizer": moments,
+            "lr": self.state.optimizer.param_groups[0]["lr"],
+            "step": self.step,
+        }
+
+    def save_checkpoint(self, folder: str) -> None:
+        from asyncrl.learner.checkpoint import save_train_state
+
+        save_train_state(folder, self.state, self.rank, self.step)
+
+    def load_checkpoint(self, folder: str) -> int:
+        from asyncrl.learner.checkpoint import load_train_state
+
+        self.step = load_train_state(folder, self.state, self.rank)
+        return self.step
+
+    def export_hf(self, folder: str) -> None:
+        """A Hugging Face folder (config, tokenizer, safetensors) that transformers and vLLM load."""
+        from transformers import AutoModelForCausalLM
+
+        from asyncrl.learner.checkpoint import copy_tokenizer_files
+
+        state = self._hf_state()
+        if self.rank != 0:
+            return
+        copy_tokenizer_files(self.model_dir, folder)
+        model = AutoModelForCausalLM.from_config(self.model_config, dtype=self.dtype)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise RuntimeError(f"export_hf: state dict does not match the model (missing {missing}, unexpected {unexpected})")
+        model.save_pretrained(folder, safe_serialization=True)
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

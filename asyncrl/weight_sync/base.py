@@ -1,0 +1,102 @@
+"""The weight-sync contract, shared by every transport (Ray object store; shared memory or NCCL on GPU).
+
+A sync has two halves so that the learner can go on while the engines load: `start(version)` exports the
+learner's current weights and starts every engine loading them; `finish(pending)` waits until every engine
+confirms the version and raises naming each one that did not (invariant 7). At most one sync is in flight,
+so engines take versions in order. `latest()` is what an engine started later loads before it serves.
+
+The controller owns the version and passes it in. When to overlap a sync with the next learner step and
+when to probe log-prob parity is policy, decided here from `WeightSyncConfig` and the run's mode, so that
+every transport applies it alike.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncrl.config import Mode, WeightSyncConfig
+
+__all__ = ["PendingSync", "PublishedWeights", "SyncResult", "WeightSync"]
+
+
+@dataclass(frozen=True)
+class PublishedWeights:
+    """The weights of one published policy version, in the form the transport's engines load."""
+
+    version: int
+    refs: list[Any]
+    """Bucket payloads: object refs of safetensors bytes, or the bytes (`asyncrl.rollout.weights`)."""
+    num_bytes: int
+    num_tensors: int
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.refs)
+
+
+@dataclass(frozen=True)
+class PendingSync:
+    """A weight sync sent to the engines and not yet confirmed."""
+
+    weights: PublishedWeights
+    calls: dict[Any, str]
+    """Object ref of each engine's load call -> the worker's name."""
+    began: float
+    """`time.perf_counter()` when the export began."""
+
+    @property
+    def version(self) -> int:
+        return self.weights.version
+
+    def confirmed(self) -> SyncResult:
+        """The record of this sync, now that every engine confirmed it."""
+        w = self.weights
+        return SyncResult(w.version, time.perf_counter() - self.began, w.num_bytes, w.num_tensors, w.num_buckets)
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """A completed sync: every engine serves `version`."""
+
+    version: int
+    seconds: float
+    """From the start of the export to the confirmation of the last engine."""
+    num_bytes: int
+    num_tensors: int
+    num_buckets: int
+
+
+class WeightSync(ABC):
+    """Moves the learner's weights to every engine. Not thread-safe; call from the controller's thread."""
+
+    def __init__(self, config: WeightSyncConfig, mode: Mode):
+        self.config = config
+        self.in_flight = config.in_flight and mode != "sync"
+        """Engines load without draining running requests (never in `sync` mode: it is on-policy)."""
+
+    @abstractmethod
+    def start(self, version: int, in_flight: bool | None = None) -> PendingSync:
+        """Export the learner's current weights as `version` and start every engine loading them.
+        `in_flight=None` follows the policy (`self.in_flight`); False drains running requests first."""
+
+    @abstractmethod
+    def finish(self, pending: PendingSync) -> SyncResult:
+        """Wait until every engine of `pending` serves its version; raise naming each engine that failed
+        or did not confirm within `config.timeout_s`."""
+
+    @abstractmethod
+    def latest(self) -> PublishedWeights | None:
+        """The last weights started (None before the first): an engine started later loads them first."""
+
+    def overlaps(self) -> bool:
+        """Whether the learner may start its next step before the engines confirm a sync."""
+        return self.in_flight and self.config.overlap
+
+    def probes(self, version: int) -> bool:
+        """Whether to check engine-learner log-prob parity after the sync of `version` (the first one, then
+        every `parity_probe_every`-th)."""
+        return self.config.parity_probe and (version == 1 or version % self.config.parity_probe_every == 0)

@@ -1,0 +1,43 @@
+"""`ObjectStoreSync`: weights through the Ray object store (works on CPU and GPU; the only path on CPU).
+
+Learner rank 0 packs the Hugging Face-named weights into safetensors buckets and `ray.put`s each one
+(`LearnerPool.export_weights`); every rollout worker fetches the buckets and loads them into its engine
+(`RolloutPool.start_update` / `finish_update`). The buckets stay referenced here until the next sync, so
+that a worker started in between loads them too.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from asyncrl.weight_sync.base import PendingSync, PublishedWeights, SyncResult, WeightSync
+
+if TYPE_CHECKING:
+    from asyncrl.config import Mode, WeightSyncConfig
+    from asyncrl.learner.pool import LearnerPool
+    from asyncrl.rollout.pool import RolloutPool
+
+__all__ = ["ObjectStoreSync"]
+
+
+class ObjectStoreSync(WeightSync):
+    def __init__(self, learner: LearnerPool, rollout: RolloutPool, config: WeightSyncConfig, mode: Mode):
+        super().__init__(config, mode)
+        self.learner = learner
+        self.rollout = rollout
+        self._latest: PublishedWeights | None = None
+
+    def start(self, version: int, in_flight: bool | None = None) -> PendingSync:
+        began = time.perf_counter()
+        exported = self.learner.export_weights(self.config.bucket_bytes)
+        self._latest = PublishedWeights(version, exported.refs, exported.num_bytes, exported.num_tensors)
+        calls = self.rollout.start_update(exported.refs, version, self.in_flight if in_flight is None else in_flight)
+        return PendingSync(self._latest, calls, began)
+
+    def finish(self, pending: PendingSync) -> SyncResult:
+        self.rollout.finish_update(pending.calls, pending.version, self.config.timeout_s)
+        return pending.confirmed()
+
+    def latest(self) -> PublishedWeights | None:
+        return self._latest

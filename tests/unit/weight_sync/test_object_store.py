@@ -1,0 +1,89 @@
+"""ObjectStoreSync with hand-written fakes of the learner and rollout pools: what is exported and sent, the
+latest weights, the result record, and the overlap / parity-probe policy."""
+
+import pytest
+
+from asyncrl.config import WeightSyncConfig
+from asyncrl.learner.export import ExportedWeights
+from asyncrl.rollout.pool import WeightSyncError
+from asyncrl.weight_sync.object_store import ObjectStoreSync
+
+
+class FakeLearner:
+    def __init__(self):
+        self.exports = []
+
+    def export_weights(self, bucket_bytes):
+        self.exports.append(bucket_bytes)
+        return ExportedWeights(refs=[f"bucket-{len(self.exports)}-{i}" for i in range(3)], num_bytes=1000, num_tensors=7)
+
+
+class FakeRollout:
+    """Records the engine-side calls; `fail` makes the wait raise as the real pool does."""
+
+    def __init__(self, fail: str | None = None):
+        self.started, self.finished, self.fail = [], [], fail
+
+    def start_update(self, refs, version, in_flight):
+        self.started.append((list(refs), version, in_flight))
+        return {f"call-{version}": "rollout-0"}
+
+    def finish_update(self, calls, version, timeout_s):
+        if self.fail:
+            raise WeightSyncError(f"weight sync failed: {self.fail} did not confirm version {version}")
+        self.finished.append((calls, version, timeout_s))
+
+
+def make_sync(mode="streaming", rollout=None, **config):
+    config = WeightSyncConfig(**{"bucket_bytes": 1 << 16, "timeout_s": 9.0, **config})
+    return ObjectStoreSync(FakeLearner(), rollout or FakeRollout(), config, mode)
+
+
+def test_start_exports_sends_the_buckets_to_the_engines_and_becomes_the_latest():
+    sync = make_sync()
+    assert sync.latest() is None
+    pending = sync.start(4)
+    assert sync.learner.exports == [1 << 16]
+    assert sync.rollout.started == [(["bucket-1-0", "bucket-1-1", "bucket-1-2"], 4, True)]
+    assert pending.version == 4 and pending.calls == {"call-4": "rollout-0"}
+    # A worker started before the engines confirm must already get version 4.
+    assert sync.latest().version == 4 and sync.latest().refs == ["bucket-1-0", "bucket-1-1", "bucket-1-2"]
+
+
+def test_finish_waits_with_the_configured_timeout_and_reports_the_sizes():
+    sync = make_sync()
+    result = sync.finish(sync.start(1))
+    assert sync.rollout.finished == [({"call-1": "rollout-0"}, 1, 9.0)]
+    assert (result.version, result.num_bytes, result.num_tensors, result.num_buckets) == (1, 1000, 7, 3)
+    assert result.seconds >= 0.0
+
+
+def test_a_failed_engine_fails_the_sync_naming_it_and_the_weights_stay_the_latest():
+    sync = make_sync(rollout=FakeRollout(fail="rollout-3"))
+    pending = sync.start(2)
+    with pytest.raises(WeightSyncError, match="rollout-3 did not confirm version 2"):
+        sync.finish(pending)
+    assert sync.latest().version == 2  # a replacement engine loads them
+
+
+def test_sync_mode_never_loads_in_flight_and_a_resume_drains_in_any_mode():
+    sync_mode = make_sync(mode="sync")
+    sync_mode.start(1)
+    streaming = make_sync(mode="streaming")
+    streaming.start(1, in_flight=False)
+    assert sync_mode.rollout.started[0][2] is False and streaming.rollout.started[0][2] is False
+
+
+@pytest.mark.parametrize(
+    "mode, in_flight, overlap, expected",
+    [("streaming", True, True, True), ("sao", True, True, True), ("sync", True, True, False),
+     ("streaming", False, True, False), ("streaming", True, False, False)],
+)
+def test_a_sync_overlaps_the_next_step_only_when_engines_load_in_flight_and_overlap_is_on(mode, in_flight, overlap, expected):
+    assert make_sync(mode=mode, in_flight=in_flight, overlap=overlap).overlaps() is expected
+
+
+def test_parity_is_probed_after_the_first_sync_and_every_kth_one():
+    sync = make_sync(parity_probe_every=10)
+    assert [v for v in range(1, 31) if sync.probes(v)] == [1, 10, 20, 30]
+    assert not any(make_sync(parity_probe=False).probes(v) for v in range(1, 31))
