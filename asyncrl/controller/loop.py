@@ -63,6 +63,8 @@ class Controller:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.prompts = train_stream(cfg, self.tokenizer)
         self.eval_set = eval_prompts(cfg, self.tokenizer)
+        # The parity probe's fixed sequence: a held-out prompt and its answer (a Parquet run may have no eval set).
+        self.probe = self.eval_set[0] if self.eval_set else next(train_stream(cfg, self.tokenizer))
         self.queue = start_replay_queue(cfg.buffer, batch_groups=cfg.learner.prompts_per_step, name=f"replay_queue-{self.out.name}", log_dir=self.out)
         self.learner = LearnerPool.from_config(cfg, self.model_dir)
         self.rollout = RolloutPool.from_config(cfg, self.model_dir, queue=self.queue.handle, latest=lambda: self.sync.latest())
@@ -176,8 +178,8 @@ class Controller:
         """Max |engine - learner| log-prob on one fixed sequence (invariant 4)."""
         import numpy as np
 
-        ids = self.eval_set[0].prompt_ids + self.tokenizer(self.eval_set[0].ground_truth, add_special_tokens=False).input_ids
-        plen = len(self.eval_set[0].prompt_ids)
+        ids = self.probe.prompt_ids + self.tokenizer(self.probe.ground_truth, add_special_tokens=False).input_ids
+        plen = len(self.probe.prompt_ids)
         engine = self.rollout.score(ids, plen)
         learner = self.learner.score(ids, plen, 1.0)  # vLLM prompt log-probs are raw (temperature 1)
         return float(np.max(np.abs(np.asarray(engine) - np.asarray(learner))))
