@@ -1,4 +1,4 @@
-"""W2 `tail`: async throughput under heavy-tailed generation lengths (shared/bench/WORKLOADS.md).
+"""W2 `tail`: async throughput under heavy-tailed generation lengths (benchmarks/README.md).
 
 The same prompt stream runs through the real controller loop (Ray, one vLLM CPU engine, one FSDP2 learner
 rank, the replay queue) in `sync`, `streaming` and `sao` mode, on the tiny model (`tiny-0.3m`, random init).

@@ -1,4 +1,4 @@
-"""W3 `sync`: weight publication from the learner to the rollout engines (shared/bench/WORKLOADS.md).
+"""W3 `sync`: weight publication from the learner to the rollout engines (benchmarks/README.md).
 
 For each random-initialised Qwen2 preset (w3-0.5m, w3-25m, w3-125m): one LearnerPool rank and one
 RolloutPool engine (vLLM, CPU, `max_model_len` 256) in one Ray session. Before every sync the learner takes

@@ -13,5 +13,5 @@ Modules (each one family, shapes in docstrings, paper links in module docstrings
     params      which parameters each component takes, with types and ranges (imports only names)
 
 This package imports only torch, and `import asyncrl.algo` / `asyncrl.algo.names` imports nothing at all.
-Spec: shared/spec/algorithms.md.
+Formulas, defaults and papers: docs/algorithms.md.
 """

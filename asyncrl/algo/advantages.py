@@ -10,7 +10,7 @@ Papers:
 - ScaleRL batch normalisation: Khatri et al. 2025, https://arxiv.org/abs/2510.13786
 - MaxRL: Tajwar et al. 2026, https://arxiv.org/abs/2602.02710
 
-Spec: shared/spec/algorithms.md section 1. Everything here is a constant for the loss: inputs are
+Formulas: docs/algorithms.md#advantages. Everything here is a constant for the loss: inputs are
 detached and computed in fp32 (float64 inputs stay float64).
 
 Where this departs from the papers / reference code:
@@ -121,7 +121,7 @@ def masked_whiten(
 
 
 def reinforce_baseline(rewards: torch.Tensor, baseline: float | torch.Tensor = 0.0) -> torch.Tensor:
-    """`A = R - b` (spec 1.1). rewards: [N] (or per-token returns [N, T]); baseline broadcastable."""
+    """`A = R - b` (docs/algorithms.md#reinforce). rewards: [N] (or per-token returns [N, T]); baseline broadcastable."""
     b = baseline.detach() if isinstance(baseline, torch.Tensor) else baseline
     return fp32(rewards).detach() - b
 
@@ -135,7 +135,7 @@ def gae(
     dones: torch.Tensor | None = None,
     bootstrap_values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over valid tokens (spec 1.2).
+    """Generalised advantage estimation over valid tokens (docs/algorithms.md#gae).
 
     rewards: [B, T] per-token rewards; values: [B, T] critic values V(s_t); mask: [B, T].
     lam: float or per-sequence [B] (VAPO). dones: [B] bool, True = terminal (EOS), False = truncated;
@@ -173,9 +173,9 @@ def gae(
 
 
 def vapo_policy_lambda(lengths: torch.Tensor, alpha: float = 0.05) -> torch.Tensor:
-    """Length-adaptive policy lambda `1 - 1/(alpha*l)` clamped to [0, 1] (spec 1.3). lengths: [B] -> [B].
+    """Length-adaptive policy lambda `1 - 1/(alpha*l)` clamped to [0, 1] (docs/algorithms.md#vapo). lengths: [B] -> [B].
 
-    The clamp is a spec decision: the paper's formula is negative for l < 1/alpha (20 tokens at 0.05).
+    The clamp is asyncrl's choice (docs/algorithms.md#vapo): the paper's formula is negative for l < 1/alpha (20 tokens at 0.05).
     """
     lengths = fp32(lengths).detach()
     # l = 0 gives -inf, which the clamp maps to 0.
@@ -193,7 +193,7 @@ def vapo(
     dones: torch.Tensor | None = None,
     bootstrap_values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decoupled GAE (spec 1.3): policy advantages with lambda_policy(|y_i|), value targets with critic_lam.
+    """Decoupled GAE (docs/algorithms.md#vapo): policy advantages with lambda_policy(|y_i|), value targets with critic_lam.
 
     Shapes as `gae`. Returns (advantages [B, T], returns [B, T]).
     """
@@ -237,19 +237,19 @@ class _Groups:
 
 
 def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6, unbiased: bool = True) -> torch.Tensor:
-    """`A_i = (R_i - mean_g R) / (std_g R + eps)` with Bessel std by default (spec 1.4). -> [N]."""
+    """`A_i = (R_i - mean_g R) / (std_g R + eps)` with Bessel std by default (docs/algorithms.md#grpo). -> [N]."""
     g = _Groups(rewards, group_ids)
     return g.zero_constant(g.centered / (g.std(unbiased) + eps))
 
 
 def dr_grpo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """`A_i = R_i - mean_g R`, no std division (spec 1.5). -> [N]."""
+    """`A_i = R_i - mean_g R`, no std division (docs/algorithms.md#dr_grpo). -> [N]."""
     g = _Groups(rewards, group_ids)
     return g.zero_constant(g.centered)
 
 
 def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """Leave-one-out baseline `R_i - mean_{j != i} R_j = G/(G-1) (R_i - mean_g R)` (spec 1.6). -> [N]."""
+    """Leave-one-out baseline `R_i - mean_{j != i} R_j = G/(G-1) (R_i - mean_g R)` (docs/algorithms.md#rloo). -> [N]."""
     g = _Groups(rewards, group_ids)
     return g.zero_constant(g.centered * g.size / (g.size - 1).clamp(min=1))
 
@@ -260,7 +260,7 @@ def batch_normalized(
     eps: float = 1e-4,
     batch_std: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """ScaleRL / TRL `scale_rewards="batch"`: `(R_i - mean_g R) / (std_batch R + eps)` (spec 1.8). -> [N].
+    """ScaleRL / TRL `scale_rewards="batch"`: `(R_i - mean_g R) / (std_batch R + eps)` (docs/algorithms.md#batch_norm). -> [N].
 
     std_batch is the Bessel std of the raw rewards of the whole batch (before zero-variance filtering).
     Pass `batch_std` when this process holds only part of the global batch.
@@ -273,7 +273,7 @@ def batch_normalized(
 
 
 def maxrl(rewards: torch.Tensor, group_ids: torch.Tensor, divide_by_group_size: bool = True) -> torch.Tensor:
-    """MaxRL per-sample weight (spec 1.9). -> [N]. Rewards must be non-negative (canonically binary).
+    """MaxRL per-sample weight (docs/algorithms.md#maxrl). -> [N]. Rewards must be non-negative (canonically binary).
 
     divide_by_group_size=True: `w_i = (r_i - r_hat) / (N r_hat)`, N = group size; use it in a SUM over samples.
     divide_by_group_size=False: `A_i = (r_i - r_hat) / r_hat` (prime-rl); use it in a MEAN over samples.
@@ -292,7 +292,7 @@ def reinforce_pp(
     gamma: float = 1.0,
     token_rewards: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """REINFORCE++ (spec 1.7): outcome reward on the last token (+ optional per-token rewards such as
+    """REINFORCE++ (docs/algorithms.md#reinforce_pp): outcome reward on the last token (+ optional per-token rewards such as
     `-beta*k1`), discounted return, then whitening over all valid tokens of the batch.
 
     rewards: [N]; mask: [N, T]; token_rewards: [N, T] or None. Returns advantages [N, T].
@@ -305,7 +305,7 @@ def reinforce_pp(
 
 
 def reinforce_pp_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """REINFORCE++-baseline (spec 1.7): subtract the group mean, broadcast, whiten over valid tokens.
+    """REINFORCE++-baseline (docs/algorithms.md#reinforce_pp): subtract the group mean, broadcast, whiten over valid tokens.
 
     rewards: [N]; group_ids: [N]; mask: [N, T]. Returns advantages [N, T].
     """

@@ -10,7 +10,7 @@ Papers / references:
 - DIS: Hou et al. 2026, "Single-Rollout Asynchronous Optimization for Agentic RL", arXiv 2607.07508
 - Decoupled PPO: Fu et al. 2025 (AReaL), https://arxiv.org/abs/2505.24298
 - OPSM: DeepSeek-V3.2 off-policy sequence masking (TRL `get_off_policy_mask`, slime `compute_opsm_mask`)
-Spec: shared/spec/algorithms.md section 5.
+Formulas: docs/algorithms.md#corrections.
 
 Every function returns DETACHED per-token tensors [B, T]: a weight `w` (0 at masked positions) and/or a
 keep mask. They compose with any surrogate as `l = w * keep * l_loss` (verl multiplies after the dual
@@ -114,7 +114,7 @@ def truncated_is_weights(
     level: str = "token",
     batch_normalize: bool = False,
 ) -> torch.Tensor:
-    """TIS (spec 5.1): `w = min(r, C)` per token, or `min(prod_t r_t, C)` per sequence. -> [B, T] detached."""
+    """TIS (docs/algorithms.md#tis): `w = min(r, C)` per token, or `min(prod_t r_t, C)` per sequence. -> [B, T] detached."""
     mask = as_mask(mask)
     w = is_weights(log_ratio_, mask, level).clamp(max=cap)
     return batch_normalize_weights(w, mask) if batch_normalize else w
@@ -155,7 +155,7 @@ def masked_is(
     lower: float | None = None,
     level: str = "token",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MIS (legacy verl "mask" mode, spec 5.2): keep where lower <= w <= upper, w NOT truncated.
+    """MIS (legacy verl "mask" mode, docs/algorithms.md#mis): keep where lower <= w <= upper, w NOT truncated.
 
     level: token | sequence | geometric; lower defaults to 1/upper. -> (weight, keep), both [B, T].
     """
@@ -170,7 +170,7 @@ def rejection_keep(
     upper: float,
     lower: float | None = None,
 ) -> torch.Tensor:
-    """verl `rollout_rs` rejection mask (spec 5.2) -> keep [B, T] bool.
+    """verl `rollout_rs` rejection mask (docs/algorithms.md#mis) -> keep [B, T] bool.
 
     log_kappa = old_logprobs - rollout_logprobs. Token statistics: k1 = -log kappa (note: the inverted
     ratio mu / pi_old), k2 = 0.5 (log kappa)^2, k3 = kappa - 1 - log kappa. `seq_sum_*` / `seq_mean_*` /
@@ -219,14 +219,14 @@ def veto_keep(log_kappa: torch.Tensor, mask: torch.Tensor, threshold: float) -> 
 def icepop(
     log_kappa: torch.Tensor, mask: torch.Tensor, alpha: float = 0.5, beta: float = 5.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """IcePop (spec 5.3): `M = kappa if alpha <= kappa <= beta else 0`, per token. -> (weight, keep)."""
+    """IcePop (docs/algorithms.md#icepop): `M = kappa if alpha <= kappa <= beta else 0`, per token. -> (weight, keep)."""
     return ratio_gate(is_weights(log_kappa, mask, "token"), mask, alpha, beta, mode="mask")
 
 
 def dis_gate(
     log_q: torch.Tensor, mask: torch.Tensor, eps_low: float = 0.3, eps_high: float = 5.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DIS double-sided gate (spec 5.6): keep `1 - eps_low < q < 1 + eps_high`, weight q. -> (weight, keep).
+    """DIS double-sided gate (docs/algorithms.md#dis): keep `1 - eps_low < q < 1 + eps_high`, weight q. -> (weight, keep).
 
     log_q = learner_logprobs - rollout_logprobs (detached). With the REINFORCE surrogate this gives the
     DIS loss `-sg(f(q)) A logp`.
@@ -237,7 +237,7 @@ def dis_gate(
 def decoupled_weights(
     log_kappa: torch.Tensor, mask: torch.Tensor, cap: float | None = 5.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """AReaL decoupled PPO behaviour weight (spec 5.4): w = kappa, tokens with kappa > cap masked.
+    """AReaL decoupled PPO behaviour weight (docs/algorithms.md#decoupled): w = kappa, tokens with kappa > cap masked.
 
     -> (weight, keep). cap=None keeps every token.
     """
@@ -252,7 +252,7 @@ def opsm_keep(
     mask: torch.Tensor,
     delta: float = 0.5,
 ) -> torch.Tensor:
-    """Off-policy sequence masking (spec 5.7): drop row i if A_i < 0 and mean_t(rollout - logp) > delta.
+    """Off-policy sequence masking (docs/algorithms.md#opsm): drop row i if A_i < 0 and mean_t(rollout - logp) > delta.
 
     advantages: [B] or [B, T] (A_i = masked row mean). -> keep [B, T] bool.
     """

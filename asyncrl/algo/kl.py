@@ -1,7 +1,7 @@
 """KL penalties: k1 / k2 / k3 estimators as loss terms, and KL-in-reward.
 
 References: J. Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html;
-verl `kl_penalty_forward`, slime `compute_approx_kl`. Spec: shared/spec/algorithms.md section 2.8.
+verl `kl_penalty_forward`, slime `compute_approx_kl`. Formulas: docs/algorithms.md#kl-penalties.
 
 With `d = learner_logprobs - ref_logprobs`, exact at any ratio:
     k1 = d                      gradient 1

@@ -9,7 +9,7 @@ Papers:
 - DPPO: Qi et al. 2026, https://arxiv.org/abs/2602.04879
 - GVPO: Zhang et al. 2025, https://arxiv.org/abs/2504.19599
 
-Spec: shared/spec/algorithms.md section 2. Contract of every surrogate:
+Formulas: docs/algorithms.md#losses. Contract of every surrogate:
 - returns `(per_token_loss [B, T], metrics)`; the loss is 0 at masked positions and NOT reduced:
   the batch loss is `(per_token_loss * token_weights).sum()` with weights from `reduction.py`;
 - only `learner_logprobs` carries gradient; advantages, old/rollout log-probs and every weight are
@@ -92,7 +92,7 @@ def ppo_clip(
     eps_high: float = 0.2,
     dual_clip_c: float | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
-    """PPO clipped surrogate with asymmetric clip (DAPO clip-higher) and optional dual clip (spec 2.1, 2.2).
+    """PPO clipped surrogate with asymmetric clip (DAPO clip-higher) and optional dual clip (docs/algorithms.md#ppo).
 
     learner_logprobs, old_logprobs, advantages, mask: [B, T]. rho = exp(learner - old).
     `l = max(-A rho, -A clip(rho, 1-eps_low, 1+eps_high))`, and where A < 0: `min(l, -A c)`.
@@ -132,7 +132,7 @@ def cispo(
     eps_high: float = 0.28,
     eps_max: float | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
-    """CISPO: REINFORCE with a clipped, detached IS weight (spec 2.3). `l = -sg(w) * A * logp`.
+    """CISPO: REINFORCE with a clipped, detached IS weight (docs/algorithms.md#cispo). `l = -sg(w) * A * logp`.
 
     Shapes [B, T]. Bounds, both conventions:
     - `eps_max` given (TRL / ScaleRL, eps_max = 5): `w = min(rho, eps_max)`, an absolute cap, no lower bound;
@@ -177,7 +177,7 @@ def gspo(
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
 ) -> tuple[torch.Tensor, Metrics]:
-    """GSPO, sequence form (spec 2.4). `l_i = max(-A_i s_i, -A_i clip(s_i, 1-eps_low, 1+eps_high))`.
+    """GSPO, sequence form (docs/algorithms.md#gspo). `l_i = max(-A_i s_i, -A_i clip(s_i, 1-eps_low, 1+eps_high))`.
 
     Shapes [B, T]; advantages may be [B] or [B, T] (then A_i = masked mean of row i).
     `s_i` is the geometric mean of rho over the valid tokens of row i. Returns l_i on every valid token of
@@ -207,7 +207,7 @@ def gspo_token(
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
 ) -> tuple[torch.Tensor, Metrics]:
-    """GSPO-token (verl's GSPO, spec 2.4): per-token advantages with a sequence-level ratio.
+    """GSPO-token (verl's GSPO, docs/algorithms.md#gspo): per-token advantages with a sequence-level ratio.
 
     `log s_it = sg(log s_i) + logp_t - sg(logp_t)`: forward value s_i, gradient s_i w.r.t. logp_t, so the
     clip decision is taken per sequence. Shapes [B, T]. Reduce with `seq_mean_token_mean` (verl forces it);
@@ -239,7 +239,7 @@ def sapo(
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
 ) -> tuple[torch.Tensor, Metrics]:
-    """SAPO soft gate (spec 2.5): `l = -A * sigmoid(tau (rho - 1)) * 4 / tau`, tau = tau_pos if A > 0 else tau_neg.
+    """SAPO soft gate (docs/algorithms.md#sapo): `l = -A * sigmoid(tau (rho - 1)) * 4 / tau`, tau = tau_pos if A > 0 else tau_neg.
 
     Shapes [B, T]. The gradient weight `4 s (1-s) rho` is exactly 1 at rho = 1 and decays smoothly.
     """
@@ -270,7 +270,7 @@ def binary_kl(learner_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor) ->
 
 
 def topk_tv(rollout_topk_probs: torch.Tensor, learner_topk_probs: torch.Tensor) -> torch.Tensor:
-    """Total variation over the (K+1)-bucket distribution {top-K tokens of mu, rest} (spec 2.6).
+    """Total variation over the (K+1)-bucket distribution {top-K tokens of mu, rest} (docs/algorithms.md#dppo_tv).
 
     rollout_topk_probs: [..., K] mu's top-K probabilities; learner_topk_probs: [..., K] the current
     policy's probabilities of the same token ids. Returns [...].
@@ -297,7 +297,7 @@ def dppo_keep_mask(
     delta_low: float,
     delta_high: float,
 ) -> torch.Tensor:
-    """DPPO trust-region mask (spec 2.6): drop a token when it moved in the risky direction too far.
+    """DPPO trust-region mask (docs/algorithms.md#dppo_tv): drop a token when it moved in the risky direction too far.
 
     divergence: [B, T] (binary TV = |p - mu|, binary KL, or a top-K TV/KL). Dropped where
     `A > 0 & p > mu & D > delta_high` or `A <= 0 & p < mu & D > delta_low`. Returns keep [B, T] bool.
@@ -321,7 +321,7 @@ def dppo(
     delta_high: float | None = None,
     clip_c: float = 20.0,
 ) -> tuple[torch.Tensor, Metrics]:
-    """DPPO (spec 2.6): `l = -A * sg(min(q, C)) * keep * logp`, q = exp(logp - rollout_logp).
+    """DPPO (docs/algorithms.md#dppo_tv): `l = -A * sg(min(q, C)) * keep * logp`, q = exp(logp - rollout_logp).
 
     Shapes [B, T]. The trust region is anchored at the rollout policy mu (pass old_logprobs as
     `rollout_logprobs` for the "_recompute" variant). divergence: "binary_tv", "binary_kl", or a
@@ -371,7 +371,7 @@ def gvpo(
     group_ids: torch.Tensor,
     beta: float = 0.1,
 ) -> tuple[torch.Tensor, Metrics]:
-    """GVPO (spec 2.7): `L_g = 1/(k-1) sum_{i in g} 0.5 ((R_theta(i) - mean_g sg(R_theta)) - adv_i)^2`.
+    """GVPO (docs/algorithms.md#gvpo): `L_g = 1/(k-1) sum_{i in g} 0.5 ((R_theta(i) - mean_g sg(R_theta)) - adv_i)^2`.
 
     Shapes [B, T]; group_ids [B]; advantages [B] or [B, T] (Dr.GRPO advantages; A_i = row mean).
     `R_theta(i) = beta * sum_t (logp - old_logp)`. Returns `l_i / |y_i|` on each valid token of row i,

@@ -1,8 +1,8 @@
-"""Train-vs-rollout mismatch metrics (spec 5.8), as plain Python floats.
+"""Train-vs-rollout mismatch metrics (docs/algorithms.md#mismatch-metrics), as plain Python floats.
 
 References: verl `compute_offpolicy_metrics` / `compute_is_metrics`, slime
 `train_rollout_logprob_abs_diff`, prime-rl `mismatch_kl`; IS diagnostics as in Yao et al. 2025,
-https://fengyao.notion.site/off-policy-rl. Spec: shared/spec/algorithms.md section 5.8.
+https://fengyao.notion.site/off-policy-rl. Formulas: docs/algorithms.md#mismatch-metrics.
 
 All means are masked means over valid tokens (or over non-empty sequences for per-sequence metrics).
 kappa = exp(old_logprobs - rollout_logprobs); IS statistics are taken BEFORE truncation. When
@@ -60,7 +60,7 @@ def mismatch_metrics(
     is_cap: float = 2.0,
     learner_logprobs: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """Every mismatch metric of spec 5.8. Inputs [B, T] log-probs and mask. Returns {name: float}.
+    """Every mismatch metric of docs/algorithms.md#mismatch-metrics. Inputs [B, T] log-probs and mask. Returns {name: float}.
 
     Keys: kl (k1 of KL(mu||pi_train) = mean(rollout - old)), k3_kl, logprob_abs_diff_mean/max,
     training_ppl, rollout_ppl, ppl_ratio, chi2_token, chi2_seq, and for kappa (and q if

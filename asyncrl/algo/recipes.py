@@ -26,7 +26,7 @@ token weights but never multiplied by `w`. Composition rules that are choices of
   cispo, gspo*, sapo, gvpo), 1 for dppo (already weighted by q).
 - `veto_threshold` (if set) rejects whole sequences with any kappa below it, for every correction.
 
-Papers are cited in the modules implementing each method; spec: shared/spec/algorithms.md.
+Papers are cited in the modules implementing each method; formulas: docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ def resolve_recipe(
 
 
 def shape_rewards(recipe: Recipe, rewards: torch.Tensor, response_lengths: list[int]) -> torch.Tensor:
-    """Task rewards [N] plus the recipe's DAPO overlong penalty of each response (spec 4.1), before any
+    """Task rewards [N] plus the recipe's DAPO overlong penalty of each response (docs/algorithms.md#reward-shaping-and-filters), before any
     advantage sees them; `rewards` itself when the recipe shapes nothing. response_lengths: tokens [N]."""
     if recipe.overlong_max_length is None:
         return rewards

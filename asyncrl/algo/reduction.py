@@ -3,7 +3,7 @@
 References: verl `agg_loss` (token-mean, seq-mean-token-mean, seq-mean-token-sum); Dr. GRPO
 (Liu et al. 2025, https://arxiv.org/abs/2503.20783, oat learner `constant_normalizer`); ScaleRL prompt-mean
 (Khatri et al. 2025, https://arxiv.org/abs/2510.13786, via slime PR #2090 / AReaL issue #1423).
-Spec: shared/spec/algorithms.md section 3.
+Formulas: docs/algorithms.md#reductions.
 
 Design: the reduction is a per-token weight matrix computed ONCE over the whole optimizer batch, so
 that the batch loss is `(per_token_loss * token_weights).sum()`. Slicing rows of both tensors into

@@ -4,7 +4,7 @@ and the pass-rate curriculum (the replay buffer runs its own `asyncrl.buffer.fil
 
 References: DAPO, Yu et al. 2025, https://arxiv.org/abs/2503.14476 (verl `reward_manager/dapo.py`,
 `docs/algo/dapo.md`); ScaleRL, Khatri et al. 2025, https://arxiv.org/abs/2510.13786.
-Spec: shared/spec/algorithms.md section 4.
+Formulas: docs/algorithms.md#reward-shaping-and-filters.
 
 Plain Python on floats and lists, so the buffer need not import torch; `zero_variance_keep` also
 accepts tensors.
@@ -25,7 +25,7 @@ __all__ = ["group_has_variance", "overlong_penalty", "pass_rate", "retire_mask",
 def overlong_penalty(
     length: int, max_length: int = 20480, cache_length: int = 4096, penalty_factor: float = 1.0
 ) -> float:
-    """DAPO soft overlong punishment added to the task reward (spec 4.1).
+    """DAPO soft overlong punishment added to the task reward (docs/algorithms.md#reward-shaping-and-filters).
 
     0 up to `max_length - cache_length` tokens, then linear down to -1 at `max_length`, -1 beyond
     (all scaled by `penalty_factor`).
@@ -45,7 +45,7 @@ def group_has_variance(rewards: Sequence[float]) -> bool:
 
 
 def zero_variance_keep(groups: Sequence[Sequence[float]]) -> list[bool]:
-    """Dynamic sampling (DAPO) / zero-variance filtering (ScaleRL): keep flag per group (spec 4.2, 4.3)."""
+    """Dynamic sampling (DAPO) / zero-variance filtering (ScaleRL): keep flag per group (docs/algorithms.md#reward-shaping-and-filters)."""
     return [group_has_variance(g) for g in groups]
 
 

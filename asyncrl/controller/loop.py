@@ -1,6 +1,6 @@
 """The controller: builds the pools from one config and runs a mode's loop.
 
-All three modes share one loop; what differs is configuration the modes imply (architecture.md):
+All three modes share one loop; what differs is configuration the modes imply (docs/architecture.md#modes):
 - `sync`: eta = 0, so admission control lets the rollout pool start exactly one batch per version; the
   weight update is blocking. Generate, train, publish, repeat: the baseline.
 - `streaming`: eta > 0, group readiness, in-flight weight updates (ScaleRL / PipelineRL).

@@ -1,4 +1,4 @@
-"""W1 `add`: prompt "<a>+<b>=", answer the decimal sum then end-of-sequence (shared/bench/WORKLOADS.md).
+"""W1 `add`: prompt "<a>+<b>=", answer the decimal sum then end-of-sequence (benchmarks/README.md).
 
 The held-out set is 500 pairs from a fixed seed; training and warm-start pairs never include them.
 """

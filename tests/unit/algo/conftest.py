@@ -1,4 +1,4 @@
-"""Fixtures F-POL and F-ADV of spec shared/spec/algorithms.md (built in helpers.py)."""
+"""Fixtures F-POL and F-ADV (built in helpers.py); F-ADV is the worked example of docs/algorithms.md#advantages."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shared fixtures of spec shared/spec/algorithms.md: F-POL (policy, section 0) and F-ADV (advantages)."""
+"""Shared fixtures F-POL (policy) and F-ADV (advantages); F-ADV is the worked example of docs/algorithms.md#advantages."""
 
 from __future__ import annotations
 

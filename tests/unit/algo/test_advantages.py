@@ -1,4 +1,4 @@
-"""Advantage estimators of spec section 1: test vectors, edge cases, and a slow GAE reference."""
+"""Advantage estimators of docs/algorithms.md#advantages: test vectors, edge cases, and a slow GAE reference."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Mismatch corrections of spec section 5 on F-POL, composed with PPO (eps 0.2, dual clip c = 3)."""
+"""Mismatch corrections of docs/algorithms.md#corrections on F-POL, composed with PPO (eps 0.2, dual clip c = 3)."""
 
 from __future__ import annotations
 

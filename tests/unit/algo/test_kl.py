@@ -1,4 +1,4 @@
-"""KL estimators of spec 2.8: values, gradients, clamps, KL-in-reward."""
+"""KL estimators of docs/algorithms.md#kl-penalties: values, gradients, clamps, KL-in-reward."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Surrogates of spec section 2 on the F-POL fixture: loss values, per-token gradients, detach rules."""
+"""Surrogates of docs/algorithms.md#losses on the F-POL fixture: loss values, per-token gradients, detach rules."""
 
 from __future__ import annotations
 

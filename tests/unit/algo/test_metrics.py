@@ -1,4 +1,4 @@
-"""Mismatch metrics of spec 5.8 on F-POL."""
+"""Mismatch metrics of docs/algorithms.md#mismatch-metrics on F-POL."""
 
 from __future__ import annotations
 

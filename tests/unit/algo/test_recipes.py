@@ -136,7 +136,7 @@ def test_overlong_shaping_adds_the_dapo_penalty_to_the_task_rewards():
 def test_dapo_preset_shapes_with_the_paper_lengths():
     recipe = resolve_recipe("dapo")
     assert (recipe.overlong_max_length, recipe.overlong_cache_length) == (20480, 4096)
-    # spec 4.1: |y| = 18000 -> (16384 - 18000) / 4096 = -0.394531.
+    # docs/algorithms.md#reward-shaping-and-filters: |y| = 18000 -> (16384 - 18000) / 4096 = -0.394531.
     close(recipes.shape_rewards(recipe, torch.zeros(2), [16384, 18000]), [0.0, -0.394531])
 
 
@@ -160,7 +160,7 @@ def test_grpo_preset_is_ppo_with_seq_mean_token_mean(fpol):
 def test_denominator_after_rejection_counts_only_kept_tokens(fpol):
     kwargs = dict(advantage="grpo", loss="ppo", reduction="token_mean", correction="mis", dual_clip_c=3.0, mis_lower=0.5)
     loss, _ = run(resolve_recipe(None, denominator_after_rejection=True, **kwargs), fpol)
-    close(loss, 0.828305)  # spec 5.2: denominator 8
+    close(loss, 0.828305)  # docs/algorithms.md#mis: denominator 8
     loss_original, _ = run(resolve_recipe(None, **kwargs), make_fpol())
     close(loss_original, 0.828305 * 8 / 11)
 

@@ -1,4 +1,4 @@
-"""Reductions of spec section 3: full-batch values, micro-batch / rank invariance, slow reference."""
+"""Reductions of docs/algorithms.md#reductions: full-batch values, micro-batch / rank invariance, slow reference."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_naive_mean_of_local_means_is_wrong():
 
 
 def slow_reduction(loss, mask, mode, groups, l_max):
-    """The table of spec section 3 written with Python loops over rows and groups."""
+    """The table of docs/algorithms.md#reductions written with Python loops over rows and groups."""
     rows = range(loss.shape[0])
     lengths = [int(mask[i].sum()) for i in rows]
     row_sums = [sum(loss[i, t].item() for t in range(loss.shape[1]) if mask[i, t]) for i in rows]

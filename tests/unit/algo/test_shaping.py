@@ -1,4 +1,4 @@
-"""Reward shaping and sampling filters of spec section 4."""
+"""Reward shaping and sampling filters of docs/algorithms.md#reward-shaping-and-filters."""
 
 from __future__ import annotations
 
