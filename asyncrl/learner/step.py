@@ -8,8 +8,9 @@
 `old_logprobs` are the detached learner log-probs of this very forward: the batch gets exactly one
 optimizer step, so the PPO ratio rho = pi_theta / pi_old is 1 in value (its gradient is what PPO/CISPO
 need) and the mismatch `kappa = pi_old / mu` is measured against the rollout log-probs. Only when the
-reduction denominators depend on a rejection mask (`recipe.denominator_after_rejection`) is there a
-separate no-grad pass first, because the weights of every rank must be known before any backward.
+reduction denominators depend on a rejection mask (`recipe.denominator_after_rejection`), or batch-normalised
+TIS needs the mean TIS weight of the whole batch (`recipe.normalizes_tis`), is there a separate no-grad pass
+first: those statistics, summed over every micro-batch of every rank, must be known before any backward.
 
 Gradients are summed across ranks (policy.py), so the loss is never rescaled by dp_size.
 """
@@ -171,16 +172,35 @@ class RankStep:
         if not policy:
             return Accumulated(0.0, {}, mbs, real, returns)
         old: list[torch.Tensor | None] = [None] * len(mbs)
-        weights = [mb.token_weights for mb in mbs]
-        if recipe.denominator_after_rejection:
+        weights, tis_stats = [mb.token_weights for mb in mbs], None
+        if recipe.denominator_after_rejection or recipe.normalizes_tis:
             with torch.no_grad():
                 old = [self._logprobs(mb) for mb in mbs]
+        if recipe.denominator_after_rejection:
             weights = self._weights_after_rejection(mbs, real, old)
-        loss, metrics = self._policy_backward(mbs, real, advantages, old, weights)
+        if recipe.normalizes_tis:
+            tis_stats = self._tis_stats(mbs[:real], old[:real])
+        loss, metrics = self._policy_backward(mbs, real, advantages, old, weights, tis_stats)
         return Accumulated(loss, metrics, mbs, real, returns)
 
+    def _tis_stats(self, mbs: list[TrainBatch], old: list[torch.Tensor]) -> torch.Tensor:
+        """(sum of truncated TIS weights, valid tokens) over the whole optimizer batch: every micro-batch of
+        every rank, so batch-normalised TIS divides by the same mean whatever the split."""
+        from asyncrl.algo.recipes import tis_normalizer_stats
+
+        stats = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for mb, o in zip(mbs, old):
+            stats += tis_normalizer_stats(self.recipe, mb.loss_mask, o, mb.rollout_logprobs).to(self.device)
+        return self.all_reduce(stats, "sum")
+
     def _policy_backward(
-        self, mbs: list[TrainBatch], real: int, advantages: list[torch.Tensor], old: list[torch.Tensor | None], weights: list[torch.Tensor]
+        self,
+        mbs: list[TrainBatch],
+        real: int,
+        advantages: list[torch.Tensor],
+        old: list[torch.Tensor | None],
+        weights: list[torch.Tensor],
+        tis_stats: torch.Tensor | None,
     ) -> tuple[float, dict[str, float]]:
         """Forward + backward of every micro-batch; -> (global batch loss, this rank's metrics)."""
         from asyncrl.algo.recipes import compute_policy_loss
@@ -191,7 +211,8 @@ class RankStep:
             learner_logprobs = self._logprobs(mb)
             old_logprobs = old[i] if old[i] is not None else learner_logprobs.detach()
             loss, metrics = compute_policy_loss(
-                self.recipe, learner_logprobs, old_logprobs, mb.rollout_logprobs, advantages[i], mb.loss_mask, weights[i], mb.group_ids
+                self.recipe, learner_logprobs, old_logprobs, mb.rollout_logprobs, advantages[i], mb.loss_mask, weights[i], mb.group_ids,
+                tis_stats=tis_stats,
             )
             loss.backward()
             loss_sum += loss.detach().double()

@@ -65,6 +65,8 @@ EXACTNESS_RECIPES = {
     # Token-mean denominators count the tokens MIS keeps, known only after the learner recompute:
     # rank-side weights from all-reduced statistics.
     "dapo/mis/after_rejection": resolve_recipe("dapo", correction="mis", denominator_after_rejection=True),
+    # Batch-normalised TIS divides by the mean TIS weight of the whole batch, summed over micro-batches and ranks.
+    "grpo/tis/batch_normalize": resolve_recipe("grpo", correction="tis", tis_batch_normalize=True),
 }
 
 
