@@ -150,6 +150,7 @@ class Batch:
         return max(self.lags, default=0)
 
 
+@dataclass
 class StepStats:
     """What the learner reports for one optimizer step; every field is a plain number."""
 
