@@ -96,6 +96,10 @@ class RolloutConfig(Section):
     """Ray GPUs reserved by each rollout worker (0 on CPU)."""
     engine_start_timeout_s: float = Field(300.0, gt=0)
     """A worker whose engine is not serving within this time is reported failed by name."""
+    replace_dead_workers: bool = True
+    """A rollout worker that dies (while generating or loading weights) is replaced and its requests are
+    re-dispatched; the run goes on and the learner does not wait for the replacement. False stops the run
+    with an error naming the worker."""
 
 
 class EnvConfig(Section):
@@ -208,6 +212,12 @@ class LearnerConfig(Section):
     """Ray CPUs reserved by each learner rank."""
     num_gpus_per_rank: float = Field(0.0, ge=0)
     """Ray GPUs reserved by each learner rank."""
+    max_skipped_steps: int = Field(3, ge=1)
+    """A step whose loss or gradient is not finite is skipped (the weights and optimizer state stay as they
+    were) and its batch kept in `<output_dir>/bad_batches/`; this many such steps in a row stop the run."""
+    call_timeout_s: float = Field(900.0, gt=0)
+    """Every call on the learner ranks (a step, an export, a checkpoint) must answer within this; otherwise the
+    run stops with an error naming the rank and the call (a dead or hung rank never hangs the run)."""
     seed: int = 0
     """Seed of model init noise and micro-batch order."""
 
@@ -255,6 +265,17 @@ class CheckpointConfig(Section):
     """Export the final policy as a Hugging Face safetensors folder."""
 
 
+class FaultsConfig(Section):
+    """Fault injection for tests and soak runs: real processes are killed, nothing is mocked."""
+
+    kill_rollout_worker_at_steps: list[int] = Field(default_factory=list)
+    """After each of these optimizer steps, right after its weight sync starts (so the engine dies while it
+    loads), SIGKILL the process of one rollout worker (the oldest)."""
+    nan_reward_at_steps: list[int] = Field(default_factory=list)
+    """Give one trajectory of the batch of each of these optimizer steps a NaN reward before the learner sees
+    it (a broken reward path): the step must be skipped and the weights stay finite."""
+
+
 class Config(Section):
     mode: Mode = "streaming"
     """`sync` (eta = 0 baseline), `streaming` (ScaleRL/PipelineRL), or `sao` (single rollout, critic, DIS)."""
@@ -273,6 +294,7 @@ class Config(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
 
     @model_validator(mode="after")
     def _preset_filters(self) -> Config:

@@ -10,12 +10,15 @@ All three modes share one loop; what differs is configuration the modes imply (d
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import deque
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from asyncrl.config import Config
+from asyncrl.controller.faults import NonFiniteError, kill_oldest_worker, poison_batch, recovery_timings, write_bad_batch
 from asyncrl.telemetry.metrics import RunMetrics
 from asyncrl.telemetry.progress import Progress
 
@@ -44,6 +47,13 @@ class Controller:
         self.progress = Progress(enabled=cfg.telemetry.progress)
         self.metrics = RunMetrics(cfg.telemetry.prometheus_port)
         self.learner_wait_s = 0.0
+        self.skipped_steps = 0
+        self._skipped_in_row = 0
+        self.stop_requested: str | None = None
+        """Why the run was asked to stop early (a signal); the loop ends at the next step boundary."""
+        self.pool_events: list[dict] = []
+        """Rollout workers that died, were killed by fault injection, joined or failed to start (`_upkeep`)."""
+        self._started = time.perf_counter()
         self.eval_s = 0.0
         """Seconds spent in held-out evaluations (the loop waits for them)."""
 
@@ -88,17 +98,22 @@ class Controller:
 
     def run(self) -> dict:
         cfg = self.cfg
-        start = time.perf_counter()
+        start = self._started = time.perf_counter()
         (self.out / "metrics.jsonl").write_text("")
         self._evaluate(start)
-        while self.step < cfg.learner.max_steps:
+        while self.step < cfg.learner.max_steps and not self.stop_requested:
             if cfg.learner.max_wall_s and time.perf_counter() - start > cfg.learner.max_wall_s:
                 break
             wait = time.perf_counter()
             batch = self._next_batch()
+            if batch is None:
+                break  # asked to stop while waiting
             learner_wait_s = time.perf_counter() - wait
+            poison_batch(batch, self.step + 1 in cfg.faults.nan_reward_at_steps)
             stats = self.learner.train_step(batch.groups)
             self.step += 1
+            self._check_finite(stats, batch)
+            self._upkeep()
             self._record(stats, batch, learner_wait_s=learner_wait_s)
             if self.step % cfg.weight_sync.every_steps == 0:
                 self._publish()
@@ -109,7 +124,7 @@ class Controller:
             self._log_steps()
         self._finish_sync()
         self._log_steps()
-        if not self.evals or self.evals[-1]["version"] != self.version:
+        if not self.stop_requested and (not self.evals or self.evals[-1]["version"] != self.version):
             self._evaluate(start)
         self._checkpoint()
         return self._summary(time.perf_counter() - start)
@@ -117,13 +132,19 @@ class Controller:
     # ------------------------------------------------------------------------------------------------
     # Pieces of the loop
 
-    def _next_batch(self) -> Batch:
-        """Wait for a batch, topping up prompts meanwhile (filters may discard groups as fast as they finish)."""
+    def request_stop(self, reason: str) -> None:
+        """Finish at the next step boundary (or batch wait turn), then checkpoint and summarise as usual."""
+        self.stop_requested = reason
+        self.progress.note(f"stopping: {reason}; checkpointing at the next step boundary")
+
+    def _next_batch(self) -> Batch | None:
+        """Wait for a batch, topping up prompts meanwhile (filters may discard groups as fast as they finish);
+        None when a stop was requested meanwhile."""
         cfg = self.cfg
         if cfg.buffer.max_staleness == 0:
             self._finish_sync()  # the queue admits this step's groups only once the engines confirmed the last sync
         deadline = time.monotonic() + cfg.rollout.request_timeout_s * 2
-        while True:
+        while not self.stop_requested:
             self._top_up_prompts()
             timeout = min(2.0, max(0.1, deadline - time.monotonic()))
             try:
@@ -131,9 +152,38 @@ class Controller:
             except TimeoutError:
                 if time.monotonic() >= deadline:
                     raise
-                # Nothing ready yet: a dead engine is a likely cause. Replace it; its requests are re-queued.
-                for name in self.rollout.check_health(timeout_s=5.0):
-                    self.progress.note(f"rollout worker {name} died: replaced, its requests re-dispatched")
+                self._upkeep()  # nothing ready yet: a dead engine is a likely cause
+        return None
+
+    def _check_finite(self, stats, batch: Batch) -> None:
+        """The learner skips a step whose loss or gradient is not finite (weights and optimizer untouched):
+        count it, keep its batch for inspection, and stop after `learner.max_skipped_steps` in a row."""
+        if not (stats.metrics.get("skipped_step", 0.0) > 0 or not math.isfinite(stats.loss)):
+            self._skipped_in_row = 0
+            return
+        self.skipped_steps += 1
+        self._skipped_in_row += 1
+        path = write_bad_batch(self.out, self.step, batch)
+        self.progress.note(f"step {self.step}: non-finite loss or gradient, step skipped; batch kept in {path}")
+        if self._skipped_in_row >= self.cfg.learner.max_skipped_steps:
+            raise NonFiniteError(
+                f"{self._skipped_in_row} steps in a row (the last: step {self.step}) had a non-finite loss or gradient "
+                f"(learner.max_skipped_steps = {self.cfg.learner.max_skipped_steps}); their batches are in {path.parent}"
+            )
+
+    def _upkeep(self) -> None:
+        """Rollout pool upkeep without waiting: dead workers are replaced (their requests re-dispatched) and
+        started ones join once they serve the latest weights; each event is logged and kept for the summary."""
+        for event in self.rollout.poll():
+            self.progress.note(str(event))
+            self.pool_events.append({"t_s": round(time.perf_counter() - self._started, 3), "step": self.step, **asdict(event)})
+
+    def _inject_faults(self) -> None:
+        """`faults.kill_rollout_worker_at_steps`: SIGKILL the oldest rollout worker's process now."""
+        if self.step not in self.cfg.faults.kill_rollout_worker_at_steps:
+            return
+        name = kill_oldest_worker(self.rollout)
+        self.pool_events.append({"t_s": round(time.perf_counter() - self._started, 3), "step": self.step, "worker": name, "kind": "killed"})
 
     def _top_up_prompts(self) -> None:
         """Keep enough prompts queued for the pool to run (eta + 2) batches ahead."""
@@ -152,6 +202,7 @@ class Controller:
         self._finish_sync()  # at most one sync in flight: engines take versions in order
         self.version += 1
         self._pending_sync = (self.sync.start(self.version), self.history[-1])
+        self._inject_faults()  # a listed step kills an engine while it loads these weights
         probe = self.sync.probes(self.version)
         if probe or not self.sync.overlaps():
             self._finish_sync(probe)
@@ -292,6 +343,8 @@ class Controller:
             "final_accuracy": self.evals[-1]["accuracy"] if self.evals else None,
             "wall_clock_s": round(wall_s, 2),
             "steps": self.step,
+            "stopped_early": self.stop_requested,
+            "skipped_steps": self.skipped_steps,
             "final_version": self.version,
             "samples_trained": self.samples_trained,
             "tokens_trained": self.tokens_trained,
@@ -302,4 +355,6 @@ class Controller:
             "evals": self.evals,
             "learner_idle_fraction": self.learner_wait_s / wall_s if wall_s else None,
             "rollout": rollout,
+            "pool_events": self.pool_events,
+            "faults": recovery_timings(self.pool_events),
         }

@@ -2,42 +2,78 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import time
+import signal
+import threading
 from pathlib import Path
 
 from asyncrl.config import Config
 
 
 def run(cfg: Config) -> dict:
-    """Run one job end to end and return (and write) its summary."""
+    """Run one job end to end and return (and write) its summary.
+
+    SIGTERM or Ctrl-C (what a job scheduler and a user send) asks the loop to stop at the next step boundary
+    (it checks at least every few seconds): it then writes a checkpoint to resume from and its summary, and
+    the Ray processes this run started are stopped. A second signal stops at once (still cleaning up).
+    """
     from asyncrl.controller.loop import Controller
     from asyncrl.models import ensure_model
 
     out = Path(cfg.output_dir)
     cfg.save(out)
     model_dir = ensure_model(cfg)
-    _init_ray(cfg)
+    started_ray = _init_ray(cfg)
     controller = Controller(cfg, model_dir)
     try:
-        controller.start()
-        summary = controller.run()
+        with _stop_requests(controller):
+            try:
+                controller.start()
+                summary = controller.run()
+            finally:
+                controller.shutdown()
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
     finally:
-        controller.shutdown()
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        if started_ray:
+            import ray
+
+            ray.shutdown()
     return summary
 
 
-def _init_ray(cfg: Config) -> None:
+@contextlib.contextmanager
+def _stop_requests(controller):
+    """First SIGTERM/SIGINT: `controller.request_stop`; the second raises KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread (e.g. a run inside a test thread)
+        return
+
+    def handler(signum, _frame):
+        if controller.stop_requested:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
+        controller.request_stop(f"{signal.Signals(signum).name} received")
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _init_ray(cfg: Config) -> bool:
+    """Connect to RAY_ADDRESS or start a local Ray; -> whether this call started (or joined) Ray itself."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
-        return
+        return True
     # Locally, Ray's CPU count is a scheduling label, not a thread limit: ask for what the pools need.
     need = cfg.rollout.num_workers * cfg.rollout.num_cpus_per_worker + cfg.learner.num_ranks * cfg.learner.num_cpus_per_rank
     ray.init(num_cpus=max(int(need) + 2, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    return True

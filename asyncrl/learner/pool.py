@@ -26,7 +26,7 @@ from asyncrl.learner.rank import LearnerWorker
 from asyncrl.learner.step import merge_metrics
 from asyncrl.types import Group, StepStats
 
-__all__ = ["LearnerCheckpoint", "LearnerPool", "recipe_from_config"]
+__all__ = ["LearnerCallError", "LearnerCheckpoint", "LearnerPool", "recipe_from_config"]
 
 
 def recipe_from_config(cfg):
@@ -39,6 +39,10 @@ def recipe_from_config(cfg):
     if algo.resolved_names()["reduction"] == "seq_mean_token_sum_norm":
         params.setdefault("l_max", cfg.rollout.max_tokens)
     return resolve_recipe(algo.preset, algo.advantage, algo.loss, algo.reduction, algo.correction, **params)
+
+
+class LearnerCallError(RuntimeError):
+    """A call on the learner ranks failed or timed out; the message names the rank and the call."""
 
 
 @dataclass(frozen=True)
@@ -82,18 +86,24 @@ class LearnerPool:
         return cls(model_dir, cfg.learner, recipe_from_config(cfg), cfg.rollout.temperature, cfg.model.dtype)
 
     def _call(self, method: str, *args, timeout_s: float | None = None, per_rank: Sequence[tuple] | None = None) -> list:
-        """Call `method` on every rank at once (collective) and wait; a failure names the rank."""
+        """Call `method` on every rank at once (collective) and wait, at most `timeout_s` (default
+        `learner.call_timeout_s`) in all; a failure or a timeout names the rank and the call."""
         import ray
+        from ray.exceptions import GetTimeoutError
 
+        timeout_s = timeout_s if timeout_s is not None else self.config.call_timeout_s
         refs = [
             getattr(w, method).remote(*(per_rank[r] if per_rank is not None else args)) for r, w in enumerate(self.workers)
         ]
+        deadline = time.monotonic() + timeout_s
         results = []
         for rank, ref in enumerate(refs):
             try:
-                results.append(ray.get(ref, timeout=timeout_s))
+                results.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+            except GetTimeoutError:
+                raise LearnerCallError(f"learner rank {rank}: {method} did not answer within {timeout_s}s (learner.call_timeout_s)") from None
             except Exception as e:
-                raise RuntimeError(f"learner rank {rank}: {method} failed: {e}") from e
+                raise LearnerCallError(f"learner rank {rank}: {method} failed: {e}") from e
         return results
 
     # ------------------------------------------------------------------ training

@@ -9,6 +9,7 @@ buckets (`export.py`), checkpoints as DCP shards (`checkpoint.py`).
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 from collections.abc import Sequence
 from datetime import timedelta
@@ -77,6 +78,10 @@ class LearnerWorker:
         self.step = 0
 
     # ------------------------------------------------------------------ setup and collectives
+
+    def pid(self) -> int:
+        """This rank's process id (fault injection kills or stops real processes)."""
+        return os.getpid()
 
     def master_address(self) -> tuple[str, int]:
         """Rank 0 picks the rendezvous address (its node IP and a free port)."""

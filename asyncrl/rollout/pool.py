@@ -1,8 +1,11 @@
 """`RolloutPool`: the driver-side handle of N `RolloutWorker` actors (`rollout-0`, `rollout-1`, ...).
 
 It starts workers and waits for their engines, broadcasts weights (put into the object store once),
-scales the pool at runtime, and replaces dead workers. Invariant 7: a weight sync either completes on every
-engine — each confirms the new version — or raises within its timeout naming the engines that did not.
+scales the pool at runtime, and replaces dead workers. A started worker serves only once its engine has
+loaded the latest published weights; `poll()` does that, and notices dead workers, without waiting, so the
+learner never pauses for them. Invariant 7: a weight sync either completes on every engine — each confirms
+the new version — or raises within its timeout naming the engines that did not (with `replace_dead`, an
+engine that died is replaced instead of failing the sync).
 Invariant 3: requests of a removed or dead worker are handed back to the queue (`requeue_worker`), so none
 is lost; a late answer of the old attempt is recognisable by its request id.
 """
@@ -13,6 +16,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,6 +45,56 @@ class WeightSyncTimeout(WeightSyncError):
 _CONTROL_TIMEOUT_S = 30.0  # stop / stats / health calls
 
 
+class WorkerDiedError(RuntimeError):
+    """A rollout worker died and the pool does not replace dead workers (`rollout.replace_dead_workers`)."""
+
+
+@dataclass
+class _Joining:
+    """A started worker on its way into service: engine starting (`ready`), then loading `version` (`sync`)."""
+
+    handle: Any
+    ready: Any
+    began: float
+    sync: Any = None
+    version: int | None = None
+
+
+@dataclass(frozen=True)
+class PoolEvent:
+    """Something that happened to a worker, reported by `poll` for the controller's log and metrics."""
+
+    worker: str
+    kind: str
+    """`died` (its requests re-dispatched, `replacement` started), `joined` (serves `version`, `seconds` after
+    its start) or `failed_to_start` (`detail` says why)."""
+    requeued: int = 0
+    replacement: str | None = None
+    version: int | None = None
+    seconds: float = 0.0
+    detail: str = ""
+
+    def __str__(self) -> str:
+        if self.kind == "died":
+            return f"rollout worker {self.worker} died: {self.requeued} requests re-dispatched" + (
+                f", replaced by {self.replacement}" if self.replacement else ""
+            )
+        if self.kind == "joined":
+            return f"rollout worker {self.worker} serves version {self.version} ({self.seconds:.1f}s after its start)"
+        return f"rollout worker {self.worker} failed to start: {self.detail}"
+
+
+def _died(ref: Any) -> bool:
+    """Whether a finished call failed because its actor died."""
+    try:
+        ray.get(ref, timeout=0)
+    except RayActorError:
+        return True
+    except Exception:
+        return False
+    return False
+
+
 class RolloutPool:
     """Driver-side owner of the rollout workers. Not thread-safe; call from one controller thread.
 
@@ -62,6 +116,7 @@ class RolloutPool:
         sampling: SamplingSpec | None = None,
         max_staleness: int | None = None,
         latest: Callable[[], PublishedWeights | None] = lambda: None,
+        replace_dead: bool = False,
     ) -> None:
         self.spec = WorkerSpec(
             model_dir=str(model_dir), rollout=rollout, env=env or EnvConfig(), dtype=dtype, max_model_len=max_model_len,
@@ -74,6 +129,10 @@ class RolloutPool:
         self._run_refs: dict[str, Any] = {}
         self._generating = False
         self._latest = latest
+        self.replace_dead = replace_dead
+        """A worker that dies (generating or loading weights) is replaced and the run goes on; False raises."""
+        self._joining: dict[str, _Joining] = {}
+        self._events: list[PoolEvent] = []
         self._actor_cls = ray.remote(RolloutWorker)
 
     # ---------------------------------------------------------------------------------------------
@@ -88,6 +147,7 @@ class RolloutPool:
         return cls(
             str(model_dir), cfg.rollout, cfg.env, queue, dtype=cfg.model.dtype, max_model_len=cfg.rollout.max_model_len,
             seed=cfg.seed, max_staleness=cfg.buffer.max_staleness if cfg.buffer.abort_stale_in_flight else None, latest=latest,
+            replace_dead=cfg.rollout.replace_dead_workers,
         )
 
     @property
@@ -100,6 +160,11 @@ class RolloutPool:
     def start(self) -> None:
         """Start `rollout.num_workers` workers and wait until every engine serves."""
         self._spawn([self._new_name() for _ in range(self.rollout.num_workers)])
+
+    @property
+    def joining(self) -> list[str]:
+        """Workers started but not yet serving (engine starting, or loading the latest weights)."""
+        return list(self._joining)
 
     def start_generation(self) -> None:
         """Every worker starts serving the queue (idempotent)."""
@@ -150,16 +215,22 @@ class RolloutPool:
         refs = [b if isinstance(b, ray.ObjectRef) else ray.put(bytes(b)) for b in buckets]
         return self._start_sync(dict(self._workers), refs, version, in_flight)
 
-    def finish_update(self, calls: dict[Any, str], version: int, timeout_s: float) -> None:
-        """Wait until every engine of `calls` reports `version`; raises as `update_weights` does."""
+    def finish_update(self, calls: dict[Any, str], version: int, timeout_s: float) -> list[str]:
+        """Wait until every engine of `calls` reports `version`; raises as `update_weights` does. With
+        `replace_dead`, an engine that died is not a failure of the sync: it is replaced (the replacement loads
+        the latest weights before it serves) and its name returned."""
         done, waiting = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
         problems: list[str] = []
+        dead: list[str] = []
         for ref in done:
             name = calls[ref]
             try:
                 reported = ray.get(ref)
             except RayActorError as e:
-                problems.append(f"{name} died before confirming version {version} ({type(e).__name__})")
+                if self.replace_dead:
+                    dead.append(name)
+                else:
+                    problems.append(f"{name} died before confirming version {version} ({type(e).__name__})")
                 continue
             except Exception as e:
                 problems.append(f"{name} failed to load version {version}: {type(e).__name__}: {e}")
@@ -171,6 +242,9 @@ class RolloutPool:
         if problems:
             error = WeightSyncTimeout if timed_out else WeightSyncError
             raise error("weight sync failed: " + "; ".join(problems))
+        for name in dead:
+            self._replace(name)
+        return dead
 
     def _start_sync(self, workers: dict[str, Any], refs: list[Any], version: int, in_flight: bool) -> dict[Any, str]:
         return {handle.update_weights.remote(refs, version, in_flight): name for name, handle in workers.items()}
@@ -178,10 +252,14 @@ class RolloutPool:
     # ---------------------------------------------------------------------------------------------
     # Scaling and health
 
-    def add_worker(self) -> str:
-        """Start one more worker; it loads the latest published weights before it serves."""
+    def add_worker(self, wait: bool = True) -> str:
+        """Start one more worker; it loads the latest published weights before it serves. With `wait=False`
+        it joins later, at a `poll()` (the caller keeps working meanwhile)."""
         name = self._new_name()
-        self._spawn([name])
+        if wait:
+            self._spawn([name])
+        else:
+            self._launch(name)
         return name
 
     def remove_worker(self, name: str, drain: bool = False) -> int:
@@ -196,26 +274,48 @@ class RolloutPool:
         ray.kill(handle)
         return self._requeue(name)
 
-    def check_health(self, timeout_s: float = 10.0) -> list[str]:
-        """Find dead workers, re-queue their requests and replace them. Returns the dead workers' names.
+    def poll(self) -> list[PoolEvent]:
+        """Upkeep without waiting, for the controller to call every turn of its loop: a worker whose `run`
+        call ended with an actor error is dead — its requests are re-dispatched and (with `replace_dead`) a
+        replacement is started; a started worker joins once its engine serves the latest weights."""
+        for name in self._dead_runners():
+            self._replace(name)
+        self._advance_joining()
+        events, self._events = self._events, []
+        return events
 
-        A worker that is alive but does not answer within `timeout_s` (busy loading weights, say) is left alone.
-        """
+    def check_health(self, timeout_s: float = 10.0) -> list[str]:
+        """Find dead workers (a `ready` ping fails), re-queue their requests and replace them, waiting until
+        the replacements serve. Returns the dead workers' names. A worker that is alive but does not answer
+        within `timeout_s` (busy loading weights, say) is left alone."""
         calls = {handle.ready.remote(): name for name, handle in self._workers.items()}
         done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
-        dead = []
-        for ref in done:
-            try:
-                ray.get(ref)
-            except RayActorError:
-                dead.append(calls[ref])
-        for name in dead:
-            self._workers.pop(name, None)
-            self._run_refs.pop(name, None)
-            self._requeue(name)
-        for _ in dead:
-            self.add_worker()
+        dead = [calls[ref] for ref in done if _died(ref)]
+        replacements = [self._replace(name, force=True).replacement for name in dead]
+        self._await_joined([r for r in replacements if r], self.rollout.engine_start_timeout_s)
         return dead
+
+    def _dead_runners(self) -> list[str]:
+        refs = {ref: name for name, ref in self._run_refs.items()}
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0) if refs else ([], [])
+        return [refs[ref] for ref in done if _died(ref)]
+
+    def _replace(self, name: str, force: bool = False) -> PoolEvent:
+        """`name` died: forget it, re-dispatch its requests, start a replacement (with `replace_dead`)."""
+        if name not in self._workers:
+            return PoolEvent(name, "died")  # already handled (a failed sync and a failed `run` both report it)
+        self._workers.pop(name)
+        self._run_refs.pop(name, None)
+        requeued = self._requeue(name)
+        if not (self.replace_dead or force):
+            raise WorkerDiedError(f"rollout worker {name} died (rollout.replace_dead_workers is off); {requeued} requests re-queued")
+        replacement = self._new_name()
+        self._launch(replacement)
+        return self._event(PoolEvent(name, "died", requeued=requeued, replacement=replacement))
+
+    def _event(self, event: PoolEvent) -> PoolEvent:
+        self._events.append(event)
+        return event
 
     def _requeue(self, name: str) -> int:
         if self.queue is None:
@@ -226,44 +326,77 @@ class RolloutPool:
         return f"rollout-{next(self._index)}"
 
     def _spawn(self, names: list[str]) -> None:
-        """Create workers, wait for their engines, give them the latest weights, start serving if the pool is."""
-        handles = {
-            name: self._actor_cls.options(
-                num_cpus=self.rollout.num_cpus_per_worker,
-                num_gpus=self.rollout.num_gpus_per_worker,
-                max_concurrency=1000,
-            ).remote(name, dataclasses.replace(self.spec, seed=self.spec.seed + int(name.rsplit("-", 1)[1])), self.queue)
-            for name in names
-        }
-        timeout_s = self.rollout.engine_start_timeout_s
-        calls = {h.ready.remote(): name for name, h in handles.items()}
-        started = time.monotonic()
-        done, pending = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
-        problems = [f"{calls[r]} did not start its engine within {timeout_s}s" for r in pending]
-        for ref in done:
+        """Start workers and wait until each serves the latest weights (and, if the pool serves, the queue)."""
+        for name in names:
+            self._launch(name)
+        self._await_joined(names, self.rollout.engine_start_timeout_s)
+
+    def _launch(self, name: str) -> None:
+        """Create the worker's actor and ask its engine to start; it joins at a later `poll`."""
+        spec = dataclasses.replace(self.spec, seed=self.spec.seed + int(name.rsplit("-", 1)[1]))  # distinct sampling streams
+        handle = self._actor_cls.options(
+            num_cpus=self.rollout.num_cpus_per_worker, num_gpus=self.rollout.num_gpus_per_worker, max_concurrency=1000
+        ).remote(name, spec, self.queue)
+        self._joining[name] = _Joining(handle, handle.ready.remote(), time.monotonic())
+
+    def _await_joined(self, names: list[str], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while any(n in self._joining for n in names):
+            failed = [e for e in self._advance_joining() if e.kind == "failed_to_start" and e.worker in names]
+            if failed:
+                self._abandon([n for n in names if n in self._joining])
+                raise WorkerStartError("; ".join(e.detail for e in failed))
+            if time.monotonic() > deadline:
+                late = [n for n in names if n in self._joining]
+                self._abandon(late)
+                raise WorkerStartError("; ".join(f"{n} did not start its engine within {timeout_s}s" for n in late))
+            time.sleep(0.05)
+
+    def _advance_joining(self) -> list[PoolEvent]:
+        """Move each joining worker one stage on, without waiting: engine up -> load latest weights -> serve."""
+        events: list[PoolEvent] = []
+        for name, j in list(self._joining.items()):
+            ref = j.sync if j.sync is not None else j.ready
+            if not ray.wait([ref], timeout=0)[0]:
+                if time.monotonic() - j.began > self.rollout.engine_start_timeout_s:
+                    events.append(self._failed_start(name, f"{name} did not start its engine within {self.rollout.engine_start_timeout_s}s"))
+                continue
             try:
                 ray.get(ref)
             except Exception as e:
-                problems.append(f"{calls[ref]} failed to start: {type(e).__name__}: {e}")
-        if problems:
-            for h in handles.values():
-                ray.kill(h)
-            raise WorkerStartError("; ".join(problems))
-        latest = self._latest()
-        if latest is not None:
-            remaining = max(1.0, timeout_s - (time.monotonic() - started))
-            try:
-                self.finish_update(self._start_sync(handles, latest.refs, latest.version, in_flight=False), latest.version, remaining)
-            except WeightSyncError:
-                for h in handles.values():
-                    ray.kill(h)
-                raise
-        self._workers.update(handles)
+                events.append(self._failed_start(name, f"{name} failed to start: {type(e).__name__}: {e}"))
+                continue
+            latest = self._latest()
+            if latest is not None and j.version != latest.version:  # not yet, or a newer version came out meanwhile
+                j.sync, j.version = j.handle.update_weights.remote(latest.refs, latest.version, False), latest.version
+                continue
+            events.append(self._join(name))
+        return events
+
+    def _join(self, name: str) -> PoolEvent:
+        j = self._joining.pop(name)
+        self._workers[name] = j.handle
         if self._generating:
-            self.start_generation()
+            self._run_refs[name] = j.handle.run.remote()
+        return self._event(PoolEvent(name, "joined", version=j.version, seconds=time.monotonic() - j.began))
+
+    def _failed_start(self, name: str, detail: str) -> PoolEvent:
+        self._abandon([name])
+        return self._event(PoolEvent(name, "failed_to_start", detail=detail))
+
+    def _abandon(self, names: list[str]) -> None:
+        for name in names:
+            j = self._joining.pop(name, None)
+            if j is not None:
+                ray.kill(j.handle)
 
     # ---------------------------------------------------------------------------------------------
     # Probes, evaluation, stats
+
+    def pids(self, timeout_s: float = _CONTROL_TIMEOUT_S) -> dict[str, int]:
+        """Process id of each serving worker (fault injection kills real processes)."""
+        names = list(self._workers)
+        return dict(zip(names, (r["pid"] for r in ray.get([self._workers[n].ready.remote() for n in names], timeout=timeout_s))))
 
     def versions(self, timeout_s: float = _CONTROL_TIMEOUT_S) -> dict[str, int]:
         names = list(self._workers)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from dataclasses import dataclass, field
 import time
 from collections.abc import Sequence
@@ -104,7 +105,7 @@ class RolloutWorker:
         async with self._start_lock:
             if not self.engine.started:
                 await self.engine.start()
-        return {"name": self.name, "version": self.engine.version}
+        return {"name": self.name, "version": self.engine.version, "pid": os.getpid()}
 
     async def run(self) -> dict[str, Any]:
         """Serve the queue until `stop()`; returns `stats()` at the end."""

@@ -1,0 +1,64 @@
+"""Fault injection (`faults.*` config) and what the run does and reports about faults it lived through.
+
+Injected faults are real: a rollout worker's process gets SIGKILL, exactly what an OOM kill or a lost node
+does to it; a NaN reward goes through the learner's real step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from asyncrl.types import Batch
+
+
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient (`learner.max_skipped_steps`)."""
+
+
+def poison_batch(batch: Batch, poison: bool) -> None:
+    """`faults.nan_reward_at_steps`: give the batch's first trajectory a NaN reward."""
+    if poison:
+        batch.groups[0].trajectories[0].reward = float("nan")
+
+
+def write_bad_batch(out: Path, step: int, batch: Batch) -> Path:
+    """Keep a skipped step's batch as `<out>/bad_batches/step-NNNNNN.parquet` (the trajectory log's schema)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from asyncrl.buffer.storage import trajectories_to_arrow
+
+    path = out / "bad_batches" / f"step-{step:06d}.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = trajectories_to_arrow([t for g in batch.groups for t in g.trajectories])
+    pq.write_table(pa.Table.from_batches([rows]), path)
+    return path
+
+
+def kill_oldest_worker(pool: Any) -> str:
+    """SIGKILL the process of the pool's oldest serving worker; returns its name."""
+    name, pid = next(iter(pool.pids().items()))
+    os.kill(pid, signal.SIGKILL)
+    return name
+
+
+def recovery_timings(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each `killed` event: seconds until the pool noticed (`died`) and until the replacement served the
+    latest weights (`joined`), from the controller's pool events (each with `t_s`, `worker`, `kind`)."""
+    out = []
+    for killed in (e for e in events if e["kind"] == "killed"):
+        died = next((e for e in events if e["kind"] == "died" and e["worker"] == killed["worker"] and e["t_s"] >= killed["t_s"]), None)
+        joined = None
+        if died is not None and died.get("replacement"):
+            joined = next((e for e in events if e["kind"] == "joined" and e["worker"] == died["replacement"]), None)
+        out.append({
+            "worker": killed["worker"],
+            "step": killed["step"],
+            "detected_s": round(died["t_s"] - killed["t_s"], 3) if died else None,
+            "recovered_s": round(joined["t_s"] - killed["t_s"], 3) if joined else None,
+            "requeued": died["requeued"] if died else None,
+        })
+    return out

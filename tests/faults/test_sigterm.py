@@ -1,0 +1,78 @@
+"""SIGTERM to `asyncrl run` (what a job scheduler sends, and Ctrl-C alike): the run stops within a bounded
+time, writes its summary and a checkpoint, leaves no process behind, and resumes from that checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+BIN = Path(sys.executable).parent
+OVERRIDES = [
+    "learner.prompts_per_step=4", "rollout.samples_per_prompt=2", "model.preset=tiny-0.3m", "model.warm_start_examples=0",
+    "buffer.filter_zero_variance=false", "eval.every_steps=0", "data.eval_prompts=8", "rollout.max_requests_in_flight=16",
+]
+
+
+def _processes_mentioning(marker: str) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (cmd := (proc / "cmdline").read_bytes().decode(errors="replace")):
+                found.append(f"{proc.name}: {cmd.replace(chr(0), ' ')[:160]}")
+        except OSError:
+            continue
+    return found
+
+
+def _wait(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(0.5)
+    return value
+
+
+def test_sigterm_checkpoints_writes_the_summary_leaves_nothing_behind_and_resumes(tmp_path):
+    ray_tmp = f"/tmp/ar-sig-{os.getpid()}"  # this run's Ray processes name it on their command lines
+    env = dict(os.environ, RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1")
+    env.pop("RAY_ADDRESS", None)
+    out = tmp_path / "run"
+    cmd = [str(BIN / "asyncrl"), "run", f"output_dir={out}", "learner.max_steps=100000", *OVERRIDES]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        metrics = out / "metrics.jsonl"
+        _wait(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 300, "two logged steps")
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        output, _ = proc.communicate(timeout=120)
+        print(f"exited {time.monotonic() - sent:.1f}s after SIGTERM")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped_early"] == "SIGTERM received" and summary["steps"] >= 2
+    checkpoint = out / "checkpoints" / f"step-{summary['steps']:06d}"
+    assert (checkpoint / "learner_state.json").is_file()
+    deadline = time.monotonic() + 30  # Ray's processes exit shortly after the driver disconnects
+    while _processes_mentioning(ray_tmp) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_mentioning(ray_tmp) == []
+
+    resumed = subprocess.run(
+        [*cmd[:3], f"learner.max_steps={summary['steps'] + 2}", *OVERRIDES, "checkpoint.resume_from=latest"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    after = json.loads((out / "summary.json").read_text())
+    assert after["steps"] == after["final_version"] == summary["steps"] + 2
+    assert after["stopped_early"] is None
