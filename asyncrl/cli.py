@@ -1,4 +1,4 @@
-"""`asyncrl` command line: run | check | submit | status | logs | stop.
+"""`asyncrl` command line: run | check | submit | status | logs | stop | scale.
 
 Thin entry point: nothing heavy (torch, Ray, vLLM) is imported before a subcommand needs it, so
 `asyncrl --help` answers at once.
@@ -43,7 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     logs.add_argument("--follow", "-f", action="store_true")
     stop = sub.add_parser("stop", help="stop a running job")
     stop.add_argument("job")
-    for command in (submit, status, logs, stop):
+    scale = sub.add_parser("scale", help="resize a running job's rollout pool (rollout=N), without restarting it")
+    scale.add_argument("job")
+    scale.add_argument("sizes", nargs="+", metavar="rollout=N")
+    for command in (submit, status, logs, stop, scale):
         command.add_argument("--address", help=f"Ray dashboard URL (default: RAY_ADDRESS, else {DEFAULT_ADDRESS})")
     return parser
 
@@ -152,6 +155,10 @@ def _cluster(args: argparse.Namespace) -> int:
         jobs.logs(args.address, args.job, follow=args.follow)
     elif args.command == "stop":
         print(f"{args.job}: {'stop requested' if jobs.stop(args.address, args.job) else 'not running'}")
+    elif args.command == "scale":
+        from asyncrl.cluster.control import parse_sizes
+
+        print(jobs.scale(args.address, args.job, parse_sizes(args.sizes)))
     return 0
 
 
@@ -160,10 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.config import ConfigError
 
     try:
-        if args.command in ("status", "logs", "stop"):
+        if args.command in ("status", "logs", "stop", "scale"):
             return _cluster(args)
         cfg = _load(args)
-    except (ConfigError, ConnectionError) as e:
+    except (ConfigError, ConnectionError, ValueError) as e:
         print(f"asyncrl: {e}", file=sys.stderr)
         return 2
     return {"check": _check, "run": _run, "submit": _submit}[args.command](args, cfg)

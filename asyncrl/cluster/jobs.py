@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import sys
 import time
 from dataclasses import dataclass
@@ -49,8 +50,12 @@ class Submitted:
 
 
 def submit(config_yaml: str, *, explicit_address: str | None, working_dir: str | None, job_id: str | None) -> Submitted:
-    """Submit `asyncrl run` with `config_yaml` (already resolved and validated) as a Ray job."""
-    runtime_env: dict = {"env_vars": {CONFIG_ENV: config_yaml}}
+    """Submit `asyncrl run` with `config_yaml` (already resolved and validated) as a Ray job. The job id
+    (generated when not given) also names the job's control actor (`asyncrl scale`)."""
+    from asyncrl.cluster.control import JOB_ENV
+
+    job_id = job_id or f"asyncrl-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    runtime_env: dict = {"env_vars": {CONFIG_ENV: config_yaml, JOB_ENV: job_id}}
     if working_dir:
         runtime_env.update(working_dir=working_dir, excludes=EXCLUDES)
     jobs = client(explicit_address)
@@ -107,3 +112,17 @@ def wait(explicit_address: str | None, job_id: str, timeout_s: float | None = No
 
 def stop(explicit_address: str | None, job_id: str) -> bool:
     return bool(client(explicit_address).stop_job(job_id))
+
+
+def scale(explicit_address: str | None, job_id: str, sizes: dict[str, int], timeout_s: float = 120.0) -> str:
+    """Ask a running job to resize its rollout pool: a tiny Ray job sets the wanted size on the job's
+    control actor (through the Jobs API, so it works wherever `submit` does); -> what it printed."""
+    jobs = client(explicit_address)
+    helper = jobs.submit_job(
+        entrypoint=f"python -m asyncrl.cluster.control {job_id} rollout={sizes['rollout']}", metadata={"tool": "asyncrl-scale"}
+    )
+    status = wait(explicit_address, helper, timeout_s=timeout_s, poll_s=0.5)
+    text = jobs.get_job_logs(helper)
+    if status != "SUCCEEDED":
+        raise RuntimeError(f"scaling {job_id} failed ({status}): {text.strip()[-2000:]}")
+    return text.strip().splitlines()[-1] if text.strip() else f"{job_id}: scale requested"

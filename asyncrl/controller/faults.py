@@ -62,3 +62,18 @@ def recovery_timings(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "requeued": died["requeued"] if died else None,
         })
     return out
+
+
+def scaling_timings(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each worker added by `asyncrl scale`: seconds from the request to the worker serving the latest
+    weights, and the version it joined at."""
+    out = []
+    for up in (e for e in events if e["kind"] == "scaled_up"):
+        joined = next((e for e in events if e["kind"] == "joined" and e["worker"] == up["worker"]), None)
+        out.append({
+            "worker": up["worker"],
+            "requested_at_version": up["version"],
+            "joined_version": joined["version"] if joined else None,
+            "request_to_serving_s": round(joined["wall"] - up["requested_at"], 3) if joined and up["requested_at"] else None,
+        })
+    return out

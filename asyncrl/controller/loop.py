@@ -11,14 +11,23 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections import deque
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from asyncrl.cluster.control import JOB_ENV, ControlClient
 from asyncrl.config import Config
-from asyncrl.controller.faults import NonFiniteError, kill_oldest_worker, poison_batch, recovery_timings, write_bad_batch
+from asyncrl.controller.faults import (
+    NonFiniteError,
+    kill_oldest_worker,
+    poison_batch,
+    recovery_timings,
+    scaling_timings,
+    write_bad_batch,
+)
 from asyncrl.telemetry.metrics import RunMetrics
 from asyncrl.telemetry.progress import Progress
 
@@ -49,6 +58,7 @@ class Controller:
         self.learner_wait_s = 0.0
         self.skipped_steps = 0
         self._skipped_in_row = 0
+        self.control: ControlClient | None = None
         self.stop_requested: str | None = None
         """Why the run was asked to stop early (a signal); the loop ends at the next step boundary."""
         self.pool_events: list[dict] = []
@@ -80,6 +90,8 @@ class Controller:
         self.rollout = RolloutPool.from_config(cfg, self.model_dir, queue=self.queue.handle, latest=lambda: self.sync.latest())
         self.sync = ObjectStoreSync(self.learner, self.rollout, cfg.weight_sync, cfg.mode)
         self.rollout.start()
+        if os.environ.get(JOB_ENV):  # submitted as a Ray job: `asyncrl scale` reaches this run's control actor
+            self.control = ControlClient.start(os.environ[JOB_ENV])
         if cfg.checkpoint.resume_from:
             self._resume(cfg.checkpoint.resume_from)
         self._top_up_prompts()
@@ -174,16 +186,32 @@ class Controller:
     def _upkeep(self) -> None:
         """Rollout pool upkeep without waiting: dead workers are replaced (their requests re-dispatched) and
         started ones join once they serve the latest weights; each event is logged and kept for the summary."""
+        self._scale()
         for event in self.rollout.poll():
             self.progress.note(str(event))
-            self.pool_events.append({"t_s": round(time.perf_counter() - self._started, 3), "step": self.step, **asdict(event)})
+            self._pool_event(**asdict(event))
+
+    def _pool_event(self, **event) -> None:
+        self.pool_events.append({"t_s": round(time.perf_counter() - self._started, 3), "wall": time.time(), "step": self.step, **event})
+
+    def _scale(self) -> None:
+        """Resize the rollout pool to what `asyncrl scale` asked for: new workers join once they serve the
+        latest weights (the learner goes on meanwhile); removed ones hand their requests back."""
+        wanted, requested_at = self.control.wanted_rollout() if self.control is not None else (None, None)
+        have = len(self.rollout.names) + len(self.rollout.joining)
+        if wanted is None or wanted == have:
+            return
+        self.progress.note(f"scaling the rollout pool {have} -> {wanted} at version {self.version}")
+        for _ in range(wanted - have):
+            self._pool_event(kind="scaled_up", worker=self.rollout.add_worker(wait=False), version=self.version, requested_at=requested_at)
+        for name in self.rollout.names[::-1][: max(0, have - wanted)]:
+            self._pool_event(kind="scaled_down", worker=name, version=self.version, requested_at=requested_at, requeued=self.rollout.remove_worker(name))
 
     def _inject_faults(self) -> None:
         """`faults.kill_rollout_worker_at_steps`: SIGKILL the oldest rollout worker's process now."""
         if self.step not in self.cfg.faults.kill_rollout_worker_at_steps:
             return
-        name = kill_oldest_worker(self.rollout)
-        self.pool_events.append({"t_s": round(time.perf_counter() - self._started, 3), "step": self.step, "worker": name, "kind": "killed"})
+        self._pool_event(kind="killed", worker=kill_oldest_worker(self.rollout))
 
     def _top_up_prompts(self) -> None:
         """Keep enough prompts queued for the pool to run (eta + 2) batches ahead."""
@@ -357,4 +385,5 @@ class Controller:
             "rollout": rollout,
             "pool_events": self.pool_events,
             "faults": recovery_timings(self.pool_events),
+            "scaling": scaling_timings(self.pool_events),
         }
