@@ -1,10 +1,13 @@
-"""W1 `add`: held-out accuracy against wall-clock and trained samples for sync, streaming and sao, and
-the peer baseline (TRL's GRPOTrainer, benchmarks/peer_trl.py) on the same workload.
+"""W1 `add`: held-out accuracy against wall-clock and trained samples for sync, streaming and sao, the
+peer baseline (TRL's GRPOTrainer, benchmarks/peer_trl.py) and a plain on-policy loop
+(benchmarks/plain_grpo.py, lr 2e-4) on the same workload.
 
-All three modes and the peer start from the same cached warm-start checkpoint, one after the other, so
+All three modes, the peer and the plain loop start from the same cached warm-start checkpoint, one after the other, so
 the ratios compare like with like on a noisy shared machine. asyncrl's wall-clock starts at the first
 rollout; time to target is reported with and without the held-out evaluations (the peer's clock excludes
-its evaluations, so the ratio to the peer uses asyncrl's clock without them too).
+its evaluations, so the ratio to the peer uses asyncrl's clock without them too). For every run it
+reports accuracy at equal trained samples, time to 0.5 and to 0.7 held-out accuracy and seconds per
+256 trained samples (the per-step cost; the plain loop's is the floor without Ray, vLLM or a queue).
 The peer runs in a subprocess when `trl` is installed (`pip install -e .[bench]`). Writes
 benchmarks/results/learning_add.json (and a PNG plot when matplotlib is installed).
 
@@ -23,6 +26,8 @@ import tempfile
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+STEP_SAMPLES = 256  # 32 prompts x 8 samples
+MILESTONES = (0.5, 0.7)
 MODES = {"sync": "sync.yaml", "streaming": "default.yaml", "sao": "sao.yaml"}
 
 
@@ -33,6 +38,55 @@ def time_to_target(evals: list[dict], target: float, clock: str = "wall_s") -> f
         if e["accuracy"] >= target:
             return e[clock]
     return None
+
+
+def accuracy_at(evals: list[dict], samples: int) -> float | None:
+    """Accuracy of the last evaluation taken with at most `samples` trained samples."""
+    done = [e["accuracy"] for e in evals if e["samples_trained"] <= samples]
+    return done[-1] if done else None
+
+
+def run_figures(evals: list[dict], clock: str) -> dict:
+    """Time to each milestone and seconds per 256 trained samples on `clock` (`wall_s_excl_eval` for
+    asyncrl, `wall_s` for the peer and the plain loop, whose clocks leave evaluations out)."""
+    last = evals[-1]
+    return {
+        **{f"time_to_{m}_s": time_to_target(evals, m, clock) for m in MILESTONES},
+        "s_per_256_samples": round(last[clock] * STEP_SAMPLES / last["samples_trained"], 3) if last["samples_trained"] else None,
+    }
+
+
+def print_figures(results: dict) -> None:
+    """One row per run: accuracy at the sample counts every run reached, milestones, seconds per step."""
+    reach = min(r["evals"][-1]["samples_trained"] for r in results.values())
+    points = [reach * k // 4 for k in (1, 2, 4)]
+    print(f"\n{'run':<10} " + " ".join(f"{'acc@' + str(p):>10}" for p in points) + f" {'t(0.5) s':>9} {'t(0.7) s':>9} {'s/256':>7}")
+    for name, r in results.items():
+        accs = " ".join(f"{a:>10.3f}" if (a := accuracy_at(r["evals"], p)) is not None else f"{'-':>10}" for p in points)
+        times = " ".join(f"{t:>9.0f}" if (t := r[f"time_to_{m}_s"]) is not None else f"{'-':>9}" for m in MILESTONES)
+        print(f"{name:<10} {accs} {times} {r['s_per_256_samples'] or 0:>7.2f}")
+    print("(times: training clocks without evaluations; acc@N: last evaluation at or before N trained samples)")
+
+
+def plain_run(steps: int, every: int, target: float) -> dict:
+    """benchmarks/plain_grpo.py from the default config's warm start, in this process."""
+    import torch
+    from plain_grpo import train  # benchmarks/ is on sys.path when a script there runs
+
+    from asyncrl.config import REPO_CONFIGS, load_config
+    from asyncrl.models import ensure_model
+
+    torch.set_num_threads(2)
+    evals = train(ensure_model(load_config(REPO_CONFIGS / "default.yaml")), steps, every, log=lambda line: None)
+    return {
+        "start_accuracy": evals[0]["accuracy"],
+        "final_accuracy": evals[-1]["accuracy"],
+        "wall_clock_s": evals[-1]["wall_s"],
+        "samples_trained": evals[-1]["samples_trained"],
+        "time_to_target_s": time_to_target(evals, target),
+        "time_to_target_excl_eval_s": time_to_target(evals, target),  # its clock excludes evaluations
+        "evals": evals,
+    }
 
 
 def main() -> None:
@@ -83,6 +137,9 @@ def main() -> None:
         results["trl"] = {k: peer[k] for k in ("start_accuracy", "final_accuracy", "wall_clock_s", "samples_trained", "time_to_target_s", "evals")}
         results["trl"]["time_to_target_excl_eval_s"] = peer["time_to_target_s"]  # its clock excludes evaluations
         results["trl"]["settings"] = peer["settings"]
+    results["plain"] = plain_run(steps, every, args.target)
+    for mode, r in results.items():
+        r.update(run_figures(r["evals"], "wall_s_excl_eval" if mode in MODES else "wall_s"))
 
     base = results["sync"]
     print(f"\nW1 add, {steps} steps per mode, target accuracy {args.target}")
@@ -102,6 +159,7 @@ def main() -> None:
             f"{m} {r['time_to_target_excl_eval_s'] / peer:.2f}" for m, r in results.items() if m != "trl" and r["time_to_target_excl_eval_s"]
         )
         print(f"time to {args.target} without evaluations, / trl (goal <= 0.5): {ratios}")
+    print_figures(results)
 
     RESULTS.mkdir(exist_ok=True)
     name = "learning_add_quick" if args.quick else "learning_add"

@@ -121,7 +121,7 @@ def ensure_model(cfg) -> Path:
         "max_operand": cfg.data.max_operand,
         "target": cfg.model.warm_start_target,
         "seed": cfg.seed,
-        "v": 2,
+        "v": 3,  # 3: deterministic (one thread), sampled reward and entropy recorded
     }
     key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
     path = cache_root() / "models" / f"{cfg.model.preset}-{key}"

@@ -1,6 +1,10 @@
+import torch
+
 from asyncrl.envs import add
+from asyncrl.envs.data import add_prompt
+from asyncrl.models import build_model
 from asyncrl.models.tokenizer import build_char_tokenizer
-from asyncrl.models.warm_start import _examples, _validation_prompts
+from asyncrl.models.warm_start import _examples, _validation_prompts, generate, left_pad, response_logits, warm_start
 
 
 def _operands(tok, prompt_ids) -> tuple[int, int]:
@@ -25,3 +29,40 @@ def test_examples_supervise_answer_and_eos_only():
     (ids, prompt_len), *_ = _examples(tok, 1, 999, seed=0)[0]
     a, b = _operands(tok, ids[:prompt_len])
     assert tok.decode(ids[prompt_len:-1]) == str(a + b) and ids[-1] == tok.eos_token_id
+
+
+def _model(path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def test_response_logits_are_the_logits_generate_sampled_from_for_left_padded_prompts(tiny_model_dir):
+    # Prompts of 6, 8 and 4 characters ("12+34=", ...): two rows are left-padded; the logits recomputed in
+    # one forward pass must be the ones generate chose from, step by step, for every response token.
+    model, tok = _model(tiny_model_dir)
+    prompts = [add_prompt(tok, a, b, str(i)) for i, (a, b) in enumerate([(12, 34), (123, 456), (1, 2)])]
+    samples = generate(model, tok, prompts, sample=False, max_new_tokens=5)
+    input_ids, attn = left_pad(tok, prompts)
+    out = model.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=5, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=2)
+    mask = samples.response_mask.bool()
+    assert samples.prompt_width == 8 and mask[:, 0].all()
+    assert torch.equal(out.sequences, samples.sequences)
+    expected = torch.stack(out.logits, dim=1)[mask]
+    assert torch.allclose(response_logits(model, samples)[mask], expected, atol=1e-4)
+
+
+def test_deterministic_warm_start_is_repeatable_and_restores_the_thread_count(tmp_path):
+    threads = torch.get_num_threads()
+    reports, weights = [], []
+    for run in ("a", "b"):
+        path = build_model("tiny-0.3m", tmp_path / run, seed=0)
+        reports.append(warm_start(path, examples=64, epochs=1, lr=1e-3, max_operand=99))
+        weights.append(_model(path)[0].model.embed_tokens.weight)
+    assert torch.get_num_threads() == threads
+    assert torch.equal(weights[0], weights[1])
+    drop = ("train_seconds",)
+    assert {k: v for k, v in reports[0].items() if k not in drop} == {k: v for k, v in reports[1].items() if k not in drop}
+    assert reports[0]["steps"] == 2 and reports[0]["epochs"] == 1.0  # 64 examples, batch 32
+    assert 0 <= reports[0]["sampled_reward_t1"] <= 1 and reports[0]["answer_entropy_nats"] > 0
