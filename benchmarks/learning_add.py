@@ -73,11 +73,11 @@ def plain_run(steps: int, every: int, target: float) -> dict:
     import torch
     from plain_grpo import train  # benchmarks/ is on sys.path when a script there runs
 
-    from asyncrl.config import REPO_CONFIGS, load_config
+    from asyncrl.config import RECIPES, load_config
     from asyncrl.models import ensure_model
 
     torch.set_num_threads(2)
-    evals = train(ensure_model(load_config(REPO_CONFIGS / "default.yaml")), steps, every, log=lambda line: None)
+    evals = train(ensure_model(load_config(RECIPES / "default.yaml")), steps, every, log=lambda line: None)
     return {
         "start_accuracy": evals[0]["accuracy"],
         "final_accuracy": evals[-1]["accuracy"],

@@ -86,10 +86,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.model is None:
-        from asyncrl.config import REPO_CONFIGS, load_config
+        from asyncrl.config import RECIPES, load_config
         from asyncrl.models import ensure_model
 
-        args.model = ensure_model(load_config(REPO_CONFIGS / "default.yaml"))
+        args.model = ensure_model(load_config(RECIPES / "default.yaml"))
     evals = train(args.model, args.steps, args.eval_every, args.lr)
     if args.out:
         args.out.write_text(json.dumps({"model": str(args.model), "lr": args.lr, "evals": evals}, indent=2))
