@@ -7,6 +7,7 @@ test modules start with `ray.init`.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -99,6 +100,44 @@ def test_stop_ends_a_running_job(head, tmp_path):
     deadline = time.monotonic() + 120
     while "STOPPED" not in (last := _cli(["status", "asyncrl-test-2", "--address", address], env).stdout):
         assert time.monotonic() < deadline, f"the job did not stop: {last}"
+        time.sleep(1)
+
+
+def test_scale_grows_and_shrinks_the_rollout_pool_of_a_running_job(head, tmp_path):
+    address, env = head
+    out = tmp_path / "run"
+    overrides = [
+        f"output_dir={out}", "learner.max_steps=60", "learner.prompts_per_step=4", "rollout.samples_per_prompt=2",
+        "eval.every_steps=0", "data.eval_prompts=8", "model.preset=tiny-0.3m", "model.warm_start_examples=0",
+        "buffer.filter_zero_variance=false", "rollout.max_requests_in_flight=16",
+    ]
+    done = _cli(["submit", *overrides, "--address", address, "--working-dir", "", "--job-id", "asyncrl-scale", "--no-wait"], env)
+    assert done.returncode == 0, done.stderr
+    metrics = out / "metrics.jsonl"
+    _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 300, "three steps")
+    up = _cli(["scale", "asyncrl-scale", "rollout=2", "--address", address], env)
+    assert up.returncode == 0 and "rollout pool -> 2 workers" in up.stdout, up.stdout + up.stderr
+    _wait_for(lambda: "rollout-1 serves version" in _cli(["logs", "asyncrl-scale", "--address", address], env).stdout, 300, "rollout-1 to serve")
+    down = _cli(["scale", "asyncrl-scale", "rollout=1", "--address", address], env)
+    assert down.returncode == 0, down.stdout + down.stderr
+    _wait_for(lambda: (out / "summary.json").exists(), 600, "the job to finish")
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 60  # never restarted
+    kinds = [(e["kind"], e["worker"]) for e in summary["pool_events"]]
+    assert ("scaled_up", "rollout-1") in kinds and ("joined", "rollout-1") in kinds and ("scaled_down", "rollout-1") in kinds
+    (scaling,) = summary["scaling"]
+    assert scaling["joined_version"] >= scaling["requested_at_version"]  # current weights before its first request
+    print(f"scale-up: request -> serving {scaling['request_to_serving_s']}s")
+    c = summary["counters"]
+    ended = c["trained"] + c["dropped_stale"] + c["in_flight"] + sum(v for k, v in c.items() if k.startswith(("filtered:", "failed:")))
+    assert c["dispatched"] == ended
+
+
+def _wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
         time.sleep(1)
 
 
