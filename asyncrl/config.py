@@ -259,8 +259,9 @@ class TelemetryConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every_steps: int = Field(0, ge=0)
-    """Checkpoint period in optimizer steps (0 = only at the end)."""
+    every_steps: int = Field(50, ge=0)
+    """Checkpoint period in optimizer steps (0 = only at the end). A run killed between checkpoints resumes
+    from the last one (`resume_from: latest`) with its version, counters and queue."""
     resume_from: str | None = None
     """A checkpoint folder to resume from, or `latest` for the newest in the output folder."""
     export_hf: bool = True

@@ -21,7 +21,7 @@ CONFIG_ENV = "ASYNCRL_JOB_CONFIG"
 EXCLUDES = [".git", ".venv", "runs", "build", "*.egg-info", "__pycache__", ".hypothesis"]
 """Never uploaded with the working directory."""
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
-AGENT_WAIT_S = 60.0
+AGENT_WAIT_S = 180.0
 """How long a submission waits for a freshly started head's job agent."""
 
 
@@ -58,16 +58,21 @@ def submit(config_yaml: str, *, explicit_address: str | None, working_dir: str |
     runtime_env: dict = {"env_vars": {CONFIG_ENV: config_yaml, JOB_ENV: job_id}}
     if working_dir:
         runtime_env.update(working_dir=working_dir, excludes=EXCLUDES)
-    jobs = client(explicit_address)
+    job = _submit_job(
+        client(explicit_address),
+        entrypoint=f"asyncrl run --config-env {CONFIG_ENV}", runtime_env=runtime_env, submission_id=job_id, metadata={"tool": "asyncrl"},
+    )
+    return Submitted(job, address(explicit_address))
+
+
+def _submit_job(jobs, **job) -> str:
+    """`submit_job`, waiting up to `AGENT_WAIT_S` for a head that has just started: it answers 500 until its
+    job agent registers."""
     deadline = time.monotonic() + AGENT_WAIT_S
     while True:
         try:
-            job = jobs.submit_job(
-                entrypoint=f"asyncrl run --config-env {CONFIG_ENV}", runtime_env=runtime_env, submission_id=job_id, metadata={"tool": "asyncrl"}
-            )
-            return Submitted(job, address(explicit_address))
+            return jobs.submit_job(**job)
         except RuntimeError as e:
-            # A head that has just started answers 500 until its job agent registers.
             if "No available agent" not in str(e) or time.monotonic() > deadline:
                 raise
             time.sleep(1.0)
@@ -118,8 +123,8 @@ def scale(explicit_address: str | None, job_id: str, sizes: dict[str, int], time
     """Ask a running job to resize its rollout pool: a tiny Ray job sets the wanted size on the job's
     control actor (through the Jobs API, so it works wherever `submit` does); -> what it printed."""
     jobs = client(explicit_address)
-    helper = jobs.submit_job(
-        entrypoint=f"python -m asyncrl.cluster.control {job_id} rollout={sizes['rollout']}", metadata={"tool": "asyncrl-scale"}
+    helper = _submit_job(
+        jobs, entrypoint=f"python -m asyncrl.cluster.control {job_id} rollout={sizes['rollout']}", metadata={"tool": "asyncrl-scale"}
     )
     status = wait(explicit_address, helper, timeout_s=timeout_s, poll_s=0.5)
     text = jobs.get_job_logs(helper)

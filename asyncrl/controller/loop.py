@@ -341,11 +341,13 @@ class Controller:
             self.learner.export_hf(self.out / "final_model")
 
     def _resume(self, where: str) -> None:
+        from asyncrl.learner.checkpoint import STATE_FILE
+
         folder = Path(where)
-        if where == "latest":
-            folders = sorted((self.out / "checkpoints").glob("step-*"))
+        if where == "latest":  # the newest complete one: a checkpoint cut short by a crash has no state file
+            folders = sorted(f for f in (self.out / "checkpoints").glob("step-*") if (f / STATE_FILE).is_file())
             if not folders:
-                raise FileNotFoundError(f"checkpoint.resume_from=latest: no checkpoint under {self.out / 'checkpoints'}")
+                raise FileNotFoundError(f"checkpoint.resume_from=latest: no complete checkpoint under {self.out / 'checkpoints'}")
             folder = folders[-1]
         restored = self.learner.load_checkpoint(folder)
         extra = restored.extra

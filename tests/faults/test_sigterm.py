@@ -76,3 +76,31 @@ def test_sigterm_checkpoints_writes_the_summary_leaves_nothing_behind_and_resume
     after = json.loads((out / "summary.json").read_text())
     assert after["steps"] == after["final_version"] == summary["steps"] + 2
     assert after["stopped_early"] is None
+
+
+def test_a_killed_driver_resumes_from_its_last_checkpoint_with_the_same_version_and_counters(tmp_path):
+    ray_tmp = f"/tmp/ar-kill-{os.getpid()}"
+    env = dict(os.environ, RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1")
+    env.pop("RAY_ADDRESS", None)
+    out = tmp_path / "run"
+    cmd = [str(BIN / "asyncrl"), "run", f"output_dir={out}", "checkpoint.every_steps=2", *OVERRIDES]
+    proc = subprocess.Popen([*cmd, "learner.max_steps=100000"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait(lambda: (out / "checkpoints" / "step-000004" / "learner_state.json").is_file(), 300, "the step-4 checkpoint")
+    finally:
+        proc.kill()  # SIGKILL: no cleanup, no summary, whatever step it was in
+        proc.wait()
+    kill_processes_mentioning(ray_tmp)  # what the crash left behind (a real crash leaves them to the node)
+    saved = max(f for f in (out / "checkpoints").iterdir() if (f / "learner_state.json").is_file())
+    extra = json.loads((saved / "extra.json").read_text())
+    assert not (out / "summary.json").exists()
+
+    resumed = subprocess.run([*cmd, f"learner.max_steps={extra['step'] + 2}", "checkpoint.resume_from=latest"],
+                             env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    after = json.loads((out / "summary.json").read_text())
+    assert after["steps"] == after["final_version"] == extra["step"] + 2 == extra["version"] + 2
+    assert after["samples_trained"] == extra["samples_trained"] + 2 * 4 * 2  # 4 groups of 2 per step, none filtered
+    c = after["counters"]
+    ended = c["trained"] + c["dropped_stale"] + c["in_flight"] + sum(v for k, v in c.items() if k.startswith(("filtered:", "failed:")))
+    assert c["dispatched"] == ended

@@ -107,7 +107,7 @@ def test_scale_grows_and_shrinks_the_rollout_pool_of_a_running_job(head, tmp_pat
     address, env = head
     out = tmp_path / "run"
     overrides = [
-        f"output_dir={out}", "learner.max_steps=60", "learner.prompts_per_step=4", "rollout.samples_per_prompt=2",
+        f"output_dir={out}", "learner.max_steps=100000", "learner.prompts_per_step=4", "rollout.samples_per_prompt=2",
         "eval.every_steps=0", "data.eval_prompts=8", "model.preset=tiny-0.3m", "model.warm_start_examples=0",
         "buffer.filter_zero_variance=false", "rollout.max_requests_in_flight=16",
     ]
@@ -115,17 +115,26 @@ def test_scale_grows_and_shrinks_the_rollout_pool_of_a_running_job(head, tmp_pat
     assert done.returncode == 0, done.stderr
     metrics = out / "metrics.jsonl"
     _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 300, "three steps")
+
+    def logs() -> str:
+        return _cli(["logs", "asyncrl-scale", "--address", address], env).stdout
+
     up = _cli(["scale", "asyncrl-scale", "rollout=2", "--address", address], env)
     assert up.returncode == 0 and "rollout pool -> 2 workers" in up.stdout, up.stdout + up.stderr
-    _wait_for(lambda: "rollout-1 serves version" in _cli(["logs", "asyncrl-scale", "--address", address], env).stdout, 300, "rollout-1 to serve")
+    _wait_for(lambda: "rollout worker rollout-1 serves version" in logs(), 300, "rollout-1 to serve")
+    steps_with_two = len(metrics.read_text().splitlines())
     down = _cli(["scale", "asyncrl-scale", "rollout=1", "--address", address], env)
     assert down.returncode == 0, down.stdout + down.stderr
-    _wait_for(lambda: (out / "summary.json").exists(), 600, "the job to finish")
+    _wait_for(lambda: "scaling the rollout pool 2 -> 1" in logs(), 120, "the scale-down")
+    _wait_for(lambda: len(metrics.read_text().splitlines()) >= steps_with_two + 3, 300, "three more steps")
+    assert "stop requested" in _cli(["stop", "asyncrl-scale", "--address", address], env).stdout
+    _wait_for(lambda: (out / "summary.json").exists(), 300, "the stopped job's summary")
 
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 60  # never restarted
+    assert summary["stopped_early"] == "SIGTERM received"  # never restarted: one run from start to stop
     kinds = [(e["kind"], e["worker"]) for e in summary["pool_events"]]
-    assert ("scaled_up", "rollout-1") in kinds and ("joined", "rollout-1") in kinds and ("scaled_down", "rollout-1") in kinds
+    assert ("scaled_up", "rollout-1") in kinds and ("joined", "rollout-1") in kinds
+    assert ("scaled_down", "rollout-1") in kinds and not any(k == "died" for k, _ in kinds)
     (scaling,) = summary["scaling"]
     assert scaling["joined_version"] >= scaling["requested_at_version"]  # current weights before its first request
     print(f"scale-up: request -> serving {scaling['request_to_serving_s']}s")

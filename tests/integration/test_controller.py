@@ -1,7 +1,8 @@
 """The controller with real pools (Ray, one vLLM CPU engine, one FSDP2 rank) on the tiny model.
 
 Covers: engine/learner parity after every weight sync, the staleness bound, conservation, and
-checkpoint -> stop -> resume continuing at the same version with the same counters.
+checkpoint -> stop -> resume continuing at the same version with the same counters, also with the learner
+pool resized (1 -> 2 ranks).
 """
 
 import json
@@ -92,3 +93,17 @@ def test_resume_continues_at_the_same_version_with_the_same_counters(first_run, 
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(f"{out}/final_model") is not None
+
+
+def test_resume_with_two_learner_ranks_reshards_the_checkpoint_and_continues(first_run, tiny_model_dir):
+    """The learner pool is resized by checkpoint + resume: the 1-rank checkpoint of step 5 (written by the
+    resumed run above) is loaded by 2 FSDP2 ranks (DCP re-shards it); version and counters carry over."""
+    cfg, _ = first_run
+    saved = json.loads(open(f"{cfg.output_dir}/checkpoints/step-000005/extra.json").read())
+    two_ranks = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"max_steps": 6, "num_ranks": 2}),
+                                       "checkpoint": cfg.checkpoint.model_copy(update={"resume_from": "latest"})})
+    resumed, conservation, history = _run(two_ranks, tiny_model_dir)
+    assert [row["step"] for row in history] == [6]
+    assert history[0]["version"] == 5 and resumed["final_version"] == 6
+    assert conservation["trained"] == saved["samples_trained"] + 4 * 4
+    assert max(row["parity_max_abs_diff"] for row in history) < 1e-5  # the re-sharded weights are the same weights
