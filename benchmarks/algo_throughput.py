@@ -13,20 +13,18 @@ algo_throughput_quick.json, so a smoke run never overwrites the real numbers).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 import time
 from pathlib import Path
 
+import common  # benchmarks/common.py: a script's own folder is on sys.path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from asyncrl.algo.recipes import compute_policy_loss, compute_token_weights, resolve_recipe  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 # (case name, recipe overrides). The first case is the baseline of the ratio column.
 CASES = [
@@ -94,41 +92,34 @@ def time_cases(data: dict, reps: int) -> dict[str, float]:
     return best
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="[8 x 256], 2 reps (smoke test)")
+    common.add_output_options(parser, "algo_throughput", "[8 x 256], 2 reps (smoke test)")
     parser.add_argument("--batch", type=int, default=None, help="sequences per batch (default 64)")
     parser.add_argument("--length", type=int, default=None, help="tokens per sequence (default 2048)")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per case (default 10)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--out", type=Path, default=None, help="JSON output path")
-    args = parser.parse_args()
-    batch = args.batch or (8 if args.quick else 64)
-    length = args.length or (256 if args.quick else 2048)
-    reps = args.reps or (2 if args.quick else 10)
-    out = args.out or RESULTS / ("algo_throughput_quick.json" if args.quick else "algo_throughput.json")
+    return parser.parse_args()
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    data = make_batch(batch, length)
-    tokens = int(data["mask"].sum())
-    best = time_cases(data, reps)
+
+def rank_cases(best: dict[str, float], tokens: int) -> list[dict]:
+    """One row per case in `CASES` order: ms, tokens/s, and tokens/s relative to the first case."""
     rows = [{"case": name, "ms": best[name] * 1e3, "tokens_per_s": tokens / best[name]} for name, _ in CASES]
-    baseline = rows[0]["tokens_per_s"]
     for row in rows:
-        row["vs_ppo"] = row["tokens_per_s"] / baseline
+        row["vs_ppo"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
+    return rows
 
+
+def print_table(rows: list[dict], batch: int, length: int, tokens: int, reps: int) -> None:
     print(f"asyncrl.algo loss+backward, [{batch} x {length}] fp32, {tokens} valid tokens, "
           f"best of {reps}, torch {torch.__version__}, {torch.get_num_threads()} threads")  # fmt: skip
     print(f"{'case':<16}{'ms':>10}{'Mtok/s':>10}{'vs ppo':>9}")
     for row in rows:
         print(f"{row['case']:<16}{row['ms']:>10.2f}{row['tokens_per_s'] / 1e6:>10.2f}{row['vs_ppo']:>9.2f}")
 
-    load = os.getloadavg()[0]
-    if load > (os.cpu_count() or 1):
-        print(f"warning: load average {load:.1f} exceeds {os.cpu_count()} CPUs; timings are disturbed by other processes")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    result = {
+
+def result_record(rows: list[dict], batch: int, length: int, tokens: int, reps: int, load: float) -> dict:
+    return {
         "benchmark": "algo_throughput",
         "shape": [batch, length],
         "valid_tokens": tokens,
@@ -144,7 +135,25 @@ def main() -> None:
         "baseline": "ppo",
         "rows": rows,
     }
-    out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def main() -> None:
+    args = parse_args()
+    batch = args.batch or (8 if args.quick else 64)
+    length = args.length or (256 if args.quick else 2048)
+    reps = args.reps or (2 if args.quick else 10)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    data = make_batch(batch, length)
+    tokens = int(data["mask"].sum())
+    rows = rank_cases(time_cases(data, reps), tokens)
+    print_table(rows, batch, length, tokens, reps)
+
+    load = common.load_average()
+    if load > (os.cpu_count() or 1):
+        print(f"warning: load average {load:.1f} exceeds {os.cpu_count()} CPUs; timings are disturbed by other processes")
+    out = common.output_path("algo_throughput", args)
+    common.write_json(out, result_record(rows, batch, length, tokens, reps, load))
     print(f"wrote {out}")
 
 

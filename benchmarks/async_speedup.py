@@ -30,19 +30,19 @@ import argparse
 import dataclasses
 import json
 import math
-import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import common  # benchmarks/common.py: a script's own folder is on sys.path
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ["sync", "streaming", "sao"]
 RECIPES = {"sync": "grpo", "streaming": "cispo", "sao": "sao"}
 MAX_MODEL_LEN = 1024  # tiny-0.3m has 1024 positions
+LENGTH_CAP = MAX_MODEL_LEN - 16  # longest generation: the prompt must fit too
 MAX_REQUESTS_IN_FLIGHT = 256  # per engine, in every mode and in the engine-alone run
 ROLLOUT_CPUS = 1.0  # RolloutConfig.num_cpus_per_worker (default)
 Z99 = 2.3263478740408408  # standard normal 0.99 quantile
@@ -78,14 +78,23 @@ def base_prompts(tokenizer, n: int, lengths: list[int], seed: int):
 
 def mode_prompts(prompts, mode: str, group_size: int):
     """What a mode's controller draws: the base stream, or for `sao` each prompt G times in a row."""
-    from asyncrl.types import Prompt
-
     for p in prompts:
         if mode != "sao":
             yield p
             continue
         for k in range(group_size):
-            yield Prompt(f"{p.prompt_id}.{k}", list(p.prompt_ids), p.ground_truth, p.text, p.data_source, dict(p.extra_info))
+            yield dataclasses.replace(p, prompt_id=f"{p.prompt_id}.{k}", prompt_ids=list(p.prompt_ids), extra_info=dict(p.extra_info))
+
+
+def workload(args, model_dir: Path) -> list:
+    """The base prompt stream: enough prompts for the trained ones, what the controller keeps queued ahead,
+    and stale re-draws."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    num_prompts = (2 * args.steps + args.max_staleness + 4) * args.prompts_per_step
+    lengths = draw_lengths(num_prompts, args.seed, args.median_tokens, args.p99_tokens, LENGTH_CAP)
+    return base_prompts(tokenizer, num_prompts, lengths, args.seed)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -172,11 +181,12 @@ def mode_config(mode: str, args, out_dir: Path, model_dir: Path):
     return load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
 
 
+
 def run_mode(mode: str, args, out_dir: Path, model_dir: Path, prompts) -> dict:
 
     cfg = mode_config(mode, args, out_dir, model_dir)
     cfg.save(cfg.output_dir)
-    load_start = os.getloadavg()[0]
+    load_start = common.load_average()
     controller = make_controller_class()(cfg, model_dir, mode_prompts(prompts, mode, args.samples_per_prompt))
     began = time.perf_counter()
     try:
@@ -186,12 +196,13 @@ def run_mode(mode: str, args, out_dir: Path, model_dir: Path, prompts) -> dict:
         conservation = controller.queue.check_conservation()
     finally:
         controller.shutdown()
+    return mode_row(mode, controller, summary, conservation, setup_s, load_start)
+
+
+def mode_row(mode: str, controller, summary: dict, conservation: dict, setup_s: float, load_start: float) -> dict:
+    """The figures of one mode over its training window (generation starts -> last optimizer step)."""
     window = controller.t_end - controller.t_start
     stats = list(controller.rollout_stats_at_end.values())
-    busy = sum(s["busy_s"] for s in stats)
-    idle = sum(s["idle_s"] for s in stats)
-    hist = {int(k): v for k, v in summary["staleness_histogram"].items()}
-    trained = sum(hist.values())
     return {
         "mode": mode,
         "recipe": RECIPES[mode],
@@ -205,23 +216,40 @@ def run_mode(mode: str, args, out_dir: Path, model_dir: Path, prompts) -> dict:
         "mean_response_tokens": controller.response_tokens / max(1, summary["samples_trained"]),
         "trained_tokens_per_s": summary["tokens_trained"] / window,
         "trained_samples_per_s": summary["samples_trained"] / window,
-        "rollout_idle_fraction": idle / (busy + idle) if busy + idle > 0 else None,
-        "rollout_busy_s": busy,
-        "rollout_idle_s": idle,
-        "tokens_generated": sum(s["tokens_generated"] for s in stats),
-        "generated_tokens_per_s": sum(s["tokens_generated"] for s in stats) / window,
+        **rollout_figures(stats, window),
         "learner_wait_s": controller.wait_s,
         "learner_idle_fraction": controller.wait_s / window,
-        "staleness_histogram": {str(k): v for k, v in sorted(hist.items())},
-        "staleness_mean": sum(k * v for k, v in hist.items()) / max(1, trained),
-        "staleness_max": max(hist, default=0),
+        **staleness_figures(summary["staleness_histogram"]),
         "dropped_stale": conservation.get("dropped_stale", 0),
         "stale_aborts": sum(s.get("stale_aborts", 0) for s in stats),
         "dispatched": conservation.get("dispatched", 0),
         "conservation": conservation,
-        "load_average_1min": [load_start, os.getloadavg()[0]],
+        "load_average_1min": [load_start, common.load_average()],
     }
 
+
+def rollout_figures(stats: list[dict], window: float) -> dict:
+    """Busy and idle seconds of the rollout workers, and what they generated (aborted requests included)."""
+    busy = sum(s["busy_s"] for s in stats)
+    idle = sum(s["idle_s"] for s in stats)
+    generated = sum(s["tokens_generated"] for s in stats)
+    return {
+        "rollout_idle_fraction": idle / (busy + idle) if busy + idle > 0 else None,
+        "rollout_busy_s": busy,
+        "rollout_idle_s": idle,
+        "tokens_generated": generated,
+        "generated_tokens_per_s": generated / window,
+    }
+
+
+def staleness_figures(histogram: dict) -> dict:
+    """Trained samples per staleness (learner version - oldest token version), its mean and maximum."""
+    hist = {int(k): v for k, v in histogram.items()}
+    return {
+        "staleness_histogram": {str(k): v for k, v in sorted(hist.items())},
+        "staleness_mean": sum(k * v for k, v in hist.items()) / max(1, sum(hist.values())),
+        "staleness_max": max(hist, default=0),
+    }
 
 # ---------------------------------------------------------------------------------------------------
 # The limit: one engine, the same requests, no learner.
@@ -231,47 +259,112 @@ def engine_alone(model_dir: Path, prompts, group_size: int, max_requests_in_flig
     import asyncio
 
     from asyncrl.config import RolloutConfig
-    from asyncrl.rollout.engine import Engine, SamplingSpec
-    from asyncrl.types import Request
 
     rollout = RolloutConfig(max_requests_in_flight=max_requests_in_flight, max_model_len=MAX_MODEL_LEN)
+    return asyncio.run(generate_all(model_dir, rollout, engine_jobs(prompts, group_size, rollout)))
 
-    async def main() -> dict:
-        engine = Engine(
-            str(model_dir), name="limit", dtype="float32", max_model_len=MAX_MODEL_LEN,
-            max_num_seqs=rollout.max_requests_in_flight, kv_cache_gib=rollout.kv_cache_gib, seed=0,
-        )
-        await engine.start()
-        try:
-            base = SamplingSpec.from_rollout_config(rollout)
-            jobs = []
-            for p in prompts:
-                # What the rollout worker does with the prompt's extra_info (RolloutWorker._sampling_for).
-                spec = dataclasses.replace(base, max_tokens=int(p.extra_info["max_tokens"]), ignore_eos=True)
-                for k in range(group_size):
-                    jobs.append((Request(f"{p.prompt_id}/{k}/0", p.prompt_id, k, group_size, p), spec))
-            generated_before = engine.num_tokens_generated
-            began = time.perf_counter()
-            trajectories = await asyncio.gather(*(engine.generate(r, s) for r, s in jobs))
-            seconds = time.perf_counter() - began
-        finally:
-            await engine.shutdown()
-        failed = [t for t in trajectories if t.failed]
-        if failed:
-            raise RuntimeError(f"engine-alone run: {len(failed)} requests failed, e.g. {failed[0].failure}")
-        tokens = sum(t.num_tokens for t in trajectories)
-        response_tokens = engine.num_tokens_generated - generated_before
-        return {
-            "requests": len(jobs),
-            "seconds": seconds,
-            "tokens": tokens,
-            "response_tokens": response_tokens,
-            "tokens_per_s": tokens / seconds,
-            "generated_tokens_per_s": response_tokens / seconds,
-        }
 
-    return asyncio.run(main())
+def engine_jobs(prompts, group_size: int, rollout) -> list:
+    """(request, sampling) of every sample, with the prompt's own length, as the rollout worker samples it
+    (RolloutWorker._sampling_for)."""
+    from asyncrl.rollout.engine import SamplingSpec
+    from asyncrl.testing import make_request
 
+    base = SamplingSpec.from_rollout_config(rollout)
+    jobs = []
+    for p in prompts:
+        spec = dataclasses.replace(base, max_tokens=int(p.extra_info["max_tokens"]), ignore_eos=True)
+        jobs += [(make_request(p, sample_index=k, group_size=group_size), spec) for k in range(group_size)]
+    return jobs
+
+
+async def generate_all(model_dir: Path, rollout, jobs: list) -> dict:
+    """Every job submitted at once to one engine; tokens/s over the time until the last one finishes."""
+    import asyncio
+
+    from asyncrl.rollout.engine import Engine
+
+    engine = Engine(
+        str(model_dir), name="limit", dtype="float32", max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=rollout.max_requests_in_flight, kv_cache_gib=rollout.kv_cache_gib, seed=0,
+    )
+    await engine.start()
+    try:
+        generated_before = engine.num_tokens_generated
+        began = time.perf_counter()
+        trajectories = await asyncio.gather(*(engine.generate(r, s) for r, s in jobs))
+        seconds = time.perf_counter() - began
+    finally:
+        await engine.shutdown()
+    failed = [t for t in trajectories if t.failed]
+    if failed:
+        raise RuntimeError(f"engine-alone run: {len(failed)} requests failed, e.g. {failed[0].failure}")
+    tokens = sum(t.num_tokens for t in trajectories)
+    response_tokens = engine.num_tokens_generated - generated_before
+    return {
+        "requests": len(jobs),
+        "seconds": seconds,
+        "tokens": tokens,
+        "response_tokens": response_tokens,
+        "tokens_per_s": tokens / seconds,
+        "generated_tokens_per_s": response_tokens / seconds,
+    }
+
+
+def measure_limit(args, model_dir: Path, trained_prompts) -> dict:
+    """The engine-alone run in a Ray worker with the rollout worker's CPU share, as the pool's engines run
+    (Ray sets OMP_NUM_THREADS from num_cpus; the driver's default thread count would measure another engine)."""
+    import ray
+
+    print("engine alone ...", flush=True)
+    task = ray.remote(num_cpus=ROLLOUT_CPUS, max_calls=1)(engine_alone)
+    limit = ray.get(task.remote(model_dir, trained_prompts, args.samples_per_prompt, MAX_REQUESTS_IN_FLIGHT))
+    print(f"  {limit['requests']} requests in {limit['seconds']:.1f}s: {limit['tokens_per_s']:.0f} tokens/s", flush=True)
+    return limit
+
+
+# ---------------------------------------------------------------------------------------------------
+# The whole benchmark.
+
+
+def run_all(args, modes: list[str], model_dir: Path, runs_dir: Path, prompts) -> tuple[list[dict], list[dict]]:
+    """One row per mode, and the limit measured before and after the modes (the machine is shared: the
+    better one counts); a quick run measures it once."""
+    import ray
+
+    trained_prompts = prompts[: args.steps * args.prompts_per_step]
+    rows, limits = [], []
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    try:
+        if not args.no_limit:
+            limits.append(measure_limit(args, model_dir, trained_prompts))
+        for mode in modes:
+            print(f"{mode} ...", flush=True)
+            row = run_mode(mode, args, runs_dir, model_dir, prompts)
+            print(
+                f"  {row['samples_trained']} samples, {row['tokens_trained']} tokens in {row['window_s']:.1f}s "
+                f"({row['trained_tokens_per_s']:.0f} tokens/s, setup {row['setup_s']:.0f}s)",
+                flush=True,
+            )
+            rows.append(row)
+        if not args.quick and not args.no_limit:
+            limits.append(measure_limit(args, model_dir, trained_prompts))
+    finally:
+        ray.shutdown()
+    return rows, limits
+
+
+def speedup_ratios(rows: list[dict]) -> dict[str, float]:
+    """Trained tokens/s and samples/s of streaming and sao over sync's."""
+    by_mode = {r["mode"]: r for r in rows}
+    ratios = {}
+    if "sync" in by_mode:
+        sync = by_mode["sync"]
+        for mode in ("streaming", "sao"):
+            if mode in by_mode:
+                ratios[f"{mode}_over_sync"] = by_mode[mode]["trained_tokens_per_s"] / sync["trained_tokens_per_s"]
+                ratios[f"{mode}_over_sync_samples_per_s"] = by_mode[mode]["trained_samples_per_s"] / sync["trained_samples_per_s"]
+    return ratios
 
 # ---------------------------------------------------------------------------------------------------
 
@@ -304,90 +397,8 @@ def fmt_table(rows: list[dict], limit: dict | None) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke size (~2 min); writes async_speedup_quick.json")
-    parser.add_argument("--modes", nargs="+", default=None, choices=MODES)
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per mode (default 24, quick 4)")
-    parser.add_argument("--prompts-per-step", type=int, default=8, help="prompt groups per step (sao: x G single prompts)")
-    parser.add_argument("--samples-per-prompt", type=int, default=4, help="G of sync/streaming")
-    parser.add_argument("--max-staleness", type=int, default=4, help="eta of streaming and sao")
-    parser.add_argument("--median-tokens", type=float, default=32.0)
-    parser.add_argument("--p99-tokens", type=float, default=512.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-limit", action="store_true", help="skip the engine-alone run")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    args.steps = args.steps or (4 if args.quick else 24)
-    modes = args.modes or (["sync", "streaming"] if args.quick else MODES)
-    out = args.out or RESULTS / ("async_speedup_quick.json" if args.quick else "async_speedup.json")
 
-    for key, value in {
-        "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-        "VLLM_LOGGING_LEVEL": "WARNING",
-    }.items():
-        os.environ.setdefault(key, value)
-    import ray
-    from transformers import AutoTokenizer
-
-    from asyncrl.models import build_model
-
-    began = time.perf_counter()
-    load_start = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="asyncrl-w2-") as tmp:
-        tmp = Path(tmp)
-        model_dir = build_model("tiny-0.3m", tmp / "model", seed=args.seed)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        # Enough prompts for the trained ones, what the controller keeps queued ahead, and stale re-draws.
-        num_prompts = (2 * args.steps + args.max_staleness + 4) * args.prompts_per_step
-        cap = MAX_MODEL_LEN - 16
-        lengths = draw_lengths(num_prompts, args.seed, args.median_tokens, args.p99_tokens, cap)
-        prompts = base_prompts(tokenizer, num_prompts, lengths, args.seed)
-        trained_prompts = prompts[: args.steps * args.prompts_per_step]
-
-        limits = []
-
-        def measure_limit() -> None:
-            if args.no_limit:
-                return
-            print("engine alone ...", flush=True)
-            # In a Ray worker with the rollout worker's CPU share, as the pool's engines run (Ray sets
-            # OMP_NUM_THREADS from num_cpus; the driver's default thread count would measure another engine).
-            task = ray.remote(num_cpus=ROLLOUT_CPUS, max_calls=1)(engine_alone)
-            limits.append(ray.get(task.remote(model_dir, trained_prompts, args.samples_per_prompt, MAX_REQUESTS_IN_FLIGHT)))
-            print(f"  {limits[-1]['requests']} requests in {limits[-1]['seconds']:.1f}s: {limits[-1]['tokens_per_s']:.0f} tokens/s", flush=True)
-
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-        rows = []
-        try:
-            # The limit is measured before and after the modes (the machine is shared): the better one counts.
-            measure_limit()
-            for mode in modes:
-                print(f"{mode} ...", flush=True)
-                row = run_mode(mode, args, tmp / "runs", model_dir, prompts)
-                print(
-                    f"  {row['samples_trained']} samples, {row['tokens_trained']} tokens in {row['window_s']:.1f}s "
-                    f"({row['trained_tokens_per_s']:.0f} tokens/s, setup {row['setup_s']:.0f}s)",
-                    flush=True,
-                )
-                rows.append(row)
-            if not args.quick:
-                measure_limit()
-        finally:
-            ray.shutdown()
-        limit = max(limits, key=lambda m: m["tokens_per_s"]) if limits else None
-
-    for r in rows:
-        r["rollout_efficiency"] = r["trained_tokens_per_s"] / limit["tokens_per_s"] if limit else None
-    by_mode = {r["mode"]: r for r in rows}
-    ratios = {}
-    if "sync" in by_mode:
-        for mode in ("streaming", "sao"):
-            if mode in by_mode:
-                ratios[f"{mode}_over_sync"] = by_mode[mode]["trained_tokens_per_s"] / by_mode["sync"]["trained_tokens_per_s"]
-                ratios[f"{mode}_over_sync_samples_per_s"] = by_mode[mode]["trained_samples_per_s"] / by_mode["sync"]["trained_samples_per_s"]
-
+def print_summary(args, rows: list[dict], limit: dict | None, ratios: dict[str, float]) -> None:
     print(
         f"W2 tail: trained tokens/s, heavy-tailed lengths (log-normal median {args.median_tokens:g}, p99 {args.p99_tokens:g}, "
         f"ignore EOS), {args.steps} steps x {args.prompts_per_step} prompts x G={args.samples_per_prompt}, eta={args.max_staleness}"
@@ -398,33 +409,69 @@ def main() -> None:
             print(f"{mode} / sync: {ratios[f'{mode}_over_sync']:.2f}x trained tokens/s "
                   f"({ratios[f'{mode}_over_sync_samples_per_s']:.2f}x trained samples/s)")
 
-    lengths_trained = [p.extra_info["max_tokens"] for p in trained_prompts]
+
+def run_config(args) -> dict:
+    return {
+        "model": "tiny-0.3m (random init)",
+        "steps": args.steps,
+        "prompts_per_step": args.prompts_per_step,
+        "samples_per_prompt": args.samples_per_prompt,
+        "max_staleness": args.max_staleness,
+        "length_distribution": {"kind": "lognormal", "median": args.median_tokens, "p99": args.p99_tokens, "cap": LENGTH_CAP, "ignore_eos": True, "per": "prompt (the G samples of a group share it)"},
+        "recipes": RECIPES,
+        "rollout_workers": 1,
+        "learner_ranks": 1,
+        "max_requests_in_flight": MAX_REQUESTS_IN_FLIGHT,
+        "parity_probe": False,
+    }
+
+
+def length_summary(trained_prompts) -> dict:
+    """The generation lengths the trained prompts asked for."""
+    lengths = [p.extra_info["max_tokens"] for p in trained_prompts]
+    return {"count": len(lengths), "mean": sum(lengths) / len(lengths), "max": max(lengths), "sum": sum(lengths)}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common.add_output_options(parser, "async_speedup", "smoke size (~2 min); writes async_speedup_quick.json")
+    parser.add_argument("--modes", nargs="+", default=None, choices=MODES)
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per mode (default 24, quick 4)")
+    parser.add_argument("--prompts-per-step", type=int, default=8, help="prompt groups per step (sao: x G single prompts)")
+    parser.add_argument("--samples-per-prompt", type=int, default=4, help="G of sync/streaming")
+    parser.add_argument("--max-staleness", type=int, default=4, help="eta of streaming and sao")
+    parser.add_argument("--median-tokens", type=float, default=32.0)
+    parser.add_argument("--p99-tokens", type=float, default=512.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-limit", action="store_true", help="skip the engine-alone run")
+    args = parser.parse_args()
+    args.steps = args.steps or (4 if args.quick else 24)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    modes = args.modes or (["sync", "streaming"] if args.quick else MODES)
+    common.set_runtime_env()
+    from asyncrl.models import build_model
+
+    began, load_start = time.perf_counter(), common.load_average()
+    with tempfile.TemporaryDirectory(prefix="asyncrl-w2-") as tmp:
+        model_dir = build_model("tiny-0.3m", Path(tmp) / "model", seed=args.seed)
+        prompts = workload(args, model_dir)
+        rows, limits = run_all(args, modes, model_dir, Path(tmp) / "runs", prompts)
+    limit = max(limits, key=lambda m: m["tokens_per_s"]) if limits else None
+    for r in rows:
+        r["rollout_efficiency"] = r["trained_tokens_per_s"] / limit["tokens_per_s"] if limit else None
+    ratios = speedup_ratios(rows)
+    print_summary(args, rows, limit, ratios)
+
     result = {
         "workload": "W2 tail",
         "quick": args.quick,
-        "config": {
-            "model": "tiny-0.3m (random init)",
-            "steps": args.steps,
-            "prompts_per_step": args.prompts_per_step,
-            "samples_per_prompt": args.samples_per_prompt,
-            "max_staleness": args.max_staleness,
-            "length_distribution": {"kind": "lognormal", "median": args.median_tokens, "p99": args.p99_tokens, "cap": cap, "ignore_eos": True, "per": "prompt (the G samples of a group share it)"},
-            "recipes": RECIPES,
-            "rollout_workers": 1,
-            "learner_ranks": 1,
-            "max_requests_in_flight": MAX_REQUESTS_IN_FLIGHT,
-            "parity_probe": False,
-        },
-        "trained_prompt_lengths": {
-            "count": len(lengths_trained),
-            "mean": sum(lengths_trained) / len(lengths_trained),
-            "max": max(lengths_trained),
-            "sum": sum(lengths_trained),
-        },
-        "machine": {
-            "cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-            "load_average_1min_start": load_start, "load_average_1min_end": os.getloadavg()[0],
-        },
+        "config": run_config(args),
+        "trained_prompt_lengths": length_summary(prompts[: args.steps * args.prompts_per_step]),
+        "machine": common.machine(load_start),
         "engine_alone": limit,
         "engine_alone_runs": limits,
         "modes": rows,
@@ -432,8 +479,8 @@ def main() -> None:
         "async_speedup": ratios.get("streaming_over_sync"),
         "total_s": round(time.perf_counter() - began, 1),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = common.output_path("async_speedup", args)
+    common.write_json(out, result)
     print(f"wrote {out} ({result['total_s']:.0f}s in all)")
 
 

@@ -16,46 +16,306 @@ Writes benchmarks/results/peer_trl.json (peer_trl_quick.json with --quick).
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import itertools
 import tempfile
 import time
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from learning_add import time_to_target  # benchmarks/ is on sys.path when a script there runs
+import common  # benchmarks/common.py: a script's own folder is on sys.path
+from learning_add import time_to_target
 
-RESULTS = Path(__file__).parent / "results"
 # TRL's loss closest to plain GRPO with group-normalised advantages (asyncrl `grpo` preset: advantage grpo,
 # loss ppo, reduction seq_mean_token_mean). One optimizer step per generation batch, so the PPO ratio is 1.
 LOSS_TYPE = "grpo"
 SCALE_REWARDS = "group"
+SAME_AS_GRPO_ARGS = (
+    "weight_decay", "max_grad_norm", "temperature", "top_p", "top_k", "max_completion_length", "loss_type",
+    "scale_rewards", "beta", "num_iterations", "steps_per_generation", "gradient_accumulation_steps",
+    "per_device_train_batch_size", "shuffle_dataset",
+)  # fmt: skip
+"""Settings recorded under their `GRPOConfig` name."""
 
 
-def main() -> None:
+# ---------------------------------------------------------------------------------------------------
+# The workload and the trainer's settings, both asyncrl's.
+
+
+def load_prompts(cfg, tokenizer, steps: int) -> tuple[list, list]:
+    """The controller's training stream (asyncrl.envs.data.train_stream: seeded with data.seed, consumed in
+    order) for `steps` steps, and the held-out prompts."""
+    from asyncrl.envs.data import add_prompt_stream, heldout_add_prompts
+
+    stream = add_prompt_stream(tokenizer, cfg.data.seed, cfg.data.max_operand)
+    train = list(itertools.islice(stream, steps * cfg.learner.prompts_per_step))
+    # TRL tokenizes plain prompts with `processing_class(text=prompts)["input_ids"]` (special tokens on):
+    # they must be exactly the ids asyncrl's engines see.
+    trl_ids = tokenizer(text=[p.text for p in train])["input_ids"]
+    mismatched = [p.text for p, ids in zip(train, trl_ids) if list(ids) != list(p.prompt_ids)]
+    if mismatched:
+        raise SystemExit(f"TRL would feed different prompt ids than asyncrl for {len(mismatched)} prompts, e.g. {mismatched[0]!r}")
+    return train, heldout_add_prompts(tokenizer, cfg.data.eval_prompts, cfg.data.max_operand)
+
+
+def add_reward(eos: int) -> Callable[..., list[float]]:
+    """W1 exact match: the text decoded without special tokens, and the completion ended with EOS."""
+    from asyncrl.envs.rewards import exact_match
+
+    def reward(prompts, completions, completion_ids, ground_truth, **_):
+        return [
+            exact_match(text, gt, finish_reason="stop" if eos in ids else "length")
+            for text, ids, gt in zip(completions, completion_ids, ground_truth)
+        ]
+
+    return reward
+
+
+def grpo_args(cfg, steps: int) -> dict:
+    """The `GRPOConfig` arguments that mirror asyncrl's run: one optimizer step per generation batch of
+    prompts_per_step x G completions, no KL, no data shuffling."""
+    group = cfg.rollout.samples_per_prompt
+    return dict(
+        max_steps=steps, num_generations=group, learning_rate=cfg.learner.lr,
+        lr_scheduler_type="constant" if cfg.learner.warmup_steps == 0 else "constant_with_warmup",
+        warmup_steps=cfg.learner.warmup_steps, adam_beta1=cfg.learner.betas[0], adam_beta2=cfg.learner.betas[1],
+        weight_decay=cfg.learner.weight_decay, max_grad_norm=cfg.learner.grad_clip, temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p, top_k=0, max_completion_length=cfg.rollout.max_tokens, loss_type=LOSS_TYPE,
+        scale_rewards=SCALE_REWARDS, beta=0.0, num_iterations=1, steps_per_generation=1, gradient_accumulation_steps=1,
+        per_device_train_batch_size=cfg.learner.prompts_per_step * group, shuffle_dataset=False, seed=0,
+    )  # fmt: skip
+
+
+def run_settings(grpo: dict, cfg, model_dir, every: int, eval_prompts: int) -> dict:
+    """What the result records of the run: the GRPO arguments (under asyncrl's names where they differ)
+    and the machine."""
+    import torch
+
+    return {
+        "model_dir": str(model_dir),
+        "steps": grpo["max_steps"],
+        "prompts_per_step": cfg.learner.prompts_per_step,
+        "num_generations": grpo["num_generations"],
+        "completions_per_step": grpo["per_device_train_batch_size"],
+        "learning_rate": grpo["learning_rate"],
+        "lr_scheduler": grpo["lr_scheduler_type"],
+        "warmup_steps": grpo["warmup_steps"],
+        "adam_betas": [grpo["adam_beta1"], grpo["adam_beta2"]],
+        **{key: grpo[key] for key in SAME_AS_GRPO_ARGS},
+        "data_seed": cfg.data.seed,
+        "seed": grpo["seed"],
+        "eval_every": every,
+        "eval_prompts": eval_prompts,
+        "eval": "greedy, transformers (asyncrl.models.warm_start.greedy_accuracy); excluded from wall_s",
+        "torch_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "loadavg_1m_start": round(common.load_average(), 2),
+    }
+
+
+def grpo_config(grpo: dict, cfg):
+    """`grpo` (the arguments of `grpo_args`) plus what makes it a quiet single-process CPU run that saves nothing."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="peer_trl-"), **grpo, optim="adamw_torch",
+        mask_truncated_completions=cfg.buffer.filter_overlong, use_vllm=False, use_cpu=True, bf16=False, fp16=False,
+        gradient_checkpointing=False, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+        data_seed=0, dataloader_num_workers=0,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------
+# Timing and evaluation inside TRL's loop.
+
+
+@dataclass
+class GenerationTimers:
+    """Seconds TRL has spent so far generating (transformers.generate) and scoring (rewards, advantages,
+    log-probs); the trainer adds to them, the progress record reads them per step."""
+
+    generate_s: float = 0.0
+    score_s: float = 0.0
+
+
+def timed_trainer_class(timers: GenerationTimers):
+    """GRPOTrainer that adds the time of each generation and scoring to `timers`."""
+    from trl import GRPOTrainer
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        def _generate(self, prompts):
+            begin = time.perf_counter()
+            try:
+                return super()._generate(prompts)
+            finally:
+                timers.generate_s += time.perf_counter() - begin
+
+        def _generate_and_score_completions(self, inputs):
+            begin, generate_before = time.perf_counter(), timers.generate_s
+            try:
+                return super()._generate_and_score_completions(inputs)
+            finally:
+                timers.score_s += time.perf_counter() - begin - (timers.generate_s - generate_before)
+
+    return TimedGRPOTrainer
+
+
+class Progress:
+    """Held-out accuracy at step 0 and every `every` steps, and each step's time split; the wall clock
+    excludes evaluation."""
+
+    def __init__(self, accuracy: Callable[[object], float], samples_per_step: int, every: int, timers: GenerationTimers):
+        self.accuracy, self.samples_per_step, self.every, self.timers = accuracy, samples_per_step, every, timers
+        self.evals: list[dict] = []
+        self.steps: list[dict] = []
+        self.eval_s = 0.0
+        self.start = 0.0
+        self.pending: list[str] = []
+        self.step_began = self.generate_before = self.score_before = 0.0
+
+    def wall(self) -> float:
+        return time.perf_counter() - self.start - self.eval_s
+
+    def begin(self, model) -> None:
+        self.start = time.perf_counter()
+        self.evaluate(model, 0)
+
+    def evaluate(self, model, step: int) -> None:
+        wall_s = self.wall()
+        begin = time.perf_counter()
+        model.eval()
+        accuracy = self.accuracy(model)
+        model.train()
+        spent = time.perf_counter() - begin
+        self.eval_s += spent
+        record = {"step": step, "samples_trained": step * self.samples_per_step, "wall_s": round(wall_s, 2), "accuracy": accuracy}
+        self.evals.append(record)
+        # Printed after the step's own line (on_log runs after on_step_end).
+        self.pending.append(f"eval  step {step:>4}  samples {record['samples_trained']:>6}  wall {wall_s:7.1f}s  accuracy {accuracy:.3f}  (eval took {spent:.1f}s)")
+        if step == 0:
+            self.flush()
+
+    def step_begin(self) -> None:
+        self.step_began = time.perf_counter()
+        self.generate_before, self.score_before = self.timers.generate_s, self.timers.score_s
+
+    def step_end(self, model, step: int, max_steps: int) -> None:
+        step_s = time.perf_counter() - self.step_began
+        generate_s, score_s = self.timers.generate_s - self.generate_before, self.timers.score_s - self.score_before
+        self.steps.append({"step": step, "step_s": step_s, "generate_s": generate_s, "score_s": score_s, "train_s": step_s - generate_s - score_s})
+        if step % self.every == 0 or step == max_steps:
+            self.evaluate(model, step)
+
+    def log(self, step: int, logs: dict | None) -> None:
+        if logs and "reward" in logs and self.steps:
+            s = self.steps[-1]
+            s.update(reward=logs["reward"], frac_reward_zero_std=logs.get("frac_reward_zero_std"))
+            print(
+                f"step {step:>4}  reward {logs['reward']:.3f}  zero-std groups {logs.get('frac_reward_zero_std', float('nan')):.2f}  "
+                f"{s['step_s']:.2f}s (generate {s['generate_s']:.2f}, score {s['score_s']:.2f}, loss+backward+step {s['train_s']:.2f})",
+                flush=True,
+            )
+        self.flush()
+
+    def flush(self) -> None:
+        for line in self.pending:
+            print(line, flush=True)
+        self.pending.clear()
+
+
+def progress_callback(progress: Progress):
+    """The TrainerCallback that hands TRL's loop events to `progress`."""
+    from transformers import TrainerCallback
+
+    class ProgressEvents(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            progress.begin(model)
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            progress.step_begin()
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            progress.step_end(model, state.global_step, state.max_steps)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            progress.log(state.global_step, logs)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            progress.flush()
+
+    return ProgressEvents()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The result.
+
+
+def result_record(settings: dict, progress: Progress, wall_s: float, steps_done: int, target: float) -> dict:
+    import trl
+
+    timed = progress.steps[1:] or progress.steps  # the first step also pays one-off warm-up costs
+    mean = lambda key: sum(s[key] for s in timed) / len(timed)  # noqa: E731
+    typical = sorted(timed, key=lambda s: s["step_s"])[len(timed) // 2]  # the median step, with its own breakdown
+    parts = ("generate_s", "score_s", "train_s")
+    return {
+        "peer": "trl",
+        "trl_version": trl.__version__,
+        "settings": settings,
+        "start_accuracy": progress.evals[0]["accuracy"],
+        "final_accuracy": progress.evals[-1]["accuracy"],
+        "wall_clock_s": round(wall_s, 2),
+        "samples_trained": steps_done * progress.samples_per_step,
+        "time_to_target_s": time_to_target(progress.evals, target),
+        "target": target,
+        "eval_s": round(progress.eval_s, 2),
+        "step_s_mean": round(mean("step_s"), 3),
+        "step_breakdown_s_mean": {k: round(mean(k), 3) for k in parts},
+        # The median step is the better figure on a shared machine: a busy neighbour inflates some steps 10-50x.
+        "step_s_median": round(typical["step_s"], 3),
+        "step_breakdown_s_median": {k: round(typical[k], 3) for k in parts},
+        "steps": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()} for s in progress.steps],
+        "evals": progress.evals,
+    }
+
+
+def print_summary(result: dict) -> None:
+    steps, target = result["settings"]["steps"], result["target"]
+    print(f"\nW1 add, TRL {result['trl_version']} GRPOTrainer ({LOSS_TYPE}, scale_rewards={SCALE_REWARDS}), {steps} steps, target accuracy {target}")
+    print(f"{'step':>5} {'samples':>8} {'wall s':>7} {'accuracy':>8}")
+    for e in result["evals"]:
+        print(f"{e['step']:>5} {e['samples_trained']:>8} {e['wall_s']:>7.1f} {e['accuracy']:>8.3f}")
+    ttt = f"{result['time_to_target_s']:.0f}s" if result["time_to_target_s"] is not None else "-"
+    step_s, b = result["step_s_median"], result["step_breakdown_s_median"]
+    print(
+        f"start {result['start_accuracy']:.3f}  final {result['final_accuracy']:.3f}  wall {result['wall_clock_s']:.0f}s "
+        f"(+{result['eval_s']:.0f}s eval, excluded)  t(target) {ttt}\n"
+        f"median {step_s:.2f} s/step (mean {result['step_s_mean']:.2f}): generate {b['generate_s'] / step_s:.0%}, "
+        f"score {b['score_s'] / step_s:.0%}, loss+backward+optimizer {b['train_s'] / step_s:.0%}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps (each 32 prompts x 8 samples)")
     parser.add_argument("--eval-every", type=int, default=10, help="held-out evaluation period in steps")
     parser.add_argument("--target", type=float, default=0.5, help="held-out accuracy whose wall-clock is reported")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 4 steps, evaluation every 2")
-    parser.add_argument("--out", type=Path, default=None, help="result JSON (default benchmarks/results/peer_trl[_quick].json)")
-    args = parser.parse_args()
-    for key, value in (("RAY_AUTH_MODE", "disabled"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind"), ("VLLM_CPU_KVCACHE_SPACE", "1"), ("HF_HUB_OFFLINE", "1")):
-        os.environ.setdefault(key, value)
-    steps, every = (4, 2) if args.quick else (args.steps, args.eval_every)
-    out_path = args.out or RESULTS / ("peer_trl_quick.json" if args.quick else "peer_trl.json")
+    common.add_output_options(parser, "peer_trl", "smoke run: 4 steps, evaluation every 2")
+    return parser.parse_args()
 
-    import itertools
+
+def main() -> None:
+    args = parse_args()
+    common.set_runtime_env()  # before transformers and datasets read it
+    steps, every = (4, 2) if args.quick else (args.steps, args.eval_every)
 
     import torch
-    import trl
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
-    from trl import GRPOConfig, GRPOTrainer
 
     from asyncrl.config import RECIPES, load_config
-    from asyncrl.envs.data import add_prompt_stream, heldout_add_prompts
-    from asyncrl.envs.rewards import exact_match
     from asyncrl.models import ensure_model
     from asyncrl.models.warm_start import greedy_accuracy
 
@@ -63,233 +323,31 @@ def main() -> None:
     model_dir = ensure_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    eos = tokenizer.eos_token_id
+    train, heldout = load_prompts(cfg, tokenizer, steps)
+    grpo = grpo_args(cfg, steps)
+    settings = run_settings(grpo, cfg, model_dir, every, len(heldout))
 
-    group = cfg.rollout.samples_per_prompt
-    prompts_per_step = cfg.learner.prompts_per_step
-    # The controller's stream (asyncrl.envs.data.train_stream): seeded with data.seed, consumed in order.
-    stream = add_prompt_stream(tokenizer, cfg.data.seed, cfg.data.max_operand)
-    train = list(itertools.islice(stream, steps * prompts_per_step))
-    heldout = heldout_add_prompts(tokenizer, cfg.data.eval_prompts, cfg.data.max_operand)
-
-    # TRL tokenizes plain prompts with `processing_class(text=prompts)["input_ids"]` (special tokens on):
-    # they must be exactly the ids asyncrl's engines see.
-    trl_ids = tokenizer(text=[p.text for p in train])["input_ids"]
-    mismatched = [p.text for p, ids in zip(train, trl_ids) if list(ids) != list(p.prompt_ids)]
-    if mismatched:
-        raise SystemExit(f"TRL would feed different prompt ids than asyncrl for {len(mismatched)} prompts, e.g. {mismatched[0]!r}")
+    timers = GenerationTimers()
+    progress = Progress(
+        lambda m: greedy_accuracy(m, tokenizer, heldout, max_new_tokens=cfg.rollout.max_tokens),
+        grpo["per_device_train_batch_size"], every, timers,
+    )  # fmt: skip
     dataset = Dataset.from_list([{"prompt": p.text, "ground_truth": p.ground_truth} for p in train])
-
-    def add_reward(prompts, completions, completion_ids, ground_truth, **_):
-        """W1 exact match: the text decoded without special tokens, and the completion ended with EOS."""
-        return [
-            exact_match(text, gt, finish_reason="stop" if eos in ids else "length")
-            for text, ids, gt in zip(completions, completion_ids, ground_truth)
-        ]
-
-    lr_schedule = "constant" if cfg.learner.warmup_steps == 0 else "constant_with_warmup"
-    settings = {
-        "model_dir": str(model_dir),
-        "steps": steps,
-        "prompts_per_step": prompts_per_step,
-        "num_generations": group,
-        "completions_per_step": prompts_per_step * group,
-        "learning_rate": cfg.learner.lr,
-        "lr_scheduler": lr_schedule,
-        "warmup_steps": cfg.learner.warmup_steps,
-        "adam_betas": list(cfg.learner.betas),
-        "weight_decay": cfg.learner.weight_decay,
-        "max_grad_norm": cfg.learner.grad_clip,
-        "temperature": cfg.rollout.temperature,
-        "top_p": cfg.rollout.top_p,
-        "top_k": 0,
-        "max_completion_length": cfg.rollout.max_tokens,
-        "loss_type": LOSS_TYPE,
-        "scale_rewards": SCALE_REWARDS,
-        "beta": 0.0,
-        "num_iterations": 1,
-        "steps_per_generation": 1,
-        "gradient_accumulation_steps": 1,
-        "per_device_train_batch_size": prompts_per_step * group,
-        "shuffle_dataset": False,
-        "data_seed": cfg.data.seed,
-        "seed": 0,
-        "eval_every": every,
-        "eval_prompts": len(heldout),
-        "eval": "greedy, transformers (asyncrl.models.warm_start.greedy_accuracy); excluded from wall_s",
-        "torch_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-        "loadavg_1m_start": round(os.getloadavg()[0], 2),
-    }
-
-    config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="peer_trl-"),
-        max_steps=steps,
-        per_device_train_batch_size=prompts_per_step * group,
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
-        num_iterations=1,
-        num_generations=group,
-        max_completion_length=cfg.rollout.max_tokens,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=0,
-        learning_rate=cfg.learner.lr,
-        lr_scheduler_type=lr_schedule,
-        warmup_steps=cfg.learner.warmup_steps,
-        optim="adamw_torch",
-        adam_beta1=cfg.learner.betas[0],
-        adam_beta2=cfg.learner.betas[1],
-        weight_decay=cfg.learner.weight_decay,
-        max_grad_norm=cfg.learner.grad_clip,
-        beta=0.0,
-        loss_type=LOSS_TYPE,
-        scale_rewards=SCALE_REWARDS,
-        mask_truncated_completions=cfg.buffer.filter_overlong,
-        shuffle_dataset=False,
-        use_vllm=False,
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        gradient_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        seed=0,
-        data_seed=0,
-        dataloader_num_workers=0,
-    )
-
-    class TimedGRPOTrainer(GRPOTrainer):
-        """Records the seconds of each step spent generating (transformers.generate) and scoring."""
-
-        gen_s = 0.0
-        score_s = 0.0
-
-        def _generate(self, prompts):
-            begin = time.perf_counter()
-            try:
-                return super()._generate(prompts)
-            finally:
-                self.gen_s += time.perf_counter() - begin
-
-        def _generate_and_score_completions(self, inputs):
-            begin, gen_before = time.perf_counter(), self.gen_s
-            try:
-                return super()._generate_and_score_completions(inputs)
-            finally:
-                self.score_s += time.perf_counter() - begin - (self.gen_s - gen_before)
-
-    class HeldoutEval(TrainerCallback):
-        """Greedy held-out accuracy at step 0 and every `every` steps; wall-clock excludes evaluation."""
-
-        def __init__(self):
-            self.evals: list[dict] = []
-            self.steps: list[dict] = []
-            self.eval_s = 0.0
-            self.start = 0.0
-            self.pending: list[str] = []
-
-        def wall(self) -> float:
-            return time.perf_counter() - self.start - self.eval_s
-
-        def evaluate(self, model, step: int) -> None:
-            wall_s = self.wall()
-            begin = time.perf_counter()
-            model.eval()
-            accuracy = greedy_accuracy(model, tokenizer, heldout, max_new_tokens=cfg.rollout.max_tokens)
-            model.train()
-            spent = time.perf_counter() - begin
-            self.eval_s += spent
-            record = {"step": step, "samples_trained": step * prompts_per_step * group, "wall_s": round(wall_s, 2), "accuracy": accuracy}
-            self.evals.append(record)
-            # Printed after the step's own line (on_log runs after on_step_end).
-            self.pending.append(f"eval  step {step:>4}  samples {record['samples_trained']:>6}  wall {wall_s:7.1f}s  accuracy {accuracy:.3f}  (eval took {spent:.1f}s)")
-            if step == 0:
-                self.flush()
-
-        def flush(self) -> None:
-            for line in self.pending:
-                print(line, flush=True)
-            self.pending.clear()
-
-        def on_train_begin(self, args, state, control, model=None, **kwargs):
-            self.start = time.perf_counter()
-            self.evaluate(model, 0)
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.step_begin = time.perf_counter()
-            self.gen_before, self.score_before = trainer.gen_s, trainer.score_s
-
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            step_s = time.perf_counter() - self.step_begin
-            gen_s, score_s = trainer.gen_s - self.gen_before, trainer.score_s - self.score_before
-            self.steps.append({"step": state.global_step, "step_s": step_s, "generate_s": gen_s, "score_s": score_s, "train_s": step_s - gen_s - score_s})
-            if state.global_step % every == 0 or state.global_step == state.max_steps:
-                self.evaluate(model, state.global_step)
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "reward" in logs and self.steps:
-                s = self.steps[-1]
-                s.update(reward=logs["reward"], frac_reward_zero_std=logs.get("frac_reward_zero_std"))
-                print(
-                    f"step {state.global_step:>4}  reward {logs['reward']:.3f}  zero-std groups {logs.get('frac_reward_zero_std', float('nan')):.2f}  "
-                    f"{s['step_s']:.2f}s (generate {s['generate_s']:.2f}, score {s['score_s']:.2f}, loss+backward+step {s['train_s']:.2f})",
-                    flush=True,
-                )
-            self.flush()
-
-        def on_train_end(self, args, state, control, **kwargs):
-            self.flush()
-
-    callback = HeldoutEval()
-    trainer = TimedGRPOTrainer(model=model, reward_funcs=add_reward, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[callback])
+    trainer = timed_trainer_class(timers)(
+        model=model, reward_funcs=add_reward(tokenizer.eos_token_id), args=grpo_config(grpo, cfg),
+        train_dataset=dataset, processing_class=tokenizer, callbacks=[progress_callback(progress)],
+    )  # fmt: skip
     for noisy in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(noisy)
     trainer.train()
-    wall_s = callback.wall()
-    settings["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
+    wall_s = progress.wall()
+    settings["loadavg_1m_end"] = round(common.load_average(), 2)
 
-    evals = callback.evals
-    timed = callback.steps[1:] or callback.steps  # the first step also pays one-off warm-up costs
-    mean = lambda key: sum(s[key] for s in timed) / len(timed)  # noqa: E731
-    typical = sorted(timed, key=lambda s: s["step_s"])[len(timed) // 2]  # the median step, with its own breakdown
-    result = {
-        "peer": "trl",
-        "trl_version": trl.__version__,
-        "settings": settings,
-        "start_accuracy": evals[0]["accuracy"],
-        "final_accuracy": evals[-1]["accuracy"],
-        "wall_clock_s": round(wall_s, 2),
-        "samples_trained": trainer.state.global_step * prompts_per_step * group,
-        "time_to_target_s": time_to_target(evals, args.target),
-        "target": args.target,
-        "eval_s": round(callback.eval_s, 2),
-        "step_s_mean": round(mean("step_s"), 3),
-        "step_breakdown_s_mean": {k: round(mean(k), 3) for k in ("generate_s", "score_s", "train_s")},
-        # The median step is the better figure on a shared machine: a busy neighbour inflates some steps 10-50x.
-        "step_s_median": round(typical["step_s"], 3),
-        "step_breakdown_s_median": {k: round(typical[k], 3) for k in ("generate_s", "score_s", "train_s")},
-        "steps": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()} for s in callback.steps],
-        "evals": evals,
-    }
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=2))
-
-    step_s = result["step_s_median"]
-    b = result["step_breakdown_s_median"]
-    print(f"\nW1 add, TRL {trl.__version__} GRPOTrainer ({LOSS_TYPE}, scale_rewards={SCALE_REWARDS}), {steps} steps, target accuracy {args.target}")
-    print(f"{'step':>5} {'samples':>8} {'wall s':>7} {'accuracy':>8}")
-    for e in evals:
-        print(f"{e['step']:>5} {e['samples_trained']:>8} {e['wall_s']:>7.1f} {e['accuracy']:>8.3f}")
-    ttt = f"{result['time_to_target_s']:.0f}s" if result["time_to_target_s"] is not None else "-"
-    print(
-        f"start {result['start_accuracy']:.3f}  final {result['final_accuracy']:.3f}  wall {wall_s:.0f}s (+{callback.eval_s:.0f}s eval, excluded)  "
-        f"t(target) {ttt}\nmedian {step_s:.2f} s/step (mean {result['step_s_mean']:.2f}): generate {b['generate_s'] / step_s:.0%}, score {b['score_s'] / step_s:.0%}, "
-        f"loss+backward+optimizer {b['train_s'] / step_s:.0%}"
-    )
-    print(f"wrote {out_path}")
+    result = result_record(settings, progress, wall_s, trainer.state.global_step, args.target)
+    out = common.output_path("peer_trl", args)
+    common.write_json(out, result)
+    print_summary(result)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import shutil
 import subprocess
@@ -23,7 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+import common  # benchmarks/common.py: a script's own folder is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 # Process titles set by Ray (`ray::<Actor>`) and vLLM (`VLLM::EngineCore`); the driver is `asyncrl run`.
 # On CPU vLLM 0.32 runs the model in a child of the engine core (`VLLM::Worker`, multiprocess executor).
@@ -79,18 +79,19 @@ def _frame(raw: str) -> str:
     return f"{name} ({'/'.join(Path(path).parts[-2:])})"
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
     parser.add_argument("--delay", type=float, default=70.0, help="seconds after launch before sampling (startup)")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of sampling")
     parser.add_argument("--top", type=int, default=15, help="frames listed per process")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides for the run")
-    args = parser.parse_args()
-    import psutil
+    return parser.parse_args()
 
-    pyspy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    out = Path(tempfile.mkdtemp(prefix="profile-"))
+
+def sample_run(args, out: Path) -> dict[str, float]:
+    """Starts the run, records each of its processes with py-spy into `out/<role>.txt` once training is
+    under way, and stops the run; returns the cores each process used while sampled."""
     cli = str(Path(sys.executable).with_name("asyncrl"))
     run = subprocess.Popen([cli, "run", args.config, f"output_dir={out / 'run'}", "telemetry.progress=false", *args.overrides],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -98,36 +99,52 @@ def main() -> None:
         time.sleep(args.delay)
         if run.poll() is not None:
             raise SystemExit(f"the run ended (rc {run.returncode}) before sampling started; lower --delay or raise learner.max_steps")
-        pids = find_processes(run.pid)
-        procs = {role: psutil.Process(pid) for role, pid in pids.items()}
-        for p in procs.values():
-            p.cpu_percent(None)
-        recorders = {
-            role: subprocess.Popen([pyspy, "record", "--pid", str(pid), "--duration", str(int(args.duration)), "--format", "raw",
-                                    "--nonblocking", "-o", str(out / f"{role}.txt")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            for role, pid in pids.items()
-        }
-        for r in recorders.values():
-            r.wait(timeout=args.duration + 60)
-        cpu = {role: round(p.cpu_percent(None) / 100, 2) for role, p in procs.items()}  # cores used while sampled
+        return record_processes(find_processes(run.pid), args.duration, out)
     finally:
         os.killpg(run.pid, 15)
         run.wait(timeout=60)
-    report = {"config": args.config, "overrides": args.overrides, "duration_s": args.duration, "processes": {}}
-    for role in pids:
-        raw = out / f"{role}.txt"
-        report["processes"][role] = {"cpu_cores": cpu[role], **(summarize(raw, args.top) if raw.exists() else {"samples": 0})}
-    print(f"\nprofile of {Path(args.config).name} {' '.join(args.overrides)} over {args.duration:.0f}s (cores = CPU time / wall time)")
+
+
+def record_processes(pids: dict[str, int], duration: float, out: Path) -> dict[str, float]:
+    """py-spy on every process at once for `duration` seconds; the cores each used meanwhile."""
+    import psutil
+
+    pyspy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    procs = {role: psutil.Process(pid) for role, pid in pids.items()}
+    for p in procs.values():
+        p.cpu_percent(None)
+    recorders = {
+        role: subprocess.Popen([pyspy, "record", "--pid", str(pid), "--duration", str(int(duration)), "--format", "raw",
+                                "--nonblocking", "-o", str(out / f"{role}.txt")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for role, pid in pids.items()
+    }
+    for r in recorders.values():
+        r.wait(timeout=duration + 60)
+    return {role: round(p.cpu_percent(None) / 100, 2) for role, p in procs.items()}  # cores used while sampled
+
+
+def print_report(report: dict, top: int) -> None:
+    print(f"\nprofile of {Path(report['config']).name} {' '.join(report['overrides'])} over {report['duration_s']:.0f}s (cores = CPU time / wall time)")
     for role, r in report["processes"].items():
         print(f"\n== {role}: {r['cpu_cores']:.2f} cores, {r['samples']} samples")
-        for frame, f in r.get("inclusive", [])[: args.top]:
+        for frame, f in r.get("inclusive", [])[:top]:
             print(f"  {f:6.1%}  {frame[:110]}")
         if r.get("self"):
             print("  -- self")
             for frame, f in r["self"][:6]:
                 print(f"  {f:6.1%}  {frame[:110]}")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "profile.json").write_text(json.dumps(report, indent=2))
+
+
+def main() -> None:
+    args = parse_args()
+    out = Path(tempfile.mkdtemp(prefix="profile-"))
+    cpu = sample_run(args, out)
+    report = {"config": args.config, "overrides": args.overrides, "duration_s": args.duration, "processes": {}}
+    for role, cores in cpu.items():
+        raw = out / f"{role}.txt"
+        report["processes"][role] = {"cpu_cores": cores, **(summarize(raw, args.top) if raw.exists() else {"samples": 0})}
+    print_report(report, args.top)
+    common.write_json(common.RESULTS / "profile.json", report)
 
 
 if __name__ == "__main__":

@@ -66,17 +66,6 @@ def weight_sync(d: dict) -> list[str]:
 
 def async_speedup(d: dict) -> list[str]:
     c = d["config"]
-    modes = d["modes"]
-    limit = d.get("engine_alone") or {}
-    sync = next((m for m in modes if m["mode"] == "sync"), None)
-    ratios = d.get("ratios", {})
-    head = []
-    for mode in ("streaming", "sao"):
-        if f"{mode}_over_sync" in ratios:
-            samples = ratios.get(f"{mode}_over_sync_samples_per_s")
-            head.append(f"{mode} / sync {fx(ratios[f'{mode}_over_sync'])} trained tokens/s"
-                        + (f" ({fx(samples)} samples/s)" if samples is not None else ""))
-    head += [f"{m['mode']} rollout efficiency {fnum(m.get('rollout_efficiency'))}" for m in modes]
     dist = c["length_distribution"]
     lines = [
         "## W2 `tail` — async throughput under heavy-tailed lengths (`benchmarks/async_speedup.py`)",
@@ -86,9 +75,30 @@ def async_speedup(d: dict) -> list[str]:
         f"(median {dist['median']:g}, p99 {dist['p99']:g}, EOS ignored). Trained tokens = prompt + response tokens of "
         "trained samples; efficiency = trained tokens/s ÷ the same requests on one engine with no learner.",
         "",
-        "**Headline:** " + "; ".join(head) + ".",
+        "**Headline:** " + "; ".join(_async_headline(d["modes"], d.get("ratios", {}))) + ".",
         "",
     ]
+    return lines + table(
+        ["mode", "recipe", "window s", "samples", "tokens", "mean resp len", "tokens/s", "vs sync", "efficiency",
+         "rollout idle", "learner idle", "staleness mean", "staleness max", "dropped stale", "of which aborted early"],
+        _async_rows(d["modes"], d.get("engine_alone") or {}),
+    )
+
+
+def _async_headline(modes: list[dict], ratios: dict) -> list[str]:
+    """Speedups over sync first, then each mode's rollout efficiency."""
+    head = []
+    for mode in ("streaming", "sao"):
+        if f"{mode}_over_sync" in ratios:
+            samples = ratios.get(f"{mode}_over_sync_samples_per_s")
+            head.append(f"{mode} / sync {fx(ratios[f'{mode}_over_sync'])} trained tokens/s"
+                        + (f" ({fx(samples)} samples/s)" if samples is not None else ""))
+    return head + [f"{m['mode']} rollout efficiency {fnum(m.get('rollout_efficiency'))}" for m in modes]
+
+
+def _async_rows(modes: list[dict], limit: dict) -> list[list[str]]:
+    """One row per mode, and the engine-alone limit last when it was measured."""
+    sync = next((m for m in modes if m["mode"] == "sync"), None)
     rows = [
         [
             m["mode"], m["recipe"], fnum(m["window_s"], ".1f"), str(m["samples_trained"]), str(m["tokens_trained"]),
@@ -106,12 +116,7 @@ def async_speedup(d: dict) -> list[str]:
             fnum(limit["response_tokens"] / limit["requests"], ".1f"), fnum(limit["tokens_per_s"], ".0f"), "-", "1.00",
             "-", "-", "-", "-", "-", "-",
         ])
-    lines += table(
-        ["mode", "recipe", "window s", "samples", "tokens", "mean resp len", "tokens/s", "vs sync", "efficiency",
-         "rollout idle", "learner idle", "staleness mean", "staleness max", "dropped stale", "of which aborted early"],
-        rows,
-    )
-    return lines
+    return rows
 
 
 def queue_throughput(d: dict) -> list[str]:

@@ -90,13 +90,10 @@ class FakeQueue:
 
 
 def _requests(tag: str, n: int, ground_truths=None):
-    from asyncrl.types import Prompt, Request
+    from asyncrl.testing import make_prompt, make_request
 
     ground_truths = ground_truths or ["12"] * n
-    return [
-        Request(f"{tag}{i}/0/0", f"{tag}{i}", 0, 1, Prompt(f"{tag}{i}", [1, 4 + i % 10, 14, 5, 15], ground_truths[i]))
-        for i in range(n)
-    ]
+    return [make_request(make_prompt(f"{tag}{i}", [1, 4 + i % 10, 14, 5, 15], ground_truths[i])) for i in range(n)]
 
 
 def _wait_for(queue, condition, timeout_s: float, what: str) -> dict:

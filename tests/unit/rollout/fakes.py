@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-import numpy as np
-
-from asyncrl.types import Prompt, Request, Trajectory
+from asyncrl.testing import make_answer, make_prompt, make_request
+from asyncrl.types import Request, Trajectory
 
 
 class _Remote:
@@ -67,10 +66,8 @@ class FakeQueue:
 
 
 def make_requests(n: int, ground_truth: str = "7", prefix: str = "g") -> list[Request]:
-    return [
-        Request(f"{prefix}{i}/0/0", f"{prefix}{i}", 0, 1, Prompt(f"p{i}", [1, 4, 5], ground_truth))
-        for i in range(n)
-    ]
+    """`n` single-sample groups `<prefix>i` of prompts `pi`."""
+    return [make_request(make_prompt(f"p{i}", [1, 4, 5], ground_truth), group_id=f"{prefix}{i}") for i in range(n)]
 
 
 class FakeEngine:
@@ -103,17 +100,4 @@ class FakeEngine:
         n = len(self.response) + 1
         self.num_requests_done += 1
         self.num_tokens_generated += n
-        return Trajectory(
-            prompt_id=request.prompt.prompt_id,
-            group_id=request.group_id,
-            sample_index=request.sample_index,
-            prompt_ids=np.asarray(request.prompt.prompt_ids, dtype=np.int32),
-            response_ids=np.arange(n, dtype=np.int32),
-            rollout_logprobs=np.zeros(n, dtype=np.float32),
-            loss_mask=np.ones(n, dtype=np.int8),
-            versions=np.full(n, self.version, dtype=np.int32),
-            finish_reason="stop",
-            ground_truth=request.prompt.ground_truth,
-            worker=self.name,
-            response_text=self.response,
-        )
+        return make_answer(request, n, rollout_logprobs=0.0, versions=self.version, worker=self.name, response_text=self.response)

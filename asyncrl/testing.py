@@ -1,0 +1,96 @@
+"""Builders of small, valid records for tests and benchmarks, in the spirit of `torch.testing`.
+
+Each builder returns a record that holds its invariant (a trajectory's per-token arrays share one length;
+a request id is `<group_id>/<sample_index>/<attempt>`), with defaults small enough to check by hand, so a
+test names only the fields it is about. Nothing here imports torch, Ray or vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from asyncrl.types import FinishReason, Group, Prompt, Request, Trajectory
+
+PerToken = float | Sequence[float] | np.ndarray
+"""One value for every token, or one value per token."""
+
+
+def make_prompt(prompt_id: str = "p0", prompt_ids: Sequence[int] = (1, 2, 3), ground_truth: str = "0", **fields: Any) -> Prompt:
+    """A prompt whose token ids need no tokenizer; `fields` are the other `Prompt` fields (`extra_info`, ...)."""
+    return Prompt(prompt_id=prompt_id, prompt_ids=[int(t) for t in prompt_ids], ground_truth=ground_truth, **fields)
+
+
+def make_request(prompt: Prompt | None = None, *, group_id: str | None = None, sample_index: int = 0,
+                 group_size: int = 1, attempt: int = 0) -> Request:
+    """Sample `sample_index` of the group of `prompt` (default: a group named after the prompt), with the
+    request id the replay queue would give it."""
+    prompt = prompt or make_prompt()
+    group_id = prompt.prompt_id if group_id is None else group_id
+    return Request(f"{group_id}/{sample_index}/{attempt}", group_id, sample_index, group_size, prompt, attempt)
+
+
+def make_trajectory(
+    response_ids: int | Sequence[int] | np.ndarray = 3,
+    *,
+    prompt_ids: Sequence[int] | np.ndarray = (1, 2, 3),
+    group_id: str = "g0",
+    prompt_id: str | None = None,
+    sample_index: int = 0,
+    rollout_logprobs: PerToken = -1.0,
+    loss_mask: int | Sequence[int] | np.ndarray = 1,
+    versions: int | Sequence[int] | np.ndarray = 0,
+    finish_reason: FinishReason = "stop",
+    dispatch_version: int | None = None,
+    **fields: Any,
+) -> Trajectory:
+    """A trajectory with `response_ids` (a length: tokens 0, 1, ..., or the tokens themselves).
+
+    Per-token fields take one value for all tokens or one per token. `prompt_id` defaults to `group_id` and
+    `dispatch_version` to the oldest token's version (the engine's version when the request started).
+    `fields` are the remaining `Trajectory` fields (`reward`, `failure`, `worker`, `attempt`, ...).
+    """
+    response = np.asarray(np.arange(response_ids) if np.ndim(response_ids) == 0 else response_ids, dtype=np.int32)
+    token_versions = _per_token(versions, len(response), np.int32)
+    if dispatch_version is None:
+        dispatch_version = int(token_versions.min()) if len(token_versions) else 0
+    return Trajectory(
+        prompt_id=group_id if prompt_id is None else prompt_id,
+        group_id=group_id,
+        sample_index=sample_index,
+        prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
+        response_ids=response,
+        rollout_logprobs=_per_token(rollout_logprobs, len(response), np.float32),
+        loss_mask=_per_token(loss_mask, len(response), np.int8),
+        versions=token_versions,
+        finish_reason=finish_reason,
+        dispatch_version=dispatch_version,
+        **fields,
+    )
+
+
+def make_answer(request: Request, response_ids: int | Sequence[int] | np.ndarray = 3, **fields: Any) -> Trajectory:
+    """The trajectory a rollout worker hands back for `request`: its ids, prompt, ground truth and attempt
+    (each can be overridden in `fields`, which also takes every `make_trajectory` argument)."""
+    prompt = request.prompt
+    identity = dict(
+        group_id=request.group_id, prompt_id=prompt.prompt_id, sample_index=request.sample_index,
+        prompt_ids=prompt.prompt_ids, ground_truth=prompt.ground_truth, attempt=request.attempt,
+    )  # fmt: skip
+    return make_trajectory(response_ids, **{**identity, **fields})
+
+
+def make_group(rewards: Sequence[float] = (1.0, 0.0), *, group_id: str = "g0", **fields: Any) -> Group:
+    """One group: member i has `sample_index` i and reward `rewards[i]`; `fields` go to every member's
+    `make_trajectory`."""
+    members = [make_trajectory(group_id=group_id, sample_index=i, reward=float(r), **fields) for i, r in enumerate(rewards)]
+    return Group(group_id, members)
+
+
+def _per_token(value: Any, length: int, dtype: type) -> np.ndarray:
+    """`value` repeated `length` times when it is a scalar, else the per-token values as `dtype`."""
+    if np.ndim(value) == 0:
+        return np.full(length, value, dtype=dtype)
+    return np.asarray(value, dtype=dtype)
