@@ -7,7 +7,12 @@ test names only the fields it is about. Nothing here imports torch, Ray or vLLM.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -87,6 +92,64 @@ def make_group(rewards: Sequence[float] = (1.0, 0.0), *, group_id: str = "g0", *
     `make_trajectory`."""
     members = [make_trajectory(group_id=group_id, sample_index=i, reward=float(r), **fields) for i, r in enumerate(rewards)]
     return Group(group_id, members)
+
+
+def random_groups(num_groups: int = 4, group_size: int = 3, seed: int = 0, vocab: int = 16) -> list[Group]:
+    """Random sequences a tiny model can score: prompts of 1-5 and responses of 1-7 tokens from ids 3..vocab-1,
+    about 20% of response tokens masked out (as tool output would be), some truncated, and rewards with
+    variance (member 0 continuous, the others 0/1)."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for g in range(num_groups):
+        members = []
+        for i in range(group_size):
+            prompt_len, response_len = int(rng.integers(1, 6)), int(rng.integers(1, 8))
+            prompt = rng.integers(3, vocab, prompt_len)
+            members.append(
+                make_trajectory(
+                    rng.integers(3, vocab, response_len),
+                    prompt_ids=prompt,
+                    group_id=f"g{g}",
+                    prompt_id=f"p{g}",
+                    sample_index=i,
+                    rollout_logprobs=-rng.random(response_len) * 3,
+                    loss_mask=rng.random(response_len) > 0.2,
+                    finish_reason="stop" if rng.random() < 0.7 else "length",
+                    reward=float(rng.integers(0, 2)) if i else float(rng.random()),
+                )
+            )
+        groups.append(Group(f"g{g}", members))
+    return groups
+
+
+TINY_RUN = [
+    "model.preset=tiny-0.3m", "model.warm_start_examples=0", "buffer.filter_zero_variance=false", "eval.every_steps=0",
+    "data.eval_prompts=8", "learner.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_requests_in_flight=16",
+]
+"""Overrides for a short real run on the random tiny model (4 groups of 2 per step, all trained: a random
+model earns no reward, so zero-variance filtering would discard every group)."""
+
+
+def processes_with_env(marker: str) -> list[int]:
+    """Pids of processes whose environment contains `marker`. Every descendant inherits its environment,
+    while command lines are renamed (Ray's `ray::DashboardAgent`), so this finds a whole process tree."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and int(proc.name) != os.getpid() and marker.encode() in (proc / "environ").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def kill_processes_with_env(marker: str, grace_s: float = 2.0) -> None:
+    """SIGTERM, then SIGKILL, every process of `processes_with_env(marker)`."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in processes_with_env(marker):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        time.sleep(grace_s)
 
 
 def _per_token(value: Any, length: int, dtype: type) -> np.ndarray:

@@ -12,8 +12,7 @@ import pytest
 from asyncrl.algo.recipes import resolve_recipe
 from asyncrl.config import LearnerConfig
 from asyncrl.learner.pool import LearnerCallError, LearnerPool
-
-from ..integration.test_learner import make_groups
+from asyncrl.testing import random_groups as make_groups
 
 pytestmark = pytest.mark.integration
 

@@ -12,6 +12,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from asyncrl.config import load_config
+from asyncrl.testing import TINY_RUN
 from asyncrl.controller.faults import NonFiniteError
 
 pytestmark = pytest.mark.integration
@@ -22,9 +23,7 @@ def test_non_finite_steps_are_skipped_and_too_many_in_a_row_stop_the_run(ray_clu
 
     out = tmp_path / "run"
     cfg = load_config(None, [
-        f"output_dir={out}", "learner.max_steps=12", "learner.prompts_per_step=4", "rollout.samples_per_prompt=2",
-        "model.preset=tiny-0.3m", "model.warm_start_examples=0", "buffer.filter_zero_variance=false",
-        "eval.every_steps=0", "data.eval_prompts=8", "checkpoint.every_steps=4", "learner.max_skipped_steps=3",
+        f"output_dir={out}", "learner.max_steps=12", *TINY_RUN, "checkpoint.every_steps=4", "learner.max_skipped_steps=3",
         "faults.nan_reward_at_steps=[2,3,6,7,8]",
     ])
     with pytest.raises(NonFiniteError, match=r"3 steps in a row \(the last: step 8\) had a non-finite loss or gradient"):

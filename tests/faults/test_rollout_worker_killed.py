@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from asyncrl.config import load_config
+from asyncrl.testing import TINY_RUN
 
 pytestmark = pytest.mark.integration
 
@@ -23,9 +24,7 @@ def run_dir(ray_cluster, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("faults") / "run"
     cfg = load_config(None, [
-        f"output_dir={out}", f"learner.max_steps={STEPS}", "learner.prompts_per_step=4", "rollout.samples_per_prompt=2",
-        "model.preset=tiny-0.3m", "model.warm_start_examples=0", "buffer.filter_zero_variance=false",
-        "eval.every_steps=0", "data.eval_prompts=8", "rollout.max_requests_in_flight=16",
+        f"output_dir={out}", f"learner.max_steps={STEPS}", *TINY_RUN,
         "weight_sync.parity_probe=false",  # the probe would wait for the sync the fault interrupts
         f"faults.kill_rollout_worker_at_steps={KILL_AT}",
     ])

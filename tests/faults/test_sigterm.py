@@ -13,24 +13,18 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.testing import TINY_RUN, kill_processes_with_env, processes_with_env
+
 pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
-OVERRIDES = [
-    "learner.prompts_per_step=4", "rollout.samples_per_prompt=2", "model.preset=tiny-0.3m", "model.warm_start_examples=0",
-    "buffer.filter_zero_variance=false", "eval.every_steps=0", "data.eval_prompts=8", "rollout.max_requests_in_flight=16",
-]
 
 
-def _processes_mentioning(marker: str) -> list[str]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and marker in (cmd := (proc / "cmdline").read_bytes().decode(errors="replace")):
-                found.append(f"{proc.name}: {cmd.replace(chr(0), ' ')[:160]}")
-        except OSError:
-            continue
-    return found
+def _env(marker: str) -> dict[str, str]:
+    """A local run whose every process (Ray's included) carries `marker` in its environment."""
+    env = dict(os.environ, RAY_TMPDIR=marker, PYTHONUNBUFFERED="1")
+    env.pop("RAY_ADDRESS", None)
+    return env
 
 
 def _wait(predicate, timeout_s: float, what: str):
@@ -42,11 +36,10 @@ def _wait(predicate, timeout_s: float, what: str):
 
 
 def test_sigterm_checkpoints_writes_the_summary_leaves_nothing_behind_and_resumes(tmp_path):
-    ray_tmp = f"/tmp/ar-sig-{os.getpid()}"  # this run's Ray processes name it on their command lines
-    env = dict(os.environ, RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1")
-    env.pop("RAY_ADDRESS", None)
+    marker = f"/tmp/ar-sig-{os.getpid()}"
+    env = _env(marker)
     out = tmp_path / "run"
-    cmd = [str(BIN / "asyncrl"), "run", f"output_dir={out}", "learner.max_steps=100000", *OVERRIDES]
+    cmd = [str(BIN / "asyncrl"), "run", f"output_dir={out}", "learner.max_steps=100000", *TINY_RUN]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         metrics = out / "metrics.jsonl"
@@ -64,12 +57,12 @@ def test_sigterm_checkpoints_writes_the_summary_leaves_nothing_behind_and_resume
     checkpoint = out / "checkpoints" / f"step-{summary['steps']:06d}"
     assert (checkpoint / "learner_state.json").is_file()
     deadline = time.monotonic() + 30  # Ray's processes exit shortly after the driver disconnects
-    while _processes_mentioning(ray_tmp) and time.monotonic() < deadline:
+    while processes_with_env(marker) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _processes_mentioning(ray_tmp) == []
+    assert processes_with_env(marker) == []
 
     resumed = subprocess.run(
-        [*cmd[:3], f"learner.max_steps={summary['steps'] + 2}", *OVERRIDES, "checkpoint.resume_from=latest"],
+        [*cmd[:3], f"learner.max_steps={summary['steps'] + 2}", *TINY_RUN, "checkpoint.resume_from=latest"],
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
@@ -79,18 +72,17 @@ def test_sigterm_checkpoints_writes_the_summary_leaves_nothing_behind_and_resume
 
 
 def test_a_killed_driver_resumes_from_its_last_checkpoint_with_the_same_version_and_counters(tmp_path):
-    ray_tmp = f"/tmp/ar-kill-{os.getpid()}"
-    env = dict(os.environ, RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1")
-    env.pop("RAY_ADDRESS", None)
+    marker = f"/tmp/ar-kill-{os.getpid()}"
+    env = _env(marker)
     out = tmp_path / "run"
-    cmd = [str(BIN / "asyncrl"), "run", f"output_dir={out}", "checkpoint.every_steps=2", *OVERRIDES]
+    cmd = [str(BIN / "asyncrl"), "run", f"output_dir={out}", "checkpoint.every_steps=2", *TINY_RUN]
     proc = subprocess.Popen([*cmd, "learner.max_steps=100000"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait(lambda: (out / "checkpoints" / "step-000004" / "learner_state.json").is_file(), 300, "the step-4 checkpoint")
     finally:
         proc.kill()  # SIGKILL: no cleanup, no summary, whatever step it was in
         proc.wait()
-    kill_processes_mentioning(ray_tmp)  # what the crash left behind (a real crash leaves them to the node)
+    kill_processes_with_env(marker)  # what the crash left behind (a real crash leaves them to the node)
     saved = max(f for f in (out / "checkpoints").iterdir() if (f / "learner_state.json").is_file())
     extra = json.loads((saved / "extra.json").read_text())
     assert not (out / "summary.json").exists()

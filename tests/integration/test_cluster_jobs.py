@@ -6,10 +6,8 @@ test modules start with `ray.init`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from asyncrl.testing import TINY_RUN, kill_processes_with_env
 
 pytestmark = pytest.mark.integration
 
@@ -33,8 +33,9 @@ def _free_port() -> int:
 def head(tmp_path_factory):
     """A one-node cluster with the dashboard; yields its Jobs API address."""
     dashboard = f"http://127.0.0.1:{(dash_port := _free_port())}"
-    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}")  # jobs find this venv's `asyncrl`
     temp = Path("/tmp") / f"ray-jobs-{os.getpid()}"  # short: Ray's socket paths have a length limit
+    # Jobs find this venv's `asyncrl`; every process of this cluster inherits the marker (teardown kills by it).
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", ASYNCRL_TEST_CLUSTER=str(temp))
     start = [
         str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={_free_port()}",
         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
@@ -44,24 +45,7 @@ def head(tmp_path_factory):
     try:
         yield dashboard, env
     finally:
-        _stop_cluster(str(temp))
-
-
-def _stop_cluster(marker: str) -> None:
-    """Kill exactly this cluster's processes (their command lines name its temp dir). Never `ray stop`: it
-    kills every Ray process on the machine, other test sessions' included."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and marker in (proc / "cmdline").read_bytes().decode(errors="replace"):
-                pids.append(int(proc.name))
-        except OSError:
-            continue
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        time.sleep(2)
+        kill_processes_with_env(f"ASYNCRL_TEST_CLUSTER={temp}")  # never `ray stop`: it kills every Ray on the machine
 
 
 def _cli(args: list[str], env: dict, timeout_s: float = 600) -> subprocess.CompletedProcess:
@@ -71,11 +55,7 @@ def _cli(args: list[str], env: dict, timeout_s: float = 600) -> subprocess.Compl
 def test_submit_runs_a_short_job_to_completion_and_status_and_logs_read_it_back(head, tmp_path):
     address, env = head
     out = tmp_path / "run"
-    overrides = [
-        f"output_dir={out}", "learner.max_steps=2", "learner.prompts_per_step=4", "rollout.samples_per_prompt=2",
-        "eval.every_steps=0", "data.eval_prompts=8", "model.preset=tiny-0.3m", "model.warm_start_examples=0",
-        "buffer.filter_zero_variance=false",  # a random model earns no reward: every group would be filtered
-    ]
+    overrides = [f"output_dir={out}", "learner.max_steps=2", *TINY_RUN]
     done = _cli(["submit", *overrides, "--address", address, "--working-dir", "", "--job-id", "asyncrl-test-1"], env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "submitted asyncrl-test-1" in done.stdout and "asyncrl-test-1 SUCCEEDED" in done.stdout
@@ -89,7 +69,7 @@ def test_submit_runs_a_short_job_to_completion_and_status_and_logs_read_it_back(
 
 def test_stop_ends_a_running_job(head, tmp_path):
     address, env = head
-    overrides = [f"output_dir={tmp_path / 'run'}", "model.preset=tiny-0.3m", "model.warm_start_examples=0", "learner.max_steps=100000"]
+    overrides = [f"output_dir={tmp_path / 'run'}", "learner.max_steps=100000", *TINY_RUN]
     done = _cli(["submit", *overrides, "--address", address, "--working-dir", "", "--job-id", "asyncrl-test-2", "--no-wait"], env)
     assert done.returncode == 0, done.stderr
     deadline = time.monotonic() + 120
@@ -106,11 +86,7 @@ def test_stop_ends_a_running_job(head, tmp_path):
 def test_scale_grows_and_shrinks_the_rollout_pool_of_a_running_job(head, tmp_path):
     address, env = head
     out = tmp_path / "run"
-    overrides = [
-        f"output_dir={out}", "learner.max_steps=100000", "learner.prompts_per_step=4", "rollout.samples_per_prompt=2",
-        "eval.every_steps=0", "data.eval_prompts=8", "model.preset=tiny-0.3m", "model.warm_start_examples=0",
-        "buffer.filter_zero_variance=false", "rollout.max_requests_in_flight=16",
-    ]
+    overrides = [f"output_dir={out}", "learner.max_steps=100000", *TINY_RUN]
     done = _cli(["submit", *overrides, "--address", address, "--working-dir", "", "--job-id", "asyncrl-scale", "--no-wait"], env)
     assert done.returncode == 0, done.stderr
     metrics = out / "metrics.jsonl"

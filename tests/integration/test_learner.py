@@ -7,35 +7,9 @@ import torch
 
 from asyncrl.algo.recipes import resolve_recipe
 from asyncrl.config import LearnerConfig, WeightSyncConfig
-from asyncrl.types import Group, Trajectory
+from asyncrl.testing import random_groups as make_groups
 
 pytestmark = pytest.mark.integration
-
-
-def make_groups(num_groups=4, group_size=3, seed=0):
-    """Random sequences (some tool tokens, some truncated) with rewards and rollout log-probs."""
-    rng = np.random.default_rng(seed)
-    groups = []
-    for g in range(num_groups):
-        members = []
-        for i in range(group_size):
-            prompt_len, response_len = int(rng.integers(1, 6)), int(rng.integers(1, 8))
-            members.append(
-                Trajectory(
-                    prompt_id=f"p{g}",
-                    group_id=f"g{g}",
-                    sample_index=i,
-                    prompt_ids=rng.integers(3, 16, prompt_len).astype(np.int32),
-                    response_ids=rng.integers(3, 16, response_len).astype(np.int32),
-                    rollout_logprobs=(-rng.random(response_len) * 3).astype(np.float32),
-                    loss_mask=(rng.random(response_len) > 0.2).astype(np.int8),
-                    versions=np.zeros(response_len, np.int32),
-                    finish_reason="stop" if rng.random() < 0.7 else "length",
-                    reward=float(rng.integers(0, 2)) if i else float(rng.random()),
-                )
-            )
-        groups.append(Group(f"g{g}", members))
-    return groups
 
 
 def max_abs_diff(a: dict, b: dict) -> float:
