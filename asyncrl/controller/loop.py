@@ -111,7 +111,8 @@ class Controller:
     def run(self) -> dict:
         cfg = self.cfg
         start = self._started = time.perf_counter()
-        (self.out / "metrics.jsonl").write_text("")
+        if not self.cfg.checkpoint.resume_from:  # a resumed run goes on appending to its predecessor's rows
+            (self.out / "metrics.jsonl").write_text("")
         self._evaluate(start)
         while self.step < cfg.learner.max_steps and not self.stop_requested:
             if cfg.learner.max_wall_s and time.perf_counter() - start > cfg.learner.max_wall_s:
@@ -302,6 +303,7 @@ class Controller:
             "staleness_mean": batch.staleness_mean,
             "staleness_max": batch.staleness_max,
             "learner_wait_s": learner_wait_s,
+            "wall_s": round(time.perf_counter() - self._started, 3),
             **{k: v for k, v in stats.metrics.items()},
         }
         if "mismatch_k3_kl" in stats.metrics:

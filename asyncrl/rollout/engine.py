@@ -274,7 +274,8 @@ class Engine:
     # Weights
 
     async def update_weights(self, buckets: Sequence[bytes], version: int, in_flight: bool = True) -> int:
-        """Load weight buckets and set the policy version; returns the number of tensors loaded.
+        """Load weight buckets and set the policy version; returns the number of tensors loaded (0 when the
+        engine already serves a newer version: versions never go back).
 
         in_flight: running requests are frozen (not dropped) during the load and continue afterwards;
         their later tokens carry `version`. Otherwise running requests finish first. Either way no token
@@ -282,6 +283,8 @@ class Engine:
         """
         self._require_started()
         async with self._update_lock:
+            if version < self._version:
+                return 0  # a newer sync overtook this one (a joining worker gets both): the engine keeps the newer
             await vllm_compat.pause_for_update(self._llm, in_flight)
             try:
                 num_tensors = await vllm_compat.load_weight_buckets(self._llm, list(buckets))

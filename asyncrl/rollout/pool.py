@@ -152,7 +152,8 @@ class RolloutPool:
 
     @property
     def names(self) -> list[str]:
-        return list(self._workers)
+        """Workers serving the queue (not those still joining)."""
+        return [n for n in self._workers if n not in self._joining]
 
     def handle(self, name: str) -> Any:
         return self._workers[name]
@@ -367,7 +368,11 @@ class RolloutPool:
                 events.append(self._failed_start(name, f"{name} failed to start: {type(e).__name__}: {e}"))
                 continue
             latest = self._latest()
-            if latest is not None and j.version != latest.version:  # not yet, or a newer version came out meanwhile
+            if j.sync is None and latest is not None:
+                # From now on every weight sync includes this worker, so once this load of the latest weights is
+                # done it can never fall behind the admission version: it serves then. (Waiting until it has
+                # caught up with a learner that publishes faster than an engine loads would never end.)
+                self._workers[name] = j.handle
                 j.sync, j.version = j.handle.update_weights.remote(latest.refs, latest.version, False), latest.version
                 continue
             events.append(self._join(name))
@@ -375,7 +380,7 @@ class RolloutPool:
 
     def _join(self, name: str) -> PoolEvent:
         j = self._joining.pop(name)
-        self._workers[name] = j.handle
+        self._workers[name] = j.handle  # already there when it loaded weights (`_advance_joining`)
         if self._generating:
             self._run_refs[name] = j.handle.run.remote()
         return self._event(PoolEvent(name, "joined", version=j.version, seconds=time.monotonic() - j.began))
@@ -387,6 +392,7 @@ class RolloutPool:
     def _abandon(self, names: list[str]) -> None:
         for name in names:
             j = self._joining.pop(name, None)
+            self._workers.pop(name, None)
             if j is not None:
                 ray.kill(j.handle)
 
