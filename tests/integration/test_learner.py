@@ -90,15 +90,16 @@ def test_two_ranks_with_micro_batches_give_the_one_rank_loss_and_gradient(pools,
 
 
 def _plain_loss_and_gradients(tiny_model_dir, params, batch, recipe):
-    from asyncrl.algo.recipes import compute_policy_loss, compute_token_weights
+    from asyncrl.algo.recipes import compute_policy_loss, compute_token_weights, tis_normalizer_stats
     from asyncrl.learner.policy import PolicyModel, hf_name
 
     model = PolicyModel(_reference_model(tiny_model_dir, params))
     logprobs = model(batch.input_ids, batch.attention_mask, batch.position_ids, 1.0)
     old = logprobs.detach()
     weights = compute_token_weights(recipe, batch.loss_mask, batch.group_ids, old, batch.rollout_logprobs)
+    tis_stats = tis_normalizer_stats(recipe, batch.loss_mask, old, batch.rollout_logprobs) if recipe.normalizes_tis else None
     loss, _ = compute_policy_loss(
-        recipe, logprobs, old, batch.rollout_logprobs, batch.advantages, batch.loss_mask, weights, batch.group_ids
+        recipe, logprobs, old, batch.rollout_logprobs, batch.advantages, batch.loss_mask, weights, batch.group_ids, tis_stats=tis_stats
     )
     loss.backward()
     return float(loss.detach()), {hf_name(n): p.grad.numpy() for n, p in model.named_parameters()}
