@@ -192,7 +192,7 @@ class LearnerConfig(Section):
     tokens_per_microbatch: int = Field(4096, ge=1)
     """Token budget of one micro-batch (sequences are packed up to it)."""
     max_steps: int = Field(100, ge=0)
-    """Optimizer steps of the run."""
+    """Learner steps of the run (one per rollout batch, whatever `mini_batches` and `epochs`)."""
     max_wall_s: float = Field(0.0, ge=0)
     """Stop after this many seconds (0 = no limit)."""
     lr: float = Field(1e-3, gt=0)
@@ -202,7 +202,7 @@ class LearnerConfig(Section):
     betas: tuple[float, float] = (0.9, 0.99)
     """AdamW betas."""
     warmup_steps: int = Field(0, ge=0)
-    """Linear learning-rate warm-up steps."""
+    """Linear learning-rate warm-up steps (learner steps: the schedule advances once per rollout batch)."""
     grad_clip: float = Field(1.0, gt=0)
     """Max global gradient norm."""
     critic: bool = False

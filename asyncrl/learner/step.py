@@ -265,6 +265,7 @@ class RankStep:
         if any(not c["critic_skipped_step"] for c in critic):
             self.state.critic_scheduler.step()
         taken = [u for u in updates if not u.stopped]
+        # update_metrics' global approx_kl (of the last update) replaces this rank's mean over updates.
         metrics = dict(mean_over_updates([u.metrics for u in taken]), **mean_over_updates(critic), **update_metrics(updates))
         loss = float(np.mean([u.loss for u in taken])) if taken else 0.0
         grad_norm = float(np.mean([u.grad_norm for u in taken])) if taken else 0.0

@@ -363,11 +363,13 @@ def test_kl_stop_ends_the_step_on_every_rank_after_the_first_update(ray_cluster,
     assert 5e-3 < moved <= 1e-2 * (1 + 1e-5)
 
 
-def test_the_critic_takes_one_value_step_per_mini_batch_and_still_waits_for_warmup(ray_cluster, tiny_model_dir):
+def test_two_epochs_with_a_critic_keep_pi_old_and_still_wait_for_critic_warmup(ray_cluster, tiny_model_dir):
     recipe = resolve_recipe("ppo_gae", lam=1.0)
-    pool = _mini_batch_pool(tiny_model_dir, 2, 16, recipe, critic=True, critic_lr=5e-4, critic_warmup_steps=1)
+    pool = _mini_batch_pool(tiny_model_dir, 2, 16, recipe, critic=True, critic_lr=5e-4, critic_warmup_steps=1, epochs=2)
     try:
         groups = make_groups(num_groups=4, group_size=1, seed=6)
+        for group in groups:  # terminal rows: the value targets are the rewards, nothing bootstraps
+            group.trajectories = [t.replace(finish_reason="stop") for t in group.trajectories]
         probe = [1, 4, 8, 10, 3, 5, 2]
         scores, steps = [pool.score(probe, 2, 1.0)], []
         for _ in range(2):
@@ -376,7 +378,10 @@ def test_the_critic_takes_one_value_step_per_mini_batch_and_still_waits_for_warm
     finally:
         pool.shutdown()
     assert [m["policy_frozen"] for m in steps] == [1.0, 0.0]
-    assert [m["updates"] for m in steps] == [0.0, 4.0]
+    assert [m["updates"] for m in steps] == [0.0, 8.0]  # 2 epochs x 4 single-sequence mini-batches
     assert np.array_equal(scores[0], scores[1]) and np.abs(scores[2] - scores[1]).max() > 1e-4
-    # Four value steps per rollout batch (one per single-sequence mini-batch): the mean value loss falls.
-    assert steps[1]["critic_value_loss"] < steps[0]["critic_value_loss"]
+    # The second epoch starts again at mini-batch 0, against the pi_old of before the first update.
+    assert steps[1]["approx_kl_mb0"] == pytest.approx(0.0, abs=1e-9) and steps[1]["approx_kl_mb4"] > 1e-4
+    # Eight value steps per rollout batch (one per update, also while the policy waits) on fixed targets:
+    # the mean value loss of the second step is well below the first's (measured 0.08 -> 0.002).
+    assert steps[1]["critic_value_loss"] < 0.5 * steps[0]["critic_value_loss"]
