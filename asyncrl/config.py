@@ -185,10 +185,20 @@ class LearnerConfig(Section):
     """Learner processes forming one torch.distributed group (FSDP2). Independent of the rollout pool."""
     prompts_per_step: int = Field(16, ge=1)
     """Prompt groups (or single trajectories in `sao`) consumed per optimizer step."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per epoch over one rollout batch: its prompt groups are dealt in order into this
+    many mini-batches of `prompts_per_step / mini_batches` whole groups. From the second update on the
+    PPO ratio pi_theta / pi_old leaves 1, so clipping and DIS act. The policy version still advances
+    once per rollout batch."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the rollout batch's mini-batches (PPO epochs); updates per step = epochs x mini_batches."""
+    kl_stop: float | None = Field(None, gt=0)
+    """Stop the remaining updates of a step once a mini-batch's approx-KL(pi_old || pi_theta) (k3, mean
+    over its loss tokens, measured before its update) exceeds this; None = never stop early."""
     tokens_per_microbatch: int = Field(4096, ge=1)
     """Token budget of one micro-batch (sequences are packed up to it)."""
     max_steps: int = Field(100, ge=0)
-    """Optimizer steps of the run."""
+    """Learner steps of the run (one per rollout batch, whatever `mini_batches` and `epochs`)."""
     max_wall_s: float = Field(0.0, ge=0)
     """Stop after this many seconds (0 = no limit)."""
     lr: float = Field(1e-3, gt=0)
@@ -198,7 +208,7 @@ class LearnerConfig(Section):
     betas: tuple[float, float] = (0.9, 0.99)
     """AdamW betas."""
     warmup_steps: int = Field(0, ge=0)
-    """Linear learning-rate warm-up steps."""
+    """Linear learning-rate warm-up steps (learner steps: the schedule advances once per rollout batch)."""
     grad_clip: float = Field(1.0, gt=0)
     """Max global gradient norm."""
     critic: bool = False
@@ -325,6 +335,11 @@ class Config(Section):
             raise ValueError(f"mode 'sync' is on-policy: buffer.max_staleness must be 0 (got {self.buffer.max_staleness})")
         if self.mode == "sao" and self.rollout.samples_per_prompt != 1:
             raise ValueError(f"mode 'sao' is single-rollout: rollout.samples_per_prompt must be 1 (got {self.rollout.samples_per_prompt})")
+        if self.learner.prompts_per_step % self.learner.mini_batches:
+            raise ValueError(
+                f"learner.prompts_per_step ({self.learner.prompts_per_step}) must split into learner.mini_batches "
+                f"({self.learner.mini_batches}) equal mini-batches of whole groups"
+            )
         if self.data.task == "parquet" and not self.data.train_path:
             raise ValueError("data.task 'parquet' needs data.train_path")
         return self

@@ -11,7 +11,10 @@ reports accuracy at equal trained samples, time to 0.5 and to 0.7 held-out accur
 The peer runs in a subprocess when `trl` is installed (`pip install -e .[bench]`). Writes
 benchmarks/results/learning_add.json (and a PNG plot when matplotlib is installed).
 
-    python benchmarks/learning_add.py [--quick] [--steps N] [--target 0.5]
+    python benchmarks/learning_add.py [--quick] [--steps N] [--target 0.5] [--mini-batches 4]
+
+`--mini-batches N` (N > 1) also runs every mode with `learner.mini_batches=N` as `<mode>_mbN`, so the
+JSON and the plot hold both curves (accuracy per trained sample with one and with N updates per batch).
 """
 
 from __future__ import annotations
@@ -89,12 +92,22 @@ def plain_run(steps: int, every: int, target: float) -> dict:
     }
 
 
+def runs(mini_batches: int) -> list[tuple[str, str, list[str]]]:
+    """(run name, recipe file, extra overrides): every mode as shipped, then with `mini_batches` updates
+    per rollout batch when that is more than 1."""
+    shipped = [(mode, file, []) for mode, file in MODES.items()]
+    if mini_batches <= 1:
+        return shipped
+    return shipped + [(f"{mode}_mb{mini_batches}", file, [f"learner.mini_batches={mini_batches}"]) for mode, file in MODES.items()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: a few steps per mode")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--target", type=float, default=0.5, help="held-out accuracy whose wall-clock is reported")
     parser.add_argument("--replot", action="store_true", help="only redraw the PNG from the existing JSON")
+    parser.add_argument("--mini-batches", type=int, default=1, help="N > 1: also run each mode with learner.mini_batches=N")
     args = parser.parse_args()
     if args.replot:
         name = "learning_add_quick" if args.quick else "learning_add"
@@ -113,8 +126,8 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="learning_add-"))
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     results = {}
-    for mode, file in MODES.items():
-        cfg = load_config(RECIPES / file, [f"output_dir={out / mode}", f"learner.max_steps={steps}", f"eval.every_steps={every}"])
+    for mode, file, extra in runs(args.mini_batches):
+        cfg = load_config(RECIPES / file, [f"output_dir={out / mode}", f"learner.max_steps={steps}", f"eval.every_steps={every}", *extra])
         summary = run(cfg)
         results[mode] = {
             "start_accuracy": summary["start_accuracy"],
@@ -139,7 +152,7 @@ def main() -> None:
         results["trl"]["settings"] = peer["settings"]
     results["plain"] = plain_run(steps, every, args.target)
     for mode, r in results.items():
-        r.update(run_figures(r["evals"], "wall_s_excl_eval" if mode in MODES else "wall_s"))
+        r.update(run_figures(r["evals"], "wall_s" if mode in ("trl", "plain") else "wall_s_excl_eval"))
 
     base = results["sync"]
     print(f"\nW1 add, {steps} steps per mode, target accuracy {args.target}")

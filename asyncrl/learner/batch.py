@@ -13,10 +13,13 @@ a row (`seq_len - 1`) and the padding never carry loss. A critic's value at colu
 `s[:t+1]`, i.e. the value before emitting the token the column scores, which is what GAE needs.
 
 Exactness (architecture invariant 5): `token_weights` are computed ONCE over the whole optimizer batch
-(`asyncrl.algo.recipes.compute_token_weights`), and so are outcome advantages (they need all rewards of a
-group and, for `batch_norm`, of the batch). Splitting rows across ranks or micro-batches slices those
-tensors; summing the slices' losses gives the batch loss. Critic advantages (GAE, VAPO) need the
-critic's values and are computed per sequence on the rank (`advantages` is zero here for them).
+(`asyncrl.algo.recipes.compute_token_weights`), and outcome advantages once over the whole rollout batch
+(they need all rewards of a group and, for `batch_norm`, of the batch). With `learner.mini_batches` > 1
+the rollout batch is cut into mini-batches of whole groups (`split_mini_batches`): the advantages stay
+those of the rollout batch, the weights are recomputed over each mini-batch, which is one optimizer
+batch. Splitting rows across ranks or micro-batches slices those tensors; summing the slices' losses gives
+the optimizer batch's loss. Critic advantages (GAE, VAPO) need the critic's values and are computed per
+sequence on the rank (`advantages` is zero here for them).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ __all__ = [
     "dummy_microbatch",
     "loss_needs_whole_groups",
     "micro_batches",
+    "split_mini_batches",
     "split_rows",
 ]
 
@@ -112,8 +116,7 @@ def build_batch(groups: Sequence[Group], recipe) -> TrainBatch:
     weights here count the mask before rejection; the learner recomputes them from its own old log-probs
     with statistics all-reduced across ranks.
     """
-    from asyncrl.algo.recipes import compute_advantages, compute_token_weights, shape_rewards
-    from asyncrl.algo.reduction import reduction_weights
+    from asyncrl.algo.recipes import compute_advantages, shape_rewards
 
     trajectories = [(g, t) for g, group in enumerate(groups) for t in group.trajectories]
     if not trajectories:
@@ -147,11 +150,6 @@ def build_batch(groups: Sequence[Group], recipe) -> TrainBatch:
         advantages = torch.zeros(num_rows, width)
     else:
         advantages, _ = compute_advantages(recipe, rewards, group_ids, mask)
-    if recipe.denominator_after_rejection:
-        # Placeholder over the mask before rejection: the ranks replace it once old log-probs exist.
-        token_weights = reduction_weights(recipe.reduction, mask, group_ids, recipe.l_max)
-    else:
-        token_weights = compute_token_weights(recipe, mask, group_ids)
     return TrainBatch(
         input_ids=torch.from_numpy(input_ids),
         attention_mask=torch.from_numpy(attention_mask),
@@ -159,14 +157,44 @@ def build_batch(groups: Sequence[Group], recipe) -> TrainBatch:
         loss_mask=mask,
         rollout_logprobs=torch.from_numpy(rollout_logprobs),
         advantages=advantages.float(),
-        token_weights=token_weights,
-        value_weights=reduction_weights("token_mean", mask),
+        **_reduction_weights(recipe, mask, group_ids),
         rewards=rewards,
         group_ids=group_ids,
         dones=torch.tensor([t.finish_reason == "stop" for _, t in trajectories]),
         seq_lens=torch.tensor(seq_lens, dtype=torch.long),
         num_groups=len(groups),
     )
+
+
+def _reduction_weights(recipe, mask: torch.Tensor, group_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`token_weights` and `value_weights` of the optimizer batch whose rows are given (whole).
+
+    When `recipe.denominator_after_rejection` is set the token weights count the mask before rejection:
+    a placeholder the ranks replace once old log-probs exist."""
+    from asyncrl.algo.recipes import compute_token_weights
+    from asyncrl.algo.reduction import reduction_weights
+
+    if recipe.denominator_after_rejection:
+        token_weights = reduction_weights(recipe.reduction, mask, group_ids, recipe.l_max)
+    else:
+        token_weights = compute_token_weights(recipe, mask, group_ids)
+    return {"token_weights": token_weights, "value_weights": reduction_weights("token_mean", mask)}
+
+
+def split_mini_batches(batch: TrainBatch, mini_batches: int, recipe) -> list[TrainBatch]:
+    """Cut a rollout batch into `mini_batches` optimizer batches of whole groups, dealt in order (group
+    ids 0..G-1 in G / mini_batches consecutive runs; when G does not divide, the first runs get one group
+    more, and with fewer groups than mini-batches every group is its own). Advantages are kept (they
+    are the rollout batch's); the reduction weights are recomputed over each mini-batch, so its loss is
+    that mini-batch computed whole. One mini-batch returns `batch` itself."""
+    if mini_batches < 1:
+        raise ValueError(f"mini_batches must be >= 1 (got {mini_batches})")
+    if mini_batches == 1:
+        return [batch]
+    group_ids = batch.group_ids.numpy()
+    runs = [run for run in np.array_split(np.arange(batch.num_groups), mini_batches) if len(run)]
+    parts = [batch.select(np.flatnonzero(np.isin(group_ids, run)).tolist()) for run in runs]
+    return [dataclasses.replace(p, **_reduction_weights(recipe, p.loss_mask, p.group_ids)) for p in parts]
 
 
 def _units(batch: TrainBatch, keep_groups: bool) -> list[list[int]]:

@@ -1,10 +1,11 @@
 """`LearnerPool`: the driver-side handle on every learner rank (`rank.LearnerWorker` actors).
 
-One optimizer step per batch:
+One step per rollout batch, of `learner.epochs` x `learner.mini_batches` optimizer updates:
 
-    pool: groups -> build_batch (outcome advantages + reduction weights over the WHOLE batch)
-          -> split_rows (token-balanced; whole groups for gvpo) -> each rank's train_step (step.py)
-          -> merge the ranks' metrics
+    pool: groups -> build_batch (outcome advantages over the WHOLE rollout batch)
+          -> split_mini_batches (whole groups, reduction weights over each mini-batch)
+          -> split_rows of each (token-balanced; whole groups for gvpo)
+          -> each rank's train_step with its share of every mini-batch (step.py) -> merge the ranks' metrics
 
 The pool holds the step counter but not the policy version: the controller owns it and hands it to
 `save_checkpoint`; `load_checkpoint` gives it back.
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.learner.batch import TrainBatch, build_batch, loss_needs_whole_groups, split_rows
+from asyncrl.learner.batch import TrainBatch, build_batch, loss_needs_whole_groups, split_mini_batches, split_rows
 from asyncrl.learner.export import ExportedWeights
 from asyncrl.learner.rank import LearnerWorker
 from asyncrl.learner.step import merge_metrics
@@ -112,13 +113,17 @@ class LearnerPool:
         return build_batch(groups, recipe or self.recipe)
 
     def train_step(self, groups: Sequence[Group]) -> StepStats:
-        """One optimizer step on `groups` (the readiness units the buffer handed out)."""
+        """One step on `groups` (the readiness units the buffer handed out)."""
         return self.train_batch(self.make_batch(groups))
 
     def train_batch(self, batch: TrainBatch) -> StepStats:
+        """One step on a rollout batch: its mini-batches, each split over the ranks."""
         began = time.perf_counter()
-        shards = split_rows(batch, self.num_ranks, loss_needs_whole_groups(self.recipe))
-        results: list[StepStats] = self._call("train_step", per_rank=[(s,) for s in shards])
+        keep_groups = loss_needs_whole_groups(self.recipe)
+        parts = split_mini_batches(batch, self.config.mini_batches, self.recipe)
+        shards = [split_rows(part, self.num_ranks, keep_groups) for part in parts]
+        per_rank = [([part[rank] for part in shards],) for rank in range(self.num_ranks)]
+        results: list[StepStats] = self._call("train_step", per_rank=per_rank)
         self.step = results[0].step
         metrics = merge_metrics([(r.metrics, r.metrics.get("loss_tokens", 0.0)) for r in results])
         metrics.pop("loss_tokens", None)

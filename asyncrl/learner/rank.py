@@ -150,9 +150,10 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------ training and scoring
 
-    def train_step(self, rows: TrainBatch) -> StepStats:
-        """One optimizer step on this rank's rows (see `RankStep.train`)."""
-        stats = self._step.train(rows, self.step)
+    def train_step(self, shards: Sequence[TrainBatch]) -> StepStats:
+        """One step on this rank's share of every mini-batch of a rollout batch, all sent in one call so
+        that pi_old is computed where the rows are, before the first update (see `RankStep.train`)."""
+        stats = self._step.train(shards, self.step)
         self.step = stats.step
         return stats
 

@@ -1,16 +1,24 @@
-"""The optimizer step of one learner rank, and the math that merges it across micro-batches and ranks.
+"""The optimizer steps of one learner rank, and the math that merges them across micro-batches and ranks.
 
     rank: micro_batches by token budget, padded to the same count on every rank (FSDP collectives)
           [critic: values -> GAE/VAPO advantages per sequence, whitening with global statistics]
           per micro-batch: learner log-probs (FP32 head, / temperature) -> compute_policy_loss -> backward
           clip_grad_norm_ -> AdamW step -> scheduler step  [critic: value loss, its own step]
 
-`old_logprobs` are the detached learner log-probs of this very forward: the batch gets exactly one
-optimizer step, so the PPO ratio rho = pi_theta / pi_old is 1 in value (its gradient is what PPO/CISPO
-need) and the mismatch `kappa = pi_old / mu` is measured against the rollout log-probs. Only when the
-reduction denominators depend on a rejection mask (`recipe.denominator_after_rejection`), or batch-normalised
-TIS needs the mean TIS weight of the whole batch (`recipe.normalizes_tis`), is there a separate no-grad pass
-first: those statistics, summed over every micro-batch of every rank, must be known before any backward.
+One update per rollout batch (`learner.mini_batches` = `epochs` = 1): `old_logprobs` are the detached
+learner log-probs of this very forward, so the PPO ratio rho = pi_theta / pi_old is 1 in value (its
+gradient is what PPO/CISPO need) and the mismatch `kappa = pi_old / mu` is measured against the rollout
+log-probs. Only when the reduction denominators depend on a rejection mask
+(`recipe.denominator_after_rejection`), or batch-normalised TIS needs the mean TIS weight of the whole
+batch (`recipe.normalizes_tis`), is there a separate no-grad pass first: those statistics, summed over
+every micro-batch of every rank, must be known before any backward.
+
+Several updates (`RankStep.train` with more than one mini-batch, or `epochs` > 1): critic advantages and
+pi_old come from one no-grad pass over every mini-batch BEFORE the first optimizer step and are kept for
+every update, so rho and the clip act from the second update on and DIS gates the current policy. Each
+update is the single-update step above on one mini-batch with that fixed pi_old; the learning-rate
+schedules advance once per rollout batch. `learner.kl_stop` ends the step early, decided on the
+all-reduced approx-KL so every rank stops at the same update.
 
 Gradients are summed across ranks (policy.py), so the loss is never rescaled by dp_size.
 """
@@ -33,7 +41,18 @@ if TYPE_CHECKING:
     from asyncrl.config import LearnerConfig
     from asyncrl.learner.checkpoint import TrainState
 
-__all__ = ["Accumulated", "AllReduce", "RankStep", "apply_whitening", "merge_metrics", "whitening_moments"]
+__all__ = [
+    "Accumulated",
+    "AllReduce",
+    "MiniBatch",
+    "RankStep",
+    "Update",
+    "apply_whitening",
+    "mean_over_updates",
+    "merge_metrics",
+    "update_metrics",
+    "whitening_moments",
+]
 
 AllReduce = Callable[[torch.Tensor, str], torch.Tensor]
 """`(tensor, "sum" | "max") -> tensor` reduced over every rank, on the rank's device (a collective)."""
@@ -89,21 +108,96 @@ def _pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 @dataclass
-class Accumulated:
-    """One rank's backward pass over its rows: gradients are in the modules, not stepped yet.
+class MiniBatch:
+    """One optimizer batch on this rank, ready for any number of updates.
 
     Invariant: `micro_batches[:real]` are this rank's rows, the rest are dummies (every rank runs the same
-    number of micro-batches); `returns` has one entry per micro-batch, or is None without a critic estimator.
+    number of micro-batches). Per micro-batch: `advantages`; `returns` (critic value targets, or None
+    without a critic estimator); `old`, pi_old from before the step's first update (None: the detached
+    log-probs of the update's own forward, the single-update step); `weights`, the reduction weights
+    (recomputed from `old` when the denominators count tokens kept after rejection). `tis_stats` is the
+    batch-normalised TIS normaliser from `old`. All of them stay fixed for every update of the step.
     """
+
+    micro_batches: list[TrainBatch]
+    real: int
+    advantages: list[torch.Tensor]
+    returns: list[torch.Tensor] | None
+    old: list[torch.Tensor | None]
+    weights: list[torch.Tensor]
+    tis_stats: torch.Tensor | None
+
+    @property
+    def loss_tokens(self) -> int:
+        return sum(mb.num_loss_tokens for mb in self.micro_batches[: self.real])
+
+
+@dataclass
+class Accumulated:
+    """One rank's backward pass over its rows: gradients are in the modules, not stepped yet."""
 
     loss: float
     """The policy loss of the whole batch (summed over ranks); 0 when only the critic's advantages ran."""
     metrics: dict[str, float]
     """This rank's loss-token-weighted policy metrics (`merge_metrics` combines the ranks)."""
-    micro_batches: list[TrainBatch]
-    real: int
-    returns: list[torch.Tensor] | None
-    """Value targets of the critic estimator per micro-batch."""
+    batch: MiniBatch
+
+
+@dataclass(frozen=True)
+class Update:
+    """One policy update of a step. `loss`, `grad_norm`, `clipfrac` and `approx_kl` are global (every rank
+    holds the same values); `metrics` are this rank's. `stopped`: approx-KL exceeded `learner.kl_stop`, so
+    the gradients were discarded and the step ends here."""
+
+    loss: float
+    grad_norm: float
+    stepped: bool
+    clipfrac: float
+    approx_kl: float
+    metrics: dict[str, float]
+    stopped: bool = False
+
+
+def update_metrics(updates: Sequence[Update]) -> dict[str, float]:
+    """Per-step report of several updates: `clipfrac_mb{i}`, `approx_kl_mb{i}`, `loss_mb{i}` per update i
+    (epoch-major: i = epoch * mini_batches + k), `approx_kl` of the last one measured and `approx_kl_max`,
+    `updates` (optimizer steps taken), `kl_stopped` (0/1) and `skipped_step` (1 if any update had a
+    non-finite gradient norm)."""
+    taken = [u for u in updates if not u.stopped]
+    out = {
+        "updates": float(sum(u.stepped for u in taken)),
+        "kl_stopped": float(any(u.stopped for u in updates)),
+        "skipped_step": float(any(not u.stepped for u in taken)),
+    }
+    for i, u in enumerate(updates):
+        out.update({f"clipfrac_mb{i}": u.clipfrac, f"approx_kl_mb{i}": u.approx_kl, f"loss_mb{i}": u.loss})
+    if updates:
+        out.update(approx_kl=updates[-1].approx_kl, approx_kl_max=max(u.approx_kl for u in updates))
+    return out
+
+
+def mean_over_updates(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    """One rank's metrics of several updates as one step's: every update is an equal optimizer step, so
+    the plain mean over the updates that report a key; `*_max` / `*_min` take the extreme."""
+    out: dict[str, float] = {}
+    for key in sorted({k for metrics in parts for k in metrics}):
+        values = [metrics[key] for metrics in parts if key in metrics]
+        if key.endswith("_max"):
+            out[key] = float(max(values))
+        elif key.endswith("_min"):
+            out[key] = float(min(values))
+        else:
+            out[key] = float(np.mean(values))
+    return out
+
+
+def _regroup(flat: list, like: Sequence[Sequence]) -> list[list]:
+    """`flat` cut into consecutive runs of the lengths of `like`'s items."""
+    out, start = [], 0
+    for part in like:
+        out.append(flat[start : start + len(part)])
+        start += len(part)
+    return out
 
 
 @dataclass(frozen=True)
@@ -119,30 +213,77 @@ class RankStep:
 
     # ------------------------------------------------------------------ the step
 
-    def train(self, rows: TrainBatch, step: int) -> StepStats:
-        """Optimizer step number `step + 1` on this rank's rows. `loss` and `grad_norm` are global (whole
-        batch); samples, tokens and metrics are this rank's (the pool merges them)."""
+    def train(self, shards: Sequence[TrainBatch], step: int) -> StepStats:
+        """Step number `step + 1` on this rank's share of each mini-batch of one rollout batch (in order).
+        `loss` (mean over updates) and `grad_norm` (mean pre-clip norm) are global; samples, tokens and
+        metrics are this rank's (the pool merges them)."""
         # VAPO-style value pre-training: a random value head gives random GAE advantages (with short
         # answers the length-adaptive lambda is clamped to 0, so advantages are pure TD errors), which
         # drive the policy down. The policy waits until the critic has seen `critic_warmup_steps` batches.
         frozen = self.state.critic is not None and step < self.config.critic_warmup_steps
-        acc = self.accumulate(rows, policy=not frozen)
         lr = self.state.optimizer.param_groups[0]["lr"]
+        if len(shards) == 1 and self.config.epochs == 1:
+            loss, grad_norm, metrics = self._one_update(shards[0], frozen)
+        else:
+            loss, grad_norm, metrics = self._updates(shards, frozen)
+        return StepStats(
+            step=step + 1,
+            loss=loss,
+            grad_norm=grad_norm,
+            num_samples=sum(s.num_rows for s in shards),
+            num_tokens=sum(s.num_tokens for s in shards),
+            metrics=dict(metrics, lr=lr, policy_frozen=float(frozen), loss_tokens=float(sum(s.num_loss_tokens for s in shards))),
+        )
+
+    def _one_update(self, rows: TrainBatch, frozen: bool) -> tuple[float, float, dict[str, float]]:
+        """The single-update step: pi_old is the update's own forward (rho = 1 in value)."""
+        acc = self.accumulate(rows, policy=not frozen)
         if frozen:
             grad_norm, stepped = 0.0, False
         else:
             grad_norm, stepped = self._clip_and_step(self.state.policy, self.state.optimizer, self.state.scheduler)
-        metrics = dict(acc.metrics, lr=lr, skipped_step=float(not stepped and not frozen), policy_frozen=float(frozen))
-        if self.state.critic is not None and acc.returns is not None:
-            metrics.update(self._critic_step(acc))
-        return StepStats(
-            step=step + 1,
-            loss=acc.loss,
-            grad_norm=grad_norm,
-            num_samples=rows.num_rows,
-            num_tokens=rows.num_tokens,
-            metrics=dict(metrics, loss_tokens=float(rows.num_loss_tokens)),
-        )
+        metrics = dict(acc.metrics, skipped_step=float(not stepped and not frozen), updates=float(stepped), kl_stopped=0.0)
+        if self.state.critic is not None and acc.batch.returns is not None:
+            metrics.update(self._critic_step(acc.batch, self.state.critic_scheduler))
+        return acc.loss, grad_norm, metrics
+
+    def _updates(self, shards: Sequence[TrainBatch], frozen: bool) -> tuple[float, float, dict[str, float]]:
+        """`epochs` passes over the mini-batches, one policy update (and one critic step) each, all against
+        the pi_old and advantages of before the first update; the schedulers advance once."""
+        batches = self._prepare(shards, policy=not frozen)
+        updates: list[Update] = []
+        critic: list[dict[str, float]] = []
+        for batch in [b for _ in range(self.config.epochs) for b in batches]:
+            if not frozen:
+                updates.append(self._policy_update(batch, may_stop=bool(updates)))
+                if updates[-1].stopped:
+                    break
+            if self.state.critic is not None and batch.returns is not None:
+                critic.append(self._critic_step(batch, None))
+        if any(u.stepped for u in updates):
+            self.state.scheduler.step()
+        if any(not c["critic_skipped_step"] for c in critic):
+            self.state.critic_scheduler.step()
+        taken = [u for u in updates if not u.stopped]
+        # update_metrics' global approx_kl (of the last update) replaces this rank's mean over updates.
+        metrics = dict(mean_over_updates([u.metrics for u in taken]), **mean_over_updates(critic), **update_metrics(updates))
+        loss = float(np.mean([u.loss for u in taken])) if taken else 0.0
+        grad_norm = float(np.mean([u.grad_norm for u in taken])) if taken else 0.0
+        return loss, grad_norm, metrics
+
+    def _policy_update(self, batch: MiniBatch, may_stop: bool) -> Update:
+        """Backward of one mini-batch, then the optimizer step, unless `may_stop` and its global approx-KL
+        (measured in this forward, before the step) exceeds `learner.kl_stop`."""
+        loss, metrics = self._policy_backward(batch)
+        tokens = float(batch.loss_tokens)
+        local = torch.tensor([metrics.get("clipfrac", 0.0) * tokens, metrics.get("approx_kl", 0.0) * tokens, tokens], dtype=torch.float64)
+        clip_sum, kl_sum, total = self.all_reduce(local, "sum").tolist()
+        clipfrac, approx_kl = (clip_sum / total, kl_sum / total) if total > 0 else (0.0, 0.0)
+        if may_stop and self.config.kl_stop is not None and approx_kl > self.config.kl_stop:
+            self.state.optimizer.zero_grad(set_to_none=True)
+            return Update(loss, 0.0, False, clipfrac, approx_kl, metrics, stopped=True)
+        grad_norm, stepped = self._clip_and_step(self.state.policy, self.state.optimizer, None)
+        return Update(loss, grad_norm, stepped, clipfrac, approx_kl, metrics)
 
     def gradients(self, rows: TrainBatch) -> tuple[float, dict[str, np.ndarray]]:
         """(batch loss, full unsharded policy gradient by Hugging Face name) without stepping."""
@@ -160,28 +301,37 @@ class RankStep:
         return acc.loss, grads
 
     def accumulate(self, rows: TrainBatch, policy: bool = True) -> Accumulated:
-        """Backward of the policy loss of this rank's rows (gradients accumulate, no step). With
-        `policy=False` only the critic's advantages and returns are computed."""
-        recipe = self.recipe
+        """Backward of the policy loss of this rank's rows, pi_old = this forward (gradients accumulate, no
+        step). With `policy=False` only the critic's advantages and returns are computed."""
         mbs, real = self._micro_batches(rows)
-        advantages, returns = [mb.advantages for mb in mbs], None
-        if recipe.advantage in CRITIC_ADVANTAGES:
-            if self.state.critic is None:
-                raise ValueError(f"advantage {recipe.advantage!r} needs a critic: set learner.critic = true")
-            advantages, returns = self._critic_advantages(mbs)
+        (advantages,), (returns,) = self._rollout_advantages([mbs])
         if not policy:
-            return Accumulated(0.0, {}, mbs, real, returns)
-        old: list[torch.Tensor | None] = [None] * len(mbs)
-        weights, tis_stats = [mb.token_weights for mb in mbs], None
-        if recipe.denominator_after_rejection or recipe.normalizes_tis:
-            with torch.no_grad():
-                old = [self._logprobs(mb) for mb in mbs]
-        if recipe.denominator_after_rejection:
-            weights = self._weights_after_rejection(mbs, real, old)
-        if recipe.normalizes_tis:
-            tis_stats = self._tis_stats(mbs[:real], old[:real])
-        loss, metrics = self._policy_backward(mbs, real, advantages, old, weights, tis_stats)
-        return Accumulated(loss, metrics, mbs, real, returns)
+            return Accumulated(0.0, {}, MiniBatch(mbs, real, advantages, returns, [], [], None))
+        if self.recipe.denominator_after_rejection or self.recipe.normalizes_tis:
+            batch = self._with_old(mbs, real, advantages, returns)
+        else:
+            batch = MiniBatch(mbs, real, advantages, returns, [None] * len(mbs), [mb.token_weights for mb in mbs], None)
+        loss, metrics = self._policy_backward(batch)
+        return Accumulated(loss, metrics, batch)
+
+    def _prepare(self, shards: Sequence[TrainBatch], policy: bool) -> list[MiniBatch]:
+        """Every mini-batch's micro-batches, advantages and (unless the policy is frozen) pi_old, all from
+        the weights before the first update."""
+        packed = [self._micro_batches(s) for s in shards]
+        advantages, returns = self._rollout_advantages([mbs for mbs, _ in packed])
+        return [
+            self._with_old(mbs, real, adv, ret) if policy else MiniBatch(mbs, real, adv, ret, [], [], None)
+            for (mbs, real), adv, ret in zip(packed, advantages, returns)
+        ]
+
+    def _with_old(self, mbs: list[TrainBatch], real: int, advantages: list[torch.Tensor], returns) -> MiniBatch:
+        """A mini-batch with pi_old (a no-grad pass) and what depends only on it: the weights after
+        rejection and the TIS normaliser, each summed over every micro-batch of every rank."""
+        with torch.no_grad():
+            old = [self._logprobs(mb) for mb in mbs]
+        weights = self._weights_after_rejection(mbs, real, old) if self.recipe.denominator_after_rejection else [mb.token_weights for mb in mbs]
+        tis_stats = self._tis_stats(mbs[:real], old[:real]) if self.recipe.normalizes_tis else None
+        return MiniBatch(mbs, real, advantages, returns, old, weights, tis_stats)
 
     def _tis_stats(self, mbs: list[TrainBatch], old: list[torch.Tensor]) -> torch.Tensor:
         """(sum of truncated TIS weights, valid tokens) over the whole optimizer batch: every micro-batch of
@@ -193,30 +343,27 @@ class RankStep:
             stats += tis_normalizer_stats(self.recipe, mb.loss_mask, o, mb.rollout_logprobs).to(self.device)
         return self.all_reduce(stats, "sum")
 
-    def _policy_backward(
-        self,
-        mbs: list[TrainBatch],
-        real: int,
-        advantages: list[torch.Tensor],
-        old: list[torch.Tensor | None],
-        weights: list[torch.Tensor],
-        tis_stats: torch.Tensor | None,
-    ) -> tuple[float, dict[str, float]]:
-        """Forward + backward of every micro-batch; -> (global batch loss, this rank's metrics)."""
+    def _policy_backward(self, batch: MiniBatch) -> tuple[float, dict[str, float]]:
+        """Forward + backward of every micro-batch; -> (global batch loss, this rank's metrics). `approx_kl`
+        is k3 of KL(pi_old || pi_theta), the mean over loss tokens (0 when pi_old is this forward)."""
+        from asyncrl.algo.kl import kl_penalty
         from asyncrl.algo.recipes import compute_policy_loss
 
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         parts, old_seen = [], []
-        for i, mb in enumerate(mbs):
+        for i, mb in enumerate(batch.micro_batches):
             learner_logprobs = self._logprobs(mb)
-            old_logprobs = old[i] if old[i] is not None else learner_logprobs.detach()
+            old = batch.old[i]
+            old_logprobs = old if old is not None else learner_logprobs.detach()
             loss, metrics = compute_policy_loss(
-                self.recipe, learner_logprobs, old_logprobs, mb.rollout_logprobs, advantages[i], mb.loss_mask, weights[i], mb.group_ids,
-                tis_stats=tis_stats,
+                self.recipe, learner_logprobs, old_logprobs, mb.rollout_logprobs, batch.advantages[i], mb.loss_mask, batch.weights[i],
+                mb.group_ids, tis_stats=batch.tis_stats,
             )
             loss.backward()
             loss_sum += loss.detach().double()
-            if i < real:
+            if i < batch.real:
+                kl = kl_penalty(old_logprobs, learner_logprobs.detach(), mb.loss_mask, "k3")
+                metrics["approx_kl"] = float(kl.double().sum()) / max(mb.num_loss_tokens, 1)
                 parts.append((metrics, float(mb.num_loss_tokens)))
                 old_seen.append((old_logprobs, mb.rollout_logprobs, mb.loss_mask.long()))
         metrics = merge_metrics(parts)
@@ -233,7 +380,8 @@ class RankStep:
         return {f"mismatch_{k}": v for k, v in mismatch_metrics(olds, rollouts, masks.bool(), self.recipe.tis_cap).items()}
 
     def _clip_and_step(self, module, optimizer, scheduler) -> tuple[float, bool]:
-        """Clip to `grad_clip`, step unless the norm is not finite; -> (pre-clip norm, stepped)."""
+        """Clip to `grad_clip`, step (and the `scheduler` unless None) unless the norm is not finite;
+        -> (pre-clip norm, stepped)."""
         norm = torch.nn.utils.clip_grad_norm_(module.parameters(), self.config.grad_clip)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
@@ -241,22 +389,24 @@ class RankStep:
         stepped = bool(np.isfinite(norm))
         if stepped:
             optimizer.step()
-            scheduler.step()
+            if scheduler is not None:
+                scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         return norm, stepped
 
-    def _critic_step(self, acc: Accumulated) -> dict[str, float]:
+    def _critic_step(self, batch: MiniBatch, scheduler) -> dict[str, float]:
+        """One value step on `batch` (its returns fixed before the step's first update)."""
         from asyncrl.algo.recipes import compute_value_loss
 
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         parts = []
-        for i, mb in enumerate(acc.micro_batches):
-            loss, metrics = compute_value_loss(self._values(mb), acc.returns[i], mb.loss_mask, mb.value_weights)
+        for i, mb in enumerate(batch.micro_batches):
+            loss, metrics = compute_value_loss(self._values(mb), batch.returns[i], mb.loss_mask, mb.value_weights)
             loss.backward()
             loss_sum += loss.detach().double()
-            if i < acc.real:
+            if i < batch.real:
                 parts.append((metrics, float(mb.num_loss_tokens)))
-        norm, stepped = self._clip_and_step(self.state.critic, self.state.critic_optimizer, self.state.critic_scheduler)
+        norm, stepped = self._clip_and_step(self.state.critic, self.state.critic_optimizer, scheduler)
         metrics = {f"critic_{k}": v for k, v in merge_metrics(parts).items() if k != "value_loss"}
         metrics.update(
             critic_value_loss=float(self.all_reduce(loss_sum, "sum").item()), critic_grad_norm=norm, critic_skipped_step=float(not stepped)
@@ -287,6 +437,16 @@ class RankStep:
         return [self._to_device(mb) for mb in mbs], real
 
     # ------------------------------------------------------------------ advantages and weights on the rank
+
+    def _rollout_advantages(self, packed: list[list[TrainBatch]]) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor] | None]]:
+        """(advantages, critic returns or None) per mini-batch and micro-batch, from the weights before any
+        update: outcome advantages as built, critic ones (whitened) over the whole rollout batch."""
+        if self.recipe.advantage not in CRITIC_ADVANTAGES:
+            return [[mb.advantages for mb in mbs] for mbs in packed], [None] * len(packed)
+        if self.state.critic is None:
+            raise ValueError(f"advantage {self.recipe.advantage!r} needs a critic: set learner.critic = true")
+        advantages, returns = self._critic_advantages([mb for mbs in packed for mb in mbs])
+        return _regroup(advantages, packed), _regroup(returns, packed)
 
     def _critic_advantages(self, mbs: list[TrainBatch]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """GAE / VAPO per sequence from the critic's current values; whitening uses batch-global moments."""

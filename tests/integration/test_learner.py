@@ -64,15 +64,16 @@ def test_two_ranks_with_micro_batches_give_the_one_rank_loss_and_gradient(pools,
 
 
 def _plain_loss_and_gradients(tiny_model_dir, params, batch, recipe):
-    from asyncrl.algo.recipes import compute_policy_loss, compute_token_weights
+    from asyncrl.algo.recipes import compute_policy_loss, compute_token_weights, tis_normalizer_stats
     from asyncrl.learner.policy import PolicyModel, hf_name
 
     model = PolicyModel(_reference_model(tiny_model_dir, params))
     logprobs = model(batch.input_ids, batch.attention_mask, batch.position_ids, 1.0)
     old = logprobs.detach()
     weights = compute_token_weights(recipe, batch.loss_mask, batch.group_ids, old, batch.rollout_logprobs)
+    tis_stats = tis_normalizer_stats(recipe, batch.loss_mask, old, batch.rollout_logprobs) if recipe.normalizes_tis else None
     loss, _ = compute_policy_loss(
-        recipe, logprobs, old, batch.rollout_logprobs, batch.advantages, batch.loss_mask, weights, batch.group_ids
+        recipe, logprobs, old, batch.rollout_logprobs, batch.advantages, batch.loss_mask, weights, batch.group_ids, tis_stats=tis_stats
     )
     loss.backward()
     return float(loss.detach()), {hf_name(n): p.grad.numpy() for n, p in model.named_parameters()}
@@ -249,3 +250,112 @@ def test_critic_steps_reduce_the_value_loss_and_the_policy_waits_for_critic_warm
         assert losses[-1] < 0.7 * losses[0]
     finally:
         pool.shutdown()
+
+
+# PPO's clip acts on rho = pi_theta / pi_old and DIS gates q = pi_theta / mu = rho * kappa: with one update
+# both are inert (rho = 1, q = kappa); with four mini-batches they act from the second update on.
+MINI_BATCH_RECIPE = resolve_recipe("grpo", loss="ppo", correction="dis")
+
+
+def _mini_batch_pool(tiny_model_dir, num_ranks, tokens_per_microbatch, recipe=MINI_BATCH_RECIPE, **config):
+    from asyncrl.learner.pool import LearnerPool
+
+    config = LearnerConfig(num_ranks=num_ranks, tokens_per_microbatch=tokens_per_microbatch, lr=1e-2, mini_batches=4, **config)
+    return LearnerPool(tiny_model_dir, config, recipe)
+
+
+def _mini_batches(pool, groups):
+    from asyncrl.learner.batch import split_mini_batches
+
+    return split_mini_batches(pool.make_batch(groups), pool.config.mini_batches, pool.recipe)
+
+
+def test_each_mini_batch_loss_and_gradient_is_that_mini_batch_computed_whole(pools, tiny_model_dir):
+    from asyncrl.learner.batch import split_mini_batches
+
+    _, two = pools  # two ranks, micro-batches of at most 12 padded tokens
+    batch = two.make_batch(make_groups(num_groups=8, seed=7), RECIPE)
+    params = two.state_snapshot()["params"]
+    parts = split_mini_batches(batch, 4, RECIPE)
+    assert [p.num_rows for p in parts] == [6, 6, 6, 6]
+    for i, part in enumerate(parts):
+        loss, grads = two.compute_gradients(part, RECIPE)
+        loss_ref, grads_ref = _plain_loss_and_gradients(tiny_model_dir, params, part, RECIPE)
+        scale = max(float(np.abs(g).max()) for g in grads_ref.values())
+        print(f"mini-batch {i}: loss {loss:.9f} vs whole {loss_ref:.9f}; max |grad diff| {max_abs_diff(grads, grads_ref):.3e} of {scale:.3f}")
+        assert loss == pytest.approx(loss_ref, abs=1e-6)
+        assert max_abs_diff(grads, grads_ref) < 1e-6 * max(1.0, scale)  # fp32 summation order, relative to the gradient
+
+
+def test_four_mini_batches_agree_on_one_and_two_ranks_and_the_clip_acts_from_the_second(ray_cluster, tiny_model_dir):
+    groups = make_groups(num_groups=8, seed=8)
+    runs = {}
+    for num_ranks, budget in ((1, 4096), (2, 12)):
+        pool = _mini_batch_pool(tiny_model_dir, num_ranks, budget)
+        try:
+            before = pool.state_snapshot()["params"]
+            first_loss, _ = pool.compute_gradients(_mini_batches(pool, groups)[0])
+            runs[num_ranks] = (first_loss, pool.train_step(groups), before, pool.state_snapshot()["params"])
+        finally:
+            pool.shutdown()
+    (first_loss, stats_1, before, after), (_, stats_2, _, after_2) = runs[1], runs[2]
+    m1, m2 = stats_1.metrics, stats_2.metrics
+    print({k: (round(m1[k], 6), round(m2[k], 6)) for k in sorted(m1) if "_mb" in k})
+    assert (stats_1.step, m1["updates"], m1["kl_stopped"]) == (stats_2.step, m2["updates"], m2["kl_stopped"]) == (1, 4.0, 0.0)
+    assert stats_1.num_samples == stats_2.num_samples == 24
+    for key in [f"{name}_mb{i}" for i in range(4) for name in ("loss", "clipfrac", "approx_kl")]:
+        assert m2[key] == pytest.approx(m1[key], abs=1e-5), key
+    # The first update starts at pi_old itself: its loss is mini-batch 0's plain loss, rho = 1, KL 0, no clip.
+    assert m1["loss_mb0"] == pytest.approx(first_loss, abs=1e-6)
+    assert m1["approx_kl_mb0"] == pytest.approx(0.0, abs=1e-9) and m1["clipfrac_mb0"] == 0.0
+    # From the second on pi_theta has moved away from the pi_old of before the first update (kept, not
+    # recomputed): KL > 0, so q = rho * kappa != kappa for DIS, and PPO clips tokens.
+    for i in (1, 2, 3):
+        assert m1[f"approx_kl_mb{i}"] > 1e-3 and m1[f"clipfrac_mb{i}"] > 0.02, i
+    assert m1["approx_kl"] == m1["approx_kl_mb3"] and m1["approx_kl_max"] >= m1["approx_kl_mb1"]
+    # Four Adam steps of lr 1e-2: weights whose gradient kept its sign moved by about 4 lr (one step: <= lr).
+    assert max(float(np.abs(after[k] - before[k]).max()) for k in before) > 3e-2
+    assert max_abs_diff(after, after_2) < 1e-3
+
+
+def test_kl_stop_ends_the_step_on_every_rank_after_the_first_update(ray_cluster, tiny_model_dir):
+    pool = _mini_batch_pool(tiny_model_dir, 2, 12, kl_stop=1e-6)
+    try:
+        before = pool.state_snapshot()["params"]
+        stats = pool.train_step(make_groups(num_groups=8, seed=8))
+        after = pool.state_snapshot()["params"]
+    finally:
+        pool.shutdown()
+    m = stats.metrics
+    assert (stats.step, m["updates"], m["kl_stopped"]) == (1, 1.0, 1.0)
+    # Update 1 measured KL(pi_old || pi_theta) > 1e-6 in its forward and was not taken; nothing after it ran.
+    assert m["approx_kl_mb1"] > 1e-6 and m["approx_kl"] == m["approx_kl_mb1"]
+    assert "loss_mb2" not in m and "clipfrac_mb2" not in m
+    assert stats.loss == pytest.approx(m["loss_mb0"])
+    # Exactly one Adam step: no weight moved by more than lr = 1e-2 (the first step is lr * g / (|g| + eps)).
+    moved = max(float(np.abs(after[k] - before[k]).max()) for k in before)
+    assert 5e-3 < moved <= 1e-2 * (1 + 1e-5)
+
+
+def test_two_epochs_with_a_critic_keep_pi_old_and_still_wait_for_critic_warmup(ray_cluster, tiny_model_dir):
+    recipe = resolve_recipe("ppo_gae", lam=1.0)
+    pool = _mini_batch_pool(tiny_model_dir, 2, 16, recipe, critic=True, critic_lr=5e-4, critic_warmup_steps=1, epochs=2)
+    try:
+        groups = make_groups(num_groups=4, group_size=1, seed=6)
+        for group in groups:  # terminal rows: the value targets are the rewards, nothing bootstraps
+            group.trajectories = [t.replace(finish_reason="stop") for t in group.trajectories]
+        probe = [1, 4, 8, 10, 3, 5, 2]
+        scores, steps = [pool.score(probe, 2, 1.0)], []
+        for _ in range(2):
+            steps.append(pool.train_step(groups).metrics)
+            scores.append(pool.score(probe, 2, 1.0))
+    finally:
+        pool.shutdown()
+    assert [m["policy_frozen"] for m in steps] == [1.0, 0.0]
+    assert [m["updates"] for m in steps] == [0.0, 8.0]  # 2 epochs x 4 single-sequence mini-batches
+    assert np.array_equal(scores[0], scores[1]) and np.abs(scores[2] - scores[1]).max() > 1e-4
+    # The second epoch starts again at mini-batch 0, against the pi_old of before the first update.
+    assert steps[1]["approx_kl_mb0"] == pytest.approx(0.0, abs=1e-9) and steps[1]["approx_kl_mb4"] > 1e-4
+    # Eight value steps per rollout batch (one per update, also while the policy waits) on fixed targets:
+    # the mean value loss of the second step is well below the first's (measured 0.08 -> 0.002).
+    assert steps[1]["critic_value_loss"] < 0.5 * steps[0]["critic_value_loss"]

@@ -123,3 +123,13 @@ def test_preset_filter_fields_document_the_presets_that_set_them():
     for preset, filters in PRESET_FILTERS.items():
         for key in filters:
             assert f"`{preset}`" in BufferConfig.model_fields[key].description, (preset, key)
+
+
+def test_mini_batches_must_split_the_prompt_groups_evenly():
+    cfg = load_config(None, ["learner.prompts_per_step=8", "learner.mini_batches=4", "learner.epochs=2", "learner.kl_stop=0.05"])
+    assert (cfg.learner.mini_batches, cfg.learner.epochs, cfg.learner.kl_stop) == (4, 2, 0.05)
+    assert (load_config().learner.mini_batches, load_config().learner.epochs, load_config().learner.kl_stop) == (1, 1, None)
+    with pytest.raises(ConfigError, match=r"learner.prompts_per_step \(8\) must split into learner.mini_batches \(3\)"):
+        load_config(None, ["learner.prompts_per_step=8", "learner.mini_batches=3"])
+    with pytest.raises(ConfigError, match="learner.kl_stop"):
+        load_config(None, ["learner.kl_stop=0"])

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from asyncrl.algo.names import REDUCTIONS
 from asyncrl.algo.recipes import resolve_recipe
-from asyncrl.learner.batch import build_batch, dummy_microbatch, micro_batches, split_rows
+from asyncrl.learner.batch import build_batch, dummy_microbatch, micro_batches, split_mini_batches, split_rows
 from asyncrl.types import Group
 
 from .helpers import random_groups, trajectory
@@ -51,6 +51,40 @@ def test_outcome_advantages_and_weights_span_the_whole_batch():
     assert float(batch.token_weights.sum()) == pytest.approx(1.0)
     assert batch.group_ids.tolist() == [0, 0, 1, 1] and batch.num_groups == 2
     assert batch.dones.tolist() == [True, True, True, False]
+
+
+def test_mini_batches_keep_the_rollout_batch_advantages_and_reweight_over_themselves():
+    # Groups a (rewards 1, 0), b (1, 0, token-lengths 1 and 3), c (0.5, 0.5), d (1, 1); two mini-batches: {a, b}, {c, d}.
+    groups = [
+        Group("a", [trajectory([1], [3, 4], reward=1.0, group="a"), trajectory([1], [3], reward=0.0, group="a", index=1)]),
+        Group("b", [trajectory([1], [5], reward=1.0, group="b"), trajectory([1], [5, 6, 7], reward=0.0, group="b", index=1)]),
+        Group("c", [trajectory([1], [8], reward=0.5, group="c"), trajectory([1], [8], reward=0.5, group="c", index=1)]),
+        Group("d", [trajectory([1], [9, 9], reward=1.0, group="d"), trajectory([1], [9], reward=1.0, group="d", index=1)]),
+    ]
+    recipe = resolve_recipe("dapo")  # GRPO advantages, token-mean reduction
+    batch = build_batch(groups, recipe)
+    first, second = split_mini_batches(batch, 2, recipe)
+    assert first.group_ids.tolist() == [0, 0, 1, 1] and second.group_ids.tolist() == [2, 2, 3, 3]
+    assert first.num_groups == second.num_groups == 4  # ids stay those of the rollout batch
+    # Advantages are the rollout batch's rows, untouched: +-0.707106 in a and b, 0 in c and d.
+    assert torch.equal(first.advantages, batch.advantages[:4, : first.advantages.shape[1]])
+    assert first.advantages[0, 1].item() == pytest.approx(0.707106, abs=1e-5)  # 0.5 / (std 0.707107 + eps)
+    # Token-mean over each mini-batch: 7 loss tokens in {a, b} -> 1/7 each; 5 in {c, d} -> 1/5 (whole batch: 1/12).
+    assert first.token_weights[first.loss_mask].tolist() == pytest.approx([1 / 7] * 7)
+    assert second.token_weights[second.loss_mask].tolist() == pytest.approx([1 / 5] * 5)
+    assert second.value_weights[second.loss_mask].tolist() == pytest.approx([1 / 5] * 5)
+    assert split_mini_batches(batch, 1, recipe)[0] is batch
+
+
+def test_mini_batches_deal_whole_groups_in_order_and_the_first_runs_take_the_remainder():
+    recipe = resolve_recipe("grpo")
+    batch = build_batch(random_groups(num_groups=5, group_size=2, seed=4), recipe)
+    parts = split_mini_batches(batch, 3, recipe)
+    assert [p.group_ids.unique().tolist() for p in parts] == [[0, 1], [2, 3], [4]]
+    assert sum(p.num_rows for p in parts) == batch.num_rows
+    assert [p.group_ids.unique().tolist() for p in split_mini_batches(batch, 8, recipe)] == [[g] for g in range(5)]
+    with pytest.raises(ValueError, match="mini_batches must be >= 1"):
+        split_mini_batches(batch, 0, recipe)
 
 
 def test_an_empty_prompt_is_rejected():

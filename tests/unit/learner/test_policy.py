@@ -5,7 +5,7 @@ from asyncrl.algo.advantages import masked_whiten
 from asyncrl.algo.recipes import compute_policy_loss, resolve_recipe
 from asyncrl.learner.batch import build_batch, dummy_microbatch, micro_batches
 from asyncrl.learner.policy import PolicyModel, ValueModel, load_causal_lm
-from asyncrl.learner.step import apply_whitening, merge_metrics, whitening_moments
+from asyncrl.learner.step import Update, apply_whitening, mean_over_updates, merge_metrics, update_metrics, whitening_moments
 
 from .helpers import random_groups
 
@@ -83,6 +83,25 @@ def test_merge_metrics_sums_losses_takes_extremes_and_weights_means():
              ({"pg_loss": 0.5, "clipfrac": 0.0, "mismatch_logprob_abs_diff_max": 3.0}, 3.0)]
     # clipfrac: (0.5*1 + 0*3)/4 = 0.125
     assert merge_metrics(parts) == {"pg_loss": 0.75, "clipfrac": 0.125, "mismatch_logprob_abs_diff_max": 3.0}
+
+
+def test_metrics_of_several_updates_are_their_plain_mean_and_extremes():
+    parts = [{"pg_loss": 0.2, "clipfrac": 0.0, "ratio_max": 1.0}, {"pg_loss": 0.4, "clipfrac": 0.3, "ratio_max": 1.5}]
+    assert mean_over_updates(parts) == pytest.approx({"pg_loss": 0.3, "clipfrac": 0.15, "ratio_max": 1.5})
+
+
+def test_update_report_counts_taken_steps_and_the_kl_stop():
+    updates = [
+        Update(loss=0.5, grad_norm=1.0, stepped=True, clipfrac=0.0, approx_kl=0.0, metrics={}),
+        Update(loss=0.25, grad_norm=2.0, stepped=True, clipfrac=0.1, approx_kl=0.02, metrics={}),
+        Update(loss=0.125, grad_norm=0.0, stepped=False, clipfrac=0.3, approx_kl=0.01, metrics={}, stopped=True),
+    ]
+    report = update_metrics(updates)
+    assert (report["updates"], report["kl_stopped"], report["skipped_step"]) == (2.0, 1.0, 0.0)
+    assert [report[f"clipfrac_mb{i}"] for i in range(3)] == [0.0, 0.1, 0.3]
+    assert [report[f"loss_mb{i}"] for i in range(3)] == [0.5, 0.25, 0.125]
+    assert (report["approx_kl"], report["approx_kl_max"]) == (0.01, 0.02)  # the last one measured, the largest
+    assert update_metrics(updates[:2])["kl_stopped"] == 0.0
 
 
 def test_the_recipe_comes_from_the_algorithm_section_with_l_max_from_the_rollout_length():
