@@ -22,6 +22,8 @@ EXCLUDES = [".git", ".venv", "runs", "build", "*.egg-info", "__pycache__", ".hyp
 """Never uploaded with the working directory."""
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 AGENT_WAIT_S = 180.0
+STOP_GRACE_S = 300
+"""Seconds `asyncrl stop` (SIGTERM) leaves a job to checkpoint and summarise before Ray kills it."""
 """How long a submission waits for a freshly started head's job agent."""
 
 
@@ -55,7 +57,10 @@ def submit(config_yaml: str, *, explicit_address: str | None, working_dir: str |
     from asyncrl.cluster.control import JOB_ENV
 
     job_id = job_id or f"asyncrl-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-    runtime_env: dict = {"env_vars": {CONFIG_ENV: config_yaml, JOB_ENV: job_id}}
+    # Ray's `stop` sends SIGTERM, then SIGKILL after RAY_JOB_STOP_WAIT_TIME_S (3 s by default): give the run
+    # time to finish its step, checkpoint and write its summary.
+    env_vars = {CONFIG_ENV: config_yaml, JOB_ENV: job_id, "RAY_JOB_STOP_WAIT_TIME_S": str(STOP_GRACE_S)}
+    runtime_env: dict = {"env_vars": env_vars}
     if working_dir:
         runtime_env.update(working_dir=working_dir, excludes=EXCLUDES)
     job = _submit_job(
