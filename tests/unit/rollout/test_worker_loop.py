@@ -9,6 +9,7 @@ import pytest
 
 from asyncrl.config import EnvConfig, RolloutConfig
 from asyncrl.rollout.worker import RolloutWorker, WorkerSpec
+from asyncrl.testing import make_prompt, make_request
 
 from .fakes import FakeEngine, FakeQueue, make_requests
 
@@ -120,8 +121,6 @@ def test_run_without_a_queue_is_refused():
 
 
 def test_a_prompts_extra_info_overrides_max_tokens_and_ignore_eos_for_that_request_only():
-    from asyncrl.types import Prompt, Request
-
     class RecordingEngine(FakeEngine):
         def __init__(self, name):
             super().__init__(name)
@@ -131,7 +130,7 @@ def test_a_prompts_extra_info_overrides_max_tokens_and_ignore_eos_for_that_reque
             self.specs[request.group_id] = sampling
             return await super().generate(request, sampling)
 
-    long = Request("long/0/0", "long", 0, 1, Prompt("p-long", [1, 4], "7", extra_info={"max_tokens": 300, "ignore_eos": True}))
+    long = make_request(make_prompt("p-long", [1, 4], "7", extra_info={"max_tokens": 300, "ignore_eos": True}), group_id="long")
     plain = make_requests(1)
     queue = FakeQueue([long] + plain)
     engine = RecordingEngine("rollout-0")
