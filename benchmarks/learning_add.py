@@ -11,7 +11,7 @@ reports accuracy at equal trained samples, time to 0.5 and to 0.7 held-out accur
 The peer runs in a subprocess when `trl` is installed (`pip install -e .[bench]`). Writes
 benchmarks/results/learning_add.json (and a PNG plot when matplotlib is installed).
 
-    python benchmarks/learning_add.py [--quick] [--steps N] [--target 0.5] [--mini-batches 4]
+    python benchmarks/learning_add.py [--quick] [--steps N] [--target 0.5] [--mini-batches 4] [--out PATH]
 
 `--mini-batches N` (N > 1) also runs every mode with `learner.mini_batches=N` as `<mode>_mbN`, so the
 JSON and the plot hold both curves (accuracy per trained sample with one and with N updates per batch).
@@ -22,13 +22,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+import common  # benchmarks/common.py: a script's own folder is on sys.path
+
 STEP_SAMPLES = 256  # 32 prompts x 8 samples
 MILESTONES = (0.5, 0.7)
 MODES = {"sync": "sync.yaml", "streaming": "default.yaml", "sao": "sao.yaml"}
@@ -103,18 +103,17 @@ def runs(mini_batches: int) -> list[tuple[str, str, list[str]]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: a few steps per mode")
+    common.add_output_options(parser, "learning_add", "smoke run: a few steps per mode")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--target", type=float, default=0.5, help="held-out accuracy whose wall-clock is reported")
     parser.add_argument("--replot", action="store_true", help="only redraw the PNG from the existing JSON")
     parser.add_argument("--mini-batches", type=int, default=1, help="N > 1: also run each mode with learner.mini_batches=N")
     args = parser.parse_args()
+    result_json = common.output_path("learning_add", args)
     if args.replot:
-        name = "learning_add_quick" if args.quick else "learning_add"
-        plot(json.loads((RESULTS / f"{name}.json").read_text())["modes"], RESULTS / f"{name}.png")
+        plot(json.loads(result_json.read_text())["modes"], result_json.with_suffix(".png"))
         return
-    for key, value in (("RAY_AUTH_MODE", "disabled"), ("VLLM_CPU_OMP_THREADS_BIND", "nobind"), ("VLLM_CPU_KVCACHE_SPACE", "1")):
-        os.environ.setdefault(key, value)
+    common.set_runtime_env()
 
     import ray
 
@@ -174,10 +173,8 @@ def main() -> None:
         print(f"time to {args.target} without evaluations, / trl (goal <= 0.5): {ratios}")
     print_figures(results)
 
-    RESULTS.mkdir(exist_ok=True)
-    name = "learning_add_quick" if args.quick else "learning_add"
-    (RESULTS / f"{name}.json").write_text(json.dumps({"steps": steps, "target": args.target, "modes": results}, indent=2))
-    plot(results, RESULTS / f"{name}.png")
+    common.write_json(result_json, {"steps": steps, "target": args.target, "modes": results})
+    plot(results, result_json.with_suffix(".png"))
 
 
 def plot(results: dict, path: Path) -> None:

@@ -15,28 +15,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
 import time
-from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results" / "queue_throughput.json"
+import common  # benchmarks/common.py: a script's own folder is on sys.path
+
+PROMPT_TOKENS = RESPONSE_TOKENS = 16
 
 
 class Producer:
     """A stand-in rollout worker: answers every request at once with a fixed-size trajectory."""
 
-    def __init__(self, queue, worker: str, put_batch: int, prompt_tokens: int, response_tokens: int) -> None:
+    def __init__(self, queue, worker: str, put_batch: int, response_tokens: int) -> None:
         import numpy as np
 
         self.queue, self.worker, self.put_batch = queue, worker, put_batch
+        self.response_tokens = response_tokens
         self.version = 0
         self.stopped = False
-        self.prompt_ids = np.arange(prompt_tokens, dtype=np.int32)
-        self.response_ids = np.arange(response_tokens, dtype=np.int32) % 16
-        self.logprobs = np.full(response_tokens, -0.7, dtype=np.float32)
-        self.mask = np.ones(response_tokens, dtype=np.int8)
         self.rng = np.random.default_rng(hash(worker) % 2**32)
 
     async def ready(self) -> bool:
@@ -49,9 +44,7 @@ class Producer:
         self.stopped = True
 
     async def run(self) -> int:
-        import numpy as np
-
-        from asyncrl.types import Trajectory
+        from asyncrl.testing import make_answer
 
         produced = 0
         while True:
@@ -60,23 +53,11 @@ class Producer:
                 if self.stopped:
                     return produced
                 continue
-            versions = np.full(len(self.response_ids), self.version, dtype=np.int32)
             rewards = self.rng.random(len(requests))
+            # attempt=None: the queue matches these answers by worker only, as this benchmark always has
             trajectories = [
-                Trajectory(
-                    prompt_id=r.prompt.prompt_id,
-                    group_id=r.group_id,
-                    sample_index=r.sample_index,
-                    prompt_ids=self.prompt_ids,
-                    response_ids=self.response_ids,
-                    rollout_logprobs=self.logprobs,
-                    loss_mask=self.mask,
-                    versions=versions,
-                    finish_reason="stop",
-                    reward=float(reward),
-                    worker=self.worker,
-                    dispatch_version=self.version,
-                )
+                make_answer(r, self.response_tokens, rollout_logprobs=-0.7, versions=self.version, reward=float(reward),
+                            worker=self.worker, attempt=None)
                 for r, reward in zip(requests, rewards)
             ]
             for start in range(0, len(trajectories), self.put_batch):
@@ -115,19 +96,19 @@ class Consumer:
 def run_once(ray, args, num_trajectories: int, put_batch: int, tag: str) -> dict:
     from asyncrl.buffer import start_replay_queue
     from asyncrl.config import BufferConfig
-    from asyncrl.types import Prompt
+    from asyncrl.testing import make_prompt
 
     config = BufferConfig(max_staleness=args.max_staleness, filter_zero_variance=False, log_parquet=False, capacity_groups=1024)
     queue = start_replay_queue(config, batch_groups=args.batch_groups, name=f"w4-queue-{tag}")
     producers = [
-        ray.remote(Producer).options(num_cpus=0, max_concurrency=4).remote(queue.handle, f"{tag}-p{k}", put_batch, 16, 16)
+        ray.remote(Producer).options(num_cpus=0, max_concurrency=4).remote(queue.handle, f"{tag}-p{k}", put_batch, RESPONSE_TOKENS)
         for k in range(args.producers)
     ]
     consumer = ray.remote(Consumer).options(num_cpus=0).remote(queue.handle, producers)
     ray.get([a.ready.remote() for a in producers + [consumer]])
     queue.counters()  # the queue actor is up too
     num_prompts = num_trajectories // args.samples_per_prompt
-    prompts = [Prompt(prompt_id=f"q{k}", prompt_ids=list(range(16)), ground_truth="0") for k in range(num_prompts)]
+    prompts = [make_prompt(f"q{k}", range(PROMPT_TOKENS)) for k in range(num_prompts)]
     queue.add_prompts(prompts, args.samples_per_prompt)
 
     start = time.perf_counter()
@@ -159,7 +140,7 @@ def run_once(ray, args, num_trajectories: int, put_batch: int, tag: str) -> dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke size (~10-20 s)")
+    common.add_output_options(parser, "queue_throughput", "smoke size (~10-20 s)")
     parser.add_argument("--trajectories", type=int, default=None, help="batched run size (default 20000, quick 4000)")
     parser.add_argument("--unbatched-trajectories", type=int, default=None, help="unbatched run size (default 4000, quick 800)")
     parser.add_argument("--put-batch", type=int, default=64, help="trajectories per put in the batched run")
@@ -167,17 +148,14 @@ def main() -> None:
     parser.add_argument("--samples-per-prompt", type=int, default=4)
     parser.add_argument("--batch-groups", type=int, default=16, help="groups per consumer step")
     parser.add_argument("--max-staleness", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=None, help="JSON path (default results/queue_throughput[_quick].json)")
     args = parser.parse_args()
-    if args.out is None:
-        args.out = RESULTS.with_name("queue_throughput_quick.json") if args.quick else RESULTS
     batched_n = args.trajectories or (4000 if args.quick else 20_000)
     unbatched_n = args.unbatched_trajectories or (800 if args.quick else 4000)
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    common.set_runtime_env()
     import ray
 
+    load_start = common.load_average()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         rows = [
@@ -206,16 +184,16 @@ def main() -> None:
             "samples_per_prompt": args.samples_per_prompt,
             "batch_groups": args.batch_groups,
             "max_staleness": args.max_staleness,
-            "prompt_tokens": 16,
-            "response_tokens": 16,
+            "prompt_tokens": PROMPT_TOKENS,
+            "response_tokens": RESPONSE_TOKENS,
         },
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "machine": common.machine(load_start),
         "runs": rows,
         "batched_over_unbatched": round(ratio, 2),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    out = common.output_path("queue_throughput", args)
+    common.write_json(out, result)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -21,18 +21,16 @@ before the sync (should be large: the learner moved) and after it (should be ~1e
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import common  # benchmarks/common.py: a script's own folder is on sys.path
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PRESETS = ["w3-0.5m", "w3-25m", "w3-125m"]
 MAX_MODEL_LEN = 256
 PROBE_LEN, PROBE_PROMPT_LEN = 64, 8
@@ -57,26 +55,19 @@ def synthetic_groups(vocab: int, seed: int, num_groups: int = 2, group_size: int
     """A small GRPO batch with reward variance, so that one optimizer step really moves the weights."""
     import numpy as np
 
-    from asyncrl.types import Group, Trajectory
+    from asyncrl.testing import make_trajectory
+    from asyncrl.types import Group
 
     rng = np.random.default_rng(seed)
     groups = []
     for g in range(num_groups):
         members = []
         for i in range(group_size):
-            n = length
+            prompt, response = rng.integers(3, vocab, 8), rng.integers(3, vocab, length)  # drawn in this order
             members.append(
-                Trajectory(
-                    prompt_id=f"p{g}",
-                    group_id=f"g{seed}-{g}",
-                    sample_index=i,
-                    prompt_ids=rng.integers(3, vocab, 8).astype(np.int32),
-                    response_ids=rng.integers(3, vocab, n).astype(np.int32),
-                    rollout_logprobs=(-rng.random(n) * 3).astype(np.float32),
-                    loss_mask=np.ones(n, np.int8),
-                    versions=np.zeros(n, np.int32),
-                    finish_reason="length",
-                    reward=float(i % 2),
+                make_trajectory(
+                    response, prompt_ids=prompt, group_id=f"g{seed}-{g}", prompt_id=f"p{g}", sample_index=i,
+                    rollout_logprobs=-rng.random(length) * 3, finish_reason="length", reward=float(i % 2),
                 )
             )
         groups.append(Group(f"g{seed}-{g}", members))
@@ -212,25 +203,19 @@ def print_table(rows: list[dict], memcpy_bps: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="w3-0.5m only (smoke); writes weight_sync_quick.json")
+    common.add_output_options(parser, "weight_sync", "w3-0.5m only (smoke); writes weight_sync_quick.json")
     parser.add_argument("--presets", nargs="+", default=None, choices=PRESETS)
     parser.add_argument("--syncs", type=int, default=3, help="timed syncs per size")
     parser.add_argument("--syncs-125m", type=int, default=3, help="timed syncs for w3-125m (lower it if the machine is slow)")
     parser.add_argument("--bucket-bytes", type=int, default=64 << 20, help="weight_sync.bucket_bytes (default 64 MiB)")
     parser.add_argument("--timeout-s", type=float, default=300.0)
-    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     presets = args.presets or (PRESETS[:1] if args.quick else PRESETS)
-    out = args.out or RESULTS / ("weight_sync_quick.json" if args.quick else "weight_sync.json")
 
-    for key, value in {
-        "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-    }.items():
-        os.environ.setdefault(key, value)
+    common.set_runtime_env()
     import ray
 
-    load_start = os.getloadavg()[0]
+    load_start = common.load_average()
     memcpy_before = memcpy_bandwidth()
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     rows = []
@@ -259,15 +244,12 @@ def main() -> None:
             "probe_tokens": PROBE_LEN,
             "probe_prompt_len": PROBE_PROMPT_LEN,
         },
-        "machine": {
-            "cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-            "load_average_1min_start": load_start, "load_average_1min_end": os.getloadavg()[0],
-        },
+        "machine": common.machine(load_start),
         "memcpy_bytes_per_s": memcpy_bps,
         "sizes": rows,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = common.output_path("weight_sync", args)
+    common.write_json(out, result)
     print(f"wrote {out}")
 
 

@@ -3,42 +3,19 @@
 import asyncio
 import time
 
-import numpy as np
 import pytest
 
 from asyncrl.buffer import QueueCallTimeout, QueueClient, QueueTimeouts, start_replay_queue
 from asyncrl.config import BufferConfig
-from asyncrl.types import Prompt, Request, Trajectory
+from asyncrl.testing import make_answer, make_prompt
 
 pytestmark = pytest.mark.integration
-
-
-def make_prompts(n: int) -> list[Prompt]:
-    return [Prompt(prompt_id=f"p{k}", prompt_ids=[1, 2, k % 16], ground_truth=str(k)) for k in range(n)]
-
-
-def answer(request: Request, worker: str, version: int, reward: float, failure: str | None = None) -> Trajectory:
-    return Trajectory(
-        prompt_id=request.prompt.prompt_id,
-        group_id=request.group_id,
-        sample_index=request.sample_index,
-        prompt_ids=np.asarray(request.prompt.prompt_ids, dtype=np.int32),
-        response_ids=np.arange(4, dtype=np.int32),
-        rollout_logprobs=np.full(4, -1.0, dtype=np.float32),
-        loss_mask=np.ones(4, dtype=np.int8),
-        versions=np.full(4, version, dtype=np.int32),
-        finish_reason="stop",
-        reward=reward,
-        failure=failure,
-        worker=worker,
-        dispatch_version=version,
-    )
 
 
 def test_concurrent_producers_and_a_learner_conserve_every_sample(ray_cluster):
     num_prompts, group_size, batch_groups, eta = 48, 2, 4, 1
     client = start_replay_queue(BufferConfig(max_staleness=eta, log_parquet=False), batch_groups=batch_groups, name="rq-concurrent")
-    client.add_prompts(make_prompts(num_prompts), group_size)
+    client.add_prompts([make_prompt(f"p{k}") for k in range(num_prompts)], group_size)
     queue = client.handle  # producers and the learner below call the actor concurrently, as rollout workers do
     learner = {"version": 0, "done": False}
 
@@ -54,7 +31,9 @@ def test_concurrent_producers_and_a_learner_conserve_every_sample(ray_cluster):
                 continue
             version = learner["version"]  # weights of this engine: the last published version
             answers = [
-                answer(r, worker, version, reward=float(r.sample_index % 2), failure="timeout" if (k + calls) % 7 == 0 else None)
+                # attempt=None: the queue matches these answers by worker only
+                make_answer(r, 4, worker=worker, versions=version, reward=float(r.sample_index % 2), attempt=None,
+                            failure="timeout" if (k + calls) % 7 == 0 else None)
                 for k, r in enumerate(requests)
             ]
             await queue.put.remote(answers)
@@ -102,7 +81,7 @@ def test_get_batch_times_out_naming_the_queue_and_what_it_waited_for(ray_cluster
         queue.get_batch(2, 3, timeout_s=0.5)
     assert 0.5 <= time.monotonic() - start < 5
 
-    queue.add_prompts(make_prompts(1), 2)
+    queue.add_prompts([make_prompt()], 2)
     held = ray_cluster.get(queue.handle.acquire.remote("w-slow", 2))
     with pytest.raises(TimeoutError, match=r"requests held by workers: w-slow=2 \(oldest p0#0/0/0 held by w-slow"):
         queue.get_batch(1, 0, timeout_s=0.3)
@@ -122,14 +101,14 @@ def test_a_queue_that_does_not_answer_in_time_is_named_with_the_call(ray_cluster
 def test_a_waiting_learner_wakes_at_the_straggler_timeout(ray_cluster):
     config = BufferConfig(group_timeout_s=0.5, straggler_policy="partial", filter_zero_variance=False, log_parquet=False)
     queue = start_replay_queue(config, name="rq-straggler")
-    queue.add_prompts(make_prompts(1), 4)
+    queue.add_prompts([make_prompt()], 4)
     requests = ray_cluster.get(queue.handle.acquire.remote("w0", 4))
-    ray_cluster.get(queue.handle.put.remote([answer(r, "w0", 0, reward=float(r.sample_index)) for r in requests[:2]]))
+    ray_cluster.get(queue.handle.put.remote([make_answer(r, 4, worker="w0", reward=float(r.sample_index), attempt=None) for r in requests[:2]]))
     start = time.monotonic()
     (group,) = queue.get_batch(1, 0, timeout_s=10.0).groups
     assert [t.sample_index for t in group.trajectories] == [0, 1]
     assert time.monotonic() - start < 3  # woke at the 0.5 s group timeout, not at the 10 s get_batch timeout
-    ray_cluster.get(queue.handle.put.remote([answer(r, "w0", 0, reward=0.0) for r in requests[2:]]))
+    ray_cluster.get(queue.handle.put.remote([make_answer(r, 4, worker="w0", attempt=None) for r in requests[2:]]))
     c = queue.check_conservation()
     assert (c["trained"], c["filtered:straggler"], c["in_flight"]) == (2, 2, 0)
 
@@ -141,6 +120,6 @@ def test_acquire_waits_for_prompts_and_returns_empty_at_its_timeout(ray_cluster)
     pending = queue.acquire.remote("w0", 4, timeout_s=10.0)
     time.sleep(0.3)
     start = time.monotonic()
-    client.add_prompts(make_prompts(1), 3)
+    client.add_prompts([make_prompt()], 3)
     assert len(ray_cluster.get(pending)) == 3
     assert time.monotonic() - start < 3

@@ -65,9 +65,9 @@ def reference_logprobs(model, prompt_ids, response_ids, temperature=1.0, top_p=1
 
 
 def _request(i: int, prompt_ids, tag: str):
-    from asyncrl.types import Prompt, Request
+    from asyncrl.testing import make_prompt, make_request
 
-    return Request(f"{tag}{i}/0/0", f"{tag}{i}", 0, 1, Prompt(f"{tag}{i}", list(prompt_ids), "12"))
+    return make_request(make_prompt(f"{tag}{i}", prompt_ids, "12"))
 
 
 def _generate_all(loop, engine, spec, tag):

@@ -2,20 +2,21 @@
 scaling up and down with requests in flight, a weight sync to a dead worker, health-check replacement.
 
 Tests run in file order on one module-scoped pool; at most two engines are alive at a time. The replay queue
-is a small fake actor with the real queue's API and conservation accounting (each (group, sample) must be
-handed in exactly once, by the worker that holds it).
+is the rollout unit tests' fake as an actor, with the real queue's API and conservation accounting (each
+(group, sample) must be handed in exactly once, by the worker that holds it).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections import Counter, deque
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+from tests.unit.rollout.fakes import FakeQueue
 
 pytestmark = pytest.mark.integration
 
@@ -23,9 +24,11 @@ PARITY_ATOL = 1e-5
 MAX_TOKENS = 96
 
 # Ray workers import this module by name (the reward `test_rollout_pool:crashing_reward` is a user-style
-# `module:function` path; the fake queue class is pickled by reference): put its folder on their path.
-# Workers inherit the environment of the Ray cluster the `ray_cluster` fixture starts after collection.
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+# `module:function` path) and the fake queue's module `tests.unit.rollout.fakes` (its class is pickled by
+# reference): put this folder and the repository root on their path. Workers inherit the environment of
+# the Ray cluster the `ray_cluster` fixture starts after collection.
+_WORKER_PATH = (str(Path(__file__).parent), str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH"))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in _WORKER_PATH if p)
 
 
 def crashing_reward(response, ground_truth, *, finish_reason, extra_info):
@@ -33,60 +36,6 @@ def crashing_reward(response, ground_truth, *, finish_reason, extra_info):
     if ground_truth == "boom":
         raise ValueError("verifier crashed on purpose")
     return float(len(response) > 0)
-
-
-class FakeQueue:
-    """The replay queue API (`acquire`, `put`, `requeue_worker`) with conservation accounting."""
-
-    def __init__(self) -> None:
-        self.pending: deque = deque()
-        self.in_flight: dict = {}  # (group_id, sample_index) -> (worker, request)
-        self.finished: list = []
-        self.late = 0
-        self.dispatched = 0
-
-    def add(self, requests) -> None:
-        self.pending.extend(requests)
-
-    def acquire(self, worker: str, max_requests: int):
-        out = []
-        while self.pending and len(out) < max_requests:
-            request = self.pending.popleft()
-            self.in_flight[(request.group_id, request.sample_index)] = (worker, request)
-            out.append(request)
-        self.dispatched += len(out)
-        return out
-
-    def put(self, trajectories) -> None:
-        for t in trajectories:
-            owner = self.in_flight.get((t.group_id, t.sample_index))
-            if owner is None or owner[0] != t.worker:
-                self.late += 1
-                continue
-            del self.in_flight[(t.group_id, t.sample_index)]
-            self.finished.append((t, owner[1].attempt))
-
-    def requeue_worker(self, worker: str) -> int:
-        from asyncrl.types import Request
-
-        keys = [k for k, (w, _) in self.in_flight.items() if w == worker]
-        for key in keys:
-            _, request = self.in_flight.pop(key)
-            self.pending.append(Request(**{**request.__dict__, "attempt": request.attempt + 1}))
-        return len(keys)
-
-    def snapshot(self) -> dict:
-        return {
-            "pending": len(self.pending),
-            "in_flight": dict(Counter(w for w, _ in self.in_flight.values())),
-            "finished": len(self.finished),
-            "late": self.late,
-            "dispatched": self.dispatched,
-        }
-
-    def take_finished(self):
-        out, self.finished = self.finished, []
-        return out
 
 
 def _requests(tag: str, n: int, ground_truths=None):

@@ -1,11 +1,11 @@
-"""Hand-written fakes for the replay-queue tests: a settable clock, prompts, and a rollout answer."""
+"""Hand-written fakes for the replay-queue tests: a settable clock, a config and prompts (rollout answers
+come from `asyncrl.testing.make_answer`)."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from asyncrl.config import BufferConfig
-from asyncrl.types import Prompt, Request, Trajectory
+from asyncrl.testing import make_prompt
+from asyncrl.types import Prompt
 
 
 class FakeClock:
@@ -27,38 +27,5 @@ def make_config(**overrides) -> BufferConfig:
 
 
 def make_prompts(n: int, prefix: str = "p") -> list[Prompt]:
-    return [Prompt(prompt_id=f"{prefix}{k}", prompt_ids=[1, 2, 3 + k % 5], ground_truth=str(k)) for k in range(n)]
-
-
-def answer(
-    request: Request,
-    *,
-    reward: float = 0.0,
-    version: int | list[int] = 0,
-    finish_reason: str = "stop",
-    failure: str | None = None,
-    worker: str = "w0",
-    length: int = 3,
-    attempt: int | None = -1,
-) -> Trajectory:
-    """The trajectory a rollout worker would put for `request`; `version` per token or one for all;
-    `attempt` -1 = the request's own attempt."""
-    versions = np.asarray(version if isinstance(version, list) else [version] * length, dtype=np.int32)
-    length = len(versions)
-    return Trajectory(
-        prompt_id=request.prompt.prompt_id,
-        group_id=request.group_id,
-        sample_index=request.sample_index,
-        prompt_ids=np.asarray(request.prompt.prompt_ids, dtype=np.int32),
-        response_ids=np.arange(length, dtype=np.int32),
-        rollout_logprobs=np.full(length, -0.5, dtype=np.float32),
-        loss_mask=np.ones(length, dtype=np.int8),
-        versions=versions,
-        finish_reason=finish_reason,
-        ground_truth=request.prompt.ground_truth,
-        reward=reward,
-        failure=failure,
-        worker=worker,
-        attempt=request.attempt if attempt == -1 else attempt,
-        dispatch_version=int(versions.min()) if length else 0,
-    )
+    """`n` prompts with distinct ids and ground truths, so a test can tell their groups apart."""
+    return [make_prompt(f"{prefix}{k}", [1, 2, 3 + k % 5], str(k)) for k in range(n)]

@@ -3,9 +3,10 @@
 import json
 
 import pytest
-from buffer_fakes import FakeClock, answer, make_config, make_prompts
+from buffer_fakes import FakeClock, make_config, make_prompts
 
 from asyncrl.buffer.core import ConservationError, ReplayQueueCore
+from asyncrl.testing import make_answer
 
 # Rewards with variance, so the zero-variance filter leaves the group alone.
 MIXED = [1.0, 0.0, 1.0, 0.0]
@@ -20,7 +21,7 @@ def started_queue(num_prompts=1, group_size=4, batch_groups=1, clock=None, **con
 
 def put_all(core, requests, rewards=None, worker="w0", **kw):
     rewards = rewards or [float(r.sample_index % 2) for r in requests]
-    return core.put([answer(r, reward=x, worker=worker, **kw) for r, x in zip(requests, rewards)])
+    return core.put([make_answer(r, reward=x, worker=worker, **kw) for r, x in zip(requests, rewards)])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -67,7 +68,7 @@ def test_get_batch_hands_out_nothing_until_num_groups_are_ready_unless_min_group
 def test_a_failed_trajectory_is_counted_by_reason_and_leaves_its_group():
     core = started_queue(group_size=3)
     requests = core.acquire("w0", 3)
-    core.put([answer(requests[0], failure="reward_error: division by zero"), answer(requests[1], reward=1.0), answer(requests[2])])
+    core.put([make_answer(requests[0], failure="reward_error: division by zero"), make_answer(requests[1], reward=1.0), make_answer(requests[2])])
     (group,) = core.get_batch(1, learner_version=0).groups
     assert [t.sample_index for t in group.trajectories] == [1, 2]
     c = core.check_conservation()
@@ -77,7 +78,7 @@ def test_a_failed_trajectory_is_counted_by_reason_and_leaves_its_group():
 def test_a_group_left_with_one_member_is_filtered_as_too_few():
     core = started_queue(group_size=3)
     requests = core.acquire("w0", 3)
-    core.put([answer(requests[0], failure="timeout"), answer(requests[1], failure="timeout"), answer(requests[2], reward=1.0)])
+    core.put([make_answer(requests[0], failure="timeout"), make_answer(requests[1], failure="timeout"), make_answer(requests[2], reward=1.0)])
     assert core.get_batch(1, learner_version=0, min_groups=0).groups == []
     c = core.check_conservation()
     assert (c["failed:timeout"], c["filtered:too_few_members"], c["trained"]) == (2, 1, 0)
@@ -96,7 +97,7 @@ def test_a_zero_variance_group_is_filtered_when_enabled(enabled, trained, filter
 def test_overlong_trajectories_are_filtered_one_by_one_when_enabled(enabled, trained, filtered):
     core = started_queue(group_size=4, filter_overlong=enabled)
     requests = core.acquire("w0", 4)
-    core.put([answer(r, reward=MIXED[r.sample_index], finish_reason="length" if r.sample_index == 2 else "stop") for r in requests])
+    core.put([make_answer(r, reward=MIXED[r.sample_index], finish_reason="length" if r.sample_index == 2 else "stop") for r in requests])
     core.get_batch(1, learner_version=0, min_groups=0)
     c = core.check_conservation()
     assert (c["trained"], c.get("filtered:overlong", 0)) == (trained, filtered)
@@ -187,7 +188,7 @@ def test_a_straggler_member_held_by_a_lost_worker_takes_the_group_fate():
     assert core.requeue_worker("w1") == 0
     c = core.check_conservation()
     assert (c["filtered:straggler"], c["in_flight"]) == (2, 0)
-    assert core.put([answer(second, worker="w1")]) == 0  # the late answer of a finished sample is ignored
+    assert core.put([make_answer(second, worker="w1")]) == 0  # the late answer of a finished sample is ignored
     assert core.counters()["stale_attempt"] == 1
 
 
@@ -227,7 +228,7 @@ def test_capacity_caps_ready_groups():
 def test_a_stale_group_is_dropped_at_hand_out_and_never_returned():
     core = started_queue(num_prompts=3, group_size=1, batch_groups=3, max_staleness=1)
     a, b, c_ = core.acquire("w0", 3)
-    core.put([answer(a, version=0), answer(b, version=[0, 1, 2]), answer(c_, version=1)])
+    core.put([make_answer(a, versions=0), make_answer(b, versions=[0, 1, 2]), make_answer(c_, versions=1)])
     # At learner version 2: a has lag 2 > 1 (dropped), b has min_version 0 (dropped), c has lag 1.
     (group,) = core.get_batch(1, learner_version=2).groups
     assert group.group_id == c_.group_id
@@ -239,13 +240,13 @@ def test_a_stale_group_is_dropped_at_hand_out_and_never_returned():
 def test_a_member_aborted_as_certainly_stale_drops_its_whole_group_at_once():
     core = started_queue(num_prompts=2, group_size=4, batch_groups=1, max_staleness=1)
     doomed, other = core.acquire("w0", 4), core.acquire("w0", 4)
-    core.put([answer(doomed[0], reward=1.0)])  # arrived before its sibling was aborted
-    core.put([answer(doomed[1], failure="stale: first token at version 0, engine serves 2, max_staleness 1", finish_reason="abort")])
+    core.put([make_answer(doomed[0], reward=1.0)])  # arrived before its sibling was aborted
+    core.put([make_answer(doomed[1], failure="stale: first token at version 0, engine serves 2, max_staleness 1", finish_reason="abort")])
     c = core.check_conservation()
     # The aborted member, the one already in, and neither of the two still out: those end when they come back.
     assert (c["dropped_stale"], c["groups_dropped_stale"], c["in_flight"]) == (2, 1, 6)
     assert not any(k.startswith("failed:") for k in c)
-    core.put([answer(r) for r in doomed[2:]])
+    core.put([make_answer(r) for r in doomed[2:]])
     put_all(core, other, rewards=MIXED)
     (group,) = core.get_batch(1, learner_version=0).groups
     assert group.group_id == other[0].group_id
@@ -277,8 +278,8 @@ def test_requests_of_a_lost_worker_are_redispatched_once_and_late_answers_ignore
     assert core.requeue_worker("w0") == 2
     again = core.acquire("w1", 5)
     assert [r.request_id for r in again] == ["p0#0/0/1", "p0#0/1/1"]
-    assert core.put([answer(r, worker="w0") for r in lost]) == 0
-    assert core.put([answer(r, reward=float(r.sample_index), worker="w1") for r in again]) == 2
+    assert core.put([make_answer(r, worker="w0") for r in lost]) == 0
+    assert core.put([make_answer(r, reward=float(r.sample_index), worker="w1") for r in again]) == 2
     core.get_batch(1, learner_version=0)
     c = core.check_conservation()
     assert (c["dispatched"], c["trained"], c["stale_attempt"], c["requeued"], c["in_flight"]) == (2, 2, 2, 2, 0)
@@ -290,9 +291,9 @@ def test_a_restarted_worker_with_the_same_name_is_told_apart_by_the_attempt():
     assert core.requeue_worker("w0") == 2
     again = core.acquire("w0", 5)  # the replacement kept the name and got the same samples back
     assert [r.attempt for r in again] == [1, 1]
-    assert core.put([answer(r, worker="w0") for r in lost]) == 0  # the dead life's answers (attempt 0)
-    assert core.put([answer(r, worker="w0", attempt=None) for r in lost[:1]]) == 1  # no attempt: matched by name
-    assert core.put([answer(r, worker="w0") for r in again]) == 1  # sample 0 is already answered
+    assert core.put([make_answer(r, worker="w0") for r in lost]) == 0  # the dead life's answers (attempt 0)
+    assert core.put([make_answer(r, worker="w0", attempt=None) for r in lost[:1]]) == 1  # no attempt: matched by name
+    assert core.put([make_answer(r, worker="w0") for r in again]) == 1  # sample 0 is already answered
     core.get_batch(1, learner_version=0)
     c = core.check_conservation()
     assert (c["dispatched"], c["trained"], c["stale_attempt"], c["requeued"], c["in_flight"]) == (2, 2, 3, 2, 0)
@@ -344,7 +345,7 @@ def test_state_dict_round_trip_redispatches_in_flight_work_and_keeps_conservatio
 def test_get_batch_carries_each_samples_lag_and_never_moves_the_admission_version():
     core = started_queue(group_size=2, batch_groups=1, max_staleness=2)
     first, second = core.acquire("w0", 2)
-    core.put([answer(first, reward=1.0, version=[0, 1]), answer(second, version=1)])
+    core.put([make_answer(first, 2, reward=1.0, versions=[0, 1]), make_answer(second, versions=1)])
     batch = core.get_batch(1, learner_version=2)
     assert (batch.version, batch.lags, batch.num_samples) == (2, [2, 1], 2)  # 2 - 0 and 2 - 1
     assert (batch.staleness_mean, batch.staleness_max) == (1.5, 2)

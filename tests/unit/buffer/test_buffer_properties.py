@@ -7,11 +7,12 @@ lost workers with late answers, straggler timeouts, checkpoint/resume, and get_b
 
 from collections import Counter
 
-from buffer_fakes import FakeClock, answer, make_config, make_prompts
+from buffer_fakes import FakeClock, make_config, make_prompts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncrl.buffer.core import ReplayQueueCore
+from asyncrl.testing import make_answer
 
 WORKERS = ["w0", "w1", "w2"]
 """Worker slots; a lost worker is replaced by a new incarnation with a new name (`w0.1`)."""
@@ -79,11 +80,12 @@ def test_random_interleavings_never_hand_out_stale_samples_and_always_conserve(
                 lag = data.draw(st.integers(0, eta + 1))  # engine weights may be older than the bound
                 first = max(0, core.admission_version - lag)
                 answers.append(
-                    answer(
+                    make_answer(
                         r,
+                        2,
                         worker=worker,
                         reward=data.draw(st.sampled_from([0.0, 1.0])),
-                        version=[first, min(first + 1, core.admission_version)],
+                        versions=[first, min(first + 1, core.admission_version)],
                         finish_reason=data.draw(st.sampled_from(["stop", "stop", "length"])),
                         failure=data.draw(st.sampled_from([None, None, None, "timeout", "reward_error: x", "stale: aborted"])),
                     )
@@ -93,7 +95,7 @@ def test_random_interleavings_never_hand_out_stale_samples_and_always_conserve(
         elif op == "late_put" and abandoned:
             request, old_worker = abandoned.pop(data.draw(st.integers(0, len(abandoned) - 1)))
             before = core.counters()
-            assert core.put([answer(request, worker=old_worker)]) == 0
+            assert core.put([make_answer(request, worker=old_worker)]) == 0
             after = core.counters()
             assert after["stale_attempt"] == before["stale_attempt"] + 1
             assert {k: v for k, v in after.items() if k != "stale_attempt"} == {k: v for k, v in before.items() if k != "stale_attempt"}

@@ -5,10 +5,11 @@ from collections import Counter
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from buffer_fakes import FakeClock, answer, make_config, make_prompts
+from buffer_fakes import FakeClock, make_config, make_prompts
 
 from asyncrl.buffer.core import ReplayQueueCore
 from asyncrl.buffer.storage import TrajectoryLog, next_log_path, trajectories_from_arrow, trajectories_to_arrow
+from asyncrl.testing import make_answer
 from asyncrl.types import Trajectory
 
 
@@ -97,15 +98,15 @@ def test_the_queue_logs_every_arrived_trajectory_with_its_fate(tmp_path):
     core = ReplayQueueCore(config, batch_groups=5, clock=clock, log_dir=tmp_path)
     core.add_prompts(make_prompts(5), samples_per_prompt=2)
     trained, zero_var, overlong_failed, stale, straggler = (core.acquire("w0", 2) for _ in range(5))
-    core.put([answer(r, reward=float(r.sample_index)) for r in trained])
-    core.put([answer(r, reward=1.0) for r in zero_var])
-    core.put([answer(overlong_failed[0], reward=1.0, finish_reason="length"), answer(overlong_failed[1], failure="timeout")])
+    core.put([make_answer(r, reward=float(r.sample_index)) for r in trained])
+    core.put([make_answer(r, reward=1.0) for r in zero_var])
+    core.put([make_answer(overlong_failed[0], reward=1.0, finish_reason="length"), make_answer(overlong_failed[1], failure="timeout")])
     assert [g.group_id for g in core.get_batch(1, learner_version=0).groups] == [trained[0].group_id]
-    core.put([answer(r, reward=float(r.sample_index), version=0) for r in stale])
-    core.put([answer(straggler[0])])
+    core.put([make_answer(r, reward=float(r.sample_index), versions=0) for r in stale])
+    core.put([make_answer(straggler[0])])
     clock.advance(5.0)
     assert core.get_batch(1, learner_version=1, min_groups=0).groups == []  # lag 1 > eta 0: the ready group is dropped
-    core.put([answer(straggler[1])])  # late member of the dropped straggler group
+    core.put([make_answer(straggler[1])])  # late member of the dropped straggler group
     core.close()
 
     fates = Counter(pq.read_table(tmp_path / "trajectories.parquet").column("fate").to_pylist())

@@ -7,14 +7,15 @@ from hypothesis import strategies as st
 from asyncrl.algo.names import REDUCTIONS
 from asyncrl.algo.recipes import resolve_recipe
 from asyncrl.learner.batch import build_batch, dummy_microbatch, micro_batches, split_mini_batches, split_rows
+from asyncrl.testing import make_trajectory
 from asyncrl.types import Group
 
-from .helpers import random_groups, trajectory
+from .helpers import random_groups
 
 
 def test_each_response_token_is_scored_at_the_column_before_it():
     # prompt [1, 5, 6], response [7, 8, 2] with the middle token from a tool (loss_mask 0).
-    t = trajectory([1, 5, 6], [7, 8, 2], logprobs=[-0.1, -0.2, -0.3], loss_mask=[1, 0, 1], reward=1.0)
+    t = make_trajectory([7, 8, 2], prompt_ids=[1, 5, 6], rollout_logprobs=[-0.1, -0.2, -0.3], loss_mask=[1, 0, 1], reward=1.0)
     batch = build_batch([Group("g0", [t])], resolve_recipe("dapo"))
     assert batch.input_ids.tolist() == [[1, 5, 6, 7, 8, 2]]
     # column 2 predicts token 7, column 3 predicts 8 (tool token: no loss), column 4 predicts 2.
@@ -28,7 +29,7 @@ def test_each_response_token_is_scored_at_the_column_before_it():
 
 def test_rewards_are_shaped_by_the_recipe_before_the_advantages():
     # Overlong penalty with L_max = 3, L_cache = 2: responses of 1, 2, 3 tokens get 0, -0.5, -1.
-    members = [trajectory([1], [3] * n, reward=1.0, group="a", index=n) for n in (1, 2, 3)]
+    members = [make_trajectory([3] * n, prompt_ids=[1], reward=1.0, group_id="a", sample_index=n) for n in (1, 2, 3)]
     recipe = resolve_recipe("dr_grpo", l_max=3, overlong_max_length=3, overlong_cache_length=2)
     batch = build_batch([Group("a", members)], recipe)
     assert batch.rewards.tolist() == [1.0, 0.5, 0.0]
@@ -37,8 +38,11 @@ def test_rewards_are_shaped_by_the_recipe_before_the_advantages():
 
 
 def test_outcome_advantages_and_weights_span_the_whole_batch():
-    g0 = Group("a", [trajectory([1], [3, 4], reward=1.0, group="a"), trajectory([1, 2], [3], reward=0.0, group="a", index=1)])
-    g1 = Group("b", [trajectory([1], [5, 6, 7], reward=0.5, group="b"), trajectory([1], [5], reward=0.5, group="b", index=1, finish="length")])
+    a0 = make_trajectory([3, 4], prompt_ids=[1], reward=1.0, group_id="a")
+    a1 = make_trajectory([3], prompt_ids=[1, 2], reward=0.0, group_id="a", sample_index=1)
+    b0 = make_trajectory([5, 6, 7], prompt_ids=[1], reward=0.5, group_id="b")
+    b1 = make_trajectory([5], prompt_ids=[1], reward=0.5, group_id="b", sample_index=1, finish_reason="length")
+    g0, g1 = Group("a", [a0, a1]), Group("b", [b0, b1])
     batch = build_batch([g0, g1], resolve_recipe("grpo"))
     # GRPO: rewards [1, 0] -> mean 0.5, unbiased std 0.707107 -> A = +-0.707106; group b is all-equal -> 0.
     row_adv = [batch.advantages[i][batch.loss_mask[i]].tolist() for i in range(4)]
@@ -56,10 +60,10 @@ def test_outcome_advantages_and_weights_span_the_whole_batch():
 def test_mini_batches_keep_the_rollout_batch_advantages_and_reweight_over_themselves():
     # Groups a (rewards 1, 0), b (1, 0, token-lengths 1 and 3), c (0.5, 0.5), d (1, 1); two mini-batches: {a, b}, {c, d}.
     groups = [
-        Group("a", [trajectory([1], [3, 4], reward=1.0, group="a"), trajectory([1], [3], reward=0.0, group="a", index=1)]),
-        Group("b", [trajectory([1], [5], reward=1.0, group="b"), trajectory([1], [5, 6, 7], reward=0.0, group="b", index=1)]),
-        Group("c", [trajectory([1], [8], reward=0.5, group="c"), trajectory([1], [8], reward=0.5, group="c", index=1)]),
-        Group("d", [trajectory([1], [9, 9], reward=1.0, group="d"), trajectory([1], [9], reward=1.0, group="d", index=1)]),
+        Group("a", [make_trajectory([3, 4], prompt_ids=[1], reward=1.0, group_id="a"), make_trajectory([3], prompt_ids=[1], reward=0.0, group_id="a", sample_index=1)]),
+        Group("b", [make_trajectory([5], prompt_ids=[1], reward=1.0, group_id="b"), make_trajectory([5, 6, 7], prompt_ids=[1], reward=0.0, group_id="b", sample_index=1)]),
+        Group("c", [make_trajectory([8], prompt_ids=[1], reward=0.5, group_id="c"), make_trajectory([8], prompt_ids=[1], reward=0.5, group_id="c", sample_index=1)]),
+        Group("d", [make_trajectory([9, 9], prompt_ids=[1], reward=1.0, group_id="d"), make_trajectory([9], prompt_ids=[1], reward=1.0, group_id="d", sample_index=1)]),
     ]
     recipe = resolve_recipe("dapo")  # GRPO advantages, token-mean reduction
     batch = build_batch(groups, recipe)
@@ -89,7 +93,7 @@ def test_mini_batches_deal_whole_groups_in_order_and_the_first_runs_take_the_rem
 
 def test_an_empty_prompt_is_rejected():
     with pytest.raises(ValueError, match="empty prompt"):
-        build_batch([Group("g", [trajectory([], [3, 4])])], resolve_recipe("dapo"))
+        build_batch([Group("g", [make_trajectory([3, 4], prompt_ids=[])])], resolve_recipe("dapo"))
 
 
 def test_split_rows_partitions_rows_and_balances_tokens():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import Counter, deque
 
 from asyncrl.testing import make_answer, make_prompt, make_request
 from asyncrl.types import Request, Trajectory
@@ -22,32 +22,47 @@ class _Remote:
         return call()
 
 
+class InProcessHandle:
+    """Stands in for the Ray actor handle of `target` without Ray: `handle.method.remote(...)` is an awaitable."""
+
+    def __init__(self, target) -> None:
+        self._target = target
+
+    def __getattr__(self, name: str) -> _Remote:
+        return _Remote(getattr(self._target, name))
+
+
 class FakeQueue:
     """The replay queue API the worker uses, with conservation accounting.
 
     `in_flight[(group_id, sample_index)] = (worker, request)`; a put clears it; `requeue_worker` moves a
-    worker's unfinished requests back to `pending` with the next attempt number.
+    worker's unfinished requests back to `pending` with the next attempt number. Its methods are plain, so
+    the same fake serves in-process (through `InProcessHandle`) and as a Ray actor (`ray.remote(FakeQueue)`).
     """
 
     def __init__(self, requests: list[Request] = ()) -> None:
         self.pending: deque[Request] = deque(requests)
         self.in_flight: dict[tuple[str, int], tuple[str, Request]] = {}
         self.finished: list[Trajectory] = []
+        self.finished_attempts: list[int] = []
+        """The attempt of the request each of `finished` answered, as the queue recorded it."""
         self.put_calls = 0
         self.late = 0
-        self.acquire = _Remote(self._acquire)
-        self.put = _Remote(self._put)
-        self.requeue_worker = _Remote(self._requeue_worker)
+        self.dispatched = 0
 
-    def _acquire(self, worker: str, max_requests: int) -> list[Request]:
+    def add(self, requests: list[Request]) -> None:
+        self.pending.extend(requests)
+
+    def acquire(self, worker: str, max_requests: int) -> list[Request]:
         out = []
         while self.pending and len(out) < max_requests:
             request = self.pending.popleft()
             self.in_flight[(request.group_id, request.sample_index)] = (worker, request)
             out.append(request)
+        self.dispatched += len(out)
         return out
 
-    def _put(self, trajectories: list[Trajectory]) -> None:
+    def put(self, trajectories: list[Trajectory]) -> None:
         self.put_calls += 1
         for t in trajectories:
             owner = self.in_flight.get((t.group_id, t.sample_index))
@@ -56,13 +71,30 @@ class FakeQueue:
                 continue
             del self.in_flight[(t.group_id, t.sample_index)]
             self.finished.append(t)
+            self.finished_attempts.append(owner[1].attempt)
 
-    def _requeue_worker(self, worker: str) -> int:
+    def requeue_worker(self, worker: str) -> int:
         keys = [k for k, (w, _) in self.in_flight.items() if w == worker]
         for key in keys:
             _, request = self.in_flight.pop(key)
             self.pending.append(Request(**{**request.__dict__, "attempt": request.attempt + 1}))
         return len(keys)
+
+    def snapshot(self) -> dict:
+        """Counts a test polls through an actor handle (the fields themselves are not reachable there)."""
+        return {
+            "pending": len(self.pending),
+            "in_flight": dict(Counter(w for w, _ in self.in_flight.values())),
+            "finished": len(self.finished),
+            "late": self.late,
+            "dispatched": self.dispatched,
+        }
+
+    def take_finished(self) -> list[tuple[Trajectory, int]]:
+        """(trajectory, attempt it answered) of every finished one since the last call."""
+        out = list(zip(self.finished, self.finished_attempts))
+        self.finished, self.finished_attempts = [], []
+        return out
 
 
 def make_requests(n: int, ground_truth: str = "7", prefix: str = "g") -> list[Request]:

@@ -9,8 +9,9 @@ import pytest
 
 from asyncrl.config import EnvConfig, RolloutConfig
 from asyncrl.rollout.worker import RolloutWorker, WorkerSpec
+from asyncrl.testing import make_prompt, make_request
 
-from .fakes import FakeEngine, FakeQueue, make_requests
+from .fakes import FakeEngine, FakeQueue, InProcessHandle, make_requests
 
 
 def crashing_reward(response, ground_truth, *, finish_reason, extra_info):
@@ -28,7 +29,8 @@ def slow_reward(response, ground_truth, *, finish_reason, extra_info):
 def _worker(queue, *, max_in_flight=4, reward="exact_match", delay_s=0.01, reward_timeout_s=10.0):
     engine = FakeEngine("rollout-0", delay_s=delay_s)
     spec = WorkerSpec("unused", RolloutConfig(max_requests_in_flight=max_in_flight), EnvConfig(reward=reward, reward_timeout_s=reward_timeout_s))
-    worker = RolloutWorker("rollout-0", spec, queue, engine=engine)
+    handle = None if queue is None else InProcessHandle(queue)
+    worker = RolloutWorker("rollout-0", spec, handle, engine=engine)
     return worker, engine
 
 
@@ -88,7 +90,7 @@ def test_stop_without_drain_drops_running_requests_and_requeue_recovers_them():
 
     dropped = asyncio.run(scenario())
     assert dropped == 3 and queue.finished == []
-    assert queue._requeue_worker("rollout-0") == 3
+    assert queue.requeue_worker("rollout-0") == 3
     assert len(queue.pending) == 6 and not queue.in_flight  # 3 re-queued (attempt 1) + 3 never dispatched
     assert sorted(r.attempt for r in queue.pending) == [0, 0, 0, 1, 1, 1]
 
@@ -120,8 +122,6 @@ def test_run_without_a_queue_is_refused():
 
 
 def test_a_prompts_extra_info_overrides_max_tokens_and_ignore_eos_for_that_request_only():
-    from asyncrl.types import Prompt, Request
-
     class RecordingEngine(FakeEngine):
         def __init__(self, name):
             super().__init__(name)
@@ -131,11 +131,11 @@ def test_a_prompts_extra_info_overrides_max_tokens_and_ignore_eos_for_that_reque
             self.specs[request.group_id] = sampling
             return await super().generate(request, sampling)
 
-    long = Request("long/0/0", "long", 0, 1, Prompt("p-long", [1, 4], "7", extra_info={"max_tokens": 300, "ignore_eos": True}))
+    long = make_request(make_prompt("p-long", [1, 4], "7", extra_info={"max_tokens": 300, "ignore_eos": True}), group_id="long")
     plain = make_requests(1)
     queue = FakeQueue([long] + plain)
     engine = RecordingEngine("rollout-0")
-    worker = RolloutWorker("rollout-0", WorkerSpec("unused", RolloutConfig(max_tokens=8, temperature=0.7)), queue, engine=engine)
+    worker = RolloutWorker("rollout-0", WorkerSpec("unused", RolloutConfig(max_tokens=8, temperature=0.7)), InProcessHandle(queue), engine=engine)
     asyncio.run(_serve_until(worker, queue, 2))
     assert (engine.specs["long"].max_tokens, engine.specs["long"].ignore_eos) == (300, True)
     assert engine.specs["long"].temperature == 0.7  # everything else comes from the worker's spec
