@@ -102,30 +102,46 @@ def runs(mini_batches: int) -> list[tuple[str, str, list[str]]]:
 
 
 def main() -> None:
+    args = _parse()
+    result_json = common.output_path("learning_add", args)
+    if args.replot:
+        plot(json.loads(result_json.read_text())["modes"], result_json.with_suffix(".png"))
+        return
+    common.set_runtime_env()
+    steps, every = (3, 1) if args.quick else (args.steps, 5)
+    out = Path(tempfile.mkdtemp(prefix="learning_add-"))
+    results = asyncrl_runs(out, steps, every, args.target, args.mini_batches)
+    if importlib.util.find_spec("trl") is not None:
+        results["trl"] = trl_run(out, steps, every, args.target)
+    results["plain"] = plain_run(steps, every, args.target)
+    for mode, r in results.items():
+        r.update(run_figures(r["evals"], "wall_s" if mode in ("trl", "plain") else "wall_s_excl_eval"))
+    print_table(results, steps, args.target)
+    print_figures(results)
+    common.write_json(result_json, {"steps": steps, "target": args.target, "modes": results})
+    plot(results, result_json.with_suffix(".png"))
+
+
+def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_output_options(parser, "learning_add", "smoke run: a few steps per mode")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--target", type=float, default=0.5, help="held-out accuracy whose wall-clock is reported")
     parser.add_argument("--replot", action="store_true", help="only redraw the PNG from the existing JSON")
     parser.add_argument("--mini-batches", type=int, default=1, help="N > 1: also run each mode with learner.mini_batches=N")
-    args = parser.parse_args()
-    result_json = common.output_path("learning_add", args)
-    if args.replot:
-        plot(json.loads(result_json.read_text())["modes"], result_json.with_suffix(".png"))
-        return
-    common.set_runtime_env()
+    return parser.parse_args()
 
+
+def asyncrl_runs(out: Path, steps: int, every: int, target: float, mini_batches: int) -> dict[str, dict]:
+    """Every mode (and its `_mbN` variant) from the shipped recipes, in one Ray session."""
     import ray
 
     from asyncrl.config import RECIPES, load_config
     from asyncrl.controller.run import run
 
-    steps = 3 if args.quick else args.steps
-    every = 1 if args.quick else 5
-    out = Path(tempfile.mkdtemp(prefix="learning_add-"))
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     results = {}
-    for mode, file, extra in runs(args.mini_batches):
+    for mode, file, extra in runs(mini_batches):
         cfg = load_config(RECIPES / file, [f"output_dir={out / mode}", f"learner.max_steps={steps}", f"eval.every_steps={every}", *extra])
         summary = run(cfg)
         results[mode] = {
@@ -133,34 +149,37 @@ def main() -> None:
             "final_accuracy": summary["final_accuracy"],
             "wall_clock_s": summary["wall_clock_s"],
             "samples_trained": summary["samples_trained"],
-            "time_to_target_s": time_to_target(summary["evals"], args.target),
-            "time_to_target_excl_eval_s": time_to_target(summary["evals"], args.target, "wall_s_excl_eval"),
+            "time_to_target_s": time_to_target(summary["evals"], target),
+            "time_to_target_excl_eval_s": time_to_target(summary["evals"], target, "wall_s_excl_eval"),
             "staleness_histogram": summary["staleness_histogram"],
             "mismatch_k3_mean": summary["mismatch_k3_mean"],
             "parity_max_abs_diff_mean": summary["parity_max_abs_diff_mean"],
             "evals": summary["evals"],
         }
     ray.shutdown()
-    if importlib.util.find_spec("trl") is not None:
-        peer_json = out / "peer_trl.json"
-        cmd = [sys.executable, str(Path(__file__).parent / "peer_trl.py"), "--steps", str(steps), "--eval-every", str(every)]
-        subprocess.run([*cmd, "--target", str(args.target), "--out", str(peer_json)], check=True)
-        peer = json.loads(peer_json.read_text())
-        results["trl"] = {k: peer[k] for k in ("start_accuracy", "final_accuracy", "wall_clock_s", "samples_trained", "time_to_target_s", "evals")}
-        results["trl"]["time_to_target_excl_eval_s"] = peer["time_to_target_s"]  # its clock excludes evaluations
-        results["trl"]["settings"] = peer["settings"]
-    results["plain"] = plain_run(steps, every, args.target)
-    for mode, r in results.items():
-        r.update(run_figures(r["evals"], "wall_s" if mode in ("trl", "plain") else "wall_s_excl_eval"))
+    return results
 
+
+def trl_run(out: Path, steps: int, every: int, target: float) -> dict:
+    """The TRL GRPOTrainer peer (benchmarks/peer_trl.py) on the same warm start and prompt stream."""
+    peer_json = out / "peer_trl.json"
+    cmd = [sys.executable, str(Path(__file__).parent / "peer_trl.py"), "--steps", str(steps), "--eval-every", str(every)]
+    subprocess.run([*cmd, "--target", str(target), "--out", str(peer_json)], check=True)
+    peer = json.loads(peer_json.read_text())
+    result = {k: peer[k] for k in ("start_accuracy", "final_accuracy", "wall_clock_s", "samples_trained", "time_to_target_s", "evals")}
+    result["time_to_target_excl_eval_s"] = peer["time_to_target_s"]  # its clock excludes evaluations
+    result["settings"] = peer["settings"]
+    return result
+
+
+def print_table(results: dict, steps: int, target: float) -> None:
     base = results["sync"]
-    print(f"\nW1 add, {steps} steps per mode, target accuracy {args.target}")
+    base_rate = (base["final_accuracy"] - base["start_accuracy"]) / base["wall_clock_s"]
+    print(f"\nW1 add, {steps} steps per mode, target accuracy {target}")
     print(f"{'mode':<10} {'start':>6} {'final':>6} {'gain':>6} {'wall s':>7} {'samples':>8} {'t(target) s':>11} {'acc/s vs sync':>13}")
     for mode, r in results.items():
         gain = r["final_accuracy"] - r["start_accuracy"]
-        rate = gain / r["wall_clock_s"]
-        base_rate = (base["final_accuracy"] - base["start_accuracy"]) / base["wall_clock_s"]
-        ratio = f"{rate / base_rate:.2f}x" if base_rate > 0 else "-"
+        ratio = f"{gain / r['wall_clock_s'] / base_rate:.2f}x" if base_rate > 0 else "-"
         ttt = f"{r['time_to_target_s']:.0f}" if r["time_to_target_s"] is not None else "-"
         print(f"{mode:<10} {r['start_accuracy']:>6.3f} {r['final_accuracy']:>6.3f} {gain:>+6.3f} {r['wall_clock_s']:>7.0f} {r['samples_trained']:>8d} {ttt:>11} {ratio:>13}")
     if "trl" not in results:
@@ -170,11 +189,7 @@ def main() -> None:
         ratios = ", ".join(
             f"{m} {r['time_to_target_excl_eval_s'] / peer:.2f}" for m, r in results.items() if m != "trl" and r["time_to_target_excl_eval_s"]
         )
-        print(f"time to {args.target} without evaluations, / trl (goal <= 0.5): {ratios}")
-    print_figures(results)
-
-    common.write_json(result_json, {"steps": steps, "target": args.target, "modes": results})
-    plot(results, result_json.with_suffix(".png"))
+        print(f"time to {target} without evaluations, / trl (goal <= 0.5): {ratios}")
 
 
 def plot(results: dict, path: Path) -> None:

@@ -21,6 +21,7 @@ before the sync (should be large: the learner moved) and after it (should be ~1e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -74,29 +75,15 @@ def synthetic_groups(vocab: int, seed: int, num_groups: int = 2, group_size: int
     return groups
 
 
-def bench_preset(preset: str, model_root: Path, syncs: int, bucket_bytes: int, timeout_s: float) -> dict:
-    import numpy as np
-    import ray
-
+@contextlib.contextmanager
+def pools(model_dir: Path, bucket_bytes: int, timeout_s: float):
+    """One FSDP2 learner rank and one vLLM engine on `model_dir`, joined by an object-store weight sync."""
     from asyncrl.algo.recipes import resolve_recipe
     from asyncrl.config import EnvConfig, LearnerConfig, RolloutConfig, WeightSyncConfig
     from asyncrl.learner.pool import LearnerPool
-    from asyncrl.models import PRESETS as MODEL_PRESETS
-    from asyncrl.models import build_model, num_parameters
-    from asyncrl.models.tokenizer import SPECIAL_TOKENS
     from asyncrl.rollout.pool import RolloutPool
     from asyncrl.weight_sync.object_store import ObjectStoreSync
 
-    model_dir = build_model(preset, model_root / preset, seed=0)
-    vocab = len(SPECIAL_TOKENS) + len(MODEL_PRESETS[preset].alphabet)
-    probe = [1] + np.random.default_rng(123).integers(3, vocab, PROBE_LEN - 1).tolist()
-
-    def parity() -> float:
-        engine = np.asarray(rollout.score(probe, PROBE_PROMPT_LEN))
-        learner_lp = np.asarray(learner.score(probe, PROBE_PROMPT_LEN, 1.0))
-        return float(np.max(np.abs(engine - learner_lp)))
-
-    started = time.perf_counter()
     learner = LearnerPool(model_dir, LearnerConfig(num_ranks=1, lr=1e-3, tokens_per_microbatch=4096), resolve_recipe("grpo"), 1.0)
     rollout = None
     try:
@@ -105,51 +92,66 @@ def bench_preset(preset: str, model_root: Path, syncs: int, bucket_bytes: int, t
             dtype="float32", max_model_len=MAX_MODEL_LEN,
         )
         rollout.start()
-        sync = ObjectStoreSync(learner, rollout, WeightSyncConfig(bucket_bytes=bucket_bytes, timeout_s=timeout_s), mode="streaming")
-        setup_s = time.perf_counter() - started
-        parity_at_start = parity()
-        rows = []
-        for k in range(syncs):
-            learner.train_step(synthetic_groups(vocab, seed=k))  # the learner step (not timed)
-            parity_before = parity()
-            version = k + 1
-            t0 = time.perf_counter()
-            pending = sync.start(version)
-            t1 = time.perf_counter()
-            synced = sync.finish(pending)
-            t2 = time.perf_counter()
-            served = rollout.versions()
-            if set(served.values()) != {version}:
-                raise RuntimeError(f"{preset}: engines serve {served} after publishing version {version}")
-            t3 = time.perf_counter()
-            bucket_sizes = [len(b) for b in ray.get(sync.latest().refs)]  # diagnostic: an object-store fetch alone
-            fetch_s = time.perf_counter() - t3
-            total_bytes = sum(bucket_sizes)
-            rows.append(
-                {
-                    "version": version,
-                    "export_s": t1 - t0,
-                    "load_s": t2 - t1,
-                    "total_s": t2 - t0,
-                    "bytes": total_bytes,
-                    "payload_bytes": synced.num_bytes,
-                    "num_buckets": len(bucket_sizes),
-                    "num_tensors": synced.num_tensors,
-                    "bytes_per_s": total_bytes / (t2 - t0),
-                    "driver_fetch_s": fetch_s,
-                    "parity_before": parity_before,
-                    "parity_after": parity(),
-                }
-            )
-            print(
-                f"  {preset} sync {k + 1}/{syncs}: export {rows[-1]['export_s']:.3f}s load {rows[-1]['load_s']:.3f}s "
-                f"({total_bytes / 1e6:.1f} MB, parity {rows[-1]['parity_after']:.1e})",
-                flush=True,
-            )
+        yield learner, rollout, ObjectStoreSync(learner, rollout, WeightSyncConfig(bucket_bytes=bucket_bytes, timeout_s=timeout_s), mode="streaming")
     finally:
         if rollout is not None:
             rollout.shutdown()
         learner.shutdown()
+
+
+def timed_sync(sync, rollout, version: int, parity) -> dict:
+    """Publish `version` and time it: export (learner side), load (until every engine confirms), and an
+    object-store fetch of the buckets alone (a diagnostic)."""
+    import ray
+
+    t0 = time.perf_counter()
+    pending = sync.start(version)
+    t1 = time.perf_counter()
+    synced = sync.finish(pending)
+    t2 = time.perf_counter()
+    served = rollout.versions()
+    if set(served.values()) != {version}:
+        raise RuntimeError(f"engines serve {served} after publishing version {version}")
+    t3 = time.perf_counter()
+    bucket_sizes = [len(b) for b in ray.get(sync.latest().refs)]
+    total_bytes = sum(bucket_sizes)
+    return {
+        "version": version, "export_s": t1 - t0, "load_s": t2 - t1, "total_s": t2 - t0, "bytes": total_bytes,
+        "payload_bytes": synced.num_bytes, "num_buckets": len(bucket_sizes), "num_tensors": synced.num_tensors,
+        "bytes_per_s": total_bytes / (t2 - t0), "driver_fetch_s": time.perf_counter() - t3, "parity_after": parity(),
+    }  # fmt: skip
+
+
+def bench_preset(preset: str, model_root: Path, syncs: int, bucket_bytes: int, timeout_s: float) -> dict:
+    import numpy as np
+
+    from asyncrl.models import PRESETS as MODEL_PRESETS
+    from asyncrl.models import build_model
+    from asyncrl.models.tokenizer import SPECIAL_TOKENS
+
+    model_dir = build_model(preset, model_root / preset, seed=0)
+    vocab = len(SPECIAL_TOKENS) + len(MODEL_PRESETS[preset].alphabet)
+    probe = [1] + np.random.default_rng(123).integers(3, vocab, PROBE_LEN - 1).tolist()
+    started = time.perf_counter()
+    with pools(model_dir, bucket_bytes, timeout_s) as (learner, rollout, sync):
+
+        def parity() -> float:
+            engine = np.asarray(rollout.score(probe, PROBE_PROMPT_LEN))
+            return float(np.max(np.abs(engine - np.asarray(learner.score(probe, PROBE_PROMPT_LEN, 1.0)))))
+
+        setup_s, parity_at_start, rows = time.perf_counter() - started, parity(), []
+        for k in range(syncs):
+            learner.train_step(synthetic_groups(vocab, seed=k))  # the learner step (not timed)
+            parity_before = parity()
+            rows.append({**timed_sync(sync, rollout, k + 1, parity), "parity_before": parity_before})
+            r = rows[-1]
+            print(f"  {preset} sync {k + 1}/{syncs}: export {r['export_s']:.3f}s load {r['load_s']:.3f}s "
+                  f"({r['bytes'] / 1e6:.1f} MB, parity {r['parity_after']:.1e})", flush=True)  # fmt: skip
+    return summarise(preset, rows, setup_s, parity_at_start)
+
+
+def summarise(preset: str, rows: list[dict], setup_s: float, parity_at_start: float) -> dict:
+    from asyncrl.models import num_parameters
 
     def med(key: str) -> float:
         return statistics.median(r[key] for r in rows)

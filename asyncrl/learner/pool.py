@@ -42,6 +42,23 @@ def recipe_from_config(cfg):
     return resolve_recipe(algo.preset, algo.advantage, algo.loss, algo.reduction, algo.correction, **params)
 
 
+_DEATH_GRACE_S = 5.0
+
+
+def _call_error(ref) -> tuple[str, str] | None:
+    """None if the call succeeded, else ("died" | "failed", what happened)."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    try:
+        ray.get(ref)
+    except RayActorError as e:
+        return "died", type(e).__name__
+    except Exception as e:
+        return "failed", str(e)
+    return None
+
+
 class LearnerCallError(RuntimeError):
     """A call on the learner ranks failed or timed out; the message names the rank and the call."""
 
@@ -88,24 +105,29 @@ class LearnerPool:
 
     def _call(self, method: str, *args, timeout_s: float | None = None, per_rank: Sequence[tuple] | None = None) -> list:
         """Call `method` on every rank at once (collective) and wait, at most `timeout_s` (default
-        `learner.call_timeout_s`) in all; a failure or a timeout names the rank and the call."""
+        `learner.call_timeout_s`) in all; a failure or a timeout names the rank and the call. A rank that
+        died takes its peers' collectives down with it, so a dead rank is named before their errors."""
         import ray
-        from ray.exceptions import GetTimeoutError
 
         timeout_s = timeout_s if timeout_s is not None else self.config.call_timeout_s
-        refs = [
-            getattr(w, method).remote(*(per_rank[r] if per_rank is not None else args)) for r, w in enumerate(self.workers)
-        ]
-        deadline = time.monotonic() + timeout_s
-        results = []
-        for rank, ref in enumerate(refs):
-            try:
-                results.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
-            except GetTimeoutError:
-                raise LearnerCallError(f"learner rank {rank}: {method} did not answer within {timeout_s}s (learner.call_timeout_s)") from None
-            except Exception as e:
-                raise LearnerCallError(f"learner rank {rank}: {method} failed: {e}") from e
-        return results
+        refs = [getattr(w, method).remote(*(per_rank[r] if per_rank is not None else args)) for r, w in enumerate(self.workers)]
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        deadline, pending, failed = time.monotonic() + timeout_s, list(refs), None
+        while pending:
+            # After a first failure, wait only a few seconds more: long enough for a peer's death to surface.
+            wait_s = deadline - time.monotonic() if failed is None else min(_DEATH_GRACE_S, deadline - time.monotonic())
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, wait_s))
+            if not done:
+                break
+            error = _call_error(done[0])
+            if error is not None and error[0] == "died":
+                raise LearnerCallError(f"learner rank {rank_of[done[0]]}: {method} failed: the rank died ({error[1]})")
+            failed = failed or (error and (rank_of[done[0]], error[1]))
+        if failed:
+            raise LearnerCallError(f"learner rank {failed[0]}: {method} failed: {failed[1]}")
+        if pending:
+            raise LearnerCallError(f"learner rank {rank_of[pending[0]]}: {method} did not answer within {timeout_s}s (learner.call_timeout_s)")
+        return ray.get(refs)
 
     # ------------------------------------------------------------------ training
 

@@ -80,7 +80,8 @@ class PoolEvent:
                 f", replaced by {self.replacement}" if self.replacement else ""
             )
         if self.kind == "joined":
-            return f"rollout worker {self.worker} serves version {self.version} ({self.seconds:.1f}s after its start)"
+            weights = "its initial weights" if self.version is None else f"version {self.version}"
+            return f"rollout worker {self.worker} serves {weights} ({self.seconds:.1f}s after its start)"
         return f"rollout worker {self.worker} failed to start: {self.detail}"
 
 

@@ -29,7 +29,7 @@ def test_a_killed_rank_fails_the_next_step_naming_it(ray_cluster, tiny_model_dir
     pool, pids = _pool(tiny_model_dir, call_timeout_s=60)
     os.kill(pids[1], signal.SIGKILL)
     started = time.monotonic()
-    with pytest.raises(LearnerCallError, match=r"learner rank 1: train_step failed"):
+    with pytest.raises(LearnerCallError, match=r"learner rank 1: train_step failed: the rank died"):
         pool.train_step(make_groups())
     assert time.monotonic() - started < 60  # the death is reported, not waited out
     ray_cluster.kill(pool.workers[0])

@@ -1,13 +1,20 @@
-"""A rollout worker's process is SIGKILLed during a live run, twice, each time while its engine loads new
-weights: the run goes on, the dead worker is noticed and replaced, its requests are re-dispatched, and
-nothing is lost or trained twice (checked from the queue's counters and from trajectories.parquet)."""
+"""Real faults in one live run (one engine start shared by the module):
+
+- a rollout worker's process is SIGKILLed twice, each time while its engine loads new weights: the run goes
+  on, the dead worker is noticed and replaced, its requests are re-dispatched, and nothing is lost or trained
+  twice (checked from the queue's counters and from trajectories.parquet);
+- a NaN reaches the learner (a NaN reward, so NaN advantages, loss and gradient): the step is skipped and
+  counted, its batch kept, and the weights stay finite.
+"""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from safetensors.numpy import load_file
 
 from asyncrl.config import load_config
 from asyncrl.testing import TINY_RUN
@@ -16,6 +23,7 @@ pytestmark = pytest.mark.integration
 
 STEPS = 10
 KILL_AT = [3, 7]
+NAN_AT = 5
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +34,7 @@ def run_dir(ray_cluster, tmp_path_factory):
     cfg = load_config(None, [
         f"output_dir={out}", f"learner.max_steps={STEPS}", *TINY_RUN,
         "weight_sync.parity_probe=false",  # the probe would wait for the sync the fault interrupts
-        f"faults.kill_rollout_worker_at_steps={KILL_AT}",
+        f"faults.kill_rollout_worker_at_steps={KILL_AT}", f"faults.nan_reward_at_steps=[{NAN_AT}]",
     ])
     run(cfg)
     return out
@@ -60,3 +68,14 @@ def test_conservation_holds_exactly_and_no_sample_is_trained_twice(run_dir):
     log = pq.read_table(run_dir / "trajectories.parquet").to_pylist()
     trained = [(r["group_id"], r["sample_index"]) for r in log if r["fate"] == "trained"]
     assert len(trained) == len(set(trained)) == c["trained"] == summary["samples_trained"]
+
+
+def test_a_non_finite_step_is_skipped_counted_and_kept_and_the_weights_stay_finite(run_dir):
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    assert summary["skipped_steps"] == 1 and rows[NAN_AT]["skipped_step"] == 1
+    assert not any(r["skipped_step"] for s, r in rows.items() if s != NAN_AT)
+    bad = pq.read_table(run_dir / "bad_batches" / f"step-{NAN_AT:06d}.parquet").to_pylist()
+    assert len(bad) == 8 and np.isnan(bad[0]["reward"])  # the offending sample, kept for inspection
+    weights = load_file(str(run_dir / "final_model" / "model.safetensors"))
+    assert all(np.isfinite(w).all() for w in weights.values())

@@ -67,23 +67,7 @@ def test_submit_runs_a_short_job_to_completion_and_status_and_logs_read_it_back(
     assert logs.returncode == 0 and '"final_version": 2' in logs.stdout
 
 
-def test_stop_ends_a_running_job(head, tmp_path):
-    address, env = head
-    overrides = [f"output_dir={tmp_path / 'run'}", "learner.max_steps=100000", *TINY_RUN]
-    done = _cli(["submit", *overrides, "--address", address, "--working-dir", "", "--job-id", "asyncrl-test-2", "--no-wait"], env)
-    assert done.returncode == 0, done.stderr
-    deadline = time.monotonic() + 120
-    while "RUNNING" not in _cli(["status", "asyncrl-test-2", "--address", address], env).stdout:
-        assert time.monotonic() < deadline, "the job never started running"
-        time.sleep(1)
-    assert "stop requested" in _cli(["stop", "asyncrl-test-2", "--address", address], env).stdout
-    deadline = time.monotonic() + 120
-    while "STOPPED" not in (last := _cli(["status", "asyncrl-test-2", "--address", address], env).stdout):
-        assert time.monotonic() < deadline, f"the job did not stop: {last}"
-        time.sleep(1)
-
-
-def test_scale_grows_and_shrinks_the_rollout_pool_of_a_running_job(head, tmp_path):
+def test_scale_grows_and_shrinks_a_running_job_and_stop_ends_it_with_a_checkpoint(head, tmp_path):
     address, env = head
     out = tmp_path / "run"
     overrides = [f"output_dir={out}", "learner.max_steps=100000", *TINY_RUN]
@@ -108,6 +92,7 @@ def test_scale_grows_and_shrinks_the_rollout_pool_of_a_running_job(head, tmp_pat
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped_early"] == "SIGTERM received"  # never restarted: one run from start to stop
+    assert (out / "checkpoints" / f"step-{summary['steps']:06d}" / "learner_state.json").is_file()
     kinds = [(e["kind"], e["worker"]) for e in summary["pool_events"]]
     assert ("scaled_up", "rollout-1") in kinds and ("joined", "rollout-1") in kinds
     assert ("scaled_down", "rollout-1") in kinds and not any(k == "died" for k, _ in kinds)
