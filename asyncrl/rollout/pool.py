@@ -280,11 +280,15 @@ class RolloutPool:
         """Upkeep without waiting, for the controller to call every turn of its loop: a worker whose `run`
         call ended with an actor error is dead — its requests are re-dispatched and (with `replace_dead`) a
         replacement is started; a started worker joins once its engine serves the latest weights."""
+        self._maintain()
+        events, self._events = self._events, []
+        return events
+
+    def _maintain(self) -> None:
+        """`poll`'s work; the events stay queued for the next `poll`."""
         for name in self._dead_runners():
             self._replace(name)
         self._advance_joining()
-        events, self._events = self._events, []
-        return events
 
     def check_health(self, timeout_s: float = 10.0) -> list[str]:
         """Find dead workers (a `ready` ping fails), re-queue their requests and replace them, waiting until
@@ -410,19 +414,35 @@ class RolloutPool:
         return dict(zip(names, ray.get([self._workers[n].version.remote() for n in names], timeout=timeout_s)))
 
     def score(self, token_ids: Sequence[int], prompt_len: int, name: str | None = None) -> np.ndarray:
-        """Engine log-probs of token_ids[prompt_len:] (the parity probe), on `name` or the first worker."""
-        handle = self._workers[name or next(iter(self._workers))]
+        """Engine log-probs of token_ids[prompt_len:] (the parity probe), on `name` or the first serving worker."""
+        handle = self._workers[name or self.serving()[0]]
         return ray.get(handle.score.remote(list(token_ids), prompt_len), timeout=_CONTROL_TIMEOUT_S)
 
     def evaluate(self, prompts: Sequence[Prompt | Sequence[int]], max_tokens: int | None = None) -> list[tuple[str, str]]:
-        """Greedy completions (text, finish_reason) in prompt order, spread over the workers."""
-        handles = list(self._workers.values())
-        if not handles:
-            raise RuntimeError("the rollout pool has no workers")
-        per_worker = -(-len(prompts) // len(handles))
-        chunks = [list(prompts[i : i + per_worker]) for i in range(0, len(prompts), per_worker)]
-        refs = [h.evaluate.remote(chunk, max_tokens) for h, chunk in zip(handles, chunks)]
-        return [item for part in ray.get(refs) for item in part]
+        """Greedy completions (text, finish_reason) in prompt order, spread over the serving workers. A worker
+        that dies meanwhile is replaced and its share evaluated again on the others."""
+        for _ in range(3):
+            handles = [self._workers[n] for n in self.serving()]
+            per_worker = -(-len(prompts) // len(handles))
+            chunks = [list(prompts[i : i + per_worker]) for i in range(0, len(prompts), per_worker)]
+            try:
+                return [item for part in ray.get([h.evaluate.remote(c, max_tokens) for h, c in zip(handles, chunks)]) for item in part]
+            except RayActorError:
+                time.sleep(1.0)  # then `serving()` notices the dead worker and replaces it
+        raise RuntimeError("evaluation failed three times: rollout workers kept dying")
+
+    def serving(self) -> list[str]:
+        """The serving workers, after `poll`'s upkeep (its events stay queued for the caller's next `poll`);
+        waits, at most `engine_start_timeout_s`, while there is none (the only engine died and its
+        replacement is still starting)."""
+        deadline = time.monotonic() + self.rollout.engine_start_timeout_s
+        self._maintain()
+        while not self.names:
+            if time.monotonic() > deadline:
+                raise WorkerStartError(f"no rollout worker serves after {self.rollout.engine_start_timeout_s}s (joining: {self.joining})")
+            time.sleep(0.1)
+            self._maintain()
+        return self.names
 
     def stats(self, timeout_s: float = _CONTROL_TIMEOUT_S) -> dict[str, dict[str, Any]]:
         """Per-worker counters (tokens generated, requests done, busy/idle seconds); dead workers are absent."""
