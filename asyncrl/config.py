@@ -266,6 +266,8 @@ class TelemetryConfig(Section):
     """Serve Prometheus metrics on this port (0 = off)."""
     progress: bool = True
     """Print the progress line to the console."""
+    pool_every_s: float = Field(5.0, gt=0)
+    """Period of the live queue/engine/throughput snapshot sent to the telemetry sinks (seconds)."""
 
 
 class CheckpointConfig(Section):

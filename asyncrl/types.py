@@ -12,7 +12,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "abort", "error", "max_turns", "context", "timeout", "tool_error"]
+"""Why a trajectory ended: the engine's reasons for one generation (`stop` = end-of-sequence, `length` = max_tokens),
+and an episode's (`max_turns`, `context` = total tokens, `timeout` = wall time, `tool_error`)."""
 
 # Terminal states of a dispatched sample (invariant 3). `filtered:<reason>` and `failed:<reason>` carry a reason.
 TRAINED = "trained"
@@ -67,6 +69,12 @@ class Trajectory:
     submitted_at: float = 0.0
     finished_at: float = 0.0
     response_text: str = ""
+    turn_starts: list[int] = field(default_factory=lambda: [0])
+    """Offsets in `response_ids` where each model turn starts; the tokens between one turn's end and the next
+    turn's start are an environment observation (`loss_mask` 0). A single-turn trajectory has `[0]`."""
+    truncated: bool = False
+    """The episode was cut by a limit (max turns, context, wall time, max_tokens) rather than ended by the
+    model or the environment: GAE bootstraps from the value of its last state instead of treating it as terminal."""
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)

@@ -30,6 +30,7 @@ from asyncrl.controller.faults import (
 )
 from asyncrl.telemetry.metrics import RunMetrics
 from asyncrl.telemetry.progress import Progress
+from asyncrl.telemetry.sinks import PoolSnapshot, SyncEvent, Telemetry, lag_counts
 
 if TYPE_CHECKING:
     from asyncrl.types import Batch
@@ -53,8 +54,13 @@ class Controller:
         self._pending_sync: tuple[PendingSync, dict] | None = None
         """The weight sync in flight: (pending sync, row of the step that published it)."""
         self.prompts_drawn = 0
-        self.progress = Progress(enabled=cfg.telemetry.progress)
-        self.metrics = RunMetrics(cfg.telemetry.prometheus_port)
+        self.telemetry = Telemetry(
+            [
+                Progress(enabled=cfg.telemetry.progress, every_steps=cfg.telemetry.log_every_steps),
+                RunMetrics(cfg.telemetry.prometheus_port, correction=cfg.algorithm.resolved_names()["correction"]),
+            ]
+        )
+        self._last_snapshot = 0.0
         self.learner_wait_s = 0.0
         self.skipped_steps = 0
         self._skipped_in_row = 0
@@ -80,16 +86,21 @@ class Controller:
         from asyncrl.weight_sync.object_store import ObjectStoreSync
 
         cfg = self.cfg
+        self.telemetry.phase("loading the tokenizer and prompts")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.prompts = train_stream(cfg, self.tokenizer)
         self.eval_set = eval_prompts(cfg, self.tokenizer)
         # The parity probe's fixed sequence: a held-out prompt and its answer (a Parquet run may have no eval set).
         self.probe = self.eval_set[0] if self.eval_set else next(train_stream(cfg, self.tokenizer))
+        self.telemetry.phase("starting the replay queue")
         self.queue = start_replay_queue(cfg.buffer, batch_groups=cfg.learner.prompts_per_step, name=f"replay_queue-{self.out.name}", log_dir=self.out)
+        self.telemetry.phase(f"starting the learner ({cfg.learner.num_ranks} rank(s))")
         self.learner = LearnerPool.from_config(cfg, self.model_dir)
+        self.telemetry.phase(f"starting the rollout pool ({cfg.rollout.num_workers} vLLM engine(s))")
         self.rollout = RolloutPool.from_config(cfg, self.model_dir, queue=self.queue.handle, latest=lambda: self.sync.latest())
         self.sync = ObjectStoreSync(self.learner, self.rollout, cfg.weight_sync, cfg.mode)
         self.rollout.start()
+        self.telemetry.phase("engines ready")
         if os.environ.get(JOB_ENV):  # submitted as a Ray job: `asyncrl scale` reaches this run's control actor
             self.control = ControlClient.start(os.environ[JOB_ENV])
         if cfg.checkpoint.resume_from:
@@ -148,7 +159,7 @@ class Controller:
     def request_stop(self, reason: str) -> None:
         """Finish at the next step boundary (or batch wait turn), then checkpoint and summarise as usual."""
         self.stop_requested = reason
-        self.progress.note(f"stopping: {reason}; checkpointing at the next step boundary")
+        self.telemetry.note(f"stopping: {reason}; checkpointing at the next step boundary")
 
     def _next_batch(self) -> Batch | None:
         """Wait for a batch, topping up prompts meanwhile (filters may discard groups as fast as they finish);
@@ -177,7 +188,7 @@ class Controller:
         self.skipped_steps += 1
         self._skipped_in_row += 1
         path = write_bad_batch(self.out, self.step, batch)
-        self.progress.note(f"step {self.step}: non-finite loss or gradient, step skipped; batch kept in {path}")
+        self.telemetry.note(f"step {self.step}: non-finite loss or gradient, step skipped; batch kept in {path}")
         if self._skipped_in_row >= self.cfg.learner.max_skipped_steps:
             raise NonFiniteError(
                 f"{self._skipped_in_row} steps in a row (the last: step {self.step}) had a non-finite loss or gradient "
@@ -189,8 +200,24 @@ class Controller:
         started ones join once they serve the latest weights; each event is logged and kept for the summary."""
         self._scale()
         for event in self.rollout.poll():
-            self.progress.note(str(event))
+            self.telemetry.note(str(event))
             self._pool_event(**asdict(event))
+        if time.perf_counter() - self._last_snapshot >= self.cfg.telemetry.pool_every_s:
+            self.telemetry.pool(self._snapshot())
+
+    def _snapshot(self) -> PoolSnapshot:
+        """The queue's and engines' state now, for the live views (`telemetry.pool_every_s`)."""
+        self._last_snapshot = time.perf_counter()
+        return PoolSnapshot(
+            wall_s=self._last_snapshot - self._started,
+            version=self.version,
+            counters=self.queue.counters(),
+            queue=self.queue.stats(),
+            engines=self.rollout.stats(),
+            tokens_trained=self.tokens_trained,
+            learner_wait_s=self.learner_wait_s,
+            pool_sizes={"rollout": len(self.rollout.names), "rollout_joining": len(self.rollout.joining), "learner": self.cfg.learner.num_ranks},
+        )
 
     def _pool_event(self, **event) -> None:
         self.pool_events.append({"t_s": round(time.perf_counter() - self._started, 3), "wall": time.time(), "step": self.step, **event})
@@ -202,7 +229,7 @@ class Controller:
         have = len(self.rollout.names) + len(self.rollout.joining)
         if wanted is None or wanted == have:
             return
-        self.progress.note(f"scaling the rollout pool {have} -> {wanted} at version {self.version}")
+        self.telemetry.note(f"scaling the rollout pool {have} -> {wanted} at version {self.version}")
         for _ in range(wanted - have):
             self._pool_event(kind="scaled_up", worker=self.rollout.add_worker(wait=False), version=self.version, requested_at=requested_at)
         for name in self.rollout.names[::-1][: max(0, have - wanted)]:
@@ -252,7 +279,7 @@ class Controller:
             parity = self._parity_probe()
             self.parity.append(parity)
             row.update(parity_max_abs_diff=parity, parity_probe_s=time.perf_counter() - began)
-        self.metrics.observe_sync(result.version, result.seconds, parity)
+        self.telemetry.sync(SyncEvent(result.version, result.seconds, parity))
 
     def _parity_probe(self) -> float:
         """Max |engine - learner| log-prob on one fixed sequence (invariant 4)."""
@@ -285,8 +312,7 @@ class Controller:
         }
         self.eval_s += record["eval_s"]
         self.evals.append(record)
-        self.progress.eval(record)
-        self.metrics.observe_eval(record["accuracy"])
+        self.telemetry.eval(record)
 
     def _record(self, stats, batch: Batch, learner_wait_s: float) -> None:
         self.samples_trained += stats.num_samples
@@ -303,6 +329,7 @@ class Controller:
             "staleness_mean": batch.staleness_mean,
             "staleness_max": batch.staleness_max,
             "learner_wait_s": learner_wait_s,
+            "lag_counts": lag_counts(batch.lags),
             "wall_s": round(time.perf_counter() - self._started, 3),
             **{k: v for k, v in stats.metrics.items()},
         }
@@ -311,9 +338,6 @@ class Controller:
         self.history.append(row)
         self._unlogged.append(row)
         self.learner_wait_s += learner_wait_s
-        self.metrics.observe_step(row, batch.lags, self.cfg.algorithm.resolved_names()["correction"])
-        if self.cfg.telemetry.prometheus_port:
-            self.metrics.observe_totals(self.queue.counters(), 0.0, 0, 0.0, {})
 
     def _log_steps(self) -> None:
         """Rows of finished steps, in order, to metrics.jsonl and the console; a row whose weight sync is still
@@ -323,8 +347,7 @@ class Controller:
             row = self._unlogged.popleft()
             with open(self.out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
-            if row["step"] % self.cfg.telemetry.log_every_steps == 0:
-                self.progress.step(row)
+            self.telemetry.step(row)
 
     def _checkpoint(self) -> None:
         self._finish_sync()  # the queue's version and the engines agree with the checkpointed learner
@@ -364,10 +387,10 @@ class Controller:
         self.sync.finish(self.sync.start(self.version, in_flight=False))
 
     def _summary(self, wall_s: float) -> dict:
-        counters = self.queue.counters()
+        snapshot = self._snapshot()
+        self.telemetry.pool(snapshot)
+        counters, rollout = snapshot.counters, snapshot.engines
         histogram = self.queue.staleness_histogram()
-        rollout = self.rollout.stats()
-        self.metrics.observe_totals(counters, wall_s, self.tokens_trained, self.learner_wait_s, rollout)
         return {
             "mode": self.cfg.mode,
             "algorithm": self.cfg.algorithm.resolved_names(),

@@ -35,6 +35,7 @@ def run(cfg: Config) -> dict:
             finally:
                 controller.shutdown()
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        controller.telemetry.close(summary)
     finally:
         if started_ray:
             import ray

@@ -25,6 +25,7 @@ import numpy as np
 
 from asyncrl.config import EnvConfig, RolloutConfig
 from asyncrl.envs.rewards import resolve_reward
+from asyncrl.envs.tools.base import InProcessTools, RewardError, ToolExecutor
 from asyncrl.rollout.engine import Engine, SamplingSpec
 from asyncrl.types import Prompt, Request, Trajectory
 
@@ -50,6 +51,8 @@ class WorkerSpec:
     max_staleness: int | None = None
     """After each in-flight weight update, abort the running requests certain to exceed this staleness
     (`Engine.abort_stale`; `buffer.max_staleness` when `buffer.abort_stale_in_flight`); None never aborts."""
+    tools: ToolExecutor | None = None
+    """Runs tools and the reward (asyncrl/envs/tools); None: in this process (`InProcessTools`)."""
 
 
 class RolloutWorker:
@@ -66,7 +69,8 @@ class RolloutWorker:
         self.name = name
         self.spec = spec
         self.config = spec.rollout
-        self.reward_fn = resolve_reward(spec.env.reward)
+        resolve_reward(spec.env.reward)  # fail at start, naming the reward, rather than on the first trajectory
+        self.tools = spec.tools or InProcessTools()
         self.queue = queue
         self.sampling = spec.sampling or SamplingSpec.from_rollout_config(self.config)
         self.engine = engine or Engine(
@@ -213,25 +217,18 @@ class RolloutWorker:
     async def _score(self, trajectory: Trajectory, prompt: Prompt) -> Trajectory:
         if trajectory.failed:
             return trajectory
-        call = asyncio.to_thread(
-            self.reward_fn,
-            trajectory.response_text,
-            trajectory.ground_truth,
-            finish_reason=trajectory.finish_reason,
-            extra_info=dict(prompt.extra_info),
-        )
         try:
-            reward = float(await asyncio.wait_for(call, timeout=self.spec.env.reward_timeout_s))
-        except asyncio.TimeoutError:
-            # The thread cannot be interrupted; it is abandoned and finishes on its own.
+            reward = await self.tools.reward(
+                self.spec.env.reward,
+                trajectory.response_text,
+                trajectory.ground_truth,
+                finish_reason=trajectory.finish_reason,
+                extra_info=dict(prompt.extra_info),
+                timeout_s=self.spec.env.reward_timeout_s,
+            )
+        except RewardError as e:
             self._reward_failures += 1
-            return trajectory.replace(failure=f"reward_error: timed out after {self.spec.env.reward_timeout_s}s")
-        except Exception as e:
-            self._reward_failures += 1
-            return trajectory.replace(failure=f"reward_error: {type(e).__name__}: {e}")
-        if not np.isfinite(reward):
-            self._reward_failures += 1
-            return trajectory.replace(failure=f"reward_error: non-finite reward {reward}")
+            return trajectory.replace(failure=f"reward_error: {e}")
         return trajectory.replace(reward=reward)
 
     async def _flush_loop(self) -> None:

@@ -1,17 +1,20 @@
 """Prometheus metrics of a run, served by the controller when `telemetry.prometheus_port` > 0.
 
 Names follow `asyncrl_<area>_<what>_<unit>`; deploy/grafana/dashboards/asyncrl.json plots them and
-tests/unit/test_deploy_files.py keeps the two lists in step. The controller calls `observe_step`,
-`observe_sync` and `observe_eval`; everything else is derived from the records it already keeps.
+tests/unit/test_deploy_files.py keeps the two lists in step. `RunMetrics` is a telemetry `Sink`: the controller's
+step, sync, eval and pool-snapshot events set the series (asyncrl/telemetry/sinks.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from asyncrl.telemetry.sinks import PoolSnapshot, Sink, SyncEvent
 
-class RunMetrics:
-    def __init__(self, port: int = 0):
+
+class RunMetrics(Sink):
+    def __init__(self, port: int = 0, correction: str = ""):
+        self.correction = correction
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
         self.registry = CollectorRegistry()
@@ -37,24 +40,28 @@ class RunMetrics:
         if port:
             start_http_server(port, registry=r)
 
-    def observe_step(self, row: dict[str, Any], lags: list[int], correction: str) -> None:
+    def step(self, row: dict[str, Any]) -> None:
         self.steps.inc()
         self.reward.set(row["reward"])
-        for lag in lags:
-            self.staleness.observe(lag)
+        for lag, n in row.get("lag_counts", {}).items():
+            for _ in range(n):
+                self.staleness.observe(int(lag))
         if "mismatch_k3_kl" in row:
             self.k3.set(row["mismatch_k3_kl"])
         if "correction_masked_fraction" in row:
-            self.masked.labels(method=correction).set(row["correction_masked_fraction"])
+            self.masked.labels(method=self.correction).set(row["correction_masked_fraction"])
 
-    def observe_sync(self, version: int, seconds: float, parity: float | None) -> None:
-        self.version.set(version)
-        self.sync_seconds.observe(seconds)
-        if parity is not None:
-            self.parity.set(parity)
+    def sync(self, event: SyncEvent) -> None:
+        self.version.set(event.version)
+        self.sync_seconds.observe(event.seconds)
+        if event.parity is not None:
+            self.parity.set(event.parity)
 
-    def observe_eval(self, accuracy: float) -> None:
-        self.accuracy.set(accuracy)
+    def eval(self, record: dict[str, Any]) -> None:
+        self.accuracy.set(record["accuracy"])
+
+    def pool(self, snapshot: PoolSnapshot) -> None:
+        self.observe_totals(snapshot.counters, snapshot.wall_s, snapshot.tokens_trained, snapshot.learner_wait_s, snapshot.engines)
 
     def observe_totals(self, counters: dict[str, int], wall_s: float, tokens_trained: int, learner_wait_s: float, rollout: dict) -> None:
         for state, n in counters.items():

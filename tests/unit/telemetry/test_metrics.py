@@ -1,6 +1,7 @@
 import re
 
 from asyncrl.telemetry.metrics import RunMetrics
+from asyncrl.telemetry.sinks import PoolSnapshot, SyncEvent, lag_counts
 
 
 def _value(text: str, sample: str) -> float:
@@ -10,12 +11,12 @@ def _value(text: str, sample: str) -> float:
 
 
 def test_step_sync_eval_and_totals_are_exported_with_their_values():
-    m = RunMetrics(port=0)
-    m.observe_step({"reward": 0.25, "mismatch_k3_kl": 0.002, "correction_masked_fraction": 0.1}, lags=[0, 1, 1, 3], correction="dis")
-    m.observe_sync(version=7, seconds=0.3, parity=2e-7)
-    m.observe_eval(0.42)
-    m.observe_totals({"dispatched": 10, "trained": 6, "filtered:zero_variance": 3, "in_flight": 1, "put": 99}, wall_s=2.0,
-                     tokens_trained=400, learner_wait_s=0.5, rollout={"rollout-0": {"tokens_generated": 1000, "busy_s": 3.0, "idle_s": 1.0}})
+    m = RunMetrics(port=0, correction="dis")
+    m.step({"reward": 0.25, "mismatch_k3_kl": 0.002, "correction_masked_fraction": 0.1, "lag_counts": lag_counts([0, 1, 1, 3])})
+    m.sync(SyncEvent(version=7, seconds=0.3, parity=2e-7))
+    m.eval({"accuracy": 0.42})
+    m.pool(PoolSnapshot(wall_s=2.0, version=7, counters={"dispatched": 10, "trained": 6, "filtered:zero_variance": 3, "in_flight": 1, "put": 99},
+                        queue={}, engines={"rollout-0": {"tokens_generated": 1000, "busy_s": 3.0, "idle_s": 1.0}}, tokens_trained=400, learner_wait_s=0.5))
     text = m.exposition().decode()
     assert _value(text, "asyncrl_learner_step_total") == 1
     assert _value(text, "asyncrl_policy_version") == 7
@@ -28,3 +29,8 @@ def test_step_sync_eval_and_totals_are_exported_with_their_values():
     assert _value(text, "asyncrl_learner_tokens_per_second") == 200  # 400 tokens / 2 s
     assert _value(text, "asyncrl_learner_idle_fraction") == 0.25
     assert _value(text, "asyncrl_rollout_idle_fraction") == 0.25  # 1 s idle of 4 s
+
+
+def test_lag_counts_is_a_sorted_histogram_with_string_keys():
+    assert lag_counts([2, 0, 10, 2]) == {"0": 1, "2": 2, "10": 1}
+    assert list(lag_counts([10, 2, 0])) == ["0", "2", "10"]  # numeric, not lexical, order
