@@ -103,9 +103,26 @@ function options(spec, built, width) {
     ...(built.bars ? { fill: COLORS[i % COLORS.length] + "88", paths: uPlot.paths.bars({ size: [0.6] }) } : { points: { size: 5 } }),
   }));
   return {
-    width: width, height: 240, scales: { x: { time: false } },
-    axes: [{ label: spec.x }, {}], series: [{ label: spec.x }, ...series],
+    width: width, height: 240, series: [{ label: spec.x }, ...series],
+    axes: [{ label: spec.x, values: built.bars ? integerTicks : undefined }, { size: 60, values: (u, splits) => splits.map(tick) }],
+    scales: built.bars
+      ? { x: { time: false, range: (u, min, max) => [min - 0.5, max + 0.5] }, y: { range: (u, min, max) => [0, max * 1.1] } }
+      : { x: { time: false }, y: { range: flatSafeRange } },
   };
+}
+
+// Small figures (mismatch KLs of 1e-4) need an exponent: the default tick labels would all read 0.001.
+function tick(v) {
+  if (v === 0 || v === null) return v;
+  return Math.abs(v) < 0.01 || Math.abs(v) >= 1e5 ? v.toExponential(1) : String(+v.toPrecision(4));
+}
+
+const integerTicks = (u, splits) => splits.map((v) => (Number.isInteger(v) ? v : ""));
+
+// uPlot spreads a flat series (a tiny model's reward of 0, a parity-exact mismatch of 0) over 0..100; keep it near its value.
+function flatSafeRange(u, min, max) {
+  if (min === max) return [min - 1, max + 1];
+  return uPlot.rangeNum(min, max, 0.1, true);
 }
 
 function fillSelect(spec, box) {
