@@ -12,7 +12,10 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: install run test test-fast bench bench-quick clean
+# Debian packages the tests drive (a headless browser for the dashboard test); `system-deps` installs the missing ones.
+SYSTEM_PACKAGES ?= chromium
+
+.PHONY: install run test test-fast bench bench-quick clean system-deps
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,7 +31,14 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/asyncrl run $(CONFIG) $(ARGS)
 
-test: $(STAMP)
+system-deps:
+	@missing=""; for p in $(SYSTEM_PACKAGES); do command -v $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null 2>&1; then sudo=sudo; \
+	else echo "system-deps: cannot install$$missing (not root, no sudo): the tests that need them will fail"; exit 0; fi; \
+	$$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y --no-install-recommends $$missing
+
+test: $(STAMP) system-deps
 	$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 test-fast: $(STAMP)

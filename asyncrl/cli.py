@@ -1,4 +1,4 @@
-"""`asyncrl` command line: run | check | submit | status | logs | stop | scale.
+"""`asyncrl` command line: run | check | submit | status | logs | stop | scale | dash.
 
 Thin entry point: nothing heavy (torch, Ray, vLLM) is imported before a subcommand needs it, so
 `asyncrl --help` answers at once.
@@ -46,6 +46,10 @@ def _parser() -> argparse.ArgumentParser:
     scale = sub.add_parser("scale", help="resize a running job's rollout pool (rollout=N), without restarting it")
     scale.add_argument("job")
     scale.add_argument("sizes", nargs="+", metavar="rollout=N")
+    dash = sub.add_parser("dash", help="open the dashboard page of a finished (or crashed) run's folder")
+    dash.add_argument("run_dir", help="the run's output_dir (holds metrics.jsonl, events.jsonl)")
+    dash.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    dash.add_argument("--port", type=int, default=8470, help="port (a taken one falls back to a free one; 0 = any)")
     for command in (submit, status, logs, stop, scale):
         command.add_argument("--address", help=f"Ray dashboard URL (default: RAY_ADDRESS, else {DEFAULT_ADDRESS})")
     return parser
@@ -162,10 +166,32 @@ def _cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dash(args: argparse.Namespace) -> int:
+    """Serve the run folder's page until Ctrl-C; the address is the first line printed."""
+    import time
+
+    from asyncrl.telemetry.dashboard import serve_run_dir
+
+    try:
+        server = serve_run_dir(args.run_dir, args.host, args.port)
+    except FileNotFoundError as e:
+        print(f"asyncrl dash: {e}", file=sys.stderr)
+        return 2
+    print(f"dashboard of {args.run_dir}: {server.url}  (Ctrl-C to stop)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        server.stop()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from asyncrl.config import ConfigError
 
+    if args.command == "dash":
+        return _dash(args)
     try:
         if args.command in ("status", "logs", "stop", "scale"):
             return _cluster(args)

@@ -259,6 +259,13 @@ class EvalConfig(Section):
     """Sampling temperature of evaluation (0 = greedy)."""
 
 
+class WandbConfig(Section):
+    project: str
+    """W&B project name."""
+    mode: Literal["offline", "online"] = "offline"
+    """`offline` writes the run under `<output_dir>/wandb` (upload later with `wandb sync`); `online` streams it."""
+
+
 class TelemetryConfig(Section):
     log_every_steps: int = Field(1, ge=1)
     """Progress line period in optimizer steps."""
@@ -268,6 +275,16 @@ class TelemetryConfig(Section):
     """Print the progress line to the console."""
     pool_every_s: float = Field(5.0, gt=0)
     """Period of the live queue/engine/throughput snapshot sent to the telemetry sinks (seconds)."""
+    dashboard_port: int = Field(8470, ge=0, le=65535)
+    """Serve the run's dashboard page on this port (0 = off); when it is taken, a free port is used. The
+    address is printed at start; `asyncrl dash RUN_DIR` opens the same page on a finished run."""
+    bind_host: str = "127.0.0.1"
+    """Address the dashboard (and the Prometheus endpoint) listen on; 127.0.0.1 keeps them on this machine."""
+    tensorboard: bool = False
+    """Also write the run's scalars as TensorBoard events under `<output_dir>/tensorboard` (extra `tensorboard`)."""
+    wandb: WandbConfig | None = None
+    """Also log the run's scalars to Weights & Biases (extra `wandb`): `{project: NAME, mode: offline | online}`;
+    offline (the default mode) writes the run under `<output_dir>/wandb`, to upload later with `wandb sync`."""
 
 
 class CheckpointConfig(Section):

@@ -9,6 +9,7 @@ the job's control actor. The controller polls the actor every `POLL_S` and grows
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -62,6 +63,29 @@ class ControlClient:
             return None, None
         self.last_poll = time.monotonic()
         return ray.get(self.handle.wanted.remote(), timeout=30)
+
+    def set_rollout(self, workers: int) -> int:
+        """What `asyncrl scale` does, from the controller's process (the dashboard's scale control)."""
+        import ray
+
+        return ray.get(self.handle.set_rollout.remote(workers), timeout=30)
+
+
+class LocalControl:
+    """The control of a run that is not a Ray job (`asyncrl run` here): the dashboard sets the wanted size in
+    the controller's own process, and the controller reads it the same way as a job's control actor."""
+
+    def __init__(self) -> None:
+        self._control = Control()
+        self._lock = threading.Lock()  # set from the dashboard's HTTP thread, read by the loop
+
+    def set_rollout(self, workers: int) -> int:
+        with self._lock:
+            return self._control.set_rollout(workers)
+
+    def wanted_rollout(self) -> tuple[int | None, float | None]:
+        with self._lock:
+            return self._control.wanted()
 
 
 def _scale_from_inside(job_id: str, rollout: int) -> None:

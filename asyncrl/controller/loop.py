@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from asyncrl.cluster.control import JOB_ENV, ControlClient
+from asyncrl.cluster.control import JOB_ENV, ControlClient, LocalControl
 from asyncrl.config import Config
 from asyncrl.controller.faults import (
     NonFiniteError,
@@ -28,17 +28,46 @@ from asyncrl.controller.faults import (
     scaling_timings,
     write_bad_batch,
 )
+from asyncrl.telemetry.dashboard import Dashboard
 from asyncrl.telemetry.metrics import RunMetrics
 from asyncrl.telemetry.progress import Progress
-from asyncrl.telemetry.sinks import PoolSnapshot, SyncEvent, Telemetry, lag_counts
+from asyncrl.telemetry.record import EventLog
+from asyncrl.telemetry.sinks import PoolSnapshot, Sink, SyncEvent, Telemetry, lag_counts
 
 if TYPE_CHECKING:
     from asyncrl.types import Batch
     from asyncrl.weight_sync.base import PendingSync
 
 
+def build_telemetry(cfg: Config) -> Telemetry:
+    """The run's sinks, built before anything slow starts so that every start-up phase is shown; the
+    dashboard's address is the first thing printed."""
+    t = cfg.telemetry
+    out = Path(cfg.output_dir)
+    sinks: list[Sink] = [
+        Progress(enabled=t.progress, every_steps=t.log_every_steps, max_steps=cfg.learner.max_steps),
+        RunMetrics(t.prometheus_port, correction=cfg.algorithm.resolved_names()["correction"]),
+        EventLog(out, append=bool(cfg.checkpoint.resume_from)),
+    ]
+    if t.dashboard_port:
+        sinks.append(Dashboard(out.name, t.bind_host, t.dashboard_port))
+    if t.tensorboard:
+        from asyncrl.telemetry.loggers import TensorBoardSink
+
+        sinks.append(TensorBoardSink(out / "tensorboard"))
+    if t.wandb is not None:
+        from asyncrl.telemetry.loggers import WandbSink
+
+        sinks.append(WandbSink(t.wandb.project, t.wandb.mode, out, out.name, cfg.dump()))
+    telemetry = Telemetry(sinks)
+    for sink in sinks:
+        if isinstance(sink, Dashboard):
+            telemetry.phase(f"dashboard: {sink.url}  (after the run: asyncrl dash {out})")
+    return telemetry
+
+
 class Controller:
-    def __init__(self, cfg: Config, model_dir: Path):
+    def __init__(self, cfg: Config, model_dir: Path, telemetry: Telemetry | None = None):
         self.cfg = cfg
         self.model_dir = Path(model_dir)
         self.out = Path(cfg.output_dir)
@@ -54,17 +83,16 @@ class Controller:
         self._pending_sync: tuple[PendingSync, dict] | None = None
         """The weight sync in flight: (pending sync, row of the step that published it)."""
         self.prompts_drawn = 0
-        self.telemetry = Telemetry(
-            [
-                Progress(enabled=cfg.telemetry.progress, every_steps=cfg.telemetry.log_every_steps),
-                RunMetrics(cfg.telemetry.prometheus_port, correction=cfg.algorithm.resolved_names()["correction"]),
-            ]
-        )
+        self.telemetry = telemetry if telemetry is not None else build_telemetry(cfg)
         self._last_snapshot = 0.0
         self.learner_wait_s = 0.0
         self.skipped_steps = 0
         self._skipped_in_row = 0
-        self.control: ControlClient | None = None
+        self.control: ControlClient | LocalControl = LocalControl()
+        """Wanted pool sizes: a job's control actor (`asyncrl scale`) or, for a local run, the dashboard's."""
+        for sink in self.telemetry.sinks:
+            if isinstance(sink, Dashboard):
+                sink.scaler = self.request_scale
         self.stop_requested: str | None = None
         """Why the run was asked to stop early (a signal); the loop ends at the next step boundary."""
         self.pool_events: list[dict] = []
@@ -161,6 +189,12 @@ class Controller:
         self.stop_requested = reason
         self.telemetry.note(f"stopping: {reason}; checkpointing at the next step boundary")
 
+    def request_scale(self, rollout_workers: int) -> int:
+        """Ask for a rollout pool of this size (the dashboard's control); `_scale` applies it between steps."""
+        if rollout_workers < 1:
+            raise ValueError(f"rollout pool size must be >= 1 (got {rollout_workers})")
+        return self.control.set_rollout(rollout_workers)
+
     def _next_batch(self) -> Batch | None:
         """Wait for a batch, topping up prompts meanwhile (filters may discard groups as fast as they finish);
         None when a stop was requested meanwhile."""
@@ -225,7 +259,7 @@ class Controller:
     def _scale(self) -> None:
         """Resize the rollout pool to what `asyncrl scale` asked for: new workers join once they serve the
         latest weights (the learner goes on meanwhile); removed ones hand their requests back."""
-        wanted, requested_at = self.control.wanted_rollout() if self.control is not None else (None, None)
+        wanted, requested_at = self.control.wanted_rollout()
         have = len(self.rollout.names) + len(self.rollout.joining)
         if wanted is None or wanted == have:
             return

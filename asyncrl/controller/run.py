@@ -10,23 +10,43 @@ import threading
 from pathlib import Path
 
 from asyncrl.config import Config
+from asyncrl.telemetry.sinks import Telemetry
 
 
 def run(cfg: Config) -> dict:
     """Run one job end to end and return (and write) its summary.
 
+    The telemetry sinks start first, so that every start-up phase (model build or warm start, Ray, queue,
+    learner, engines) is shown as it happens; a run that fails closes them with `{"error": ...}`.
+
     SIGTERM or Ctrl-C (what a job scheduler and a user send) asks the loop to stop at the next step boundary
     (it checks at least every few seconds): it then writes a checkpoint to resume from and its summary, and
     the Ray processes this run started are stopped. A second signal stops at once (still cleaning up).
     """
-    from asyncrl.controller.loop import Controller
-    from asyncrl.models import ensure_model
+    from asyncrl.controller.loop import build_telemetry
 
     out = Path(cfg.output_dir)
     cfg.save(out)
-    model_dir = ensure_model(cfg)
+    telemetry = build_telemetry(cfg)
+    telemetry.phase(f"config: {cfg.mode} mode, {cfg.learner.max_steps} steps, output in {out}")
+    try:
+        summary = _run(cfg, telemetry)
+    except BaseException as e:
+        telemetry.close({"error": f"{type(e).__name__}: {e}"})
+        raise
+    telemetry.close(summary)
+    return summary
+
+
+def _run(cfg: Config, telemetry: Telemetry) -> dict:
+    from asyncrl.controller.loop import Controller
+    from asyncrl.models import ensure_model
+
+    telemetry.phase("resolving the model")
+    model_dir = ensure_model(cfg, report=telemetry.phase)
+    telemetry.phase(f"connecting to Ray at {os.environ['RAY_ADDRESS']}" if os.environ.get("RAY_ADDRESS") else "starting a local Ray")
     started_ray = _init_ray(cfg)
-    controller = Controller(cfg, model_dir)
+    controller = Controller(cfg, model_dir, telemetry)
     try:
         with _stop_requests(controller):
             try:
@@ -34,8 +54,7 @@ def run(cfg: Config) -> dict:
                 summary = controller.run()
             finally:
                 controller.shutdown()
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        controller.telemetry.close(summary)
+        (Path(cfg.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
     finally:
         if started_ray:
             import ray

@@ -11,6 +11,7 @@ import fcntl
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,8 +107,10 @@ def _file_lock(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def ensure_model(cfg) -> Path:
-    """The model directory for a config: `model.path`, or a cached (warm-started) preset."""
+def ensure_model(cfg, report: Callable[[str], None] | None = None) -> Path:
+    """The model directory for a config: `model.path`, or a cached (warm-started) preset. `report` is told what
+    it does (a first warm start takes minutes, and a user should see it progress)."""
+    report = report or (lambda _text: None)
     if cfg.model.path:
         path = Path(cfg.model.path)
         if not (path / "config.json").exists():
@@ -127,15 +130,17 @@ def ensure_model(cfg) -> Path:
     path = cache_root() / "models" / f"{cfg.model.preset}-{key}"
     with _file_lock(path.with_suffix(".lock")):
         if (path / "warm_start.json").exists():
+            report(f"model: {path} (cached)")
             return path
         tmp = path.with_name(path.name + ".tmp")
+        report(f"building model {cfg.model.preset} in {path}")
         build_model(cfg.model.preset, tmp, seed=cfg.seed)
         report = {"spec": spec, "heldout_accuracy": None}
         if spec["examples"] > 0 and spec["epochs"] > 0:
             from asyncrl.models.warm_start import warm_start
 
             report.update(
-                warm_start(tmp, spec["examples"], spec["epochs"], spec["lr"], spec["max_operand"], target=spec["target"], seed=cfg.seed)
+                warm_start(tmp, spec["examples"], spec["epochs"], spec["lr"], spec["max_operand"], target=spec["target"], seed=cfg.seed, report=report)
             )
             if not report["target_reached"]:
                 import warnings

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,11 +117,13 @@ def warm_start(
     target: float | None = None,
     seed: int = 0,
     batch_size: int = 32,
+    report: Callable[[str], None] | None = None,
 ) -> dict:
     """Supervised training on `examples` pairs for `epochs` (or until greedy accuracy on a validation
     set reaches `target`, checked every EVAL_EVERY_STEPS steps), deterministically. Saves the model in
     place and returns what was measured about it: greedy held-out accuracy, the mean reward of 8 samples
-    per held-out prompt at T=1 and the answer entropy along them (what a GRPO group has to work with)."""
+    per held-out prompt at T=1 and the answer entropy along them (what a GRPO group has to work with).
+    `report` is told the validation accuracy at each check."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with deterministic(seed):
@@ -130,11 +133,13 @@ def warm_start(
         validation = _validation_prompts(tokenizer, 200, max_operand, pairs) if target is not None else []
         val_acc: list[float] = []
 
-        def reached(_step: int) -> bool:
+        def reached(step: int) -> bool:
             if target is None:
                 return False
             model.eval()
             val_acc.append(greedy_accuracy(model, tokenizer, validation))
+            if report is not None:
+                report(f"warm start: step {step}, validation accuracy {val_acc[-1]:.3f} (target {target})")
             return val_acc[-1] >= target
 
         start = time.perf_counter()

@@ -59,3 +59,8 @@ def test_an_unknown_recipe_name_lists_the_shipped_ones(installed, tmp_path):
     done = _run(["-m", "asyncrl.cli", "check", "scalerll"], installed, tmp_path)
     assert done.returncode == 2
     assert "scalerll" in done.stderr and "scalerl" in done.stderr.split("shipped recipe:")[1]
+
+
+def test_the_dashboard_page_and_its_charting_library_ship_in_the_wheel(installed):
+    static = installed / "asyncrl" / "telemetry" / "static"
+    assert {"index.html", "dashboard.js", "dashboard.css", "uPlot.iife.min.js", "uPlot.min.css", "uPlot.LICENSE"} <= {p.name for p in static.iterdir()}

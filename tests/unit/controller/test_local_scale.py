@@ -1,0 +1,52 @@
+"""A local run (not a Ray job) is resized from its dashboard: the wanted size goes to the controller's own
+control and `_scale` applies it between steps, as it does for `asyncrl scale` on a job."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.controller.loop import Controller
+from asyncrl.telemetry.dashboard import Dashboard
+
+
+class FakePool:
+    def __init__(self, names: list[str]):
+        self.names, self.joining, self.removed = list(names), [], []
+
+    def add_worker(self, wait: bool = True) -> str:
+        self.joining.append(f"rollout-{len(self.names) + len(self.joining)}")
+        return self.joining[-1]
+
+    def remove_worker(self, name: str) -> int:
+        self.names.remove(name)
+        self.removed.append(name)
+        return 2  # requests handed back
+
+
+def test_the_dashboards_scale_control_reaches_the_controllers_scale_step(tmp_path):
+    cfg = load_config(None, [f"output_dir={tmp_path}", "telemetry.progress=false", "telemetry.dashboard_port=0"])
+    controller = Controller(cfg, tmp_path)
+    controller.rollout = FakePool(["rollout-0"])
+    controller._scale()
+    assert controller.pool_events == []  # nothing asked yet
+    assert controller.request_scale(3) == 3
+    controller._scale()
+    assert [(e["kind"], e["worker"]) for e in controller.pool_events] == [("scaled_up", "rollout-1"), ("scaled_up", "rollout-2")]
+    controller.rollout.names, controller.rollout.joining = ["rollout-0", "rollout-1", "rollout-2"], []
+    controller.request_scale(1)
+    controller._scale()
+    assert controller.rollout.removed == ["rollout-2", "rollout-1"]  # the newest go first
+    with pytest.raises(ValueError, match="must be >= 1"):
+        controller.request_scale(0)
+
+
+def test_the_controller_hands_its_scale_request_to_the_dashboard(tmp_path):
+    cfg = load_config(None, [f"output_dir={tmp_path}", "telemetry.progress=false", "telemetry.dashboard_port=0"])
+    assert not any(isinstance(s, Dashboard) for s in Controller(cfg, tmp_path).telemetry.sinks)  # 0 = off
+    cfg = load_config(None, [f"output_dir={tmp_path}", "telemetry.progress=false"])
+    controller = Controller(cfg, tmp_path)
+    (dashboard,) = [s for s in controller.telemetry.sinks if isinstance(s, Dashboard)]
+    assert dashboard.scaler == controller.request_scale
+    assert (tmp_path / "events.jsonl").read_text().count('"kind": "phase"') == 1  # the dashboard's address
+    dashboard.server.stop()

@@ -1,0 +1,125 @@
+"""The dashboard's records, its HTTP API (data, scale) and the run folder it reads back (`asyncrl dash`)."""
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+from asyncrl.cluster.control import LocalControl
+from asyncrl.telemetry.dashboard import Dashboard, serve_run_dir
+from asyncrl.telemetry.record import EventLog, load_run, pool_point
+from asyncrl.telemetry.sinks import AlarmEvent, PoolSnapshot, SyncEvent, Telemetry
+
+ROW = {"step": 1, "version": 1, "reward": 0.5, "loss": float("nan"), "lag_counts": {"0": 3, "1": 1}, "wall_s": 2.0, "mismatch_k3_kl": 1e-4}
+SNAPSHOT = PoolSnapshot(
+    wall_s=4.0, version=1, counters={"trained": 4}, queue={"ready_groups": 2, "backlog_groups": 6},
+    engines={"rollout-0": {"busy_s": 3.0, "idle_s": 1.0, "tokens_generated": 40, "version": 1}},
+    tokens_trained=10, learner_wait_s=1.0, pool_sizes={"rollout": 1, "rollout_joining": 0},
+)  # fmt: skip
+
+
+def _get(url: str) -> dict:
+    return json.loads(urllib.request.urlopen(url, timeout=10).read())
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _untimed(reply: dict) -> list:
+    """(kind, data) of each record, sorted, without the time stamp each sink takes itself."""
+    return sorted((r["kind"], json.dumps({k: v for k, v in r["data"].items() if k != "time"}, sort_keys=True)) for r in reply["records"])
+
+
+def _feed(telemetry):
+    telemetry.phase("starting the learner")
+    telemetry.step(ROW)
+    telemetry.eval({"version": 1, "step": 1, "accuracy": 0.25, "samples_trained": 4})
+    telemetry.sync(SyncEvent(version=1, seconds=0.5))
+    telemetry.pool(SNAPSHOT)
+    telemetry.alarm(AlarmEvent("ess_fraction", 0.2, 0.5, "ESS fraction 0.2 < 0.5"))
+
+
+def test_pool_point_flattens_a_snapshot_into_rates_and_fractions_over_the_run():
+    point = pool_point(SNAPSHOT)
+    assert point["rollout_tokens_per_s"] == 10.0  # 40 tokens / 4 s
+    assert point["learner_tokens_per_s"] == 2.5  # 10 / 4
+    assert point["rollout_busy_fraction"] == 0.75  # 3 s busy of 4
+    assert point["learner_idle_fraction"] == 0.25 and point["learner_busy_fraction"] == 0.75  # waited 1 s of 4
+    assert point["queue/ready_groups"] == 2 and point["pool/rollout"] == 1 and point["engine_version/rollout-0"] == 1
+
+
+def test_data_endpoint_returns_the_records_after_since_with_nan_as_null():
+    dash = Dashboard("run-a", port=0)
+    _feed(Telemetry([dash]))
+    everything = _get(dash.url + "api/data")
+    assert everything["title"] == "run-a" and everything["live"] is True and everything["seq"] == 6
+    assert [r["kind"] for r in everything["records"]] == ["phase", "step", "eval", "sync", "pool", "alarm"]
+    assert everything["records"][1]["data"]["loss"] is None  # NaN is not JSON a browser can parse
+    newer = _get(dash.url + "api/data?since=4")
+    assert [(r["seq"], r["kind"]) for r in newer["records"]] == [(5, "pool"), (6, "alarm")]
+    assert _get(dash.url + "api/data?since=6")["records"] == []
+    page = urllib.request.urlopen(dash.url, timeout=10).read().decode()
+    assert "/static/uPlot.iife.min.js" in page
+    assert urllib.request.urlopen(dash.url + "static/uPlot.iife.min.js", timeout=10).read().startswith(b"/*! https://github.com/leeoniya/uPlot")
+    dash.server.stop()
+
+
+def test_scale_goes_to_the_controls_wanted_size_and_a_finished_run_refuses_it():
+    dash = Dashboard("run-b", port=0)
+    assert _post(dash.url + "api/scale", {"rollout": 2})[0] == 409  # no controller attached yet
+    control = LocalControl()
+    dash.scaler = control.set_rollout
+    assert _post(dash.url + "api/scale", {"rollout": 3}) == (200, {"rollout": 3})
+    assert control.wanted_rollout()[0] == 3
+    assert _post(dash.url + "api/scale", {"rollout": 0})[0] == 400
+    assert _post(dash.url + "api/scale", {"workers": 2})[0] == 400
+    dash.close({"steps": 1})
+    assert _get(dash.url + "api/data")["live"] is False
+    assert _post(dash.url + "api/scale", {"rollout": 2})[0] == 409
+    assert control.wanted_rollout()[0] == 3
+    dash.server.stop()
+
+
+def test_a_run_folder_reads_back_as_the_same_records(tmp_path):
+    live = Dashboard("run", port=0)
+    telemetry = Telemetry([EventLog(tmp_path), live])
+    _feed(telemetry)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(ROW) + "\n" + '{"step": 2, "torn')  # died mid-line
+    assert load_run(tmp_path).live is False
+    server = serve_run_dir(tmp_path, port=0)
+    loaded, shown = _get(server.url + "api/data"), _get(live.url + "api/data")
+    assert loaded["title"] == tmp_path.name and loaded["live"] is False
+    assert _untimed(loaded) == _untimed(shown) and len(shown["records"]) == 6
+    assert _post(server.url + "api/scale", {"rollout": 2})[0] == 409
+    server.stop()
+    live.server.stop()
+
+
+def test_asyncrl_dash_serves_a_run_folder_and_names_a_folder_without_metrics(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(ROW) + "\n")
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "dash", str(tmp_path), "--port", "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        url = line.split(": ", 1)[1].split()[0]
+        assert [r["data"]["reward"] for r in _get(url + "api/data")["records"]] == [0.5]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    empty = subprocess.run([sys.executable, "-m", "asyncrl.cli", "dash", str(tmp_path / "nothing")], capture_output=True, text=True)
+    assert empty.returncode == 2 and "has no metrics.jsonl" in empty.stderr
+
+
+def test_a_taken_port_falls_back_to_a_free_one():
+    first = Dashboard("a", port=0)
+    port = int(first.url.rsplit(":", 1)[1].strip("/"))
+    second = Dashboard("b", port=port)
+    assert second.url != first.url and _get(second.url + "api/data")["title"] == "b"
+    first.server.stop()
+    second.server.stop()
