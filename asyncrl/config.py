@@ -259,6 +259,16 @@ class EvalConfig(Section):
     """Sampling temperature of evaluation (0 = greedy)."""
 
 
+AlarmName = Literal["ess_fraction_below", "k3_above", "parity_above", "stale_drops_above", "learner_idle_above"]
+
+
+class AlarmRule(Section):
+    threshold: float
+    """The figure's limit."""
+    stop: bool = False
+    """Crossing it also stops the run cleanly (checkpoint and summary; `stopped_early` names the alarm)."""
+
+
 class TelemetryConfig(Section):
     log_every_steps: int = Field(1, ge=1)
     """Progress line period in optimizer steps."""
@@ -268,6 +278,19 @@ class TelemetryConfig(Section):
     """Print the progress line to the console."""
     pool_every_s: float = Field(5.0, gt=0)
     """Period of the live queue/engine/throughput snapshot sent to the telemetry sinks (seconds)."""
+    rate_window_s: float = Field(30.0, gt=0)
+    """Live rates (tokens/s, busy and idle fractions, stale drops) are measured over the snapshots of this
+    many recent seconds."""
+    bind_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint listens on; `0.0.0.0` exposes it to the network (a cluster scraper)."""
+    alarms: dict[AlarmName, AlarmRule] = Field(default_factory=dict)
+    """Alarms, each `{threshold: x, stop: false}` (e.g. `telemetry.alarms.k3_above.threshold=0.01`), checked on
+    every step, weight sync and pool snapshot: `ess_fraction_below` (normalised ESS of the step's IS weights
+    pi_train / mu), `k3_above` (the step's k3 KL between learner and rollout log-probs), `parity_above` (max
+    |engine - learner| log-prob of a probed sync), `stale_drops_above` (fraction of the samples finished in the
+    last `rate_window_s` that were dropped as stale), `learner_idle_above` (fraction of the last `rate_window_s`
+    the learner waited for data). A crossing logs a warning with the figure and the threshold, sets
+    `asyncrl_alarm{name}` to 1 (0 once back within) and, with `stop: true`, ends the run with a checkpoint."""
 
 
 class CheckpointConfig(Section):
