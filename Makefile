@@ -12,7 +12,10 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: install run test test-fast bench bench-quick clean
+# Debian packages the tests start as real processes (each package's binary has the package's name).
+SYSTEM_PACKAGES ?= prometheus
+
+.PHONY: install run test test-fast bench bench-quick clean system-deps
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,7 +31,16 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/asyncrl run $(CONFIG) $(ARGS)
 
-test: $(STAMP)
+# Installs the missing ones with apt-get: as root, else through sudo; otherwise says what to install and fails.
+system-deps:
+	@missing=""; for pkg in $(SYSTEM_PACKAGES); do command -v $$pkg >/dev/null 2>&1 || missing="$$missing $$pkg"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then as=""; elif command -v sudo >/dev/null 2>&1; then as="sudo"; \
+	else echo "make test needs the Debian package(s)$$missing: install them as root (apt-get install$$missing)"; exit 1; fi; \
+	echo "installing$$missing (apt-get)"; \
+	$$as apt-get install -y --no-install-recommends $$missing || { $$as apt-get update && $$as apt-get install -y --no-install-recommends $$missing; }
+
+test: $(STAMP) system-deps
 	$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 test-fast: $(STAMP)
