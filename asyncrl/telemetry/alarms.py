@@ -47,8 +47,12 @@ class Alarms(Sink):
         """Alarms beyond their threshold now, by name."""
         self.fired: list[AlarmEvent] = []
         """Every crossing of the run, in order."""
+        self.first_step_s: float | None = None
+        """Run time of the first step row: windows that start before it measure start-up, not training."""
 
     def step(self, row: dict[str, Any]) -> None:
+        if self.first_step_s is None:
+            self.first_step_s = row.get("wall_s", 0.0)
         self.check(ESS, row.get("mismatch_kappa_ess"), f"step {row.get('step')}")
         self.check(K3, row.get("mismatch_k3_kl"), f"step {row.get('step')}")
 
@@ -56,11 +60,14 @@ class Alarms(Sink):
         self.check(PARITY, event.parity, f"weight sync to version {event.version}")
 
     def pool(self, snapshot: PoolSnapshot) -> None:
-        if snapshot.live is None or snapshot.live.window_s <= 0:
+        """Stale drops and learner idle over the live window, once the window lies after the first step
+        (before it the learner waits for engines to start: idle by design)."""
+        live = snapshot.live
+        if live is None or live.window_s <= 0 or self.first_step_s is None or snapshot.wall_s - live.window_s < self.first_step_s:
             return
-        where = f"the last {snapshot.live.window_s:.0f} s"
-        self.check(STALE_DROPS, snapshot.live.stale_drop_fraction, where)
-        self.check(LEARNER_IDLE, snapshot.live.learner_idle_fraction, where)
+        where = f"the last {live.window_s:.0f} s"
+        self.check(STALE_DROPS, live.stale_drop_fraction, where)
+        self.check(LEARNER_IDLE, live.learner_idle_fraction, where)
 
     def check(self, check: Check, value: float | None, where: str) -> None:
         """Compare `value` with the rule of `check` (nothing when the rule is off or the figure unknown)."""

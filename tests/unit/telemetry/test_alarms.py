@@ -61,9 +61,18 @@ def test_stop_true_asks_the_controller_to_stop_naming_the_alarm():
     assert report.alarms[0].stop
 
 
+def test_snapshot_alarms_wait_for_a_window_that_starts_after_the_first_step():
+    alarms, report, _ = _alarms(learner_idle_above={"threshold": 0.5})
+    alarms.pool(_snapshot(learner_idle_fraction=1.0))  # no step yet: the learner waits for start-up
+    alarms.step({"step": 1, "wall_s": 40.0})
+    alarms.pool(_snapshot(learner_idle_fraction=1.0))  # at 60 s the window [30, 60] s still holds start-up
+    assert report.alarms == []
+
+
 def test_snapshot_alarms_read_the_live_window():
     alarms, report, _ = _alarms(stale_drops_above={"threshold": 0.1}, learner_idle_above={"threshold": 0.5})
-    alarms.pool(_snapshot(stale_drop_fraction=0.25, learner_idle_fraction=0.5))
+    alarms.step({"step": 1, "wall_s": 30.0})
+    alarms.pool(_snapshot(stale_drop_fraction=0.25, learner_idle_fraction=0.5))  # window [30, 60] s
     assert [(e.name, e.value) for e in report.alarms] == [("stale_drops_above", 0.25)]  # idle 0.5 is not above 0.5
     assert "(the last 30 s)" in report.notes[0]
     alarms.pool(_snapshot(window_s=0.0, learner_idle_fraction=1.0))  # no window measured yet: nothing to judge
@@ -72,7 +81,7 @@ def test_snapshot_alarms_read_the_live_window():
 
 def test_rules_are_off_by_default():
     alarms, report, _ = _alarms()
-    alarms.step({"step": 1, "mismatch_k3_kl": 99.0, "mismatch_kappa_ess": 0.0})
+    alarms.step({"step": 1, "wall_s": 0.0, "mismatch_k3_kl": 99.0, "mismatch_kappa_ess": 0.0})
     alarms.pool(_snapshot(stale_drop_fraction=1.0, learner_idle_fraction=1.0))
     assert report.alarms == []
 
