@@ -12,8 +12,9 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-# Debian packages the tests drive (a headless browser for the dashboard test); `system-deps` installs the missing ones.
-SYSTEM_PACKAGES ?= chromium
+# Debian packages the tests start as real processes (a headless browser, a Prometheus server), each as
+# package:binary; `system-deps` installs the missing ones.
+SYSTEM_PACKAGES ?= chromium:chromium prometheus:prometheus
 
 .PHONY: install run test test-fast bench bench-quick clean system-deps
 
@@ -31,12 +32,14 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/asyncrl run $(CONFIG) $(ARGS)
 
+# Installs the missing ones with apt-get: as root, else through sudo; otherwise says what to install and fails.
 system-deps:
-	@missing=""; for p in $(SYSTEM_PACKAGES); do command -v $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	@missing=""; for pb in $(SYSTEM_PACKAGES); do command -v $${pb#*:} >/dev/null 2>&1 || missing="$$missing $${pb%%:*}"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
-	if [ "$$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null 2>&1; then sudo=sudo; \
-	else echo "system-deps: cannot install$$missing (not root, no sudo): the tests that need them will fail"; exit 0; fi; \
-	$$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y --no-install-recommends $$missing
+	if [ "$$(id -u)" = 0 ]; then as=""; elif command -v sudo >/dev/null 2>&1; then as="sudo"; \
+	else echo "make test needs the Debian package(s)$$missing: install them as root (apt-get install$$missing)"; exit 1; fi; \
+	echo "installing$$missing (apt-get)"; \
+	$$as apt-get install -y --no-install-recommends $$missing || { $$as apt-get update && $$as apt-get install -y --no-install-recommends $$missing; }
 
 test: $(STAMP) system-deps
 	$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc

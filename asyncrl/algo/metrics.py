@@ -16,7 +16,7 @@ import torch
 
 from asyncrl.algo._masked import as_mask, log_ratio, masked_mean, seq_lengths, valid
 
-__all__ = ["mismatch_metrics", "masked_quantiles"]
+__all__ = ["lag_mismatch_figures", "lag_mismatch_parts", "mismatch_metrics", "masked_quantiles"]
 
 QUANTILES = (0.01, 0.05, 0.5, 0.95, 0.99)
 
@@ -95,3 +95,67 @@ def mismatch_metrics(
     names = list(out)
     values = torch.stack([out[k].float().reshape(()) for k in names]).tolist()
     return dict(zip(names, values))
+
+
+LAG_PARTS = "lagpart/"
+"""Prefix of the per-lag pieces a rank reports (`lag_mismatch_parts`); `lag_mismatch_figures` consumes them."""
+
+
+def lag_mismatch_parts(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, lags: torch.Tensor, is_cap: float = 2.0
+) -> dict[str, float]:
+    """The mismatch of each staleness bucket (what a user reads to choose eta), as pieces that merge exactly.
+
+    Inputs [B, T] log-probs and mask, `lags` [B] (each row's policy lag). Keys `lagpart/<lag>/<piece>`: token
+    sums ending in `_sum` (`learner.step.merge_metrics` adds them over ranks), `abs_diff_max` (max) and the
+    kappa quantiles `is_weight_pXX` (a token-weighted mean over ranks: exact on one rank, like the batch ones)."""
+    mask = as_mask(mask)
+    old = valid(old_logprobs, mask).detach()
+    rollout = valid(rollout_logprobs, mask).detach()
+    log_kappa = log_ratio(old, rollout, mask)
+    kappa = torch.exp(log_kappa)
+    diff = (old - rollout).abs()
+    pieces = {
+        "tokens": torch.ones_like(kappa), "k1": rollout - old, "k3": kappa - log_kappa - 1.0, "abs_diff": diff,
+        "w": kappa, "w2": kappa**2, "clipped": (kappa > is_cap).float(),
+    }
+    out: dict[str, torch.Tensor] = {}
+    for lag in sorted(set(lags.tolist())):
+        rows = mask & (lags == lag).to(mask.device)[:, None]
+        if not rows.any():
+            continue
+        key = f"{LAG_PARTS}{lag}/"
+        out.update({f"{key}{name}_sum": torch.where(rows, x, 0.0).sum() for name, x in pieces.items()})
+        out[f"{key}abs_diff_max"] = torch.where(rows, diff, 0.0).max()
+        for q, value in zip(QUANTILES, masked_quantiles(kappa, rows)):
+            out[f"{key}is_weight_p{round(q * 100):02d}"] = value
+    names = list(out)
+    values = torch.stack([out[k].double().reshape(()) for k in names]).tolist() if names else []
+    return dict(zip(names, values))
+
+
+def lag_mismatch_figures(metrics: dict[str, float]) -> dict[str, float]:
+    """`metrics` with its merged `lagpart/` pieces replaced by `mismatch_<figure>/lag=<lag>`: the same figures
+    as `mismatch_metrics` (kl = k1, k3_kl, logprob_abs_diff_mean/max, chi2_token, kappa_ess,
+    kappa_clipped_fraction, kappa_is_weight_pXX) plus `tokens`, each a ratio of sums (sum, then divide)."""
+    out = {k: v for k, v in metrics.items() if not k.startswith(LAG_PARTS)}
+    parts: dict[str, dict[str, float]] = {}
+    for key, value in metrics.items():
+        if key.startswith(LAG_PARTS):
+            lag, piece = key[len(LAG_PARTS) :].split("/", 1)
+            parts.setdefault(lag, {})[piece] = value
+    for lag, p in parts.items():
+        n = max(p["tokens_sum"], 1e-30)
+        figures = {
+            "tokens": p["tokens_sum"],
+            "kl": p["k1_sum"] / n,
+            "k3_kl": p["k3_sum"] / n,
+            "logprob_abs_diff_mean": p["abs_diff_sum"] / n,
+            "logprob_abs_diff_max": p["abs_diff_max"],
+            "chi2_token": p["w2_sum"] / n - 1.0,
+            "kappa_ess": p["w_sum"] ** 2 / max(p["w2_sum"] * n, 1e-30),
+            "kappa_clipped_fraction": p["clipped_sum"] / n,
+            **{f"kappa_{k}": v for k, v in p.items() if k.startswith("is_weight_p")},
+        }
+        out.update({f"mismatch_{name}/lag={lag}": float(v) for name, v in figures.items()})
+    return out

@@ -14,7 +14,7 @@ import math
 import os
 import time
 from collections import deque
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,9 +28,12 @@ from asyncrl.controller.faults import (
     scaling_timings,
     write_bad_batch,
 )
+from asyncrl.telemetry.alarms import Alarms
 from asyncrl.telemetry.dashboard import Dashboard
+from asyncrl.telemetry.figures import batch_figures
 from asyncrl.telemetry.metrics import RunMetrics
 from asyncrl.telemetry.progress import Progress
+from asyncrl.telemetry.rates import RateWindow
 from asyncrl.telemetry.record import EventLog
 from asyncrl.telemetry.sinks import PoolSnapshot, Sink, SyncEvent, Telemetry, lag_counts
 
@@ -46,7 +49,7 @@ def build_telemetry(cfg: Config) -> Telemetry:
     out = Path(cfg.output_dir)
     sinks: list[Sink] = [
         Progress(enabled=t.progress, every_steps=t.log_every_steps, max_steps=cfg.learner.max_steps),
-        RunMetrics(t.prometheus_port, correction=cfg.algorithm.resolved_names()["correction"]),
+        RunMetrics(t.prometheus_port, cfg.algorithm.resolved_names()["correction"], t.bind_host),
         EventLog(out, append=bool(cfg.checkpoint.resume_from)),
     ]
     if t.dashboard_port:
@@ -63,6 +66,8 @@ def build_telemetry(cfg: Config) -> Telemetry:
     for sink in sinks:
         if isinstance(sink, Dashboard):
             telemetry.phase(f"dashboard: {sink.url}  (after the run: asyncrl dash {out})")
+    if t.prometheus_port:
+        telemetry.phase(f"Prometheus metrics at http://{t.bind_host}:{t.prometheus_port}/metrics")
     return telemetry
 
 
@@ -84,6 +89,9 @@ class Controller:
         """The weight sync in flight: (pending sync, row of the step that published it)."""
         self.prompts_drawn = 0
         self.telemetry = telemetry if telemetry is not None else build_telemetry(cfg)
+        self.alarms = Alarms(cfg.telemetry.alarms, self.telemetry, self.request_stop)
+        self.telemetry.sinks.append(self.alarms)
+        self.rates = RateWindow(cfg.telemetry.rate_window_s)
         self._last_snapshot = 0.0
         self.learner_wait_s = 0.0
         self.skipped_steps = 0
@@ -162,7 +170,7 @@ class Controller:
                 break  # asked to stop while waiting
             learner_wait_s = time.perf_counter() - wait
             poison_batch(batch, self.step + 1 in cfg.faults.nan_reward_at_steps)
-            stats = self.learner.train_step(batch.groups)
+            stats = self.learner.train_step(batch.groups, lags=batch.lags)
             self.step += 1
             self._check_finite(stats, batch)
             self._upkeep()
@@ -242,7 +250,7 @@ class Controller:
     def _snapshot(self) -> PoolSnapshot:
         """The queue's and engines' state now, for the live views (`telemetry.pool_every_s`)."""
         self._last_snapshot = time.perf_counter()
-        return PoolSnapshot(
+        snapshot = PoolSnapshot(
             wall_s=self._last_snapshot - self._started,
             version=self.version,
             counters=self.queue.counters(),
@@ -252,6 +260,7 @@ class Controller:
             learner_wait_s=self.learner_wait_s,
             pool_sizes={"rollout": len(self.rollout.names), "rollout_joining": len(self.rollout.joining), "learner": self.cfg.learner.num_ranks},
         )
+        return replace(snapshot, live=self.rates.add(snapshot))
 
     def _pool_event(self, **event) -> None:
         self.pool_events.append({"t_s": round(time.perf_counter() - self._started, 3), "wall": time.time(), "step": self.step, **event})
@@ -306,14 +315,14 @@ class Controller:
         self._pending_sync = None
         result = self.sync.finish(pending)
         self.queue.set_version(result.version)
-        row["sync_s"] = result.seconds
+        row.update(sync_s=result.seconds, sync_bytes=result.num_bytes)
         parity = None
         if probe:
             began = time.perf_counter()
             parity = self._parity_probe()
             self.parity.append(parity)
             row.update(parity_max_abs_diff=parity, parity_probe_s=time.perf_counter() - began)
-        self.telemetry.sync(SyncEvent(result.version, result.seconds, parity))
+        self.telemetry.sync(SyncEvent(result.version, result.seconds, parity, bytes=result.num_bytes))
 
     def _parity_probe(self) -> float:
         """Max |engine - learner| log-prob on one fixed sequence (invariant 4)."""
@@ -364,6 +373,7 @@ class Controller:
             "staleness_max": batch.staleness_max,
             "learner_wait_s": learner_wait_s,
             "lag_counts": lag_counts(batch.lags),
+            **batch_figures(batch),
             "wall_s": round(time.perf_counter() - self._started, 3),
             **{k: v for k, v in stats.metrics.items()},
         }
@@ -445,6 +455,7 @@ class Controller:
             "learner_idle_fraction": self.learner_wait_s / wall_s if wall_s else None,
             "rollout": rollout,
             "pool_events": self.pool_events,
+            "alarms": [asdict(event) for event in self.alarms.fired],
             "faults": recovery_timings(self.pool_events),
             "scaling": scaling_timings(self.pool_events),
         }

@@ -78,6 +78,7 @@ class TrainBatch:
     dones: torch.Tensor  # bool [B], finish_reason == "stop" (False = truncated: GAE bootstraps)
     seq_lens: torch.Tensor  # int64 [B], prompt + response tokens
     num_groups: int
+    lags: torch.Tensor | None = None  # int64 [B], each row's policy lag (per-lag mismatch figures); None = unknown
 
     @property
     def num_rows(self) -> int:
@@ -107,14 +108,15 @@ class TrainBatch:
         return TrainBatch(**fields)
 
 
-def build_batch(groups: Sequence[Group], recipe) -> TrainBatch:
+def build_batch(groups: Sequence[Group], recipe, lags: Sequence[int] | None = None) -> TrainBatch:
     """Pad the trajectories of `groups` into one TrainBatch and compute the whole-batch quantities:
     shaped rewards (the recipe's DAPO overlong penalty on response lengths), outcome advantages (unless
     the recipe's estimator needs a critic) and the reduction weights.
 
     `recipe` is an `asyncrl.algo.recipes.Recipe`. When `recipe.denominator_after_rejection` is set the
     weights here count the mask before rejection; the learner recomputes them from its own old log-probs
-    with statistics all-reduced across ranks.
+    with statistics all-reduced across ranks. `lags` (one per trajectory, `Batch.lags`) lets the learner split
+    its mismatch figures by staleness bucket.
     """
     from asyncrl.algo.recipes import compute_advantages, shape_rewards
 
@@ -163,6 +165,7 @@ def build_batch(groups: Sequence[Group], recipe) -> TrainBatch:
         dones=torch.tensor([t.finish_reason == "stop" for _, t in trajectories]),
         seq_lens=torch.tensor(seq_lens, dtype=torch.long),
         num_groups=len(groups),
+        lags=torch.tensor(list(lags), dtype=torch.long) if lags is not None else None,
     )
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.algo.metrics import lag_mismatch_figures
 from asyncrl.learner.batch import TrainBatch, build_batch, loss_needs_whole_groups, split_mini_batches, split_rows
 from asyncrl.learner.export import ExportedWeights
 from asyncrl.learner.rank import LearnerWorker
@@ -131,12 +132,13 @@ class LearnerPool:
 
     # ------------------------------------------------------------------ training
 
-    def make_batch(self, groups: Sequence[Group], recipe=None) -> TrainBatch:
-        return build_batch(groups, recipe or self.recipe)
+    def make_batch(self, groups: Sequence[Group], recipe=None, lags: Sequence[int] | None = None) -> TrainBatch:
+        return build_batch(groups, recipe or self.recipe, lags)
 
-    def train_step(self, groups: Sequence[Group]) -> StepStats:
-        """One step on `groups` (the readiness units the buffer handed out)."""
-        return self.train_batch(self.make_batch(groups))
+    def train_step(self, groups: Sequence[Group], lags: Sequence[int] | None = None) -> StepStats:
+        """One step on `groups` (the readiness units the buffer handed out); with `lags` (`Batch.lags`) the
+        mismatch figures are also reported per staleness bucket (`mismatch_<figure>/lag=<lag>`)."""
+        return self.train_batch(self.make_batch(groups, lags=lags))
 
     def train_batch(self, batch: TrainBatch) -> StepStats:
         """One step on a rollout batch: its mini-batches, each split over the ranks."""
@@ -147,7 +149,7 @@ class LearnerPool:
         per_rank = [([part[rank] for part in shards],) for rank in range(self.num_ranks)]
         results: list[StepStats] = self._call("train_step", per_rank=per_rank)
         self.step = results[0].step
-        metrics = merge_metrics([(r.metrics, r.metrics.get("loss_tokens", 0.0)) for r in results])
+        metrics = lag_mismatch_figures(merge_metrics([(r.metrics, r.metrics.get("loss_tokens", 0.0)) for r in results]))
         metrics.pop("loss_tokens", None)
         metrics["learner_step_s"] = time.perf_counter() - began
         return StepStats(

@@ -26,6 +26,7 @@ Gradients are summed across ranks (policy.py), so the loss is never rescaled by 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -210,6 +211,8 @@ class RankStep:
     temperature: float
     device: torch.device
     all_reduce: AllReduce
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
+    """Time spent in optimizer steps (clip + step) during the current `train` call: the step-time breakdown."""
 
     # ------------------------------------------------------------------ the step
 
@@ -222,6 +225,7 @@ class RankStep:
         # drive the policy down. The policy waits until the critic has seen `critic_warmup_steps` batches.
         frozen = self.state.critic is not None and step < self.config.critic_warmup_steps
         lr = self.state.optimizer.param_groups[0]["lr"]
+        began, self.seconds["optimizer"] = time.perf_counter(), 0.0
         if len(shards) == 1 and self.config.epochs == 1:
             loss, grad_norm, metrics = self._one_update(shards[0], frozen)
         else:
@@ -232,8 +236,13 @@ class RankStep:
             grad_norm=grad_norm,
             num_samples=sum(s.num_rows for s in shards),
             num_tokens=sum(s.num_tokens for s in shards),
-            metrics=dict(metrics, lr=lr, policy_frozen=float(frozen), loss_tokens=float(sum(s.num_loss_tokens for s in shards))),
+            metrics=dict(metrics, lr=lr, policy_frozen=float(frozen), loss_tokens=float(sum(s.num_loss_tokens for s in shards)), **self._timings(began)),
         )
+
+    def _timings(self, began: float) -> dict[str, float]:
+        """This step's seconds in optimizer steps and in everything else (forward and backward passes)."""
+        optimizer_s = self.seconds["optimizer"]
+        return {"time_optimizer_s": optimizer_s, "time_forward_backward_s": time.perf_counter() - began - optimizer_s}
 
     def _one_update(self, rows: TrainBatch, frozen: bool) -> tuple[float, float, dict[str, float]]:
         """The single-update step: pi_old is the update's own forward (rho = 1 in value)."""
@@ -365,23 +374,29 @@ class RankStep:
                 kl = kl_penalty(old_logprobs, learner_logprobs.detach(), mb.loss_mask, "k3")
                 metrics["approx_kl"] = float(kl.double().sum()) / max(mb.num_loss_tokens, 1)
                 parts.append((metrics, float(mb.num_loss_tokens)))
-                old_seen.append((old_logprobs, mb.rollout_logprobs, mb.loss_mask.long()))
+                old_seen.append((old_logprobs, mb.rollout_logprobs, mb.loss_mask.long(), mb.lags))
         metrics = merge_metrics(parts)
         metrics.update(self._mismatch(old_seen))
         return float(self.all_reduce(loss_sum, "sum").item()), metrics
 
-    def _mismatch(self, seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[str, float]:
-        """`mismatch_*` metrics of (old, rollout log-probs, loss mask) over this rank's real micro-batches."""
-        from asyncrl.algo.metrics import mismatch_metrics
+    def _mismatch(self, seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> dict[str, float]:
+        """`mismatch_*` metrics of (old, rollout log-probs, loss mask, row lags) over this rank's real
+        micro-batches, plus their per-lag pieces when every row's lag is known (the pool divides them)."""
+        from asyncrl.algo.metrics import lag_mismatch_parts, mismatch_metrics
 
-        if not seen or not any(int(m.sum()) for _, _, m in seen):
+        if not seen or not any(int(m.sum()) for _, _, m, _ in seen):
             return {}
         olds, rollouts, masks = (_pad_cat([x[j] for x in seen]) for j in range(3))
-        return {f"mismatch_{k}": v for k, v in mismatch_metrics(olds, rollouts, masks.bool(), self.recipe.tis_cap).items()}
+        out = {f"mismatch_{k}": v for k, v in mismatch_metrics(olds, rollouts, masks.bool(), self.recipe.tis_cap).items()}
+        if all(lags is not None for *_, lags in seen):
+            lags = torch.cat([lags for *_, lags in seen])
+            out.update(lag_mismatch_parts(olds, rollouts, masks.bool(), lags, self.recipe.tis_cap))
+        return out
 
     def _clip_and_step(self, module, optimizer, scheduler) -> tuple[float, bool]:
         """Clip to `grad_clip`, step (and the `scheduler` unless None) unless the norm is not finite;
         -> (pre-clip norm, stepped)."""
+        began = time.perf_counter()
         norm = torch.nn.utils.clip_grad_norm_(module.parameters(), self.config.grad_clip)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
@@ -392,6 +407,7 @@ class RankStep:
             if scheduler is not None:
                 scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        self.seconds["optimizer"] = self.seconds.get("optimizer", 0.0) + time.perf_counter() - began
         return norm, stepped
 
     def _critic_step(self, batch: MiniBatch, scheduler) -> dict[str, float]:

@@ -12,7 +12,7 @@ Events (all plain, JSON-able data):
 - `sync(event)`: a weight sync every engine confirmed (`SyncEvent`).
 - `pool(snapshot)`: queue, engine and throughput state, every `telemetry.pool_every_s` seconds (`PoolSnapshot`).
 - `note(text)`: something a user should see (a replaced engine, a stop request).
-- `alarm(event)`: a configured threshold crossed (`AlarmEvent`).
+- `alarm(event)`: a configured threshold crossed, or back within it (`AlarmEvent.active`).
 - `close(summary)`: the run ended; `summary` is what `summary.json` holds.
 """
 
@@ -34,6 +34,21 @@ class SyncEvent:
 
 
 @dataclass(frozen=True)
+class LiveRates:
+    """Rates over the recent snapshots (`telemetry.rate_window_s`), so live views move while the run goes on."""
+
+    window_s: float
+    generated_tokens_per_s: float
+    trained_tokens_per_s: float
+    rollout_idle_fraction: float
+    """Idle seconds of all engines over their busy + idle seconds."""
+    learner_idle_fraction: float
+    """Seconds the learner waited for a batch over the window."""
+    stale_drop_fraction: float
+    """Samples dropped as stale over all samples that reached a terminal state in the window."""
+
+
+@dataclass(frozen=True)
 class PoolSnapshot:
     """The run's state at one moment; counters are cumulative since the run began."""
 
@@ -49,6 +64,8 @@ class PoolSnapshot:
     learner_wait_s: float = 0.0
     pool_sizes: dict[str, int] = field(default_factory=dict)
     """Live and joining workers per pool, e.g. {"rollout": 2, "rollout_joining": 1, "learner": 1}."""
+    live: LiveRates | None = None
+    """Throughput and idle fractions over the last `telemetry.rate_window_s` (None: not measured)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +76,8 @@ class AlarmEvent:
     message: str
     stop: bool = False
     """The alarm is configured to stop the run (cleanly, with a checkpoint)."""
+    active: bool = True
+    """True when the figure crossed the threshold, False when it came back within it (the alarm cleared)."""
 
 
 class Sink:

@@ -359,3 +359,22 @@ def test_two_epochs_with_a_critic_keep_pi_old_and_still_wait_for_critic_warmup(r
     # Eight value steps per rollout batch (one per update, also while the policy waits) on fixed targets:
     # the mean value loss of the second step is well below the first's (measured 0.08 -> 0.002).
     assert steps[1]["critic_value_loss"] < 0.5 * steps[0]["critic_value_loss"]
+
+
+def test_mismatch_per_lag_adds_up_to_the_batch_figures_on_one_and_two_ranks(pools):
+    """Per-lag figures are token sums divided once, after merging micro-batches and ranks: weighted by their
+    token counts they give back the batch's figure (a token mean), on one rank and on two ranks with
+    micro-batches of at most 12 padded tokens (the pools' weights differ by now; each is checked alone)."""
+    groups = make_groups(seed=5)
+    lags = [i % 3 for i in range(sum(len(g.trajectories) for g in groups))]  # 12 samples, 4 per lag 0, 1, 2
+    for pool in pools:
+        m = pool.train_step(groups, lags=lags).metrics
+        assert {k.split("/lag=")[1] for k in m if "/lag=" in k} == {"0", "1", "2"}
+        assert not any(k.startswith("lagpart/") for k in m)
+        tokens = {lag: m[f"mismatch_tokens/lag={lag}"] for lag in "012"}
+        assert all(n > 0 for n in tokens.values())
+        for figure in ("k3_kl", "kl", "logprob_abs_diff_mean"):
+            weighted = sum(tokens[lag] * m[f"mismatch_{figure}/lag={lag}"] for lag in tokens) / sum(tokens.values())
+            assert weighted == pytest.approx(m[f"mismatch_{figure}"], rel=1e-5, abs=1e-9), figure
+        assert max(m[f"mismatch_logprob_abs_diff_max/lag={lag}"] for lag in tokens) == pytest.approx(m["mismatch_logprob_abs_diff_max"])
+        assert m["time_forward_backward_s"] > 0 and m["time_optimizer_s"] > 0

@@ -11,39 +11,65 @@ import yaml
 
 from asyncrl.cli import _parser, _split_overrides, placement
 from asyncrl.config import RECIPES, load_config
+from asyncrl.telemetry.metrics import RunMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "asyncrl.json"
 
-# The metric names the system exports (`asyncrl_<area>_<what>_<unit>`). A rename in the code must be
-# mirrored here and in the dashboard, or this test fails.
-METRICS = {
-    "asyncrl_learner_step_total": "counter",
-    "asyncrl_policy_version": "gauge",
-    "asyncrl_rollout_reward_mean": "gauge",
-    "asyncrl_eval_accuracy": "gauge",
-    "asyncrl_buffer_staleness_versions": "histogram",
-    "asyncrl_buffer_samples_total": "counter",  # label state=trained|filtered:<reason>|dropped_stale|failed:<reason>
-    "asyncrl_mismatch_k3_kl": "gauge",
-    "asyncrl_correction_masked_fraction": "gauge",  # label method=dis|tis|mis|icepop
-    "asyncrl_weight_sync_seconds": "histogram",
-    "asyncrl_weight_sync_parity_max_abs_diff": "gauge",
-    "asyncrl_rollout_tokens_per_second": "gauge",
-    "asyncrl_rollout_idle_fraction": "gauge",
-    "asyncrl_learner_idle_fraction": "gauge",
-    "asyncrl_learner_tokens_per_second": "gauge",
-}
+RANGE_FUNCTIONS = ("rate", "irate", "increase")
+"""PromQL functions that assume a monotonic series: counters and histogram buckets/sums/counts only."""
+GAUGE_FUNCTIONS = ("delta", "deriv", "predict_linear")
+"""PromQL functions meant for gauges (on a counter, `rate` is right)."""
+
+
+def _exported() -> dict[str, str]:
+    """Metric name -> type, read from the exporter's own registry (a rename in the code reaches this test)."""
+    kinds = {}
+    for metric in RunMetrics().registry.collect():
+        kinds[metric.name + ("_total" if metric.type == "counter" else "")] = metric.type
+    return kinds
+
+
+METRICS = _exported()
 METRICS_PORT = 9400
 
 
-def _series_names() -> set[str]:
-    names = set()
+def _series() -> dict[str, tuple[str, str]]:
+    """Series name a query can select -> (metric, type): a histogram is only its _bucket, _sum and _count."""
+    out = {}
     for name, kind in METRICS.items():
-        names.add(name)
-        if kind == "histogram":
-            names.update({f"{name}_bucket", f"{name}_sum", f"{name}_count"})
-    return names
+        for series in [f"{name}_bucket", f"{name}_sum", f"{name}_count"] if kind == "histogram" else [name]:
+            out[series] = (name, kind)
+    return out
+
+
+def _series_names() -> set[str]:
+    return set(_series())
+
+
+def _enclosing_calls(expr: str, pos: int) -> list[str]:
+    """Functions whose parentheses enclose `expr[pos]`, innermost first (aggregations included, `by (...)`
+    groupings and bare parentheses as "")."""
+    calls, depth = [], 0
+    for i in range(pos - 1, -1, -1):
+        if expr[i] == ")":
+            depth += 1
+        elif expr[i] == "(":
+            if depth:
+                depth -= 1
+                continue
+            name = re.search(r"([a-z_]+)\s*$", expr[:i])
+            calls.append(name.group(1) if name else "")
+    return calls
+
+
+def _uses(dashboard: dict):
+    """(panel title, expr, series, calls enclosing it) for every asyncrl series every query names."""
+    for panel in _panels(dashboard):
+        for target in panel.get("targets", []):
+            for match in re.finditer(r"\basyncrl_[a-z0-9_]+", target["expr"]):
+                yield panel["title"], target["expr"], match.group(0), _enclosing_calls(target["expr"], match.start())
 
 
 def _yaml_files() -> list[Path]:
@@ -247,6 +273,40 @@ def test_grafana_dashboard_queries_only_exported_metrics_and_all_of_them():
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     base = {n for n in METRICS if n in used or any(u.startswith(n + "_") and u in allowed for u in used)}
     assert base == set(METRICS), f"metrics without a panel: {sorted(set(METRICS) - base)}"
+
+
+def _misuse(name: str, calls: list[str]) -> str | None:
+    """Why a query's use of series `name` (inside `calls`, innermost first) does not fit its type, or None."""
+    metric, kind = _series()[name]
+    ranged = [c for c in calls if c in RANGE_FUNCTIONS]
+    if ranged and kind not in ("counter", "histogram"):
+        return f"{ranged[0]}() on {kind} {metric} (rate only on counters and histograms)"
+    if any(c in GAUGE_FUNCTIONS for c in calls) and kind != "gauge":
+        return f"a gauge function on {kind} {metric}"
+    if kind == "histogram" and not ranged:
+        return f"raw cumulative histogram series {name}; take rate() or increase() of it"
+    if "histogram_quantile" in calls and not (kind == "histogram" and name.endswith("_bucket")):
+        return f"histogram_quantile over {name}, not a histogram's buckets"
+    return None
+
+
+def test_grafana_functions_fit_the_exported_metric_types():
+    uses = list(_uses(json.loads(DASHBOARD.read_text())))
+    problems = [f"{title}: {expr}: {why}" for title, expr, name, calls in uses if (why := _misuse(name, calls))]
+    assert not problems, "\n".join(problems)
+    assert len(uses) >= len(METRICS)
+
+
+def test_promql_checker_rejects_rate_of_a_gauge_and_a_quantile_of_a_non_bucket():
+    """The check above can fail: it sees the functions around each series and the registry's types."""
+    expr = "histogram_quantile(0.9, sum by (le) (rate(asyncrl_weight_sync_seconds_sum[5m]))) + rate(asyncrl_policy_version[1m])"
+    first, second = (m.start() for m in re.finditer(r"asyncrl_", expr))
+    assert _enclosing_calls(expr, first) == ["rate", "", "histogram_quantile"]
+    assert "not a histogram's buckets" in _misuse("asyncrl_weight_sync_seconds_sum", _enclosing_calls(expr, first))
+    assert "rate() on gauge asyncrl_policy_version" in _misuse("asyncrl_policy_version", _enclosing_calls(expr, second))
+    assert "raw cumulative" in _misuse("asyncrl_weight_sync_seconds_bucket", ["sum"])
+    assert "gauge function on counter" in _misuse("asyncrl_learner_step_total", ["deriv"])
+    assert _misuse("asyncrl_learner_step_total", ["max"]) is None  # a counter's current value on a stat is fine
 
 
 def test_grafana_histograms_are_queried_by_bucket_and_labels_by_name():

@@ -166,7 +166,8 @@ function drawStatus() {
 function drawPanels() {
   const time = (t) => new Date(t * 1000).toLocaleTimeString();
   document.querySelector("#alarms tbody").innerHTML = run.alarms.map((a) =>
-    `<tr class="${a.stop ? "stop" : ""}"><td>${time(a.time)}</td><td>${esc(a.name)}</td><td>${fmt(a.value, 4)}</td>` +
+    `<tr class="${a.active === false ? "cleared" : a.stop ? "stop" : ""}"><td>${time(a.time)}</td>` +
+    `<td>${esc(a.name)}${a.active === false ? " (back within)" : ""}</td><td>${fmt(a.value, 4)}</td>` +
     `<td>${fmt(a.threshold, 4)}</td><td>${esc(a.message)}</td></tr>`).join("");
   document.getElementById("notes").innerHTML = run.notes.map((n) => `<li>${time(n.time)} ${esc(n.text)}</li>`).join("");
   const pool = run.pools[run.pools.length - 1];
