@@ -5,7 +5,9 @@ consumer actor drains it with `get_batch` and advances the policy version after 
 training, so this measures the queue). Each new version is pushed to the producers (the weight sync) before
 the queue is told, so the staleness check and admission control run as in a real run. Reported: trajectories/s through
 the queue, put-to-get latency p50/p99 (measured by the queue), and batched puts (64 per call) against
-unbatched ones (1 per call; a smaller count keeps the time bounded).
+unbatched ones (1 per call; a smaller count keeps the time bounded). On a shared machine the wall-clock rate
+is what the CPUs left over allow; the queue actor's own CPU seconds per trajectory (Ray (de)serialization
+included) give its capacity, trajectories per CPU-second, a figure the neighbours' load moves far less.
 
     python benchmarks/queue_throughput.py            # 20,000 batched + 4,000 unbatched trajectories
     python benchmarks/queue_throughput.py --quick    # smoke size, ~10-20 s
@@ -15,7 +17,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
+
+import psutil
 
 import common  # benchmarks/common.py: a script's own folder is on sys.path
 
@@ -29,7 +34,7 @@ class Producer:
         import numpy as np
 
         self.queue, self.worker, self.put_batch = queue, worker, put_batch
-        self.response_tokens = response_tokens
+        self.response_ids = np.arange(response_tokens, dtype=np.int32)
         self.version = 0
         self.stopped = False
         self.rng = np.random.default_rng(hash(worker) % 2**32)
@@ -43,9 +48,25 @@ class Producer:
     async def stop(self) -> None:
         self.stopped = True
 
-    async def run(self) -> int:
-        from asyncrl.testing import make_answer
+    def answer(self, request, reward: float):
+        """The trajectory for `request`, built directly (`testing.make_answer` costs more CPU than the queue
+        does per trajectory, and the producers share the machine's cores with it). Every array is its own
+        copy, so that serialization pays for each as it would for a real worker's."""
+        import numpy as np
 
+        from asyncrl.types import Trajectory
+
+        n = len(self.response_ids)
+        # attempt=None: the queue matches these answers by worker only, as this benchmark always has
+        return Trajectory(
+            prompt_id=request.prompt.prompt_id, group_id=request.group_id, sample_index=request.sample_index,
+            prompt_ids=np.asarray(request.prompt.prompt_ids, dtype=np.int32), response_ids=self.response_ids.copy(),
+            rollout_logprobs=np.full(n, -0.7, dtype=np.float32), loss_mask=np.ones(n, dtype=np.int8),
+            versions=np.full(n, self.version, dtype=np.int32), finish_reason="length", reward=reward, worker=self.worker,
+            attempt=None, dispatch_version=self.version,
+        )  # fmt: skip
+
+    async def run(self) -> int:
         produced = 0
         while True:
             requests = await self.queue.acquire.remote(self.worker, self.put_batch, timeout_s=0.2)
@@ -54,12 +75,7 @@ class Producer:
                     return produced
                 continue
             rewards = self.rng.random(len(requests))
-            # attempt=None: the queue matches these answers by worker only, as this benchmark always has
-            trajectories = [
-                make_answer(r, self.response_tokens, rollout_logprobs=-0.7, versions=self.version, reward=float(reward),
-                            worker=self.worker, attempt=None)
-                for r, reward in zip(requests, rewards)
-            ]
+            trajectories = [self.answer(r, float(reward)) for r, reward in zip(requests, rewards)]
             for start in range(0, len(trajectories), self.put_batch):
                 await self.queue.put.remote(trajectories[start : start + self.put_batch])
             produced += len(trajectories)
@@ -93,6 +109,12 @@ class Consumer:
         return {"trained": trained, "steps": version, "max_lag": max_lag}
 
 
+def _cpu_seconds(process) -> float:
+    """User + system CPU seconds of a process, its threads included (Ray's I/O threads do the (de)serializing)."""
+    times = process.cpu_times()
+    return times.user + times.system
+
+
 def run_once(ray, args, num_trajectories: int, put_batch: int, tag: str) -> dict:
     from asyncrl.buffer import start_replay_queue
     from asyncrl.config import BufferConfig
@@ -107,14 +129,15 @@ def run_once(ray, args, num_trajectories: int, put_batch: int, tag: str) -> dict
     consumer = ray.remote(Consumer).options(num_cpus=0).remote(queue.handle, producers)
     ray.get([a.ready.remote() for a in producers + [consumer]])
     queue.counters()  # the queue actor is up too
+    queue_process = psutil.Process(ray.get(queue.handle.__ray_call__.remote(lambda actor: os.getpid())))
     num_prompts = num_trajectories // args.samples_per_prompt
     prompts = [make_prompt(f"q{k}", range(PROMPT_TOKENS)) for k in range(num_prompts)]
     queue.add_prompts(prompts, args.samples_per_prompt)
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), _cpu_seconds(queue_process)
     runs = [p.run.remote() for p in producers]
     result = ray.get(consumer.run.remote(args.batch_groups))
-    seconds = time.perf_counter() - start
+    seconds, queue_cpu_s = time.perf_counter() - start, _cpu_seconds(queue_process) - cpu_start
     ray.get([p.stop.remote() for p in producers])
     ray.get(runs)
     stats = queue.stats()
@@ -129,6 +152,9 @@ def run_once(ray, args, num_trajectories: int, put_batch: int, tag: str) -> dict
         "dropped_stale": counters["dropped_stale"],
         "seconds": round(seconds, 3),
         "trajectories_per_s": round(counters["trained"] / seconds, 1),
+        "queue_cpu_s": round(queue_cpu_s, 3),
+        "queue_cpu_us_per_trajectory": round(queue_cpu_s / counters["trained"] * 1e6, 1),
+        "queue_capacity_per_cpu_s": round(counters["trained"] / queue_cpu_s, 1),
         "latency_p50_ms": round(stats["latency_p50_s"] * 1e3, 2),
         "latency_p99_ms": round(stats["latency_p99_s"] * 1e3, 2),
         "steps": result["steps"],
@@ -166,7 +192,10 @@ def main() -> None:
         ray.shutdown()
 
     ratio = rows[0]["trajectories_per_s"] / rows[1]["trajectories_per_s"]
-    header = ["put_batch", "trajectories", "seconds", "trajectories_per_s", "latency_p50_ms", "latency_p99_ms", "dropped_stale", "max_lag_versions", "steps"]
+    header = [
+        "put_batch", "trajectories", "seconds", "trajectories_per_s", "queue_cpu_us_per_trajectory", "queue_capacity_per_cpu_s",
+        "latency_p50_ms", "latency_p99_ms", "dropped_stale", "max_lag_versions", "steps",
+    ]  # fmt: skip
     widths = [max(len(h), 10) for h in header]
     print("W4 queue: replay-queue throughput "
           f"({args.producers} producers, 1 consumer, G={args.samples_per_prompt}, B={args.batch_groups} groups/step, eta={args.max_staleness})")

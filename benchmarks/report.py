@@ -37,26 +37,27 @@ def fnum(value: float | None, fmt: str = ".2f") -> str:
 
 def weight_sync(d: dict) -> list[str]:
     sizes = d["sizes"]
-    memcpy = d["memcpy_bytes_per_s"]
     worst = max(s["parity_after_max"] for s in sizes)
     lines = [
         "## W3 `sync` — weight publication (`benchmarks/weight_sync.py`)",
         "",
-        f"Learner step done → every engine serves v+1, over the Ray object store (1 learner rank, 1 engine, fp32, "
-        f"buckets of {d['config']['bucket_bytes'] >> 20} MiB); median of the syncs. Limit: plain memory copy "
-        f"{memcpy / 1e9:.2f} GB/s on this machine.",
+        f"Learner step done → every engine serves v+1 (1 learner rank, 1 engine, fp32; object store: buckets of "
+        f"{d['config']['bucket_bytes'] >> 20} MiB; shared memory: one /dev/shm segment the engine maps); median of "
+        "the syncs. ÷ memcpy: a plain copy of the same bytes, measured in the same run, over the sync's time.",
         "",
-        "**Headline:** " + "; ".join(f"{s['preset']} {s['total_s_median']:.2f} s at {s['memcpy_ratio']:.3f} of memcpy" for s in sizes)
+        "**Headline:** " + "; ".join(f"{s['preset']} {s.get('transport', 'object_store')} {s['total_s_median']:.2f} s at "
+                                     f"{s['memcpy_ratio']:.3f} of memcpy" for s in sizes)
         + f"; parity after every sync ≤ {worst:.1e}.",
         "",
     ]
     lines += table(
-        ["model", "params", "MB moved", "export s", "load s", "total s", "MB/s", "÷ memcpy", "parity before", "parity after"],
+        ["model", "transport", "params", "MB moved", "export s", "load s", "total s", "MB/s", "÷ memcpy", "parity before", "parity after"],
         [
             [
-                s["preset"], f"{s['parameters'] / 1e6:.1f}M", f"{s['bytes'] / 1e6:.1f}", fnum(s["export_s_median"], ".3f"),
-                fnum(s["load_s_median"], ".3f"), fnum(s["total_s_median"], ".3f"), f"{s['bytes_per_s_median'] / 1e6:.0f}",
-                fnum(s["memcpy_ratio"], ".4f"), f"{s['parity_before_max']:.1e}", f"{s['parity_after_max']:.1e}",
+                s["preset"], s.get("transport", "object_store"), f"{s['parameters'] / 1e6:.1f}M", f"{s['bytes'] / 1e6:.1f}",
+                fnum(s["export_s_median"], ".3f"), fnum(s["load_s_median"], ".3f"), fnum(s["total_s_median"], ".3f"),
+                f"{s['bytes_per_s_median'] / 1e6:.0f}", fnum(s["memcpy_ratio"], ".4f"), f"{s['parity_before_max']:.1e}",
+                f"{s['parity_after_max']:.1e}",
             ]
             for s in sizes
         ],
@@ -132,13 +133,15 @@ def queue_throughput(d: dict) -> list[str]:
         "",
     ]
     lines += table(
-        ["put batch", "trajectories", "seconds", "trajectories/s", "p50 ms", "p99 ms", "dropped stale", "max lag"],
+        ["put batch", "trajectories", "seconds", "trajectories/s", "queue CPU µs/traj", "queue capacity /CPU-s", "p50 ms",
+         "p99 ms", "dropped stale", "max lag"],
         [
             [r["put_batch"], r["trajectories"], fnum(r["seconds"], ".2f"), fnum(r["trajectories_per_s"], ".0f"),
+             fnum(r.get("queue_cpu_us_per_trajectory"), ".0f"), fnum(r.get("queue_capacity_per_cpu_s"), ".0f"),
              fnum(r["latency_p50_ms"]), fnum(r["latency_p99_ms"]), r["dropped_stale"], r["max_lag_versions"]]
             for r in d["runs"]
         ],
-    )
+    )  # fmt: skip
     return lines
 
 

@@ -1,20 +1,23 @@
 """W3 `sync`: weight publication from the learner to the rollout engines (benchmarks/README.md).
 
 For each random-initialised Qwen2 preset (w3-0.5m, w3-25m, w3-125m): one LearnerPool rank and one
-RolloutPool engine (vLLM, CPU, `max_model_len` 256) in one Ray session. Before every sync the learner takes
-a real optimizer step on a small synthetic batch (untimed), so that the engine's weights are really stale;
-then the timed part runs exactly what the controller's publish does (`ObjectStoreSync`):
+RolloutPool engine (vLLM, CPU, `max_model_len` 256) in one Ray session, and both transports on them:
+`object_store` (safetensors buckets through Ray, `ObjectStoreSync`) and `shared_memory` (one /dev/shm
+segment the engine maps, `SharedMemorySync`). Before every sync the learner takes a real optimizer step on
+a small synthetic batch (untimed), so that the engine's weights are really stale; then the timed part runs
+exactly what the controller's publish does:
 
-    t0  learner step done -> sync.start(v + 1)    (gather + pack + ray.put, then every engine starts loading)
-    t1  refs in hand      -> sync.finish(pending) (fetch + load + set version, confirmed by every engine)
+    t0  learner step done -> sync.start(v + 1)    (gather + export, then every engine starts loading)
+    t1  export in hand    -> sync.finish(pending) (load + set version, confirmed by every engine)
     t2  every engine serves version v + 1
 
-Figures per size: export and load seconds, total seconds, bytes moved (sum of the safetensors bucket sizes),
-bytes/s, that rate over this machine's plain memory-copy bandwidth (numpy copy of a 256 MB array, best of 5,
-measured in the same run), and parity = max |engine log-prob - learner log-prob| over a fixed sequence,
-before the sync (should be large: the learner moved) and after it (should be ~1e-6 in fp32).
+Figures per size and transport: export and load seconds, total seconds, payload bytes (the fp32 tensors),
+bytes/s, and that rate over a plain memory copy of the same number of bytes (torch copy into a preallocated
+tensor, best of 5, measured in the same run: 1.0 would be a sync as fast as one memcpy of the weights), and
+parity = max |engine log-prob - learner log-prob| over a fixed sequence, before the sync (should be large:
+the learner moved) and after it (should be ~1e-6 in fp32). Syncs alternate between the transports.
 
-    python benchmarks/weight_sync.py            # all three sizes, ~3-5 min on 2 CPU cores (3 syncs each)
+    python benchmarks/weight_sync.py            # all three sizes, ~5-8 min on 2 CPU cores (3 syncs each)
     python benchmarks/weight_sync.py --quick    # w3-0.5m only (smoke), writes weight_sync_quick.json
 """
 
@@ -33,23 +36,24 @@ import common  # benchmarks/common.py: a script's own folder is on sys.path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 PRESETS = ["w3-0.5m", "w3-25m", "w3-125m"]
+TRANSPORTS = ["object_store", "shared_memory"]
 MAX_MODEL_LEN = 256
 PROBE_LEN, PROBE_PROMPT_LEN = 64, 8
 
 
-def memcpy_bandwidth(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Bytes copied per second by a plain numpy copy of a `num_bytes` array (best of `repeats`)."""
-    import numpy as np
+def memcpy_seconds(num_bytes: int, repeats: int = 5) -> float:
+    """Seconds of a plain copy of `num_bytes` into a preallocated buffer (best of `repeats`, pages faulted in)."""
+    import torch
 
-    src = np.ones(num_bytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # fault the pages in
+    src = torch.ones(num_bytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        np.copyto(dst, src)
+        dst.copy_(src)
         best = min(best, time.perf_counter() - start)
-    return num_bytes / best
+    return best
 
 
 def synthetic_groups(vocab: int, seed: int, num_groups: int = 2, group_size: int = 4, length: int = 24):
@@ -76,34 +80,37 @@ def synthetic_groups(vocab: int, seed: int, num_groups: int = 2, group_size: int
 
 
 @contextlib.contextmanager
-def pools(model_dir: Path, bucket_bytes: int, timeout_s: float):
-    """One FSDP2 learner rank and one vLLM engine on `model_dir`, joined by an object-store weight sync."""
+def pools(model_dir: Path, bucket_bytes: int, timeout_s: float, transports: list[str]):
+    """One FSDP2 learner rank and one vLLM engine on `model_dir`, and a weight sync of each transport."""
     from asyncrl.algo.recipes import resolve_recipe
     from asyncrl.config import EnvConfig, LearnerConfig, RolloutConfig, WeightSyncConfig
     from asyncrl.learner.pool import LearnerPool
     from asyncrl.rollout.pool import RolloutPool
     from asyncrl.weight_sync.object_store import ObjectStoreSync
+    from asyncrl.weight_sync.shared_memory import SharedMemorySync
 
     learner = LearnerPool(model_dir, LearnerConfig(num_ranks=1, lr=1e-3, tokens_per_microbatch=4096), resolve_recipe("grpo"), 1.0)
-    rollout = None
+    rollout, syncs = None, {}
     try:
         rollout = RolloutPool(
             str(model_dir), RolloutConfig(num_workers=1, max_requests_in_flight=8), EnvConfig(), queue=None,
             dtype="float32", max_model_len=MAX_MODEL_LEN,
         )
         rollout.start()
-        yield learner, rollout, ObjectStoreSync(learner, rollout, WeightSyncConfig(bucket_bytes=bucket_bytes, timeout_s=timeout_s), mode="streaming")
+        kinds = {"object_store": ObjectStoreSync, "shared_memory": SharedMemorySync}
+        for t in transports:
+            syncs[t] = kinds[t](learner, rollout, WeightSyncConfig(bucket_bytes=bucket_bytes, timeout_s=timeout_s, transport=t), mode="streaming")
+        yield learner, rollout, syncs
     finally:
+        for sync in syncs.values():
+            sync.shutdown()
         if rollout is not None:
             rollout.shutdown()
         learner.shutdown()
 
 
 def timed_sync(sync, rollout, version: int, parity) -> dict:
-    """Publish `version` and time it: export (learner side), load (until every engine confirms), and an
-    object-store fetch of the buckets alone (a diagnostic)."""
-    import ray
-
+    """Publish `version` and time it: export (learner side) and load (until every engine confirms)."""
     t0 = time.perf_counter()
     pending = sync.start(version)
     t1 = time.perf_counter()
@@ -112,17 +119,15 @@ def timed_sync(sync, rollout, version: int, parity) -> dict:
     served = rollout.versions()
     if set(served.values()) != {version}:
         raise RuntimeError(f"engines serve {served} after publishing version {version}")
-    t3 = time.perf_counter()
-    bucket_sizes = [len(b) for b in ray.get(sync.latest().refs)]
-    total_bytes = sum(bucket_sizes)
     return {
-        "version": version, "export_s": t1 - t0, "load_s": t2 - t1, "total_s": t2 - t0, "bytes": total_bytes,
-        "payload_bytes": synced.num_bytes, "num_buckets": len(bucket_sizes), "num_tensors": synced.num_tensors,
-        "bytes_per_s": total_bytes / (t2 - t0), "driver_fetch_s": time.perf_counter() - t3, "parity_after": parity(),
+        "version": version, "export_s": t1 - t0, "load_s": t2 - t1, "total_s": t2 - t0, "bytes": synced.num_bytes,
+        "num_buckets": synced.num_buckets, "num_tensors": synced.num_tensors, "bytes_per_s": synced.num_bytes / (t2 - t0),
+        "parity_after": parity(),
     }  # fmt: skip
 
 
-def bench_preset(preset: str, model_root: Path, syncs: int, bucket_bytes: int, timeout_s: float) -> dict:
+def bench_preset(preset: str, model_root: Path, syncs: int, bucket_bytes: int, timeout_s: float, transports: list[str]) -> list[dict]:
+    """One row per transport: `syncs` timed syncs each, alternating transports on the same learner and engine."""
     import numpy as np
 
     from asyncrl.models import PRESETS as MODEL_PRESETS
@@ -133,24 +138,27 @@ def bench_preset(preset: str, model_root: Path, syncs: int, bucket_bytes: int, t
     vocab = len(SPECIAL_TOKENS) + len(MODEL_PRESETS[preset].alphabet)
     probe = [1] + np.random.default_rng(123).integers(3, vocab, PROBE_LEN - 1).tolist()
     started = time.perf_counter()
-    with pools(model_dir, bucket_bytes, timeout_s) as (learner, rollout, sync):
+    with pools(model_dir, bucket_bytes, timeout_s, transports) as (learner, rollout, by_transport):
 
         def parity() -> float:
             engine = np.asarray(rollout.score(probe, PROBE_PROMPT_LEN))
             return float(np.max(np.abs(engine - np.asarray(learner.score(probe, PROBE_PROMPT_LEN, 1.0)))))
 
-        setup_s, parity_at_start, rows = time.perf_counter() - started, parity(), []
+        setup_s, parity_at_start, rows = time.perf_counter() - started, parity(), {t: [] for t in transports}
+        version = 0
         for k in range(syncs):
-            learner.train_step(synthetic_groups(vocab, seed=k))  # the learner step (not timed)
-            parity_before = parity()
-            rows.append({**timed_sync(sync, rollout, k + 1, parity), "parity_before": parity_before})
-            r = rows[-1]
-            print(f"  {preset} sync {k + 1}/{syncs}: export {r['export_s']:.3f}s load {r['load_s']:.3f}s "
-                  f"({r['bytes'] / 1e6:.1f} MB, parity {r['parity_after']:.1e})", flush=True)  # fmt: skip
-    return summarise(preset, rows, setup_s, parity_at_start)
+            for transport, sync in by_transport.items():
+                learner.train_step(synthetic_groups(vocab, seed=version))  # the learner step (not timed)
+                parity_before, version = parity(), version + 1
+                rows[transport].append({**timed_sync(sync, rollout, version, parity), "parity_before": parity_before})
+                r = rows[transport][-1]
+                print(f"  {preset} {transport} sync {k + 1}/{syncs}: export {r['export_s']:.3f}s load {r['load_s']:.3f}s "
+                      f"({r['bytes'] / 1e6:.1f} MB, parity {r['parity_after']:.1e})", flush=True)  # fmt: skip
+    memcpy_s = memcpy_seconds(rows[transports[0]][0]["bytes"])
+    return [summarise(preset, t, rows[t], setup_s, parity_at_start, memcpy_s) for t in transports]
 
 
-def summarise(preset: str, rows: list[dict], setup_s: float, parity_at_start: float) -> dict:
+def summarise(preset: str, transport: str, rows: list[dict], setup_s: float, parity_at_start: float, memcpy_s: float) -> dict:
     from asyncrl.models import num_parameters
 
     def med(key: str) -> float:
@@ -158,19 +166,20 @@ def summarise(preset: str, rows: list[dict], setup_s: float, parity_at_start: fl
 
     return {
         "preset": preset,
+        "transport": transport,
         "parameters": num_parameters(preset),
         "syncs": len(rows),
         "setup_s": round(setup_s, 2),
         "bytes": rows[0]["bytes"],
-        "payload_bytes": rows[0]["payload_bytes"],
         "num_buckets": rows[0]["num_buckets"],
         "num_tensors": rows[0]["num_tensors"],
         "export_s_median": med("export_s"),
         "load_s_median": med("load_s"),
         "total_s_median": med("total_s"),
         "total_s_min": min(r["total_s"] for r in rows),
-        "driver_fetch_s_median": med("driver_fetch_s"),
         "bytes_per_s_median": rows[0]["bytes"] / med("total_s"),
+        "memcpy_s": memcpy_s,
+        "memcpy_ratio": memcpy_s / med("total_s"),
         "parity_at_start": parity_at_start,
         "parity_before_max": max(r["parity_before"] for r in rows),
         "parity_after_max": max(r["parity_after"] for r in rows),
@@ -178,14 +187,14 @@ def summarise(preset: str, rows: list[dict], setup_s: float, parity_at_start: fl
     }
 
 
-def print_table(rows: list[dict], memcpy_bps: float) -> None:
-    header = ["preset", "params", "MB moved", "buckets", "export_s", "load_s", "total_s", "MB/s", "÷ memcpy", "parity_before", "parity_after"]
+def print_table(rows: list[dict]) -> None:
+    header = ["preset", "transport", "params", "MB moved", "export_s", "load_s", "total_s", "MB/s", "÷ memcpy", "parity_before", "parity_after"]
     table = [
         [
             r["preset"],
+            r["transport"],
             f"{r['parameters'] / 1e6:.2f}M",
             f"{r['bytes'] / 1e6:.1f}",
-            str(r["num_buckets"]),
             f"{r['export_s_median']:.3f}",
             f"{r['load_s_median']:.3f}",
             f"{r['total_s_median']:.3f}",
@@ -197,7 +206,7 @@ def print_table(rows: list[dict], memcpy_bps: float) -> None:
         for r in rows
     ]
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header)]
-    print(f"W3 sync: learner step done -> every engine serves v+1 (median of syncs; memcpy {memcpy_bps / 1e9:.2f} GB/s)")
+    print("W3 sync: learner step done -> every engine serves v+1 (median of syncs; ÷ memcpy: a copy of the same bytes)")
     print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
     for row in table:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
@@ -207,7 +216,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_output_options(parser, "weight_sync", "w3-0.5m only (smoke); writes weight_sync_quick.json")
     parser.add_argument("--presets", nargs="+", default=None, choices=PRESETS)
-    parser.add_argument("--syncs", type=int, default=3, help="timed syncs per size")
+    parser.add_argument("--transports", nargs="+", default=TRANSPORTS, choices=TRANSPORTS)
+    parser.add_argument("--syncs", type=int, default=3, help="timed syncs per size and transport")
     parser.add_argument("--syncs-125m", type=int, default=3, help="timed syncs for w3-125m (lower it if the machine is slow)")
     parser.add_argument("--bucket-bytes", type=int, default=64 << 20, help="weight_sync.bucket_bytes (default 64 MiB)")
     parser.add_argument("--timeout-s", type=float, default=300.0)
@@ -218,21 +228,17 @@ def main() -> None:
     import ray
 
     load_start = common.load_average()
-    memcpy_before = memcpy_bandwidth()
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     rows = []
     try:
         with tempfile.TemporaryDirectory(prefix="asyncrl-w3-") as tmp:
             for preset in presets:
                 syncs = args.syncs_125m if preset == "w3-125m" else args.syncs
-                rows.append(bench_preset(preset, Path(tmp), syncs, args.bucket_bytes, args.timeout_s))
+                rows += bench_preset(preset, Path(tmp), syncs, args.bucket_bytes, args.timeout_s, args.transports)
     finally:
         ray.shutdown()
-    memcpy_bps = max(memcpy_before, memcpy_bandwidth())
-    for r in rows:
-        r["memcpy_ratio"] = r["bytes_per_s_median"] / memcpy_bps
 
-    print_table(rows, memcpy_bps)
+    print_table(rows)
     result = {
         "workload": "W3 sync",
         "quick": args.quick,
@@ -241,13 +247,12 @@ def main() -> None:
             "rollout_workers": 1,
             "dtype": "float32",
             "bucket_bytes": args.bucket_bytes,
-            "transport": "ray object store (ObjectStoreSync)",
+            "transports": args.transports,
             "max_model_len": MAX_MODEL_LEN,
             "probe_tokens": PROBE_LEN,
             "probe_prompt_len": PROBE_PROMPT_LEN,
         },
         "machine": common.machine(load_start),
-        "memcpy_bytes_per_s": memcpy_bps,
         "sizes": rows,
     }
     out = common.output_path("weight_sync", args)

@@ -71,6 +71,8 @@ class Member:
     attempt: int = 0
     """Bumped each time the sample is re-dispatched, so a late answer of an earlier attempt is recognisable."""
     trajectory: Trajectory | None = None
+    min_version: int = 0
+    """`trajectory.min_version`, taken once on arrival (a numpy reduction per call)."""
     arrived_at: float = 0.0
     acquired_at: float = 0.0
 
@@ -183,6 +185,7 @@ class ReplayQueueCore:
         self.expire_stragglers()
         now = self.clock()
         requests: list[Request] = []
+        held = self._by_worker.setdefault(worker, set())
         while len(requests) < max_requests:
             item = self._next_pending()
             if item is None:
@@ -192,7 +195,7 @@ class ReplayQueueCore:
             g, i = item
             m = g.members[i]
             m.state, m.holder, m.acquired_at = OUT, worker, now
-            self._by_worker.setdefault(worker, set()).add((g.group_id, i))
+            held.add((g.group_id, i))
             requests.append(
                 Request(
                     request_id=f"{g.group_id}/{i}/{m.attempt}",
@@ -483,7 +486,7 @@ class ReplayQueueCore:
                 self._finish(g, i, filters.FILTERED_OVERLONG, t)
             else:
                 m = g.members[i]
-                m.state, m.trajectory, m.arrived_at = ARRIVED, t, now
+                m.state, m.trajectory, m.min_version, m.arrived_at = ARRIVED, t, t.min_version, now
 
     def _after_arrivals(self, g: _GroupState) -> None:
         """Resolve a group nobody works on any more; otherwise start its straggler clock."""
@@ -572,7 +575,7 @@ class ReplayQueueCore:
         if members:
             for i in members:
                 g.members[i].state = READY
-            g.min_version = min(g.members[i].trajectory.min_version for i in members)
+            g.min_version = min(g.members[i].min_version for i in members)
             self._ready.append(g)
 
     def _hand_out(self, g: _GroupState, now: float) -> tuple[Group, list[float]]:

@@ -119,7 +119,7 @@ class Controller:
         from asyncrl.envs.data import eval_prompts, train_stream
         from asyncrl.learner.pool import LearnerPool
         from asyncrl.rollout.pool import RolloutPool
-        from asyncrl.weight_sync.object_store import ObjectStoreSync
+        from asyncrl.weight_sync.transport import make_weight_sync
 
         cfg = self.cfg
         self.telemetry.phase("loading the tokenizer and prompts")
@@ -134,7 +134,7 @@ class Controller:
         self.learner = LearnerPool.from_config(cfg, self.model_dir)
         self.telemetry.phase(f"starting the rollout pool ({cfg.rollout.num_workers} vLLM engine(s))")
         self.rollout = RolloutPool.from_config(cfg, self.model_dir, queue=self.queue.handle, latest=lambda: self.sync.latest())
-        self.sync = ObjectStoreSync(self.learner, self.rollout, cfg.weight_sync, cfg.mode)
+        self.sync = make_weight_sync(self.learner, self.rollout, cfg.weight_sync, cfg.mode)
         self.rollout.start()
         self.telemetry.phase("engines ready")
         if os.environ.get(JOB_ENV):  # submitted as a Ray job: `asyncrl scale` reaches this run's control actor
@@ -145,7 +145,7 @@ class Controller:
         self.rollout.start_generation()
 
     def shutdown(self) -> None:
-        for name in ("rollout", "learner"):
+        for name in ("rollout", "learner", "sync"):
             pool = getattr(self, name, None)
             if pool is not None:
                 pool.shutdown()

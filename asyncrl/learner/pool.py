@@ -27,6 +27,7 @@ from asyncrl.learner.export import ExportedWeights
 from asyncrl.learner.rank import LearnerWorker
 from asyncrl.learner.step import merge_metrics
 from asyncrl.types import Group, StepStats
+from asyncrl.weight_sync.segment import SharedWeights
 
 __all__ = ["LearnerCallError", "LearnerCheckpoint", "LearnerPool", "recipe_from_config"]
 
@@ -178,6 +179,11 @@ class LearnerPool:
         """Gather the policy, pack HF-named safetensors buckets (tied lm_head explicit) and put them in the
         object store; the refs are owned by rank 0."""
         return self._call("export_weights", bucket_bytes)[0]
+
+    def export_shared(self, root: str, version: int) -> SharedWeights:
+        """Gather the policy and copy it (HF names, tied lm_head explicit) into the shared-memory slot of
+        `version` under `root` (rank 0 writes; `asyncrl.weight_sync.segment`)."""
+        return self._call("export_shared", root, version)[0]
 
     def state_snapshot(self) -> dict[str, Any]:
         return self._call("state_snapshot")[0]

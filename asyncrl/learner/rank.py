@@ -3,7 +3,7 @@
 The ranks form ONE torch.distributed group (gloo on CPU, nccl on GPU) and shard the policy (and the
 optional critic) with FSDP2. A rank owns its process group, its shard of the train state and the step
 counter; the step itself is `step.RankStep`. Weights leave the rank as Hugging Face-named safetensors
-buckets (`export.py`), checkpoints as DCP shards (`checkpoint.py`).
+buckets (`export.py`) or in a shared-memory segment (`weight_sync.segment`), checkpoints as DCP shards (`checkpoint.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.export import ExportedWeights
 from asyncrl.learner.step import RankStep
 from asyncrl.types import StepStats
+from asyncrl.weight_sync.segment import SegmentWriter, SharedWeights
 
 __all__ = ["LearnerWorker", "materialize_optimizer_state"]
 
@@ -76,6 +77,8 @@ class LearnerWorker:
         self.temperature = temperature
         self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         self.step = 0
+        self._segment: SegmentWriter | None = None
+        """The shared-memory weight segment this rank writes (rank 0, `weight_sync.transport` shared_memory)."""
 
     # ------------------------------------------------------------------ setup and collectives
 
@@ -200,6 +203,17 @@ class LearnerWorker:
         buckets, num_bytes, num_tensors = pack_state_dict(state, bucket_bytes, self.dtype)
         return ExportedWeights(refs=[ray.put(b) for b in buckets], num_bytes=num_bytes, num_tensors=num_tensors)
 
+    def export_shared(self, root: str, version: int) -> SharedWeights | None:
+        """Rank 0 copies the HF-named weights into the shared-memory slot of `version` (`weight_sync.segment`)."""
+        from asyncrl.learner.export import cast_state
+
+        state = self._hf_state()
+        if self.rank != 0:
+            return None
+        if self._segment is None or self._segment.root != root:
+            self._segment = SegmentWriter(root)
+        return self._segment.write(cast_state(state, self.dtype), version)
+
     def state_snapshot(self) -> dict[str, Any] | None:
         """Full parameters (HF names) and optimizer state as numpy on rank 0, for tests and debugging."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -252,6 +266,9 @@ class LearnerWorker:
 
     def shutdown(self) -> None:
         import torch.distributed as dist
+
+        if self._segment is not None:
+            self._segment.close()
 
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -273,9 +273,10 @@ class Engine:
     # ---------------------------------------------------------------------------------------------
     # Weights
 
-    async def update_weights(self, buckets: Sequence[bytes], version: int, in_flight: bool = True) -> int:
-        """Load weight buckets and set the policy version; returns the number of tensors loaded (0 when the
-        engine already serves a newer version: versions never go back).
+    async def update_weights(self, buckets: Sequence[Any], version: int, in_flight: bool = True) -> int:
+        """Load weight buckets (safetensors bytes, or one `SharedWeights` record of the shared-memory
+        transport) and set the policy version; returns the number of tensors loaded (0 when the engine
+        already serves a newer version: versions never go back).
 
         in_flight: running requests are frozen (not dropped) during the load and continue afterwards;
         their later tokens carry `version`. Otherwise running requests finish first. Either way no token
@@ -287,7 +288,7 @@ class Engine:
                 return 0  # a newer sync overtook this one (a joining worker gets both): the engine keeps the newer
             await vllm_compat.pause_for_update(self._llm, in_flight)
             try:
-                num_tensors = await vllm_compat.load_weight_buckets(self._llm, list(buckets))
+                num_tensors = await vllm_compat.load_weights(self._llm, list(buckets))
                 await vllm_compat.set_weight_version(self._llm, version)
                 self._version = version
             finally:

@@ -7,7 +7,8 @@ Contents:
 - `configure_process_env`: environment variables that must be set before the engine process starts.
 - `engine_args`: the `AsyncEngineArgs` that give fp32 log-prob parity with the learner.
 - `create_async_llm`: the engine, with the model in the engine-core process on CPU (no busy-waiting worker).
-- `WeightReceiver`: the worker extension (`worker_extension_cls`) that loads safetensors buckets in place.
+- `WeightReceiver`: the worker extension (`worker_extension_cls`) that loads safetensors buckets or a
+  shared-memory segment in place (`load_weights`).
 - `version_per_token`: per-token policy versions from vLLM's weight-version spans.
 - `pause_for_update` / `resume_after_update`: in-flight (keep running requests) and draining pauses.
 """
@@ -24,6 +25,7 @@ import numpy as np
 WEIGHT_RECEIVER_QUALNAME = "asyncrl.rollout.vllm_compat.WeightReceiver"
 STAGE_BUCKET_RPC = "asyncrl_stage_weight_bucket"
 LOAD_STAGED_RPC = "asyncrl_load_staged_weights"
+LOAD_SHARED_RPC = "asyncrl_load_shared_weights"
 
 
 def on_cpu() -> bool:
@@ -122,6 +124,19 @@ class WeightReceiver:
         self.model_runner.reload_weights(weights_iterator=named_tensors())
         return len(names)
 
+    def asyncrl_load_shared_weights(self, wire: str) -> int:
+        """Load a version from the shared-memory segment (`SharedWeights.to_wire()`): the model's reload reads
+        views of the mapped file, so nothing is deserialized; the file stays mapped for the next versions."""
+        from asyncrl.weight_sync.segment import SegmentReader, SharedWeights
+
+        shared = SharedWeights.from_wire(wire)
+        if not hasattr(self, "_asyncrl_segments"):
+            self._asyncrl_segments = SegmentReader()
+        named = self._asyncrl_segments.tensors(shared)
+        self.model_runner.reload_weights(weights_iterator=iter(named))
+        self._asyncrl_segments.check(shared)
+        return len(named)
+
 
 def create_async_llm(args: Any) -> Any:
     """An `AsyncLLM` for `args`; on CPU its model runs inside the engine-core process.
@@ -153,11 +168,17 @@ def create_async_llm(args: Any) -> Any:
     return AsyncLLM.from_vllm_config(config, disable_log_stats=True, enable_log_requests=False)
 
 
-async def load_weight_buckets(llm: Any, buckets: list[bytes], timeout_s: float | None = None) -> int:
-    """Load buckets into every worker of `llm` (an `AsyncLLM`); returns the tensors loaded by worker 0."""
-    for i, data in enumerate(buckets):
-        await llm.collective_rpc(STAGE_BUCKET_RPC, timeout=timeout_s, args=(data, i == 0))
-    counts = await llm.collective_rpc(LOAD_STAGED_RPC, timeout=timeout_s)
+async def load_weights(llm: Any, payloads: list[Any], timeout_s: float | None = None) -> int:
+    """Load one published version into every worker of `llm` (an `AsyncLLM`): safetensors buckets, or one
+    `SharedWeights` record (the shared-memory transport). Returns the tensors loaded by worker 0."""
+    from asyncrl.weight_sync.segment import SharedWeights
+
+    if len(payloads) == 1 and isinstance(payloads[0], SharedWeights):
+        counts = await llm.collective_rpc(LOAD_SHARED_RPC, timeout=timeout_s, args=(payloads[0].to_wire(),))
+    else:
+        for i, data in enumerate(payloads):
+            await llm.collective_rpc(STAGE_BUCKET_RPC, timeout=timeout_s, args=(data, i == 0))
+        counts = await llm.collective_rpc(LOAD_STAGED_RPC, timeout=timeout_s)
     return int(counts[0]) if counts else 0
 
 

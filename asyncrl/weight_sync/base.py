@@ -1,4 +1,4 @@
-"""The weight-sync contract, shared by every transport (Ray object store; shared memory or NCCL on GPU).
+"""The weight-sync contract, shared by every transport (Ray object store, shared memory; NCCL on GPU).
 
 A sync has two halves so that the learner can go on while the engines load: `start(version)` exports the
 learner's current weights and starts every engine loading them; `finish(pending)` waits until every engine
@@ -91,6 +91,9 @@ class WeightSync(ABC):
     @abstractmethod
     def latest(self) -> PublishedWeights | None:
         """The last weights started (None before the first): an engine started later loads them first."""
+
+    def shutdown(self) -> None:
+        """Release what the transport holds outside the engines and the learner (shared-memory segments)."""
 
     def overlaps(self) -> bool:
         """Whether the learner may start its next step before the engines confirm a sync."""

@@ -30,10 +30,14 @@ class ObjectStoreSync(WeightSync):
 
     def start(self, version: int, in_flight: bool | None = None) -> PendingSync:
         began = time.perf_counter()
-        exported = self.learner.export_weights(self.config.bucket_bytes)
-        self._latest = PublishedWeights(version, exported.refs, exported.num_bytes, exported.num_tensors)
-        calls = self.rollout.start_update(exported.refs, version, self.in_flight if in_flight is None else in_flight)
+        self._latest = self._publish(version)
+        calls = self.rollout.start_update(self._latest.refs, version, self.in_flight if in_flight is None else in_flight)
         return PendingSync(self._latest, calls, began)
+
+    def _publish(self, version: int) -> PublishedWeights:
+        """Export the learner's weights as `version`, as object refs the engines load."""
+        exported = self.learner.export_weights(self.config.bucket_bytes)
+        return PublishedWeights(version, exported.refs, exported.num_bytes, exported.num_tensors)
 
     def finish(self, pending: PendingSync) -> SyncResult:
         self.rollout.finish_update(pending.calls, pending.version, self.config.timeout_s)

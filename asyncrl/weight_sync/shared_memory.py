@@ -1,0 +1,103 @@
+"""`SharedMemorySync`: weights through one shared-memory segment on the node (no serialization, no object store).
+
+Learner rank 0 gathers the full, Hugging Face-named state and copies it into the slot of the version
+(`segment.SegmentWriter`, layout fixed at the first sync); what travels to the engines through Ray is a
+small `SharedWeights` record (path, version, layout). Each engine's vLLM worker maps the file and passes
+views of it to vLLM's layerwise `reload_weights` (`vllm_compat.WeightReceiver.asyncrl_load_shared_weights`).
+
+Why `reload_weights` and not a copy into the named parameters: vLLM 0.32 on CPU repacks every linear weight
+after loading (oneDNN / sgl kernels hold their own packed copy and `layer.weight` is emptied), and fuses
+q/k/v and gate/up; a parameter copy would not reach the kernels. The reload re-runs that packing from the
+views, which is a copy the engine needs anyway. Versions, pause/resume and parity are the engine's
+`update_weights` flow, the same as for the object store.
+
+Every engine must be on the learner's node (`weight_sync.transport: auto` picks this transport only on a
+single-node Ray cluster). Segments are unlinked by `shutdown()`, when the driver exits, and, for a driver
+that was killed, by the next `SharedMemorySync` on the machine (`sweep_orphans`: the driver's pid is in
+the file name).
+
+GPU design (not built: no GPU here). The same seam carries NCCL: `_publish` would, instead of writing a
+segment, have learner rank 0 broadcast each full tensor (bucketed, in layout order) over an NCCL group that
+includes every engine's worker, and the record sent to the engines would name the group and the version;
+the engine side would receive into staging buffers with vLLM's native weight-transfer API
+(`update_weights_from_distributed`-style collective RPC) and load them with the same layerwise reload.
+The layout record, double-buffered versions, pause -> load -> set version -> resume, and the finish/timeout
+logic stay as they are here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from asyncrl.weight_sync.base import PublishedWeights
+from asyncrl.weight_sync.object_store import ObjectStoreSync
+from asyncrl.weight_sync.segment import slot_path
+
+if TYPE_CHECKING:
+    from asyncrl.config import Mode, WeightSyncConfig
+    from asyncrl.learner.pool import LearnerPool
+    from asyncrl.rollout.pool import RolloutPool
+
+__all__ = ["SHM_DIR", "SharedMemorySync", "segment_root", "sweep_orphans"]
+
+SHM_DIR = "/dev/shm"
+_SEGMENT_NAME = re.compile(r"^asyncrl-weights-(\d+)-[0-9a-f]+-[01]$")
+
+
+def segment_root(shm_dir: str = SHM_DIR, pid: int | None = None) -> str:
+    """A fresh segment root naming the owning process, so that a dead owner's segments can be found."""
+    return f"{shm_dir}/asyncrl-weights-{pid or os.getpid()}-{secrets.token_hex(4)}"
+
+
+def sweep_orphans(shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink the weight segments of processes that no longer exist (a run that was killed); -> their paths."""
+    removed = []
+    for entry in Path(shm_dir).iterdir():
+        match = _SEGMENT_NAME.match(entry.name)
+        if match and not _alive(int(match.group(1))):
+            with contextlib.suppress(FileNotFoundError):
+                entry.unlink()
+            removed.append(str(entry))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _unlink_slots(root: str) -> None:
+    for version in (0, 1):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(slot_path(root, version))
+
+
+class SharedMemorySync(ObjectStoreSync):
+    """Publishes a `SharedWeights` record (through the object store, a few kB) instead of the weights."""
+
+    def __init__(self, learner: LearnerPool, rollout: RolloutPool, config: WeightSyncConfig, mode: Mode, shm_dir: str = SHM_DIR):
+        super().__init__(learner, rollout, config, mode)
+        sweep_orphans(shm_dir)
+        self.root = segment_root(shm_dir)
+        self._cleanup = weakref.finalize(self, _unlink_slots, self.root)  # also runs when the driver exits
+
+    def _publish(self, version: int) -> PublishedWeights:
+        import ray
+
+        shared = self.learner.export_shared(self.root, version)
+        layout = shared.layout
+        return PublishedWeights(version, [ray.put(shared)], layout.num_bytes, len(layout.places))
+
+    def shutdown(self) -> None:
+        self._cleanup()

@@ -1,0 +1,34 @@
+"""Which weight-sync transport a run uses (`weight_sync.transport`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from asyncrl.config import Mode, WeightSyncConfig
+    from asyncrl.learner.pool import LearnerPool
+    from asyncrl.rollout.pool import RolloutPool
+    from asyncrl.weight_sync.base import WeightSync
+
+__all__ = ["make_weight_sync", "resolve_transport"]
+
+
+def resolve_transport(choice: str, num_nodes: int) -> Literal["object_store", "shared_memory"]:
+    """`auto` is shared memory on a single-node cluster: there every engine, a replacement included, runs on
+    the learner's node; with more nodes an engine may land on another one, which cannot map the segment."""
+    if choice == "auto":
+        return "shared_memory" if num_nodes == 1 else "object_store"
+    if choice not in ("object_store", "shared_memory"):
+        raise ValueError(f"unknown weight_sync.transport {choice!r}")
+    return choice  # type: ignore[return-value]
+
+
+def make_weight_sync(learner: LearnerPool, rollout: RolloutPool, config: WeightSyncConfig, mode: Mode) -> WeightSync:
+    import ray
+
+    from asyncrl.weight_sync.object_store import ObjectStoreSync
+    from asyncrl.weight_sync.shared_memory import SharedMemorySync
+
+    num_nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+    transport = SharedMemorySync if resolve_transport(config.transport, num_nodes) == "shared_memory" else ObjectStoreSync
+    return transport(learner, rollout, config, mode)

@@ -1,0 +1,108 @@
+"""The shared-memory weight sync on real Ray, a real FSDP2 (gloo) learner rank and a real vLLM CPU engine
+(tiny model), all shared by the module: parity after a zero-copy sync, versions, a second sync, a joining
+worker, the object-store transport on the same pools, and no segment left in /dev/shm after shutdown."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from asyncrl.config import EnvConfig, LearnerConfig, RolloutConfig, WeightSyncConfig
+from asyncrl.testing import random_groups
+
+pytestmark = pytest.mark.integration
+
+PARITY_ATOL = 1e-5
+PROBE = [1, 4, 9, 14, 5, 15, 7, 3, 12, 6, 11, 8, 13, 10]  # token ids of the 16-token vocabulary
+PROMPT_LEN = 4
+
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")) if p)
+
+
+@pytest.fixture(scope="module")
+def pools(ray_cluster, tiny_model_dir):
+    """(learner, rollout, shared-memory sync), wired as the controller wires them."""
+    from asyncrl.algo.recipes import resolve_recipe
+    from asyncrl.learner.pool import LearnerPool
+    from asyncrl.rollout.pool import RolloutPool
+    from asyncrl.weight_sync.shared_memory import SharedMemorySync
+
+    learner = LearnerPool(tiny_model_dir, LearnerConfig(num_ranks=1, tokens_per_microbatch=4096, lr=1e-2), resolve_recipe("grpo"))
+    rollout = RolloutPool(
+        str(tiny_model_dir), RolloutConfig(num_workers=1), EnvConfig(), queue=None, dtype="float32", max_model_len=64,
+        latest=lambda: sync.latest(),  # a joining worker loads what the sync published last
+    )
+    sync = SharedMemorySync(learner, rollout, WeightSyncConfig(transport="shared_memory", timeout_s=60.0), "streaming")
+    try:
+        rollout.start()
+        yield learner, rollout, sync
+    finally:
+        rollout.shutdown()
+        learner.shutdown()
+        sync.shutdown()
+
+
+def parity(pools, worker: str | None = None) -> float:
+    learner, rollout, _ = pools
+    engine = np.asarray(rollout.score(PROBE, PROMPT_LEN, name=worker))
+    return float(np.max(np.abs(engine - np.asarray(learner.score(PROBE, PROMPT_LEN, 1.0)))))
+
+
+def step_and_sync(pools, sync, version: int, seed: int) -> tuple[float, float]:
+    """A learner step that moves the weights, then a sync of `version`: -> (parity before, parity after)."""
+    learner, rollout, _ = pools
+    learner.train_step(random_groups(seed=seed))
+    before = parity(pools)
+    result = sync.finish(sync.start(version))
+    assert result.version == version and rollout.versions() == {name: version for name in rollout.versions()}
+    return before, parity(pools)
+
+
+def test_after_a_zero_copy_sync_the_engine_scores_as_the_learner(pools):
+    shm_sync = pools[2]
+    before, after = step_and_sync(pools, shm_sync, version=1, seed=1)
+    print(f"parity before {before:.2e}, after {after:.2e}")
+    assert before > 1e-3  # the learner really moved (lr 1e-2)
+    assert after <= PARITY_ATOL
+    published = shm_sync.latest()
+    assert published.num_buckets == 1 and published.num_tensors == 51  # 50 parameters + the tied lm_head
+
+
+def test_a_second_sync_with_changed_weights_is_seen_from_the_other_slot(pools):
+    import ray
+
+    shm_sync = pools[2]
+    before, after = step_and_sync(pools, shm_sync, version=2, seed=2)
+    assert before > 1e-3 and after <= PARITY_ATOL
+    assert ray.get(shm_sync.latest().refs[0]).path == f"{shm_sync.root}-0"  # version 1 is in slot 1
+
+
+def test_a_worker_started_later_loads_the_latest_segment(pools):
+    rollout = pools[1]
+    name = rollout.add_worker(wait=True)
+    try:
+        assert rollout.versions()[name] == 2
+        assert parity(pools, worker=name) <= PARITY_ATOL
+    finally:
+        rollout.remove_worker(name)
+
+
+def test_the_object_store_transport_still_works_on_the_same_engines(pools):
+    from asyncrl.weight_sync.object_store import ObjectStoreSync
+
+    learner, rollout, _ = pools
+    sync = ObjectStoreSync(learner, rollout, WeightSyncConfig(transport="object_store", timeout_s=60.0), "streaming")
+    before, after = step_and_sync(pools, sync, version=3, seed=3)
+    assert before > 1e-3 and after <= PARITY_ATOL
+
+
+def test_shutdown_leaves_no_segment_in_dev_shm(pools):
+    shm_sync = pools[2]
+    step_and_sync(pools, shm_sync, version=4, seed=4)
+    prefix = os.path.basename(shm_sync.root)
+    assert sorted(p for p in os.listdir("/dev/shm") if p.startswith(prefix)) == [f"{prefix}-0", f"{prefix}-1"]
+    shm_sync.shutdown()  # the driver's side: it also runs when the driver exits, a killed driver's are swept
+    assert [p for p in os.listdir("/dev/shm") if p.startswith(prefix)] == []
