@@ -83,13 +83,12 @@ def placement(cfg) -> dict:
 def _preflight(cfg, address: str | None, placement_too: bool = True) -> int:
     """Model, data, reward, checkpoint and (with `placement_too`) placement checks; every problem on stderr,
     exit 2 if any."""
-    from asyncrl.controller.preflight import Resources, cluster_resources, local_resources, preflight
+    from asyncrl.controller.preflight import cluster_resources, local_resources, paths_every_node_reads, preflight
 
-    if not placement_too:
-        resources = Resources("the cluster", [{"CPU": float("inf"), "GPU": float("inf")}])
-    else:
-        resources = cluster_resources(address) if address else local_resources()
-    problems = preflight(cfg, resources)
+    resources = None
+    if placement_too:
+        resources = cluster_resources(address, list(paths_every_node_reads(cfg).values())) if address else local_resources()
+    problems = preflight(cfg, resources, placement=placement_too)
     for problem in problems:
         print(f"asyncrl check: {problem}", file=sys.stderr)
     return 2 if problems else 0
@@ -123,6 +122,10 @@ def _check(args: argparse.Namespace, cfg) -> int:
 def _run(args: argparse.Namespace, cfg) -> int:
     from asyncrl.controller import run
 
+    # Nothing is written before the config and its files check out; placement is checked here only for a
+    # local run (on a cluster each pool's placement group times out naming what it is short of).
+    if _preflight(cfg, None, placement_too=not os.environ.get("RAY_ADDRESS")):
+        return 2
     summary = run(cfg)
     print(json.dumps(summary, indent=2))
     return 0

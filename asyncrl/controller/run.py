@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import threading
-from pathlib import Path
 
 from asyncrl.config import Config
 
@@ -22,7 +21,7 @@ def run(cfg: Config) -> dict:
     from asyncrl.controller.loop import Controller
     from asyncrl.models import ensure_model
 
-    out = Path(cfg.output_dir)
+    out = cfg.run_dir()
     cfg.save(out)
     model_dir = ensure_model(cfg)
     started_ray = _init_ray(cfg)

@@ -34,6 +34,13 @@ IDLE_POLL_S = (0.01, 0.2)
 """Back-off range when the queue has nothing to hand out (back-pressure or empty)."""
 
 
+def _score_value(value: Any) -> float:
+    """A reward's return value as a float; text is a bug in the reward (float("1.0") would hide it)."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"returned {type(value).__name__} {value!r}, not a number")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """What a rollout worker needs to build its engine and serve; the pool builds it once from the run's config
@@ -221,7 +228,7 @@ class RolloutWorker:
             extra_info=dict(prompt.extra_info),
         )
         try:
-            reward = float(await asyncio.wait_for(call, timeout=self.spec.env.reward_timeout_s))
+            reward = _score_value(await asyncio.wait_for(call, timeout=self.spec.env.reward_timeout_s))
         except asyncio.TimeoutError:
             # The thread cannot be interrupted; it is abandoned and finishes on its own.
             self._reward_failures += 1
