@@ -39,7 +39,7 @@ class Resources:
     cpus_oversubscribe: bool = False
     """Local runs start Ray with as many CPU slots as the pools ask for (CPU is a scheduling label there)."""
     unreadable: dict[str, list[str]] = field(default_factory=dict)
-    """Path -> the nodes (id prefixes) that cannot read it (probed on a cluster; empty on this machine)."""
+    """Path -> the nodes (id prefixes) that cannot use it (probed on a cluster; empty on this machine)."""
 
     def total(self, resource: str) -> float:
         return sum(node.get(resource, 0.0) for node in self.nodes)
@@ -53,36 +53,48 @@ def local_resources() -> Resources:
     return Resources("this machine", [{"CPU": float(os.cpu_count() or 1), "GPU": float(gpus)}], cpus_oversubscribe=True)
 
 
-def cluster_resources(address: str, paths: list[str] = ()) -> Resources:
-    """Alive nodes of the Ray cluster at `address` and which of them cannot read `paths` (connects as a
-    driver and runs one tiny task per node, starts no actor)."""
+def cluster_resources(address: str, paths: dict[str, str] | None = None) -> Resources:
+    """Alive nodes of the Ray cluster at `address` and which of them cannot use `paths` (config key -> path,
+    `paths_every_node_reads`); connects as a driver and runs one tiny task per node, starts no actor."""
     import ray
 
+    if address.startswith(("http://", "https://")):
+        raise ConnectionError(f"check --address {address}: give the cluster address a driver connects to (host:6379, or auto on a node), not the dashboard URL")
     ray.init(address=address, log_to_driver=False, logging_level="ERROR")
     try:
         alive = [n for n in ray.nodes() if n.get("Alive")]
-        unreadable = _probe_paths([n["NodeID"] for n in alive], list(paths))
+        unreadable = _probe_paths([n["NodeID"] for n in alive], paths or {})
     finally:
         ray.shutdown()
     return Resources(f"the cluster at {address}", [dict(n["Resources"]) for n in alive], unreadable=unreadable)
 
 
-def _readable(paths: list[str]) -> list[bool]:
-    return [os.access(p, os.R_OK) for p in paths]
+def _usable(paths: dict[str, str]) -> list[bool]:
+    """Runs on each node: the model folder is readable; the storage folder is writable, or can be created."""
+    out = []
+    for key, path in paths.items():
+        if key != "storage.uri":
+            out.append(os.access(path, os.R_OK))
+            continue
+        existing = Path(path)
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        out.append(os.access(existing, os.W_OK))
+    return out
 
 
-def _probe_paths(node_ids: list[str], paths: list[str], timeout_s: float = 60.0) -> dict[str, list[str]]:
-    """Path -> ids (8 characters) of the nodes where it is not readable."""
+def _probe_paths(node_ids: list[str], paths: dict[str, str], timeout_s: float = 60.0) -> dict[str, list[str]]:
+    """Path -> ids (8 characters) of the nodes where it cannot be used."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     if not paths:
         return {}
-    probe = ray.remote(_readable)
+    probe = ray.remote(_usable)
     refs = [probe.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(paths) for n in node_ids]
     unreadable: dict[str, list[str]] = {}
-    for node, readable in zip(node_ids, ray.get(refs, timeout=timeout_s)):
-        for path, ok in zip(paths, readable):
+    for node, usable in zip(node_ids, ray.get(refs, timeout=timeout_s)):
+        for path, ok in zip(paths.values(), usable):
             if not ok:
                 unreadable.setdefault(path, []).append(node[:8])
     return unreadable
@@ -108,7 +120,7 @@ def _storage(cfg: Config, resources: Resources) -> list[Problem]:
     """On a cluster, paths actors open must be readable on every node, and a multi-node run needs a shared
     run directory (learner rank 0 and the replay queue write into it from their own nodes)."""
     problems = [
-        Problem(key, f"{path} is not readable on node(s) {', '.join(resources.unreadable[path])} of {resources.where}")
+        Problem(key, f"{path} is not {'writable' if key == 'storage.uri' else 'readable'} on node(s) {', '.join(resources.unreadable[path])} of {resources.where}")
         for key, path in paths_every_node_reads(cfg).items() if path in resources.unreadable
     ]
     if len(resources.nodes) > 1 and cfg.storage.uri is None:

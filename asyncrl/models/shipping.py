@@ -74,7 +74,7 @@ def materialise(model: ShippedModel) -> Path:
     if Path(cache_root()).resolve() in Path(model.source).parents and (Path(model.source) / "config.json").is_file():
         return Path(model.source)
     target = cache_root() / "shipped" / model.folder_name
-    with _file_lock(target.with_suffix(".lock")):
+    with _file_lock(target.with_name(target.name + ".lock")):
         if not (target / "config.json").is_file():
             unpack(ray.get(model.archive), target)
     return target

@@ -60,6 +60,8 @@ class _Joining:
     ready: Any
     began: float
     placed: Any = None
+    engine_began: float = 0.0
+    """When the placement group was placed: the engine's start timeout counts from here."""
     sync: Any = None
     version: int | None = None
 
@@ -395,7 +397,7 @@ class RolloutPool:
                 continue
             ref = j.sync if j.sync is not None else j.ready
             if not ray.wait([ref], timeout=0)[0]:
-                if time.monotonic() - j.began > self.rollout.engine_start_timeout_s:
+                if time.monotonic() - j.engine_began > self.rollout.engine_start_timeout_s:
                     events.append(self._failed_start(name, f"{name} did not start its engine within {self.rollout.engine_start_timeout_s}s"))
                 continue
             try:
@@ -417,8 +419,10 @@ class RolloutPool:
     def _placed(self, name: str, j: _Joining, events: list[PoolEvent]) -> bool:
         """Whether the worker's placement group is placed; past `placement_timeout_s` it fails to start with
         what the cluster is short of (the engine's own timeout counts only once it has somewhere to run)."""
-        if j.placed is None or ray.wait([j.placed], timeout=0)[0]:
-            j.placed = None
+        if j.placed is None:
+            return True
+        if ray.wait([j.placed], timeout=0)[0]:
+            j.placed, j.engine_began = None, time.monotonic()
             return True
         if time.monotonic() - j.began > self.placement_timeout_s:
             bundles = list(self._groups[name].bundle_specs)
