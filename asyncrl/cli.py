@@ -116,7 +116,16 @@ def _check(args: argparse.Namespace, cfg) -> int:
     print(yaml.safe_dump(cfg.dump(), sort_keys=False), end="")
     print("# planned placement")
     print(json.dumps(placement(cfg), indent=2))
-    return _preflight(cfg, args.address or os.environ.get("RAY_ADDRESS"))
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if not args.address and address and address.startswith(("http://", "https://")):
+        # RAY_ADDRESS set for `submit` is the dashboard: a driver cannot connect there to read the nodes.
+        print("asyncrl check: placement not checked (RAY_ADDRESS is a dashboard URL; pass --address HOST:6379)", file=sys.stderr)
+        return _preflight(cfg, None, placement_too=False)
+    try:
+        return _preflight(cfg, address)
+    except ConnectionError as e:
+        print(f"asyncrl check: {e}", file=sys.stderr)
+        return 2
 
 
 def _run(args: argparse.Namespace, cfg) -> int:
@@ -173,10 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("status", "logs", "stop", "scale"):
             return _cluster(args)
         cfg = _load(args)
+        if args.command == "submit":  # talks to the cluster: an unreachable one is a message, not a traceback
+            return _submit(args, cfg)
     except (ConfigError, ConnectionError, ValueError) as e:
         print(f"asyncrl: {e}", file=sys.stderr)
         return 2
-    return {"check": _check, "run": _run, "submit": _submit}[args.command](args, cfg)
+    return {"check": _check, "run": _run}[args.command](args, cfg)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -68,9 +69,13 @@ def cluster(tmp_path_factory):
         ], dict(env, HOME=str(homes["home-head"])))
         _ray_start([f"--address=127.0.0.1:{gcs_port}", "--num-cpus=1", '--resources={"rollout_node": 1}'],
                    dict(env, HOME=str(homes["home-node2"])))
-        yield Cluster(f"http://127.0.0.1:{dashboard_port}", f"127.0.0.1:{gcs_port}", dict(env, HOME=str(homes["home-head"])), *homes.values())
+        jobs = f"http://127.0.0.1:{dashboard_port}"
+        # A loaded machine may take a while to bring the dashboard up after `ray start` returns.
+        _wait_for(lambda: _cli(["status", "--address", jobs], env, timeout_s=60).returncode == 0, 300, "the Jobs API")
+        yield Cluster(jobs, f"127.0.0.1:{gcs_port}", dict(env, HOME=str(homes["home-head"])), *homes.values())
     finally:
         kill_processes_with_env(f"ASYNCRL_TEST_CLUSTER={temp}")
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _cli(args: list[str], env: dict, timeout_s: float = 900) -> subprocess.CompletedProcess:
@@ -89,7 +94,7 @@ def test_a_job_pinned_to_node_2_loads_the_shipped_model_there_and_reads_back_thr
     job = subprocess.Popen([str(BIN / "asyncrl"), "submit", *overrides, "--address", address, "--working-dir", "", "--job-id", "two-node"],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = store / "two-node" / "metrics.jsonl"
-    first_step_s = _wait_for(lambda: metrics.exists() and metrics.read_text().strip(), 900, "the first step")
+    first_step_s = _wait_for(lambda: job.poll() is not None or (metrics.exists() and metrics.read_text().strip()), 900, "the first step")
     out, err = job.communicate(timeout=900)
     assert job.returncode == 0, out[-3000:] + err[-3000:]
     print(f"two-node: submit -> first step {first_step_s - began:.1f}s; submit -> done {time.monotonic() - began:.1f}s")
@@ -139,5 +144,17 @@ def test_a_pool_reserves_on_the_node_with_its_resource_and_a_shortage_names_the_
             reserve("tools", [bundle(1, 0, {"gpu_node": 1})] * 2, "SPREAD", timeout_s=2)
         assert str(error.value).startswith("tools pool: 2 bundles of {CPU: 1, gpu_node: 1} not placeable within 2 s; needs CPU 2, gpu_node 2")
         assert str(error.value).endswith("gpu_node 0 free of 0 (no node has enough gpu_node)")
+        _a_rollout_pool_that_cannot_be_placed_fails_naming_its_shortage()
     finally:
         ray.shutdown()
+
+
+def _a_rollout_pool_that_cannot_be_placed_fails_naming_its_shortage() -> None:
+    from asyncrl.config import RolloutConfig
+    from asyncrl.rollout.pool import RolloutPool, WorkerStartError
+
+    pool = RolloutPool("unused", RolloutConfig(resources={"gpu_node": 1}), placement_timeout_s=2)
+    with pytest.raises(WorkerStartError) as error:
+        pool.start()  # the engine never starts: its actor has nowhere to run
+    assert "rollout pool: 1 bundles of {CPU: 1, gpu_node: 1} not placeable within 2 s" in str(error.value)
+    assert not pool.joining and not pool._groups  # the reservation was given back

@@ -88,3 +88,12 @@ def test_a_multi_node_cluster_needs_shared_storage_and_paths_every_node_reads():
     assert [p.key for p in problems] == ["model.path", "model.path", "storage.uri"]  # missing here, unreadable there, no storage
     assert str(problems[1]) == "model.path: /models/m is not readable on node(s) ab12cd34 of c"
     assert preflight(cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"uri": "/shared"})}), Resources("c", nodes))[1:] == []
+
+
+def test_check_wants_the_cluster_address_not_the_dashboard_url(capsys, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code, err = _check(capsys, "--address", "http://127.0.0.1:8265")
+    assert code == 2 and "not the dashboard URL" in err
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")  # set for `submit`: placement is left to the cluster
+    code, err = _check(capsys, "rollout.num_gpus_per_worker=8")
+    assert code == 0 and "placement not checked" in err
