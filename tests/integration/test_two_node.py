@@ -36,7 +36,12 @@ def _free_port() -> int:
 
 
 def _ray_start(args: list[str], env: dict) -> None:
-    done = subprocess.run([str(BIN / "ray"), "start", "--node-ip-address=127.0.0.1", "--disable-usage-stats", *args],
+    """`ray start` with ports of its own: two raylets on one machine (and other tests' clusters) must not
+    meet on Ray's default agent ports."""
+    ports = [f"--{name}={_free_port()}" for name in (
+        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port", "node-manager-port", "object-manager-port",
+    )]
+    done = subprocess.run([str(BIN / "ray"), "start", "--node-ip-address=127.0.0.1", "--disable-usage-stats", *ports, *args],
                           env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
