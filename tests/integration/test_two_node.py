@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,26 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.testing import TINY_RUN, kill_processes_with_env
+from asyncrl.testing import TINY_RUN, free_port, kill_processes_with_env, ray_node_ports
 
 pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ray_start(args: list[str], env: dict) -> None:
-    """`ray start` with ports of its own: two raylets on one machine (and other tests' clusters) must not
-    meet on Ray's default agent ports."""
-    ports = [f"--{name}={_free_port()}" for name in (
-        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port", "node-manager-port", "object-manager-port",
-    )]
-    done = subprocess.run([str(BIN / "ray"), "start", "--node-ip-address=127.0.0.1", "--disable-usage-stats", *ports, *args],
+    done = subprocess.run([str(BIN / "ray"), "start", "--node-ip-address=127.0.0.1", "--disable-usage-stats", *ray_node_ports(), *args],
                           env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
@@ -66,7 +54,7 @@ def cluster(tmp_path_factory):
     temp = Path("/tmp") / f"ray-2n-{os.getpid()}"  # short: Ray's socket paths have a length limit
     base = {k: v for k, v in os.environ.items() if k != "ASYNCRL_CACHE"}  # the cache follows each node's HOME
     env = dict(base, PATH=f"{BIN}:{os.environ['PATH']}", ASYNCRL_TEST_CLUSTER=str(temp))
-    dashboard_port, gcs_port = _free_port(), _free_port()
+    dashboard_port, gcs_port = free_port(), free_port()
     try:
         _ray_start([
             "--head", f"--port={gcs_port}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
