@@ -87,13 +87,12 @@ def placement(cfg) -> dict:
 def _preflight(cfg, address: str | None, placement_too: bool = True) -> int:
     """Model, data, reward, checkpoint and (with `placement_too`) placement checks; every problem on stderr,
     exit 2 if any."""
-    from asyncrl.controller.preflight import Resources, cluster_resources, local_resources, preflight
+    from asyncrl.controller.preflight import cluster_resources, local_resources, paths_every_node_reads, preflight
 
-    if not placement_too:
-        resources = Resources("the cluster", [{"CPU": float("inf"), "GPU": float("inf")}])
-    else:
-        resources = cluster_resources(address) if address else local_resources()
-    problems = preflight(cfg, resources)
+    resources = None
+    if placement_too:
+        resources = cluster_resources(address, paths_every_node_reads(cfg)) if address else local_resources()
+    problems = preflight(cfg, resources, placement=placement_too)
     for problem in problems:
         print(f"asyncrl check: {problem}", file=sys.stderr)
     return 2 if problems else 0
@@ -121,12 +120,25 @@ def _check(args: argparse.Namespace, cfg) -> int:
     print(yaml.safe_dump(cfg.dump(), sort_keys=False), end="")
     print("# planned placement")
     print(json.dumps(placement(cfg), indent=2))
-    return _preflight(cfg, args.address or os.environ.get("RAY_ADDRESS"))
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if not args.address and address and address.startswith(("http://", "https://")):
+        # RAY_ADDRESS set for `submit` is the dashboard: a driver cannot connect there to read the nodes.
+        print("asyncrl check: placement not checked (RAY_ADDRESS is a dashboard URL; pass --address HOST:6379)", file=sys.stderr)
+        return _preflight(cfg, None, placement_too=False)
+    try:
+        return _preflight(cfg, address)
+    except ConnectionError as e:
+        print(f"asyncrl check: {e}", file=sys.stderr)
+        return 2
 
 
 def _run(args: argparse.Namespace, cfg) -> int:
     from asyncrl.controller import run
 
+    # Nothing is written before the config and its files check out; placement is checked here only for a
+    # local run (on a cluster each pool's placement group times out naming what it is short of).
+    if _preflight(cfg, None, placement_too=not os.environ.get("RAY_ADDRESS")):
+        return 2
     summary = run(cfg)
     print(json.dumps(summary, indent=2))
     return 0
@@ -196,10 +208,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("status", "logs", "stop", "scale"):
             return _cluster(args)
         cfg = _load(args)
+        if args.command == "submit":  # talks to the cluster: an unreachable one is a message, not a traceback
+            return _submit(args, cfg)
     except (ConfigError, ConnectionError, ValueError) as e:
         print(f"asyncrl: {e}", file=sys.stderr)
         return 2
-    return {"check": _check, "run": _run, "submit": _submit}[args.command](args, cfg)
+    return {"check": _check, "run": _run}[args.command](args, cfg)
 
 
 if __name__ == "__main__":

@@ -98,6 +98,9 @@ class RolloutConfig(Section):
     """Ray GPUs reserved by each rollout worker (0 on CPU)."""
     engine_start_timeout_s: float = Field(300.0, gt=0)
     """A worker whose engine is not serving within this time is reported failed by name."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each rollout worker's placement bundle asks for, e.g. `{rollout_node: 1}`: nodes
+    started with `ray start --resources '{"rollout_node": 8}'` are the only ones that can host the pool."""
     replace_dead_workers: bool = True
     """A rollout worker that dies (while generating or loading weights) is replaced and its requests are
     re-dispatched; the run goes on and the learner does not wait for the replacement. False stops the run
@@ -224,6 +227,11 @@ class LearnerConfig(Section):
     """Ray CPUs reserved by each learner rank."""
     num_gpus_per_rank: float = Field(0.0, ge=0)
     """Ray GPUs reserved by each learner rank."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each learner rank's placement bundle asks for (pins the pool to nodes that have them)."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How the ranks' bundles share nodes (Ray placement group strategy): PACK keeps ranks together (fast
+    collectives), SPREAD puts them on different nodes where it can."""
     max_skipped_steps: int = Field(3, ge=1)
     """A step whose loss or gradient is not finite is skipped (the weights and optimizer state stay as they
     were) and its batch kept in `<output_dir>/bad_batches/`; this many such steps in a row stop the run."""
@@ -323,6 +331,31 @@ class CheckpointConfig(Section):
     """Export the final policy as a Hugging Face safetensors folder."""
 
 
+class ClusterConfig(Section):
+    """How the pools are placed on a Ray cluster (each pool gets its own placement group)."""
+
+    placement_timeout_s: float = Field(300.0, gt=0)
+    """A pool whose placement group is not placed within this time fails, naming the pool, what its bundles
+    ask for and what the cluster has free."""
+
+
+class StorageConfig(Section):
+    """Where a run's files go. Every node that writes them (the driver, learner rank 0, the replay queue)
+    must see the same folder on a multi-node cluster."""
+
+    uri: str | None = None
+    """A folder every node mounts (NFS, a Kubernetes volume; `file://` URIs too): the run directory becomes
+    `<uri>/<output_dir>` (checkpoints, final_model, metrics.jsonl, summary.json, trajectories). None = the
+    local `output_dir`, as on one machine."""
+
+    @model_validator(mode="after")
+    def _filesystem_only(self) -> StorageConfig:
+        scheme = self.uri.split("://", 1)[0] if self.uri and "://" in self.uri else None
+        if scheme not in (None, "file"):
+            raise ValueError(f"storage.uri {self.uri!r}: only mounted folders (a path or file://) are supported, not {scheme}://")
+        return self
+
+
 class FaultsConfig(Section):
     """Fault injection for tests and soak runs: real processes are killed, nothing is mocked."""
 
@@ -352,6 +385,8 @@ class Config(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
 
     @model_validator(mode="after")
@@ -388,6 +423,13 @@ class Config(Section):
         if self.data.task == "parquet" and not self.data.train_path:
             raise ValueError("data.task 'parquet' needs data.train_path")
         return self
+
+    def run_dir(self) -> Path:
+        """The run's folder: `output_dir`, under `storage.uri` when one is set."""
+        if self.storage.uri is None:
+            return Path(self.output_dir)
+        root = self.storage.uri.removeprefix("file://")
+        return Path(root) / self.output_dir.lstrip("/")
 
     def dump(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -455,7 +497,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             if not isinstance(node, dict):
                 raise ConfigError(f"override {text!r}: '{key}' is not a section")
         node[keys[-1]] = value
-    return validate_config(data, source)
+    return validate_config(data, f"{source} with overrides {' '.join(overrides)}" if overrides else source)
 
 
 def shipped_recipes() -> list[str]:

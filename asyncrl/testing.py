@@ -130,6 +130,23 @@ TINY_RUN = [
 model earns no reward, so zero-variance filtering would discard every group)."""
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for a test's own Ray head or service)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ray_node_ports() -> list[str]:
+    """`ray start` flags giving a node's agents and managers ports of their own: Ray's defaults (52365, ...)
+    collide when several raylets run on one machine (a test's two nodes, other tests' clusters)."""
+    names = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port",
+             "node-manager-port", "object-manager-port")
+    return [f"--{name}={free_port()}" for name in names]
+
+
 def processes_with_env(marker: str) -> list[int]:
     """Pids of processes whose environment contains `marker`. Every descendant inherits its environment,
     while command lines are renamed (Ray's `ray::DashboardAgent`), so this finds a whole process tree."""

@@ -75,7 +75,7 @@ class Controller:
     def __init__(self, cfg: Config, model_dir: Path, telemetry: Telemetry | None = None):
         self.cfg = cfg
         self.model_dir = Path(model_dir)
-        self.out = Path(cfg.output_dir)
+        self.out = cfg.run_dir()
         self.version = 0
         self.step = 0
         self.samples_trained = 0

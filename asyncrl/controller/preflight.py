@@ -38,6 +38,8 @@ class Resources:
     nodes: list[dict[str, float]] = field(default_factory=list)
     cpus_oversubscribe: bool = False
     """Local runs start Ray with as many CPU slots as the pools ask for (CPU is a scheduling label there)."""
+    unreadable: dict[str, list[str]] = field(default_factory=dict)
+    """Path -> the nodes (id prefixes) that cannot use it (probed on a cluster; empty on this machine)."""
 
     def total(self, resource: str) -> float:
         return sum(node.get(resource, 0.0) for node in self.nodes)
@@ -51,22 +53,79 @@ def local_resources() -> Resources:
     return Resources("this machine", [{"CPU": float(os.cpu_count() or 1), "GPU": float(gpus)}], cpus_oversubscribe=True)
 
 
-def cluster_resources(address: str) -> Resources:
-    """Alive nodes of the Ray cluster at `address` (connects as a driver, starts nothing)."""
+def cluster_resources(address: str, paths: dict[str, str] | None = None) -> Resources:
+    """Alive nodes of the Ray cluster at `address` and which of them cannot use `paths` (config key -> path,
+    `paths_every_node_reads`); connects as a driver and runs one tiny task per node, starts no actor."""
     import ray
 
+    if address.startswith(("http://", "https://")):
+        raise ConnectionError(f"check --address {address}: give the cluster address a driver connects to (host:6379, or auto on a node), not the dashboard URL")
     ray.init(address=address, log_to_driver=False, logging_level="ERROR")
     try:
-        nodes = [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        unreadable = _probe_paths([n["NodeID"] for n in alive], paths or {})
     finally:
         ray.shutdown()
-    return Resources(f"the cluster at {address}", nodes)
+    return Resources(f"the cluster at {address}", [dict(n["Resources"]) for n in alive], unreadable=unreadable)
 
 
-def preflight(cfg: Config, resources: Resources | None = None) -> list[Problem]:
-    """Every problem found, in config order; an empty list means the job can start."""
-    resources = resources or local_resources()
-    return [*_model(cfg), *_data(cfg), *_reward(cfg), *_resume(cfg), *_placement(cfg, resources)]
+def _usable(paths: dict[str, str]) -> list[bool]:
+    """Runs on each node: the model folder is readable; the storage folder is writable, or can be created."""
+    out = []
+    for key, path in paths.items():
+        if key != "storage.uri":
+            out.append(os.access(path, os.R_OK))
+            continue
+        existing = Path(path)
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        out.append(os.access(existing, os.W_OK))
+    return out
+
+
+def _probe_paths(node_ids: list[str], paths: dict[str, str], timeout_s: float = 60.0) -> dict[str, list[str]]:
+    """Path -> ids (8 characters) of the nodes where it cannot be used."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if not paths:
+        return {}
+    probe = ray.remote(_usable)
+    refs = [probe.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(paths) for n in node_ids]
+    unreadable: dict[str, list[str]] = {}
+    for node, usable in zip(node_ids, ray.get(refs, timeout=timeout_s)):
+        for path, ok in zip(paths.values(), usable):
+            if not ok:
+                unreadable.setdefault(path, []).append(node[:8])
+    return unreadable
+
+
+def paths_every_node_reads(cfg: Config) -> dict[str, str]:
+    """Config key -> the path actors on any node open: the user's model folder and the shared storage."""
+    paths = {"model.path": cfg.model.path, "storage.uri": cfg.storage.uri and cfg.storage.uri.removeprefix("file://")}
+    return {key: path for key, path in paths.items() if path}
+
+
+def preflight(cfg: Config, resources: Resources | None = None, placement: bool = True) -> list[Problem]:
+    """Every problem found, in config order; an empty list means the job can start. `placement=False` leaves
+    the resources and shared paths to the cluster that runs the job (`asyncrl submit`)."""
+    problems = [*_model(cfg), *_data(cfg), *_reward(cfg), *_resume(cfg)]
+    if placement:
+        resources = resources or local_resources()
+        problems += [*_placement(cfg, resources), *_storage(cfg, resources)]
+    return problems
+
+
+def _storage(cfg: Config, resources: Resources) -> list[Problem]:
+    """On a cluster, paths actors open must be readable on every node, and a multi-node run needs a shared
+    run directory (learner rank 0 and the replay queue write into it from their own nodes)."""
+    problems = [
+        Problem(key, f"{path} is not {'writable' if key == 'storage.uri' else 'readable'} on node(s) {', '.join(resources.unreadable[path])} of {resources.where}")
+        for key, path in paths_every_node_reads(cfg).items() if path in resources.unreadable
+    ]
+    if len(resources.nodes) > 1 and cfg.storage.uri is None:
+        problems.append(Problem("storage.uri", f"{resources.where} has {len(resources.nodes)} nodes: set it to a folder every node mounts (checkpoints, final_model and trajectories are written on the nodes of the learner and the replay queue)"))
+    return problems
 
 
 def _model(cfg: Config) -> list[Problem]:
@@ -91,10 +150,43 @@ def _data(cfg: Config) -> list[Problem]:
         return []
     if not cfg.data.train_path:
         return [Problem("data.train_path", "task 'parquet' needs a training file")]
-    problems = _parquet("data.train_path", cfg.data.train_path)
-    if cfg.data.eval_path:
-        problems += _parquet("data.eval_path", cfg.data.eval_path)
+    files = {"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path}
+    problems = []
+    for key, path in files.items():
+        if path:
+            problems += _parquet(key, path) or _prompt_lengths(cfg, key, path)
     return problems
+
+
+def _prompt_lengths(cfg: Config, key: str, path: str) -> list[Problem]:
+    """Every prompt, as the run will tokenize it, leaves room for `rollout.max_tokens` in the context."""
+    import pyarrow.parquet as pq
+
+    from asyncrl.envs.data import encode_messages
+
+    tokenizer = _tokenizer(cfg)
+    if tokenizer is None:
+        return []  # the model itself is at fault, reported by `_model`
+    limit = cfg.rollout.max_model_len - cfg.rollout.max_tokens
+    for row, prompt in enumerate(pq.read_table(path, columns=["prompt"]).column("prompt").to_pylist()):
+        length = len(encode_messages(tokenizer, prompt))
+        if length > limit:
+            return [Problem(key, f"{path}: row {row}: the prompt has {length} tokens; with rollout.max_tokens {cfg.rollout.max_tokens} it does not fit rollout.max_model_len {cfg.rollout.max_model_len}")]
+    return []
+
+
+def _tokenizer(cfg: Config):
+    """The run's tokenizer without building the model: a preset's character tokenizer, or the model folder's."""
+    from asyncrl.models import PRESETS
+    from asyncrl.models.tokenizer import build_char_tokenizer
+
+    if cfg.model.path is None:
+        return build_char_tokenizer(PRESETS[cfg.model.preset].alphabet) if cfg.model.preset in PRESETS else None
+    if _model(cfg):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cfg.model.path)
 
 
 def _parquet(key: str, path: str) -> list[Problem]:
@@ -134,31 +226,73 @@ def _reward(cfg: Config) -> list[Problem]:
     return []
 
 
+RUN_IDENTITY = ("model.path", "model.preset", "model.dtype", "learner.critic", "algorithm.preset", "mode")
+"""What a checkpoint's run must share with the config resuming it (a different model or algorithm cannot load)."""
+
+
 def _resume(cfg: Config) -> list[Problem]:
     where = cfg.checkpoint.resume_from
     if where is None or where == "latest":
         return []
     from asyncrl.learner.checkpoint import STATE_FILE
 
-    if not (Path(where) / STATE_FILE).is_file():
+    folder = Path(where)
+    if not (folder / STATE_FILE).is_file():
         return [Problem("checkpoint.resume_from", f"{where} is not a complete checkpoint (no {STATE_FILE})")]
-    return []
+    reason = _corrupt(folder) or _other_config(cfg, folder)
+    return [Problem("checkpoint.resume_from", reason)] if reason else []
+
+
+def _corrupt(folder: Path) -> str | None:
+    """Why a checkpoint folder with its marker cannot be loaded (unreadable marker, missing shards)."""
+    import json
+
+    from asyncrl.learner.checkpoint import STATE_FILE
+
+    try:
+        state = json.loads((folder / STATE_FILE).read_text())
+        ints = all(isinstance(state[k], int) for k in ("step", "version", "num_ranks"))
+    except (ValueError, KeyError, TypeError) as e:
+        return f"{folder / STATE_FILE} is corrupt ({type(e).__name__}: {e})"
+    if not ints:
+        return f"{folder / STATE_FILE} is corrupt: step, version and num_ranks must be integers (got {state})"
+    missing = [name for name in ("learner/.metadata", "learner/rank_0.pt") if not (folder / name).is_file()]
+    return f"{folder} is corrupt: {', '.join(missing)} missing" if missing else None
+
+
+def _other_config(cfg: Config, folder: Path) -> str | None:
+    """The checkpoint's run folder (`<run>/checkpoints/step-N`) keeps the config that wrote it."""
+    import yaml
+
+    saved_file = folder.parent.parent / "config.yaml"
+    if not saved_file.is_file():
+        return None
+    saved, ours = yaml.safe_load(saved_file.read_text()) or {}, cfg.dump()
+    for key in RUN_IDENTITY:
+        section, name = key.split(".") if "." in key else (None, key)
+        theirs, mine = ((saved.get(section) or {}).get(name), ours[section][name]) if section else (saved.get(name), ours[name])
+        if theirs != mine:
+            return f"{folder} was written by a run with {key} = {theirs!r}; this config has {mine!r} ({saved_file})"
+    return None
 
 
 def _placement(cfg: Config, resources: Resources) -> list[Problem]:
-    """Each pool's unit must fit on one node, and both pools together in the whole cluster."""
+    """Each pool's unit (its placement bundle) must fit on one node, and both pools together in the whole
+    cluster; custom resources (`rollout.resources`, `learner.resources`) are checked like CPU and GPU."""
+    from asyncrl.cluster.placement import bundle
+
     pools = {
-        "rollout_pool": (cfg.rollout.num_workers, {"CPU": cfg.rollout.num_cpus_per_worker, "GPU": cfg.rollout.num_gpus_per_worker}),
-        "learner_pool": (cfg.learner.num_ranks, {"CPU": cfg.learner.num_cpus_per_rank, "GPU": cfg.learner.num_gpus_per_rank}),
+        "rollout_pool": (cfg.rollout.num_workers, bundle(cfg.rollout.num_cpus_per_worker, cfg.rollout.num_gpus_per_worker, cfg.rollout.resources)),
+        "learner_pool": (cfg.learner.num_ranks, bundle(cfg.learner.num_cpus_per_rank, cfg.learner.num_gpus_per_rank, cfg.learner.resources)),
     }
     problems = []
-    for resource in ("CPU", "GPU"):
+    for resource in ["CPU", "GPU", *sorted({k for _, unit in pools.values() for k in unit} - {"CPU", "GPU"})]:
         if resource == "CPU" and resources.cpus_oversubscribe:
             continue
         for pool, (count, unit) in pools.items():
-            if unit[resource] > resources.largest(resource):
+            if unit.get(resource, 0.0) > resources.largest(resource):
                 problems.append(Problem(pool, f"one unit needs {unit[resource]:g} {resource}; the largest node of {resources.where} has {resources.largest(resource):g}"))
-        need = {pool: count * unit[resource] for pool, (count, unit) in pools.items()}
+        need = {pool: count * unit.get(resource, 0.0) for pool, (count, unit) in pools.items()}
         if sum(need.values()) > resources.total(resource):
             parts = " + ".join(f"{pool} {amount:g}" for pool, amount in need.items())
             short = max(need, key=need.get)

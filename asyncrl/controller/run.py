@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import threading
-from pathlib import Path
 
 from asyncrl.config import Config
 from asyncrl.telemetry.sinks import Telemetry
@@ -25,7 +24,7 @@ def run(cfg: Config) -> dict:
     """
     from asyncrl.controller.loop import build_telemetry
 
-    out = Path(cfg.output_dir)
+    out = cfg.run_dir()
     cfg.save(out)
     telemetry = build_telemetry(cfg)
     telemetry.phase(f"config: {cfg.mode} mode, {cfg.learner.max_steps} steps, output in {out}")

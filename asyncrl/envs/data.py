@@ -69,8 +69,24 @@ def check_verl_rows(rows: list[dict[str, Any]], path: str | Path) -> None:
         prompt = row["prompt"]
         if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt):
             raise ValueError(f"{path}: row {i}: 'prompt' must be a non-empty list of {{role, content}} messages")
+        _check_text(prompt, path, i)
         if not isinstance(row["reward_model"], dict) or "ground_truth" not in row["reward_model"]:
             raise ValueError(f"{path}: row {i}: reward_model.ground_truth is missing")
+
+
+def _check_text(messages: list[dict[str, Any]], path: str | Path, row: int) -> None:
+    """Each message's content is UTF-8 text, and the prompt has some."""
+    for m, message in enumerate(messages):
+        content = message["content"]
+        if isinstance(content, bytes):
+            try:
+                content.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: row {row}: prompt message {m} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        if not isinstance(content, str):
+            raise ValueError(f"{path}: row {row}: prompt message {m} content must be a string (got {type(content).__name__})")
+    if not any(message["content"].strip() for message in messages):
+        raise ValueError(f"{path}: row {row}: the prompt is empty (every message's content is blank)")
 
 
 def verl_prompts(tokenizer: Any, path: str | Path) -> list[Prompt]:

@@ -66,7 +66,9 @@ def _sharded_state(state: TrainState) -> dict[str, Any]:
 
 
 def _rng_state() -> dict[str, Any]:
-    out = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Tensors, numbers and strings only, so that `torch.load(weights_only=True)` reads it back."""
+    name, keys, *rest = np.random.get_state()
+    out = {"torch": torch.get_rng_state(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), *rest), "python": random.getstate()}
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state_all()
     return out
@@ -74,7 +76,8 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(rng: dict[str, Any]) -> None:
     torch.set_rng_state(rng["torch"])
-    np.random.set_state(rng["numpy"])
+    name, keys, *rest = rng["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     random.setstate(rng["python"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
@@ -114,7 +117,7 @@ def load_train_state(folder: str | Path, state: TrainState, rank: int) -> int:
     local_file = path / f"rank_{rank}.pt"
     # More ranks than at save time: schedulers are identical on all ranks, RNG stays as seeded.
     restore_rng = local_file.exists()
-    local = torch.load(local_file if restore_rng else path / "rank_0.pt", weights_only=False)
+    local = torch.load(local_file if restore_rng else path / "rank_0.pt", weights_only=True)  # nothing unpickled from a user path
     state.scheduler.load_state_dict(local["scheduler"])
     if state.critic_scheduler is not None and "critic_scheduler" in local:
         state.critic_scheduler.load_state_dict(local["critic_scheduler"])

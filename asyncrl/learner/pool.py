@@ -26,6 +26,7 @@ from asyncrl.learner.batch import TrainBatch, build_batch, loss_needs_whole_grou
 from asyncrl.learner.export import ExportedWeights
 from asyncrl.learner.rank import LearnerWorker
 from asyncrl.learner.step import merge_metrics
+from asyncrl.models.shipping import ShippedModel, materialise, ship
 from asyncrl.types import Group, StepStats
 from asyncrl.weight_sync.segment import SharedWeights
 
@@ -61,6 +62,14 @@ def _call_error(ref) -> tuple[str, str] | None:
     return None
 
 
+class NodeLocalLearnerWorker(LearnerWorker):
+    """A `LearnerWorker` that reads the model from its own node: a shipped preset is unpacked into the node's
+    cache first (`model_dir` is the driver's path, which another node may not have)."""
+
+    def __init__(self, rank: int, num_ranks: int, model_dir: str, *args, model: ShippedModel | None = None):
+        super().__init__(rank, num_ranks, str(materialise(model)) if model is not None else model_dir, *args)
+
+
 class LearnerCallError(RuntimeError):
     """A call on the learner ranks failed or timed out; the message names the rank and the call."""
 
@@ -86,16 +95,25 @@ class LearnerPool:
         temperature: float = 1.0,
         dtype: str = "float32",
         init_timeout_s: float = 300.0,
+        placement_timeout_s: float = 300.0,
     ):
         import ray
+
+        from asyncrl.cluster import placement
 
         self.config = config
         self.recipe = recipe
         self.num_ranks = config.num_ranks
         self.step = 0
-        actor = ray.remote(LearnerWorker).options(num_cpus=config.num_cpus_per_rank, num_gpus=config.num_gpus_per_rank)
+        unit = placement.bundle(config.num_cpus_per_rank, config.num_gpus_per_rank, config.resources)
+        # The learner reserves its ranks before the rollout pool starts: scaling rollouts never starves it.
+        self.group = placement.reserve("learner", [unit] * self.num_ranks, config.placement_strategy, placement_timeout_s)
+        actor = ray.remote(NodeLocalLearnerWorker)
+        model = ship(model_dir)
         self.workers = [
-            actor.remote(rank, self.num_ranks, str(model_dir), config, recipe, temperature, dtype) for rank in range(self.num_ranks)
+            actor.options(num_cpus=config.num_cpus_per_rank, num_gpus=config.num_gpus_per_rank, scheduling_strategy=placement.in_bundle(self.group, rank))
+            .remote(rank, self.num_ranks, str(model_dir), config, recipe, temperature, dtype, model=model)
+            for rank in range(self.num_ranks)
         ]
         addr, port = ray.get(self.workers[0].master_address.remote(), timeout=init_timeout_s)
         self._call("setup", addr, port, init_timeout_s, timeout_s=init_timeout_s + 60)
@@ -103,7 +121,10 @@ class LearnerPool:
     @classmethod
     def from_config(cls, cfg, model_dir: str | os.PathLike) -> LearnerPool:
         """Build from the run's `asyncrl.config.Config` (recipe from `algorithm`, temperature from `rollout`)."""
-        return cls(model_dir, cfg.learner, recipe_from_config(cfg), cfg.rollout.temperature, cfg.model.dtype)
+        return cls(
+            model_dir, cfg.learner, recipe_from_config(cfg), cfg.rollout.temperature, cfg.model.dtype,
+            placement_timeout_s=cfg.cluster.placement_timeout_s,
+        )
 
     def _call(self, method: str, *args, timeout_s: float | None = None, per_rank: Sequence[tuple] | None = None) -> list:
         """Call `method` on every rank at once (collective) and wait, at most `timeout_s` (default
@@ -211,8 +232,11 @@ class LearnerPool:
     def shutdown(self) -> None:
         import ray
 
+        from asyncrl.cluster import placement
+
         try:
             self._call("shutdown", timeout_s=30)
         finally:
             for w in self.workers:
                 ray.kill(w)
+            placement.release(self.group)

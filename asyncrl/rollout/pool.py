@@ -23,7 +23,9 @@ import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from asyncrl.cluster import placement
 from asyncrl.config import Config, EnvConfig, RolloutConfig
+from asyncrl.models.shipping import ShippedModel, materialise, ship
 from asyncrl.rollout.engine import SamplingSpec
 from asyncrl.rollout.worker import RolloutWorker, WorkerSpec
 from asyncrl.types import Prompt
@@ -51,11 +53,15 @@ class WorkerDiedError(RuntimeError):
 
 @dataclass
 class _Joining:
-    """A started worker on its way into service: engine starting (`ready`), then loading `version` (`sync`)."""
+    """A started worker on its way into service: its placement group being placed (`placed`), engine starting
+    (`ready`), then loading `version` (`sync`)."""
 
     handle: Any
     ready: Any
     began: float
+    placed: Any = None
+    engine_began: float = 0.0
+    """When the placement group was placed: the engine's start timeout counts from here."""
     sync: Any = None
     version: int | None = None
 
@@ -83,6 +89,16 @@ class PoolEvent:
             weights = "its initial weights" if self.version is None else f"version {self.version}"
             return f"rollout worker {self.worker} serves {weights} ({self.seconds:.1f}s after its start)"
         return f"rollout worker {self.worker} failed to start: {self.detail}"
+
+
+class NodeLocalRolloutWorker(RolloutWorker):
+    """A `RolloutWorker` whose engine loads the model from its own node: a shipped preset is unpacked into the
+    node's cache first (its `spec.model_dir` is the driver's path, which another node may not have)."""
+
+    def __init__(self, name: str, spec: WorkerSpec, queue: Any = None, *, model: ShippedModel | None = None) -> None:
+        if model is not None:
+            spec = dataclasses.replace(spec, model_dir=str(materialise(model)))
+        super().__init__(name, spec, queue)
 
 
 def _died(ref: Any) -> bool:
@@ -118,6 +134,8 @@ class RolloutPool:
         max_staleness: int | None = None,
         latest: Callable[[], PublishedWeights | None] = lambda: None,
         replace_dead: bool = False,
+        placement_timeout_s: float = 300.0,
+        model: ShippedModel | None = None,
     ) -> None:
         self.spec = WorkerSpec(
             model_dir=str(model_dir), rollout=rollout, env=env or EnvConfig(), dtype=dtype, max_model_len=max_model_len,
@@ -134,7 +152,12 @@ class RolloutPool:
         """A worker that dies (generating or loading weights) is replaced and the run goes on; False raises."""
         self._joining: dict[str, _Joining] = {}
         self._events: list[PoolEvent] = []
-        self._actor_cls = ray.remote(RolloutWorker)
+        self.placement_timeout_s = placement_timeout_s
+        """A worker whose one-bundle placement group is not placed within this fails to start, naming the shortage."""
+        self._groups: dict[str, Any] = {}
+        """Each worker's own placement group (so growing this pool never takes the learner's resources)."""
+        self._model = model
+        self._actor_cls = ray.remote(NodeLocalRolloutWorker)
 
     # ---------------------------------------------------------------------------------------------
     # Lifecycle
@@ -144,11 +167,12 @@ class RolloutPool:
         cls, cfg: Config, model_dir: str, queue: Any = None, latest: Callable[[], PublishedWeights | None] = lambda: None
     ) -> RolloutPool:
         """The run's pool: engines, sampling and reward from `cfg`; engines abort requests certain to exceed
-        `buffer.max_staleness` when `buffer.abort_stale_in_flight`."""
+        `buffer.max_staleness` when `buffer.abort_stale_in_flight`. A preset model from the driver's cache travels
+        through the object store to workers on nodes that lack it."""
         return cls(
             str(model_dir), cfg.rollout, cfg.env, queue, dtype=cfg.model.dtype, max_model_len=cfg.rollout.max_model_len,
             seed=cfg.seed, max_staleness=cfg.buffer.max_staleness if cfg.buffer.abort_stale_in_flight else None, latest=latest,
-            replace_dead=cfg.rollout.replace_dead_workers,
+            replace_dead=cfg.rollout.replace_dead_workers, placement_timeout_s=cfg.cluster.placement_timeout_s, model=ship(model_dir),
         )
 
     @property
@@ -195,6 +219,8 @@ class RolloutPool:
         ray.wait(refs, num_returns=len(refs), timeout=_CONTROL_TIMEOUT_S)
         for _, h in handles:
             ray.kill(h)
+        for name in list(self._groups):
+            self._release(name)
         self._workers.clear()
         self._run_refs.clear()
         self._generating = False
@@ -274,6 +300,7 @@ class RolloutPool:
         except (RayActorError, GetTimeoutError):
             pass  # dead or stuck: killed below, its requests re-queued all the same
         ray.kill(handle)
+        self._release(name)
         return self._requeue(name)
 
     def poll(self) -> list[PoolEvent]:
@@ -312,6 +339,7 @@ class RolloutPool:
             return PoolEvent(name, "died")  # already handled (a failed sync and a failed `run` both report it)
         self._workers.pop(name)
         self._run_refs.pop(name, None)
+        self._release(name)
         requeued = self._requeue(name)
         if not (self.replace_dead or force):
             raise WorkerDiedError(f"rollout worker {name} died (rollout.replace_dead_workers is off); {requeued} requests re-queued")
@@ -335,15 +363,18 @@ class RolloutPool:
         """Start workers and wait until each serves the latest weights (and, if the pool serves, the queue)."""
         for name in names:
             self._launch(name)
-        self._await_joined(names, self.rollout.engine_start_timeout_s)
+        self._await_joined(names, self.placement_timeout_s + self.rollout.engine_start_timeout_s)
 
     def _launch(self, name: str) -> None:
         """Create the worker's actor and ask its engine to start; it joins at a later `poll`."""
         spec = dataclasses.replace(self.spec, seed=self.spec.seed + int(name.rsplit("-", 1)[1]))  # distinct sampling streams
+        cfg = self.rollout
+        group = self._groups[name] = placement.start("rollout", [placement.bundle(cfg.num_cpus_per_worker, cfg.num_gpus_per_worker, cfg.resources)])
         handle = self._actor_cls.options(
-            num_cpus=self.rollout.num_cpus_per_worker, num_gpus=self.rollout.num_gpus_per_worker, max_concurrency=1000
-        ).remote(name, spec, self.queue)
-        self._joining[name] = _Joining(handle, handle.ready.remote(), time.monotonic())
+            num_cpus=cfg.num_cpus_per_worker, num_gpus=cfg.num_gpus_per_worker, max_concurrency=1000,
+            scheduling_strategy=placement.in_bundle(group, 0),
+        ).remote(name, spec, self.queue, model=self._model)
+        self._joining[name] = _Joining(handle, handle.ready.remote(), time.monotonic(), placed=group.ready())
 
     def _await_joined(self, names: list[str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -362,9 +393,11 @@ class RolloutPool:
         """Move each joining worker one stage on, without waiting: engine up -> load latest weights -> serve."""
         events: list[PoolEvent] = []
         for name, j in list(self._joining.items()):
+            if not self._placed(name, j, events):
+                continue
             ref = j.sync if j.sync is not None else j.ready
             if not ray.wait([ref], timeout=0)[0]:
-                if time.monotonic() - j.began > self.rollout.engine_start_timeout_s:
+                if time.monotonic() - j.engine_began > self.rollout.engine_start_timeout_s:
                     events.append(self._failed_start(name, f"{name} did not start its engine within {self.rollout.engine_start_timeout_s}s"))
                 continue
             try:
@@ -383,6 +416,19 @@ class RolloutPool:
             events.append(self._join(name))
         return events
 
+    def _placed(self, name: str, j: _Joining, events: list[PoolEvent]) -> bool:
+        """Whether the worker's placement group is placed; past `placement_timeout_s` it fails to start with
+        what the cluster is short of (the engine's own timeout counts only once it has somewhere to run)."""
+        if j.placed is None:
+            return True
+        if ray.wait([j.placed], timeout=0)[0]:
+            j.placed, j.engine_began = None, time.monotonic()
+            return True
+        if time.monotonic() - j.began > self.placement_timeout_s:
+            bundles = list(self._groups[name].bundle_specs)
+            events.append(self._failed_start(name, placement.shortage("rollout", bundles, self.placement_timeout_s, placement.capacity())))
+        return False
+
     def _join(self, name: str) -> PoolEvent:
         j = self._joining.pop(name)
         self._workers[name] = j.handle  # already there when it loaded weights (`_advance_joining`)
@@ -400,6 +446,12 @@ class RolloutPool:
             self._workers.pop(name, None)
             if j is not None:
                 ray.kill(j.handle)
+            self._release(name)
+
+    def _release(self, name: str) -> None:
+        group = self._groups.pop(name, None)
+        if group is not None:
+            placement.release(group)
 
     # ---------------------------------------------------------------------------------------------
     # Probes, evaluation, stats

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,30 +15,24 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.testing import TINY_RUN, kill_processes_with_env
+from asyncrl.testing import TINY_RUN, free_port, kill_processes_with_env, ray_node_ports
 
 pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
     """A one-node cluster with the dashboard; yields its Jobs API address."""
-    dashboard = f"http://127.0.0.1:{(dash_port := _free_port())}"
+    dashboard = f"http://127.0.0.1:{(dash_port := free_port())}"
     temp = Path("/tmp") / f"ray-jobs-{os.getpid()}"  # short: Ray's socket paths have a length limit
     # Jobs find this venv's `asyncrl`; every process of this cluster inherits the marker (teardown kills by it).
     env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", ASYNCRL_TEST_CLUSTER=str(temp))
     start = [
-        str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={_free_port()}",
+        str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
-        "--num-cpus=4", f"--temp-dir={temp}", "--disable-usage-stats",
+        "--num-cpus=4", f"--temp-dir={temp}", "--disable-usage-stats", *ray_node_ports(),
     ]
     subprocess.run(start, check=True, env=env, capture_output=True, text=True, timeout=180)
     try:

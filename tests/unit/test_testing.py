@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from asyncrl.testing import make_answer, make_group, make_prompt, make_request, make_trajectory
+from asyncrl.testing import make_answer, make_group, make_prompt, make_request, make_trajectory, ray_node_ports
 
 
 def test_a_default_trajectory_has_three_tokens_of_version_zero_from_group_g0():
@@ -53,3 +53,10 @@ def test_a_group_numbers_its_members_and_gives_each_its_reward():
     assert g.group_id == "a" and [t.sample_index for t in g.trajectories] == [0, 1, 2]
     assert g.rewards == [1.0, 0.0, 0.5] and g.min_version == 1
     assert g.num_tokens == 18  # 3 members x (3 prompt + 3 response)
+
+
+def test_a_ray_node_gets_six_port_flags_of_its_own():
+    flags = ray_node_ports()
+    names, ports = zip(*(flag.split("=") for flag in flags))
+    assert len(set(names)) == 6 and "--dashboard-agent-listen-port" in names
+    assert len(set(ports)) == 6 and all(int(p) > 0 for p in ports)

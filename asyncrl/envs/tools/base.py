@@ -94,10 +94,12 @@ def check_reward_value(value: Any) -> float:
     """A reward must be a finite real number (bool and numpy scalars included); raise `RewardError` otherwise."""
     import math
 
+    if isinstance(value, (str, bytes)):  # float("1.0") would hide a bug in the reward
+        raise RewardError(f"returned {type(value).__name__} {value!r}, not a number")
     try:
         number = float(value)
     except (TypeError, ValueError):
         raise RewardError(f"returned {type(value).__name__} {value!r}, not a number") from None
-    if isinstance(value, str) or not math.isfinite(number):
-        raise RewardError(f"non-finite or non-numeric reward {value!r}")
+    if not math.isfinite(number):
+        raise RewardError(f"non-finite reward {value!r}")
     return number

@@ -68,7 +68,7 @@ def test_gpus_this_machine_lacks_are_rejected_naming_the_pool(capsys):
 
 
 def test_local_cpus_may_be_oversubscribed_but_a_cluster_is_strict():
-    cfg = load_config(None, ["rollout.num_workers=3", "learner.num_ranks=2"])  # 5 CPUs
+    cfg = load_config(None, ["rollout.num_workers=3", "learner.num_ranks=2", "storage.uri=/shared"])  # 5 CPUs
     assert preflight(cfg, Resources("this machine", [{"CPU": 2.0}], cpus_oversubscribe=True)) == []
     problems = preflight(cfg, Resources("the cluster", [{"CPU": 2.0}, {"CPU": 2.0}]))
     assert [str(p) for p in problems] == ["rollout_pool: the pools need 5 CPU (rollout_pool 3 + learner_pool 2); the cluster has 4"]
@@ -76,6 +76,24 @@ def test_local_cpus_may_be_oversubscribed_but_a_cluster_is_strict():
 
 @pytest.mark.parametrize(("gpus_per_rank", "expected"), [(4, []), (8, ["learner_pool: one unit needs 8 GPU; the largest node of c has 4"])])
 def test_one_unit_must_fit_on_one_node(gpus_per_rank, expected):
-    cfg = load_config(None, ["learner.num_ranks=1", f"learner.num_gpus_per_rank={gpus_per_rank}"])
+    cfg = load_config(None, ["learner.num_ranks=1", f"learner.num_gpus_per_rank={gpus_per_rank}", "storage.uri=/shared"])
     nodes = [{"CPU": 16.0, "GPU": 4.0}, {"CPU": 16.0, "GPU": 4.0}]  # 8 GPUs in all, 4 per node
     assert [str(p) for p in preflight(cfg, Resources("c", nodes))] == expected
+
+
+def test_a_multi_node_cluster_needs_shared_storage_and_paths_every_node_reads():
+    cfg = load_config(None, ["model.path=/models/m"])
+    nodes = [{"CPU": 4.0}, {"CPU": 4.0}]
+    problems = preflight(cfg, Resources("c", nodes, unreadable={"/models/m": ["ab12cd34"]}))
+    assert [p.key for p in problems] == ["model.path", "model.path", "storage.uri"]  # missing here, unreadable there, no storage
+    assert str(problems[1]) == "model.path: /models/m is not readable on node(s) ab12cd34 of c"
+    assert preflight(cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"uri": "/shared"})}), Resources("c", nodes))[1:] == []
+
+
+def test_check_wants_the_cluster_address_not_the_dashboard_url(capsys, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code, err = _check(capsys, "--address", "http://127.0.0.1:8265")
+    assert code == 2 and "not the dashboard URL" in err
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")  # set for `submit`: placement is left to the cluster
+    code, err = _check(capsys, "rollout.num_gpus_per_worker=8")
+    assert code == 0 and "placement not checked" in err

@@ -26,6 +26,11 @@ def slow_reward(response, ground_truth, *, finish_reason, extra_info):
     return 1.0
 
 
+def odd_reward(response, ground_truth, *, finish_reason, extra_info):
+    """NaN for ground truth "nan", the text "1.0" for "text": bugs a reward can have."""
+    return {"nan": float("nan"), "text": "1.0"}.get(ground_truth, 1.0)
+
+
 def _worker(queue, *, max_in_flight=4, reward="exact_match", delay_s=0.01, reward_timeout_s=10.0):
     engine = FakeEngine("rollout-0", delay_s=delay_s)
     spec = WorkerSpec("unused", RolloutConfig(max_requests_in_flight=max_in_flight), EnvConfig(reward=reward, reward_timeout_s=reward_timeout_s))
@@ -65,6 +70,15 @@ def test_a_crashing_reward_fails_its_trajectory_with_the_reason_and_the_worker_k
     assert [t.group_id for t in failed] == ["b0"]
     assert failed[0].failure == "reward_error: ZeroDivisionError: reward exploded"
     assert sum(t.reward for t in queue.finished) == 6.0  # the 6 others were scored and handed in after it
+
+
+@pytest.mark.parametrize(("truth", "failure"), [("nan", "reward_error: non-finite reward nan"), ("text", "reward_error: returned str '1.0', not a number")])
+def test_a_reward_of_nan_or_text_fails_its_trajectory_with_the_reason(truth, failure):
+    queue = FakeQueue(make_requests(1, ground_truth=truth) + make_requests(1, prefix="h"))
+    worker, _ = _worker(queue, reward=f"{__name__}:odd_reward")
+    asyncio.run(_serve_until(worker, queue, 2))
+    by_group = {t.group_id: t for t in queue.finished}
+    assert by_group["g0"].failure == failure and by_group["h0"].failure is None and by_group["h0"].reward == 1.0
 
 
 def test_a_reward_past_its_timeout_fails_the_trajectory():

@@ -1,0 +1,91 @@
+"""Shipping a preset model from the driver's cache to actors on other nodes.
+
+A preset is built in the driver's `~/.cache/asyncrl`; an actor on another node (or with another HOME) cannot
+read that path. The driver packs the folder once into a small tar in the object store (`ship`); an actor
+whose node-local cache lacks it unpacks it there, keyed by the archive's content hash (`materialise`), so a
+node unpacks each model once however many actors it hosts. A user's `model.path` is not shipped: it must be
+readable on every node (`asyncrl check --address` verifies it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import shutil
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from asyncrl.models import _file_lock, cache_root
+
+
+@dataclass(frozen=True)
+class ShippedModel:
+    """A preset model in transit: where the driver has it, its content hash and the archive's object ref."""
+
+    source: str
+    """The driver's folder (used as is on a node that shares the driver's cache)."""
+    digest: str
+    """sha256 of the archive (hex, 16 characters): the node-local folder's key."""
+    archive: Any
+    """ray.ObjectRef of the tar bytes."""
+
+    @property
+    def folder_name(self) -> str:
+        return f"{Path(self.source).name}-{self.digest}"
+
+
+_shipped: dict[tuple[str, str], ShippedModel] = {}
+"""One archive per model folder and Ray job (both pools ship the same model)."""
+
+
+def pack(folder: str | Path) -> bytes:
+    """A tar of `folder`'s files with fixed names, order, times and owners: equal folders give equal bytes."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+            info = tarfile.TarInfo(str(path.relative_to(folder)))
+            info.size, info.mode = path.stat().st_size, 0o644
+            tar.addfile(info, io.BytesIO(path.read_bytes()))
+    return buffer.getvalue()
+
+
+def ship(model_dir: str | Path) -> ShippedModel | None:
+    """Put a preset from the driver's cache into the object store (once per Ray job); None for any other
+    folder (the user's `model.path`, read in place on every node)."""
+    import ray
+
+    folder = Path(model_dir).resolve()
+    if cache_root().resolve() not in folder.parents:
+        return None
+    key = (str(folder), ray.get_runtime_context().get_job_id())
+    if key not in _shipped:
+        data = pack(folder)
+        _shipped[key] = ShippedModel(str(folder), hashlib.sha256(data).hexdigest()[:16], ray.put(data))
+    return _shipped[key]
+
+
+def materialise(model: ShippedModel) -> Path:
+    """The model's folder on this node: the driver's own when this node shares its cache, else
+    `<this node's cache>/shipped/<name>-<digest>`, unpacked from the archive the first time."""
+    import ray
+
+    if Path(cache_root()).resolve() in Path(model.source).parents and (Path(model.source) / "config.json").is_file():
+        return Path(model.source)
+    target = cache_root() / "shipped" / model.folder_name
+    with _file_lock(target.with_name(target.name + ".lock")):
+        if not (target / "config.json").is_file():
+            unpack(ray.get(model.archive), target)
+    return target
+
+
+def unpack(data: bytes, target: Path) -> Path:
+    """Unpack a `pack` archive into `target`, which appears whole or not at all (renamed into place)."""
+    tmp = target.with_name(target.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)  # left by an actor killed mid-unpack
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+        tar.extractall(tmp, filter="data")
+    tmp.rename(target)
+    return target
