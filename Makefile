@@ -12,7 +12,11 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: install run test test-fast bench bench-quick clean
+# System packages the tests use, as package:binary (installed by `system-deps` when the binary is missing).
+# bubblewrap: the tool sandbox's namespaces (docs/tools.md); without it the sandbox tests check the weaker isolation.
+SYSTEM_PACKAGES := bubblewrap:bwrap
+
+.PHONY: install run test test-fast bench bench-quick clean system-deps
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,7 +32,16 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/asyncrl run $(CONFIG) $(ARGS)
 
-test: $(STAMP)
+system-deps:
+	@missing=""; for pair in $(SYSTEM_PACKAGES); do command -v $${pair#*:} >/dev/null 2>&1 || missing="$$missing $${pair%%:*}"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null 2>&1; then sudo="sudo"; \
+	else echo "system-deps: missing$$missing; install them as root (apt-get install$$missing) for full test coverage"; exit 0; fi; \
+	if ! command -v apt-get >/dev/null 2>&1; then echo "system-deps: missing$$missing; no apt-get here, install them with your package manager"; exit 0; fi; \
+	echo "system-deps: installing$$missing"; \
+	$$sudo apt-get update -qq && $$sudo apt-get install -y -qq --no-install-recommends $$missing >/dev/null || echo "system-deps: could not install$$missing"
+
+test: $(STAMP) system-deps
 	$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 test-fast: $(STAMP)

@@ -121,7 +121,7 @@ class ToolsConfig(Section):
     num_workers: int = Field(2, ge=1, le=1024)
     """Tool-worker actors (a tool call or reward goes to one of them; its sandboxed run is its own process)."""
     calls_per_worker: int = Field(4, ge=1, le=256)
-    """Calls one tool worker runs at once (each in its own sandbox process); more wait in the actor's queue."""
+    """Calls one tool worker runs at once (each in its own sandbox process); more wait their turn there."""
     num_cpus_per_worker: float = Field(0.5, ge=0)
     """Ray CPUs reserved by each tool worker."""
     call_timeout_s: float = Field(10.0, gt=0)

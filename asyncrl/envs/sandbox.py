@@ -31,6 +31,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from asyncrl.envs.tools.base import ToolInfraError
+
 PYTHON_MOUNT = "/run/python"
 """Where the interpreter's installation is mounted inside a bwrap sandbox: its real prefix may sit in a folder
 the sandbox's unprivileged uid cannot enter (e.g. /root/.pyenv)."""
@@ -225,9 +227,13 @@ class Sandbox:
         return await self._run(payload, timeout_s)
 
     async def close(self) -> None:
+        """Stop the pre-started process (one that failed to start has nothing to stop)."""
         if self._spare is not None:
             spare, self._spare = self._spare, None
-            started = await spare
+            try:
+                started = await spare
+            except ToolInfraError:
+                return
             _kill(started.process)
             await started.process.wait()
             _remove(started.workdir)
@@ -250,7 +256,10 @@ class Sandbox:
             timed_out = False
         except asyncio.TimeoutError:
             _kill(process)
-            (out, out_cut), (err, err_cut) = await reading
+            try:
+                (out, out_cut), (err, err_cut) = await asyncio.wait_for(reading, 2.0)
+            except asyncio.TimeoutError:  # (rlimits only) a process that left the group still holds the pipes
+                (out, out_cut), (err, err_cut) = ("", 0), ("", 0)
             await process.wait()
             timed_out = True
         finally:
@@ -274,8 +283,6 @@ class Sandbox:
         ready = await process.stdout.read(1)
         if ready != READY:
             await process.wait()
-            from asyncrl.envs.tools.base import ToolInfraError
-
             detail = (await process.stderr.read(2000)).decode(errors="replace").strip()
             raise ToolInfraError("sandbox_start_failed", f"exit {process.returncode}: {detail}")
         self.start_seconds.append(time.perf_counter() - began)

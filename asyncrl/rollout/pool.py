@@ -24,6 +24,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from asyncrl.config import Config, EnvConfig, RolloutConfig
+from asyncrl.envs.tools.base import ToolExecutor
 from asyncrl.rollout.engine import SamplingSpec
 from asyncrl.rollout.worker import RolloutWorker, WorkerSpec
 from asyncrl.types import Prompt
@@ -118,10 +119,11 @@ class RolloutPool:
         max_staleness: int | None = None,
         latest: Callable[[], PublishedWeights | None] = lambda: None,
         replace_dead: bool = False,
+        tools: ToolExecutor | None = None,
     ) -> None:
         self.spec = WorkerSpec(
             model_dir=str(model_dir), rollout=rollout, env=env or EnvConfig(), dtype=dtype, max_model_len=max_model_len,
-            seed=seed, sampling=sampling, max_staleness=max_staleness,
+            seed=seed, sampling=sampling, max_staleness=max_staleness, tools=tools,
         )
         self.rollout = rollout
         self.queue = queue
@@ -141,14 +143,16 @@ class RolloutPool:
 
     @classmethod
     def from_config(
-        cls, cfg: Config, model_dir: str, queue: Any = None, latest: Callable[[], PublishedWeights | None] = lambda: None
+        cls, cfg: Config, model_dir: str, queue: Any = None, latest: Callable[[], PublishedWeights | None] = lambda: None,
+        tools: ToolExecutor | None = None,
     ) -> RolloutPool:
         """The run's pool: engines, sampling and reward from `cfg`; engines abort requests certain to exceed
-        `buffer.max_staleness` when `buffer.abort_stale_in_flight`."""
+        `buffer.max_staleness` when `buffer.abort_stale_in_flight`; `tools` (the tool pool's client) runs tools
+        and rewards, None in each worker's process."""
         return cls(
             str(model_dir), cfg.rollout, cfg.env, queue, dtype=cfg.model.dtype, max_model_len=cfg.rollout.max_model_len,
             seed=cfg.seed, max_staleness=cfg.buffer.max_staleness if cfg.buffer.abort_stale_in_flight else None, latest=latest,
-            replace_dead=cfg.rollout.replace_dead_workers,
+            replace_dead=cfg.rollout.replace_dead_workers, tools=tools,
         )
 
     @property

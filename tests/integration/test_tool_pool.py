@@ -109,3 +109,28 @@ def test_worker_killed_mid_call_fails_the_call_and_is_replaced(pool):
     time.sleep(1.1)  # the caller's cached handle expires (HANDLE_TTL_S) and the name resolves to the replacement
     kind, result, _ = ray.get(caller.call.remote("python", "print('alive')"), timeout=60)
     assert (kind, result.output) == ("result", "alive\n")
+
+
+def test_a_run_with_a_user_reward_scores_every_trajectory_in_the_tool_pool(pool, tiny_model_dir, tmp_path):
+    """The controller starts its own pool for a `module:function` reward, hands its client to the engines,
+    and reports the pool's counts in the summary."""
+    from asyncrl.config import load_config
+    from asyncrl.controller.loop import Controller
+
+    overrides = {
+        "output_dir": str(tmp_path / "run"), "model.path": str(tiny_model_dir), "rollout.samples_per_prompt": 2,
+        "rollout.max_tokens": 4, "buffer.filter_zero_variance": False, "algorithm.preset": "grpo", "learner.prompts_per_step": 2,
+        "learner.max_steps": 2, "data.eval_prompts": 4, "eval.every_steps": 0, "telemetry.progress": False,
+        "checkpoint.export_hf": False, "env.reward": "sandbox_rewards:half", "tools.num_workers": 1,
+    }  # fmt: skip
+    controller = Controller(load_config(None, [f"{k}={v}" for k, v in overrides.items()]), tiny_model_dir)
+    try:
+        controller.start()
+        summary = controller.run()
+        counters = controller.queue.check_conservation()  # raises unless dispatched = trained + ... + in flight
+    finally:
+        controller.shutdown()
+    tools = summary["tools"]
+    assert tools["errors"] == {} and tools["sandbox"]["method"] == pool.capabilities.method
+    assert tools["calls"]["reward"] >= summary["samples_trained"] == 8  # 2 steps x 2 prompts x 2 samples
+    assert {k: v for k, v in counters.items() if k.startswith("failed:") and v} == {}

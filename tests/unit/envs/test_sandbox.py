@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.envs.sandbox import Sandbox, SandboxLimits, detect_capabilities
-from asyncrl.envs.tools.base import ToolCall
+from asyncrl.envs.tools.base import ToolCall, ToolInfraError
 from asyncrl.envs.tools.pool import ToolWorker
 from asyncrl.envs.tools.python import run_python
 
@@ -215,3 +215,68 @@ def test_worker_counts_calls_by_tool_and_reason():
     assert [r.error for r in results] == [None, "error", "error", None, "unknown_tool"]
     assert worker.tally.calls == {"calculator": 2, "python": 2, "grep": 1}
     assert worker.tally.errors == {"calculator": {"error": 1}, "python": {"error": 1}, "grep": {"unknown_tool": 1}}
+
+
+def test_check_prints_the_capability_record(capsys):
+    from asyncrl.cli import main
+
+    assert main(["check"]) == 0
+    assert f"# {CAPS}\n# planned placement\n" in capsys.readouterr().out
+
+
+class _DeadToolWorker:
+    """A `ToolExecutor` whose worker died: every reward raises the pool client's infrastructure error."""
+
+    async def call(self, call, timeout_s):
+        raise ToolInfraError("tool_worker_died", "tool-0")
+
+    async def reward(self, reward, response, ground_truth, *, finish_reason, extra_info, timeout_s):
+        raise ToolInfraError("tool_worker_died", "tool-0")
+
+
+def test_a_dead_tool_worker_fails_the_trajectory_with_its_reason_not_a_zero_reward():
+    from asyncrl.config import RolloutConfig
+    from asyncrl.rollout.worker import RolloutWorker, WorkerSpec
+    from tests.unit.rollout.fakes import FakeEngine, FakeQueue, InProcessHandle, make_requests
+
+    queue = FakeQueue(make_requests(2))
+    spec = WorkerSpec("unused", RolloutConfig(max_requests_in_flight=2), tools=_DeadToolWorker())
+    worker = RolloutWorker("rollout-0", spec, InProcessHandle(queue), engine=FakeEngine("rollout-0"))
+
+    async def serve():
+        run = asyncio.ensure_future(worker.run())
+        while len(queue.finished) < 2:
+            await asyncio.sleep(0.01)
+        await worker.stop(drain=True)
+        await run
+
+    asyncio.run(asyncio.wait_for(serve(), 10))
+    assert [t.failure for t in queue.finished] == ["tool_worker_died: tool-0"] * 2
+
+
+class _Unstartable(Sandbox):
+    """A sandbox whose process exits before its interpreter is ready (bwrap refused, interpreter missing)."""
+
+    def _command(self):
+        return ["/bin/sh", "-c", "echo 'bwrap: no permission' >&2; exit 1"], None
+
+
+def test_a_sandbox_that_cannot_start_is_an_infrastructure_failure():
+    sandbox = _Unstartable(LIMITS, 201_014)
+
+    async def call():
+        try:
+            return await run_python(sandbox, "print(1)", 5.0)
+        finally:
+            await sandbox.close()
+
+    with pytest.raises(ToolInfraError, match="sandbox_start_failed: exit 1: bwrap: no permission") as failure:
+        asyncio.run(call())
+    assert failure.value.reason == "sandbox_start_failed"
+
+
+def test_an_infrastructure_error_keeps_its_reason_across_pickling():
+    import pickle
+
+    error = pickle.loads(pickle.dumps(ToolInfraError("sandbox_start_failed", "exit 1")))
+    assert (error.reason, str(error)) == ("sandbox_start_failed", "sandbox_start_failed: exit 1")
