@@ -226,6 +226,11 @@ class Sandbox:
                    "finish_reason": finish_reason, "extra_info": extra_info}  # fmt: skip
         return await self._run(payload, timeout_s)
 
+    def warm(self) -> None:
+        """Start the first process ahead, so that even the first call finds one ready."""
+        if self._spare is None:
+            self._spare = asyncio.ensure_future(self._start())
+
     async def close(self) -> None:
         """Stop the pre-started process (one that failed to start has nothing to stop)."""
         if self._spare is not None:

@@ -111,6 +111,20 @@ def test_worker_killed_mid_call_fails_the_call_and_is_replaced(pool):
     assert (kind, result.output) == ("result", "alive\n")
 
 
+def test_a_hung_worker_is_replaced_after_the_heartbeat_timeout(pool):
+    victim = pool.names[1]
+    assert pool.poll() == []  # it answered at start: the 3 s heartbeat timeout applies (not the start grace)
+    os.kill(ray.get(ray.get_actor(victim).pid.remote()), signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    events = []
+    while not events and time.monotonic() - stopped_at < 10.0:
+        events = [e for e in pool.poll() if e.worker == victim]
+        time.sleep(0.2)
+    assert [e.kind for e in events] == ["hung"] and time.monotonic() - stopped_at >= 3.0
+    client = ToolClient((victim,), pool.client().namespace)
+    result = asyncio.run(client.call(ToolCall("calculator", "6 * 7"), 5.0))
+    assert result.output == "42"  # the replacement answers under the same name
+
 def test_a_run_with_a_user_reward_scores_every_trajectory_in_the_tool_pool(pool, tiny_model_dir, tmp_path):
     """The controller starts its own pool for a `module:function` reward, hands its client to the engines,
     and reports the pool's counts in the summary."""

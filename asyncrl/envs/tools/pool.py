@@ -84,6 +84,7 @@ class ToolWorker:
         self._slots = asyncio.Semaphore(calls)
 
     async def ready(self) -> Capabilities:
+        self.sandbox.warm()
         return self.sandbox.capabilities
 
     async def ping(self) -> ToolTally:
@@ -195,6 +196,9 @@ class _Slot:
     ping: Any = None
     ping_sent: float = 0.0
     tally: ToolTally = field(default_factory=ToolTally)
+    answered: bool = False
+    """Whether it ever answered a heartbeat: until then it may still be starting (a Ray worker process start can
+    take seconds on a busy machine), and gets `_START_TIMEOUT_S` rather than `tools.heartbeat_timeout_s`."""
 
 
 class ToolPool:
@@ -218,6 +222,8 @@ class ToolPool:
             self._slots[name] = _Slot(self._spawn(name))
         answers = ray.get([slot.handle.ready.remote() for slot in self._slots.values()], timeout=_START_TIMEOUT_S)
         self.capabilities = answers[0]
+        for slot in self._slots.values():
+            slot.answered = True
 
     def client(self) -> ToolClient:
         return ToolClient(self.names, ray.get_runtime_context().namespace)
@@ -261,12 +267,13 @@ class ToolPool:
         try:
             slot.tally = ray.get(slot.ping, timeout=0)
         except GetTimeoutError:
-            if time.monotonic() - slot.ping_sent < self.config.heartbeat_timeout_s:
+            limit = self.config.heartbeat_timeout_s if slot.answered else _START_TIMEOUT_S
+            if time.monotonic() - slot.ping_sent < limit:
                 return None
-            return ToolPoolEvent(name, "hung", f"no heartbeat answer in {self.config.heartbeat_timeout_s:.0f}s")
+            return ToolPoolEvent(name, "hung", f"no heartbeat answer in {limit:.0f}s")
         except RayActorError as e:
             return ToolPoolEvent(name, "died", str(e).splitlines()[0][:200])
-        slot.ping = None
+        slot.ping, slot.answered = None, True
         return None
 
     def _replace(self, name: str) -> None:
