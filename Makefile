@@ -12,9 +12,10 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-# Debian packages the tests start as real processes (a headless browser, a Prometheus server), each as
-# package:binary; `system-deps` installs the missing ones.
-SYSTEM_PACKAGES ?= chromium:chromium prometheus:prometheus
+# Debian packages the tests start as real processes, each as package:binary; `system-deps` installs the
+# missing ones: a headless browser (dashboard test), a Prometheus server, bubblewrap (the tool sandbox's
+# namespaces, docs/tools.md).
+SYSTEM_PACKAGES ?= chromium:chromium prometheus:prometheus bubblewrap:bwrap
 
 .PHONY: install run test test-fast bench bench-quick clean system-deps
 
@@ -32,14 +33,10 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/asyncrl run $(CONFIG) $(ARGS)
 
-# Installs the missing ones with apt-get: as root, else through sudo; otherwise says what to install and fails.
-system-deps:
-	@missing=""; for pb in $(SYSTEM_PACKAGES); do command -v $${pb#*:} >/dev/null 2>&1 || missing="$$missing $${pb%%:*}"; done; \
-	if [ -z "$$missing" ]; then exit 0; fi; \
-	if [ "$$(id -u)" = 0 ]; then as=""; elif command -v sudo >/dev/null 2>&1; then as="sudo"; \
-	else echo "make test needs the Debian package(s)$$missing: install them as root (apt-get install$$missing)"; exit 1; fi; \
-	echo "installing$$missing (apt-get)"; \
-	$$as apt-get install -y --no-install-recommends $$missing || { $$as apt-get update && $$as apt-get install -y --no-install-recommends $$missing; }
+# Debian packages the tests start as real processes, each as package:binary; `system-deps` installs the
+# missing ones: a headless browser (dashboard test), a Prometheus server, bubblewrap (the tool sandbox's
+# namespaces, docs/tools.md).
+SYSTEM_PACKAGES ?= chromium:chromium prometheus:prometheus bubblewrap:bwrap
 
 test: $(STAMP) system-deps
 	$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
@@ -47,7 +44,7 @@ test: $(STAMP) system-deps
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit -x; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
-BENCH_SCRIPTS := algo_throughput queue_throughput weight_sync async_speedup learning_add
+BENCH_SCRIPTS := algo_throughput queue_throughput weight_sync async_speedup learning_add agent_tool
 
 bench: $(STAMP)
 	@for b in $(BENCH_SCRIPTS); do test -f benchmarks/$$b.py && $(PY) benchmarks/$$b.py || exit 1; done

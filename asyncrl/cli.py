@@ -117,7 +117,10 @@ def _load(args: argparse.Namespace):
 def _check(args: argparse.Namespace, cfg) -> int:
     import yaml
 
+    from asyncrl.envs.sandbox import detect_capabilities
+
     print(yaml.safe_dump(cfg.dump(), sort_keys=False), end="")
+    print(f"# {detect_capabilities()}")  # what isolation tool calls and user rewards get here (docs/tools.md)
     print("# planned placement")
     print(json.dumps(placement(cfg), indent=2))
     address = args.address or os.environ.get("RAY_ADDRESS")

@@ -114,6 +114,37 @@ class EnvConfig(Section):
     """A reward call running longer marks the trajectory `failed:reward_error` (timed out)."""
 
 
+class ToolsConfig(Section):
+    """The sandboxed tool workers (asyncrl/envs/tools/pool.py): Ray actors that run the `python` tool and user
+    rewards in a sandbox (asyncrl/envs/sandbox.py, docs/tools.md), sized independently of the engines."""
+
+    pool: Literal["auto", "on", "off"] = "auto"
+    """`auto` starts the pool when the run needs it (a user `module:function` reward, or an environment that
+    calls tools); `off` runs rewards in the rollout worker's process (a timed-out one cannot be killed)."""
+    num_workers: int = Field(2, ge=1, le=1024)
+    """Tool-worker actors (a tool call or reward goes to one of them; its sandboxed run is its own process)."""
+    calls_per_worker: int = Field(4, ge=1, le=256)
+    """Calls one tool worker runs at once (each in its own sandbox process); more wait their turn there."""
+    num_cpus_per_worker: float = Field(0.5, ge=0)
+    """Ray CPUs reserved by each tool worker."""
+    call_timeout_s: float = Field(10.0, gt=0)
+    """Wall time of one tool call; past it the sandbox is killed and the call returns `timeout` to the model."""
+    cpu_time_s: int = Field(5, ge=1)
+    """CPU seconds one sandboxed run may use (RLIMIT_CPU)."""
+    memory_mb: int = Field(1024, ge=64)
+    """Address space of one sandboxed run in MiB (RLIMIT_AS)."""
+    max_processes: int = Field(16, ge=1)
+    """Processes and threads one sandboxed run may hold (RLIMIT_NPROC, under its own uid)."""
+    tmp_mb: int = Field(8, ge=1)
+    """Size of the run's private /tmp and its largest file (RLIMIT_FSIZE), in MiB."""
+    output_bytes: int = Field(4096, ge=64)
+    """stdout and stderr of a run are each cut to this many bytes before the model sees them."""
+    heartbeat_timeout_s: float = Field(5.0, gt=0)
+    """A tool worker that does not answer the pool's heartbeat within this is killed and replaced."""
+    sandbox_uid_base: int = Field(200_000, ge=1000)
+    """When running as root, tool worker i's runs use uid `sandbox_uid_base + i` (no account needed)."""
+
+
 class BufferConfig(Section):
     max_staleness: int = Field(4, ge=0, le=1024)
     """eta: the largest policy lag (learner version minus a sample's min_version) allowed in a gradient."""
@@ -378,6 +409,7 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
     buffer: BufferConfig = Field(default_factory=BufferConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)

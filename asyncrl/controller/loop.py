@@ -9,6 +9,7 @@ All three modes share one loop; what differs is configuration the modes imply (d
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -105,6 +106,8 @@ class Controller:
         """Why the run was asked to stop early (a signal); the loop ends at the next step boundary."""
         self.pool_events: list[dict] = []
         """Rollout workers that died, were killed by fault injection, joined or failed to start (`_upkeep`)."""
+        self.tools = None
+        """The sandboxed tool-worker pool (`ToolPool`), when the run needs one (`needs_tool_pool`)."""
         self._started = time.perf_counter()
         self.eval_s = 0.0
         """Seconds spent in held-out evaluations (the loop waits for them)."""
@@ -132,8 +135,11 @@ class Controller:
         self.queue = start_replay_queue(cfg.buffer, batch_groups=cfg.learner.prompts_per_step, name=f"replay_queue-{self.out.name}", log_dir=self.out)
         self.telemetry.phase(f"starting the learner ({cfg.learner.num_ranks} rank(s))")
         self.learner = LearnerPool.from_config(cfg, self.model_dir)
+        self._start_tools()
         self.telemetry.phase(f"starting the rollout pool ({cfg.rollout.num_workers} vLLM engine(s))")
-        self.rollout = RolloutPool.from_config(cfg, self.model_dir, queue=self.queue.handle, latest=lambda: self.sync.latest())
+        self.rollout = RolloutPool.from_config(
+            cfg, self.model_dir, queue=self.queue.handle, latest=lambda: self.sync.latest(), tools=self.tools.client() if self.tools else None
+        )
         self.sync = make_weight_sync(self.learner, self.rollout, cfg.weight_sync, cfg.mode)
         self.rollout.start()
         self.telemetry.phase("engines ready")
@@ -144,8 +150,19 @@ class Controller:
         self._top_up_prompts()
         self.rollout.start_generation()
 
+    def _start_tools(self) -> None:
+        """Start the tool workers before the engines that call them, and say once what isolation they get."""
+        from asyncrl.envs.tools.pool import ToolPool, needs_tool_pool
+
+        if not needs_tool_pool(self.cfg):
+            return
+        self.telemetry.phase(f"starting the tool pool ({self.cfg.tools.num_workers} sandboxed worker(s))")
+        self.tools = ToolPool(self.cfg.tools, prefix=f"tool-{self.out.name}", placement_timeout_s=self.cfg.cluster.placement_timeout_s)
+        self.tools.start()
+        self.telemetry.note(str(self.tools.capabilities))
+
     def shutdown(self) -> None:
-        for name in ("rollout", "learner", "sync"):
+        for name in ("rollout", "tools", "learner", "sync"):
             pool = getattr(self, name, None)
             if pool is not None:
                 pool.shutdown()
@@ -244,6 +261,9 @@ class Controller:
         for event in self.rollout.poll():
             self.telemetry.note(str(event))
             self._pool_event(**asdict(event))
+        for tool_event in self.tools.poll() if self.tools else ():
+            self.telemetry.note(str(tool_event))
+            self._pool_event(worker=tool_event.worker, kind=f"tool_{tool_event.kind}", detail=tool_event.detail)
         if time.perf_counter() - self._last_snapshot >= self.cfg.telemetry.pool_every_s:
             self.telemetry.pool(self._snapshot())
 
@@ -334,16 +354,35 @@ class Controller:
         learner = self.learner.score(ids, plen, 1.0)  # vLLM prompt log-probs are raw (temperature 1)
         return float(np.max(np.abs(np.asarray(engine) - np.asarray(learner))))
 
+    def _eval_rewards(self, outputs: list[tuple[str, str]]) -> list[float]:
+        """The held-out answers' rewards: in the sandboxed tool workers when the run has them (a user reward never
+        runs in the driver), else here. An answer whose reward fails scores 0."""
+        from asyncrl.envs.rewards import resolve_reward
+        from asyncrl.envs.tools.base import RewardError, ToolInfraError
+
+        if self.tools is None:
+            reward = resolve_reward(self.cfg.env.reward)
+            return [reward(text, p.ground_truth, finish_reason=fin, extra_info=p.extra_info) for p, (text, fin) in zip(self.eval_set, outputs)]
+        client, env = self.tools.client(), self.cfg.env
+
+        async def score(prompt, text: str, finish: str) -> float:
+            try:
+                return await client.reward(env.reward, text, prompt.ground_truth, finish_reason=finish, extra_info=dict(prompt.extra_info), timeout_s=env.reward_timeout_s)
+            except (RewardError, ToolInfraError):
+                return 0.0
+
+        async def score_all() -> list[float]:
+            return await asyncio.gather(*(score(p, text, fin) for p, (text, fin) in zip(self.eval_set, outputs)))
+
+        return asyncio.run(score_all())
+
     def _evaluate(self, start: float) -> None:
         if not self.eval_set:
             return
         self._finish_sync()  # every engine serves `self.version`
-        from asyncrl.envs.rewards import resolve_reward
-
         began = time.perf_counter()
-        reward = resolve_reward(self.cfg.env.reward)
         outputs = self.rollout.evaluate(self.eval_set, max_tokens=self.cfg.rollout.max_tokens)
-        correct = sum(reward(text, p.ground_truth, finish_reason=fin, extra_info=p.extra_info) for p, (text, fin) in zip(self.eval_set, outputs))
+        correct = sum(self._eval_rewards(outputs))
         record = {
             "version": self.version,
             "step": self.step,
@@ -458,4 +497,5 @@ class Controller:
             "alarms": [asdict(event) for event in self.alarms.fired],
             "faults": recovery_timings(self.pool_events),
             "scaling": scaling_timings(self.pool_events),
+            "tools": self.tools.summary() if self.tools else None,
         }

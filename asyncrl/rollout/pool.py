@@ -26,6 +26,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from asyncrl.cluster import placement
 from asyncrl.config import Config, EnvConfig, RolloutConfig
 from asyncrl.models.shipping import ShippedModel, materialise, ship
+from asyncrl.envs.tools.base import ToolExecutor
 from asyncrl.rollout.engine import SamplingSpec
 from asyncrl.rollout.worker import RolloutWorker, WorkerSpec
 from asyncrl.types import Prompt
@@ -136,10 +137,11 @@ class RolloutPool:
         replace_dead: bool = False,
         placement_timeout_s: float = 300.0,
         model: ShippedModel | None = None,
+        tools: ToolExecutor | None = None,
     ) -> None:
         self.spec = WorkerSpec(
             model_dir=str(model_dir), rollout=rollout, env=env or EnvConfig(), dtype=dtype, max_model_len=max_model_len,
-            seed=seed, sampling=sampling, max_staleness=max_staleness,
+            seed=seed, sampling=sampling, max_staleness=max_staleness, tools=tools,
         )
         self.rollout = rollout
         self.queue = queue
@@ -164,15 +166,18 @@ class RolloutPool:
 
     @classmethod
     def from_config(
-        cls, cfg: Config, model_dir: str, queue: Any = None, latest: Callable[[], PublishedWeights | None] = lambda: None
+        cls, cfg: Config, model_dir: str, queue: Any = None, latest: Callable[[], PublishedWeights | None] = lambda: None,
+        tools: ToolExecutor | None = None,
     ) -> RolloutPool:
         """The run's pool: engines, sampling and reward from `cfg`; engines abort requests certain to exceed
         `buffer.max_staleness` when `buffer.abort_stale_in_flight`. A preset model from the driver's cache travels
-        through the object store to workers on nodes that lack it."""
+        through the object store to workers on nodes that lack it. `tools` (the tool pool's client) runs tools
+        and rewards; None: in each worker's process."""
         return cls(
             str(model_dir), cfg.rollout, cfg.env, queue, dtype=cfg.model.dtype, max_model_len=cfg.rollout.max_model_len,
             seed=cfg.seed, max_staleness=cfg.buffer.max_staleness if cfg.buffer.abort_stale_in_flight else None, latest=latest,
             replace_dead=cfg.rollout.replace_dead_workers, placement_timeout_s=cfg.cluster.placement_timeout_s, model=ship(model_dir),
+            tools=tools,
         )
 
     @property

@@ -25,7 +25,7 @@ import numpy as np
 
 from asyncrl.config import EnvConfig, RolloutConfig
 from asyncrl.envs.rewards import resolve_reward
-from asyncrl.envs.tools.base import InProcessTools, RewardError, ToolExecutor
+from asyncrl.envs.tools.base import InProcessTools, RewardError, ToolExecutor, ToolInfraError
 from asyncrl.rollout.engine import Engine, SamplingSpec
 from asyncrl.types import Prompt, Request, Trajectory
 
@@ -229,6 +229,8 @@ class RolloutWorker:
         except RewardError as e:
             self._reward_failures += 1
             return trajectory.replace(failure=f"reward_error: {e}")
+        except ToolInfraError as e:  # the tool worker scoring it died: not the model's fault, kept out of advantages
+            return trajectory.replace(failure=str(e))
         return trajectory.replace(reward=reward)
 
     async def _flush_loop(self) -> None:

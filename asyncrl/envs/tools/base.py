@@ -43,6 +43,11 @@ class ToolInfraError(RuntimeError):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+        self.detail = detail
+
+    def __reduce__(self):
+        """Crossing Ray (raised in a tool worker, re-raised in its caller) keeps `reason` a short label."""
+        return (type(self), (self.reason, self.detail))
 
 
 class RewardError(RuntimeError):

@@ -1,0 +1,351 @@
+"""One piece of untrusted code (a model's Python program, a user's reward call) run in its own process, with
+limits, so that nothing it does reaches the tool worker, the engines or the machine.
+
+How (see docs/tools.md):
+- with bubblewrap (`bwrap`), every run gets a read-only view of `/`, its own `/tmp` (a small tmpfs: its only
+  writable place, invisible to every other run), an empty `/run`, a minimal `/dev`, and new network, PID, IPC
+  and UTS namespaces (no network at all; its processes die with it). When we are root, the program runs under
+  its own unprivileged uid (root ignores RLIMIT_NPROC and could write anywhere);
+- inside, before any user code, the runner sets RLIMIT_CPU, RLIMIT_AS, RLIMIT_NPROC and RLIMIT_FSIZE; the
+  parent enforces the wall time by killing the run's whole process group;
+- stdout and stderr are read in bounded chunks: only `output_bytes` of each are kept.
+Without bwrap only the resource limits (and a uid drop when possible) hold; `detect_capabilities` says exactly
+what this machine gives, and `asyncrl check` prints it.
+
+Start-up is kept off the call's path: each `Sandbox` keeps one process started ahead ("spare"), waiting for
+its payload on stdin; a call takes it and starts the next. Every call still runs in a fresh process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from asyncrl.envs.tools.base import ToolInfraError
+
+PYTHON_MOUNT = "/run/python"
+"""Where the interpreter's installation is mounted inside a bwrap sandbox: its real prefix may sit in a folder
+the sandbox's unprivileged uid cannot enter (e.g. /root/.pyenv)."""
+READY = b"R"
+"""The byte a started runner writes once it waits for its payload (its start time ends there)."""
+MEMORY_EXIT = 3
+"""Exit status of a runner whose code raised MemoryError (RLIMIT_AS hit)."""
+
+# Runs inside the sandbox. Reads one JSON payload, sets the limits, then runs the program or the reward.
+# A reward's prints go to stderr; its value is the only thing written to stdout.
+RUNNER = r"""
+import json, os, resource, sys, traceback
+os.write(1, b"R")
+payload = json.loads(sys.stdin.buffer.read())
+for name, value in payload["limits"].items():
+    resource.setrlimit(getattr(resource, name), (value, value))
+try:
+    if payload["kind"] == "program":
+        exec(compile(payload["source"], "<program>", "exec"), {"__name__": "__main__"})
+    else:
+        sys.path[:0] = payload["path"]
+        module, attr = payload["reward"].split(":", 1)
+        out, sys.stdout = sys.stdout, sys.stderr
+        fn = getattr(__import__(module, fromlist=[attr]), attr)
+        value = fn(payload["response"], payload["ground_truth"], finish_reason=payload["finish_reason"], extra_info=payload["extra_info"])
+        sys.stdout = out
+        out.write(json.dumps({"value": float(value) if isinstance(value, (int, float)) else repr(value)}))
+except MemoryError:
+    os.write(2, b"MemoryError\n")
+    os._exit(3)
+except SystemExit as e:
+    sys.stdout.flush()
+    os._exit(e.code if isinstance(e.code, int) else 1)
+except BaseException as e:
+    traceback.print_exception(type(e), e, e.__traceback__.tb_next)  # from the user's frame on
+    sys.stdout.flush()
+    os._exit(1)
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """What one run may use; `ToolsConfig` sets them (`SandboxLimits.from_config`)."""
+
+    wall_s: float = 10.0
+    cpu_s: int = 5
+    memory_bytes: int = 1 << 30
+    """Address space (RLIMIT_AS): a 4 GiB allocation under a 1 GiB limit fails with MemoryError."""
+    processes: int = 16
+    """RLIMIT_NPROC of the run's own uid: a fork bomb stops there."""
+    file_bytes: int = 8 << 20
+    """Largest file the run may write (RLIMIT_FSIZE); its /tmp tmpfs is sized the same."""
+    output_bytes: int = 4096
+    """stdout and stderr are each cut to this many bytes (stdout's first, stderr's last)."""
+
+    @classmethod
+    def from_config(cls, tools: Any) -> SandboxLimits:
+        return cls(
+            wall_s=tools.call_timeout_s, cpu_s=tools.cpu_time_s, memory_bytes=tools.memory_mb << 20,
+            processes=tools.max_processes, file_bytes=tools.tmp_mb << 20, output_bytes=tools.output_bytes,
+        )  # fmt: skip
+
+    def rlimits(self) -> dict[str, int]:
+        return {"RLIMIT_CPU": self.cpu_s, "RLIMIT_AS": self.memory_bytes, "RLIMIT_NPROC": self.processes, "RLIMIT_FSIZE": self.file_bytes}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What isolation this machine gives a sandboxed run (logged once per tool worker, shown by `asyncrl check`)."""
+
+    method: str
+    """`bwrap` (namespaces + limits) or `rlimits` (resource limits only)."""
+    network_isolated: bool
+    pid_namespace: bool
+    readonly_root: bool
+    private_tmp: bool
+    """The run's writable directory is invisible to every other run."""
+    uid_dropped: bool
+    nproc_enforced: bool
+    """RLIMIT_NPROC holds (it does not for uid 0)."""
+    detail: str = ""
+
+    def __str__(self) -> str:
+        flags = ", ".join(f"{k}={'yes' if v else 'NO'}" for k, v in asdict(self).items() if isinstance(v, bool))
+        return f"sandbox: {self.method} ({flags}){': ' + self.detail if self.detail else ''}"
+
+
+@dataclass
+class RunOutcome:
+    """How one sandboxed run ended."""
+
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    reason: str | None
+    """None when it exited 0; else `timeout` (wall), `cpu_time`, `memory`, `output_limit` (file size) or `error`."""
+    seconds: float
+    pid: int
+    """The run's host process (bwrap's, or the interpreter's): gone once the outcome exists."""
+    truncated_bytes: int = 0
+
+
+@functools.lru_cache(maxsize=1)
+def detect_capabilities() -> Capabilities:
+    """Probe once: run a trivial command under bwrap and see whether the namespaces come up."""
+    root = os.geteuid() == 0
+    bwrap = shutil.which("bwrap")
+    if bwrap:
+        probe = subprocess.run(_bwrap_prefix(bwrap, None, 1 << 20) + ["true"], capture_output=True, timeout=30)
+        if probe.returncode == 0:
+            return Capabilities("bwrap", True, True, True, True, uid_dropped=root, nproc_enforced=True)
+        reason = f"bwrap is installed but failed: {probe.stderr.decode(errors='replace').strip()[:200]}"
+    else:
+        reason = "bwrap not found (Debian package `bubblewrap`)"
+    can_drop = root and _nobody_can_run_python()
+    return Capabilities(
+        "rlimits", False, False, False, private_tmp=can_drop, uid_dropped=can_drop, nproc_enforced=can_drop or not root,
+        detail=reason + "; no network, PID or filesystem isolation",
+    )  # fmt: skip
+
+
+def _nobody_can_run_python() -> bool:
+    """Whether an unprivileged uid can start this interpreter in place (its prefix is world-readable)."""
+    return all(os.stat(p).st_mode & 0o005 == 0o005 for p in _parents(sys._base_executable))
+
+
+def _parents(path: str) -> list[str]:
+    parts = os.path.realpath(path).split(os.sep)
+    return [os.sep.join(parts[:i]) or os.sep for i in range(1, len(parts))]
+
+
+def _bwrap_prefix(bwrap: str, uid: int | None, tmp_bytes: int) -> list[str]:
+    """bwrap's arguments: read-only `/`, own `/tmp`, `/dev`, `/proc`, an empty `/run` holding the interpreter, and
+    every namespace but the user's (we may be root); `setpriv` then drops to `uid` with no capabilities."""
+    args = [
+        bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/run",
+        "--ro-bind", sys.base_prefix, PYTHON_MOUNT, "--perms", "01777", "--size", str(tmp_bytes), "--tmpfs", "/tmp",
+        "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session", "--chdir", "/tmp",
+    ]  # fmt: skip
+    return args + _drop_to(uid)
+
+
+def _drop_to(uid: int | None) -> list[str]:
+    """The command prefix that runs the rest as `uid`, without groups or capabilities (none for None)."""
+    if uid is None:
+        return []
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"]
+
+
+def _inside_path(entry: str) -> str:
+    """A host `sys.path` entry as the sandbox sees it (the interpreter's prefix is mounted elsewhere)."""
+    entry = os.path.abspath(entry or ".")
+    if entry == sys.base_prefix or entry.startswith(sys.base_prefix + os.sep):
+        return PYTHON_MOUNT + entry[len(sys.base_prefix) :]
+    return entry
+
+
+@dataclass
+class _Started:
+    process: asyncio.subprocess.Process
+    began: float
+    workdir: str | None = None
+    """The host folder of an `rlimits` run (removed after it); bwrap runs use their own tmpfs."""
+
+
+@dataclass
+class Sandbox:
+    """Runs programs and rewards one process each, with one process kept started ahead. One per tool worker;
+    `uid` is the unprivileged uid its runs use when we are root (distinct per worker, so RLIMIT_NPROC counts
+    only that worker's runs)."""
+
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    uid: int = 200_000
+    start_seconds: list[float] = field(default_factory=list)
+    """How long each started process took to be ready (the benchmark's sandbox start)."""
+    _spare: asyncio.Task | None = None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return detect_capabilities()
+
+    async def run_program(self, source: str, timeout_s: float | None = None) -> RunOutcome:
+        return await self._run({"kind": "program", "source": source}, timeout_s or self.limits.wall_s)
+
+    async def run_reward(self, reward: str, response: str, ground_truth: str, *, finish_reason: str, extra_info: dict[str, Any], timeout_s: float) -> RunOutcome:
+        """Call the user's `module:function` inside the sandbox; its value is the JSON on the outcome's stdout."""
+        path = [_inside_path(p) for p in sys.path] if self.capabilities.method == "bwrap" else [os.path.abspath(p or ".") for p in sys.path]
+        payload = {"kind": "reward", "reward": reward, "path": path, "response": response, "ground_truth": ground_truth,
+                   "finish_reason": finish_reason, "extra_info": extra_info}  # fmt: skip
+        return await self._run(payload, timeout_s)
+
+    def warm(self) -> None:
+        """Start the first process ahead, so that even the first call finds one ready."""
+        if self._spare is None:
+            self._spare = asyncio.ensure_future(self._start())
+
+    async def close(self) -> None:
+        """Stop the pre-started process (one that failed to start has nothing to stop)."""
+        if self._spare is not None:
+            spare, self._spare = self._spare, None
+            try:
+                started = await spare
+            except ToolInfraError:
+                return
+            _kill(started.process)
+            await started.process.wait()
+            _remove(started.workdir)
+
+    async def _run(self, payload: dict[str, Any], timeout_s: float) -> RunOutcome:
+        started = await self._take()
+        payload["limits"] = self.limits.rlimits()
+        began = time.perf_counter()
+        process = started.process
+        try:
+            process.stdin.write(json.dumps(payload).encode())
+            process.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it died before reading: its exit status says why
+        keep = self.limits.output_bytes
+        reading = asyncio.gather(_drain(process.stdout, keep), _drain(process.stderr, keep, tail=True))
+        try:
+            (out, out_cut), (err, err_cut) = await asyncio.wait_for(asyncio.shield(reading), timeout_s)
+            await process.wait()
+            timed_out = False
+        except asyncio.TimeoutError:
+            _kill(process)
+            try:
+                (out, out_cut), (err, err_cut) = await asyncio.wait_for(reading, 2.0)
+            except asyncio.TimeoutError:  # (rlimits only) a process that left the group still holds the pipes
+                (out, out_cut), (err, err_cut) = ("", 0), ("", 0)
+            await process.wait()
+            timed_out = True
+        finally:
+            _remove(started.workdir)
+        code = process.returncode
+        return RunOutcome(out, err, code, _reason(code, err, timed_out), time.perf_counter() - began, process.pid, out_cut + err_cut)
+
+    async def _take(self) -> _Started:
+        """The spare process (started now if there is none), once it is ready; the next one starts meanwhile."""
+        spare = self._spare or asyncio.ensure_future(self._start())
+        self._spare = asyncio.ensure_future(self._start())
+        return await spare
+
+    async def _start(self) -> _Started:
+        began = time.perf_counter()
+        argv, workdir = self._command()
+        process = await asyncio.create_subprocess_exec(
+            *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir or "/",
+            env=_clean_env(workdir), start_new_session=True,
+        )  # fmt: skip
+        ready = await process.stdout.read(1)
+        if ready != READY:
+            await process.wait()
+            detail = (await process.stderr.read(2000)).decode(errors="replace").strip()
+            raise ToolInfraError("sandbox_start_failed", f"exit {process.returncode}: {detail}")
+        self.start_seconds.append(time.perf_counter() - began)
+        return _Started(process, began, workdir)
+
+    def _command(self) -> tuple[list[str], str | None]:
+        """argv, and the host work folder of an `rlimits` run (bwrap runs use their own tmpfs)."""
+        caps = self.capabilities
+        root = os.geteuid() == 0
+        if caps.method == "bwrap":
+            interpreter = _inside_path(sys._base_executable)
+            prefix = _bwrap_prefix(shutil.which("bwrap"), self.uid if root else None, self.limits.file_bytes)
+            return prefix + [interpreter, "-I", "-c", RUNNER], None
+        user = self.uid if caps.uid_dropped else None
+        workdir = tempfile.mkdtemp(prefix="asyncrl-sandbox-")
+        if user is not None:
+            os.chown(workdir, user, user)  # 0700: only this run's uid enters it
+        return _drop_to(user) + [sys._base_executable, "-I", "-c", RUNNER], workdir
+
+
+async def _drain(stream: asyncio.StreamReader, keep: int, tail: bool = False) -> tuple[str, int]:
+    """Read a stream to its end keeping its first `keep` bytes (its last with `tail`: where a traceback says
+    what went wrong); the text and how many bytes were cut."""
+    kept, total = bytearray(), 0
+    while chunk := await stream.read(65536):
+        total += len(chunk)
+        kept = (kept + chunk)[-keep:] if tail else kept + chunk[: keep - len(kept)]
+    return kept.decode(errors="replace"), total - len(kept)
+
+
+def _reason(code: int | None, stderr: str, timed_out: bool) -> str | None:
+    if timed_out:
+        return "timeout"
+    if code == 0:
+        return None
+    if code == MEMORY_EXIT or (code == 1 and stderr.rstrip().endswith("MemoryError")):
+        return "memory"
+    if code in (-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU, 128 + signal.SIGKILL):
+        return "cpu_time"  # RLIMIT_CPU: SIGXCPU at the soft limit (bwrap reports it as 128 + signal)
+    if code in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ):
+        return "output_limit"
+    return "error"
+
+
+def _kill(process: asyncio.subprocess.Process) -> None:
+    """SIGKILL the run's whole session: bwrap's PID namespace then takes every process in it down too."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _clean_env(workdir: str | None) -> dict[str, str]:
+    """No variable of the worker's environment (tokens, addresses) reaches the run."""
+    home = workdir or "/tmp"
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def _remove(workdir: str | None) -> None:
+    if workdir:
+        shutil.rmtree(workdir, ignore_errors=True)

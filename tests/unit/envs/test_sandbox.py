@@ -1,0 +1,282 @@
+"""The sandbox contains hostile programs and reports them as tool errors while the worker goes on.
+
+Every test runs real subprocess sandboxes (bwrap where installed). Where this machine cannot enforce a check,
+the test asserts that the capability record says so instead of passing silently. Each test uses its own uid
+(when root) so that "no process of the run is left" can be checked by scanning /proc for that uid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.envs.sandbox import Sandbox, SandboxLimits, detect_capabilities
+from asyncrl.envs.tools.base import ToolCall, ToolInfraError
+from asyncrl.envs.tools.pool import ToolWorker
+from asyncrl.envs.tools.python import run_python
+
+LIMITS = SandboxLimits(wall_s=5.0, cpu_s=2, memory_bytes=512 << 20, processes=16, file_bytes=1 << 20, output_bytes=200)
+CAPS = detect_capabilities()
+
+
+def _processes_of(uid: int) -> list[int]:
+    """Host pids whose real uid is `uid` (a sandboxed run's leftovers)."""
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            uid_line = next(line for line in status.read_text().splitlines() if line.startswith("Uid:"))
+        except (OSError, StopIteration):
+            continue
+        if int(uid_line.split()[1]) == uid:
+            found.append(int(status.parent.name))
+    return found
+
+
+def _all_gone(uid: int, grace_s: float = 2.0) -> bool:
+    """No process of `uid` is left after `grace_s` (the kernel tears a killed PID namespace down asynchronously)."""
+    deadline = time.monotonic() + grace_s
+    while _processes_of(uid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _processes_of(uid) == []
+
+
+def _run(source: str, uid: int, limits: SandboxLimits = LIMITS):
+    """Run `source`, then `print(6 * 7)` in the same sandbox (the worker goes on); both tool results."""
+
+    async def both():
+        sandbox = Sandbox(limits, uid)
+        try:
+            return await run_python(sandbox, source, limits.wall_s), await run_python(sandbox, "print(6 * 7)", limits.wall_s)
+        finally:
+            await sandbox.close()
+
+    bad, good = asyncio.run(both())
+    assert (good.ok, good.output) == (True, "42\n")
+    return bad
+
+
+def test_capability_record_matches_the_machine():
+    if CAPS.method == "bwrap":
+        assert CAPS.network_isolated and CAPS.pid_namespace and CAPS.readonly_root and CAPS.private_tmp
+        assert CAPS.uid_dropped == (os.geteuid() == 0)
+    else:
+        assert not CAPS.network_isolated and not CAPS.pid_namespace and "bwrap" in CAPS.detail
+    assert str(CAPS).startswith(f"sandbox: {CAPS.method} (")
+
+
+def test_a_program_runs_and_prints():
+    result = _run("import sys\nprint(sum(range(10)))\nprint('oops', file=sys.stderr)", uid=201_001)
+    assert (result.ok, result.error, result.output) == (True, None, "45\noops\n")
+
+
+def test_infinite_loop_is_stopped_by_a_limit():
+    result = _run("while True:\n    pass", uid=201_002, limits=SandboxLimits(wall_s=3.0, cpu_s=1))
+    assert not result.ok and result.error in ("cpu_time", "timeout")
+    assert result.seconds < 3.0 + 1.0
+
+
+def test_fork_bomb_is_contained_and_leaves_no_process():
+    if not CAPS.nproc_enforced:
+        assert os.geteuid() == 0 and not CAPS.uid_dropped  # root without a uid to drop to: RLIMIT_NPROC cannot hold
+        return
+    bomb = "import os, time\nwhile True:\n    if os.fork() == 0:\n        time.sleep(60)\n"
+    result = _run(bomb, uid=201_003)
+    assert (result.ok, result.error) == (False, "error")
+    assert "BlockingIOError" in result.output or "Resource temporarily unavailable" in result.output
+    if CAPS.uid_dropped:
+        assert _all_gone(201_003)  # the sleeping children died with the run
+
+
+def test_a_4_gib_allocation_fails_as_memory():
+    result = _run("block = bytearray(4 << 30)\nprint('allocated')", uid=201_004)
+    assert (result.ok, result.error) == (False, "memory")
+    assert "allocated" not in result.output
+
+
+def test_writing_outside_its_directory_fails(tmp_path):
+    target = tmp_path / "escaped.txt"
+    program = f"import os\nopen(os.path.join(os.environ['TMPDIR'], 'mine.txt'), 'w').write('ok')\nopen({str(target)!r}, 'w').write('x')"
+    result = _run(program, uid=201_005)
+    if CAPS.readonly_root or CAPS.uid_dropped:
+        assert (result.ok, result.error) == (False, "error")
+        assert any(e in result.output for e in ("FileNotFoundError", "PermissionError", "OSError"))
+        assert not target.exists()
+    else:
+        assert target.exists() and result.ok  # no isolation here, and the record says so
+
+
+def test_loopback_listener_outside_is_unreachable():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    program = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('CONNECTED')"
+    try:
+        result = _run(program, uid=201_006)
+    finally:
+        listener.close()
+    if CAPS.network_isolated:
+        assert (result.ok, result.error) == (False, "error")
+        assert "CONNECTED" not in result.output and "ConnectionRefusedError" in result.output
+    else:
+        assert result.output.startswith("CONNECTED")  # the record says there is no network namespace
+
+
+def test_another_sandbox_temp_dir_is_unreadable():
+    writer = "import os, time\npath = os.path.join(os.environ['TMPDIR'], 'secret')\nopen(path, 'w').write('s3cret')\nprint(path)\ntime.sleep(3)"
+    reader = (
+        "import glob, os, time\ntime.sleep(1)\n"
+        "paths = ['/tmp/secret', *glob.glob('/tmp/asyncrl-sandbox-*/secret'), *glob.glob('/proc/[0-9]*/root/tmp/secret')]\n"
+        "seen = []\nfor p in paths:\n    try:\n        seen.append(open(p).read())\n    except OSError:\n        pass\nprint('seen', seen)"
+    )
+
+    async def together():
+        first, second = Sandbox(LIMITS, 201_007), Sandbox(LIMITS, 201_008)
+        try:
+            return await asyncio.gather(run_python(first, writer, 5.0), run_python(second, reader, 5.0))
+        finally:
+            await first.close()
+            await second.close()
+
+    wrote, read = asyncio.run(together())
+    assert wrote.ok and wrote.output.strip().endswith("secret")
+    if CAPS.private_tmp:
+        assert (read.ok, read.output) == (True, "seen []\n")
+    else:
+        assert "s3cret" in read.output
+
+
+def test_output_is_truncated_to_the_configured_size():
+    result = _run("print('x' * 10_000)", uid=201_009)
+    assert result.ok
+    assert result.output.startswith("x" * 200 + "\n[output truncated: 9801 bytes not shown]")  # 10_001 printed, 200 kept
+
+
+def test_a_user_reward_runs_sandboxed_and_its_prints_are_not_its_value():
+    worker = ToolWorker("tool-test", LIMITS, 201_010)
+
+    async def rewards():
+        try:
+            return [await worker.reward("sandbox_rewards:half", r, "12", "stop", {}, 5.0) for r in ("12", "13")]
+        finally:
+            await worker.shutdown()
+
+    same, other = asyncio.run(rewards())
+    assert (same.value, same.error, other.value) == (0.5, None, 0.0)
+
+
+def test_a_reward_that_returns_text_fails_naming_it():
+    worker = ToolWorker("tool-test", LIMITS, 201_011)
+
+    async def reward():
+        try:
+            return await worker.reward("sandbox_rewards:wordy", "1", "1", "stop", {}, 5.0)
+        finally:
+            await worker.shutdown()
+
+    outcome = asyncio.run(reward())
+    assert outcome.value is None and "'one'" in outcome.error
+    assert worker.tally.errors == {"reward": {"bad_value": 1}}
+
+
+def test_a_reward_past_its_timeout_is_killed():
+    sandbox = Sandbox(LIMITS, 201_012)
+
+    async def sleepy():
+        try:
+            return await sandbox.run_reward("sandbox_rewards:sleepy", "1", "1", finish_reason="stop", extra_info={}, timeout_s=1.5)
+        finally:
+            await sandbox.close()
+
+    outcome = asyncio.run(sleepy())
+    assert outcome.reason == "timeout" and 1.5 <= outcome.seconds < 1.5 + 5.0  # killed at its timeout, not at the 60 s sleep's end
+    assert not Path(f"/proc/{outcome.pid}").exists()
+    if CAPS.uid_dropped:
+        assert _all_gone(201_012)
+
+
+def test_worker_counts_calls_by_tool_and_reason():
+    worker = ToolWorker("tool-test", SandboxLimits(wall_s=3.0, cpu_s=1), 201_013)
+    calls = [ToolCall("calculator", "2 + 3"), ToolCall("calculator", "1 / 0"), ToolCall("python", "raise SystemExit(2)"), ToolCall("python", "print(1)"), ToolCall("grep", "x")]
+
+    async def all_calls():
+        try:
+            return [await worker.call(call, 3.0) for call in calls]
+        finally:
+            await worker.shutdown()
+
+    results = asyncio.run(all_calls())
+    assert [r.output for r in results[:2]] == ["5", "error: division by zero"]
+    assert [r.error for r in results] == [None, "error", "error", None, "unknown_tool"]
+    assert worker.tally.calls == {"calculator": 2, "python": 2, "grep": 1}
+    assert worker.tally.errors == {"calculator": {"error": 1}, "python": {"error": 1}, "grep": {"unknown_tool": 1}}
+
+
+def test_check_prints_the_capability_record(capsys):
+    from asyncrl.cli import main
+
+    assert main(["check"]) == 0
+    assert f"# {CAPS}\n# planned placement\n" in capsys.readouterr().out
+
+
+class _DeadToolWorker:
+    """A `ToolExecutor` whose worker died: every reward raises the pool client's infrastructure error."""
+
+    async def call(self, call, timeout_s):
+        raise ToolInfraError("tool_worker_died", "tool-0")
+
+    async def reward(self, reward, response, ground_truth, *, finish_reason, extra_info, timeout_s):
+        raise ToolInfraError("tool_worker_died", "tool-0")
+
+
+def test_a_dead_tool_worker_fails_the_trajectory_with_its_reason_not_a_zero_reward():
+    from asyncrl.config import RolloutConfig
+    from asyncrl.rollout.worker import RolloutWorker, WorkerSpec
+    from tests.unit.rollout.fakes import FakeEngine, FakeQueue, InProcessHandle, make_requests
+
+    queue = FakeQueue(make_requests(2))
+    spec = WorkerSpec("unused", RolloutConfig(max_requests_in_flight=2), tools=_DeadToolWorker())
+    worker = RolloutWorker("rollout-0", spec, InProcessHandle(queue), engine=FakeEngine("rollout-0"))
+
+    async def serve():
+        run = asyncio.ensure_future(worker.run())
+        while len(queue.finished) < 2:
+            await asyncio.sleep(0.01)
+        await worker.stop(drain=True)
+        await run
+
+    asyncio.run(asyncio.wait_for(serve(), 10))
+    assert [t.failure for t in queue.finished] == ["tool_worker_died: tool-0"] * 2
+
+
+class _Unstartable(Sandbox):
+    """A sandbox whose process exits before its interpreter is ready (bwrap refused, interpreter missing)."""
+
+    def _command(self):
+        return ["/bin/sh", "-c", "echo 'bwrap: no permission' >&2; exit 1"], None
+
+
+def test_a_sandbox_that_cannot_start_is_an_infrastructure_failure():
+    sandbox = _Unstartable(LIMITS, 201_014)
+
+    async def call():
+        try:
+            return await run_python(sandbox, "print(1)", 5.0)
+        finally:
+            await sandbox.close()
+
+    with pytest.raises(ToolInfraError, match="sandbox_start_failed: exit 1: bwrap: no permission") as failure:
+        asyncio.run(call())
+    assert failure.value.reason == "sandbox_start_failed"
+
+
+def test_an_infrastructure_error_keeps_its_reason_across_pickling():
+    import pickle
+
+    error = pickle.loads(pickle.dumps(ToolInfraError("sandbox_start_failed", "exit 1")))
+    assert (error.reason, str(error)) == ("sandbox_start_failed", "sandbox_start_failed: exit 1")
