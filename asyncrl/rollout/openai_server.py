@@ -181,10 +181,8 @@ class OpenAIServer:
         app.router.add_post("/v1/chat/completions", self._chat)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        bound = site._server.sockets[0].getsockname()
-        self.url = f"http://{host}:{bound[1]}"
+        await web.TCPSite(self._runner, host, port).start()
+        self.url = f"http://{host}:{self._runner.addresses[0][1]}"
         return self.url
 
     async def stop(self) -> None:

@@ -54,3 +54,13 @@ def test_template_names_and_paths(tmp_path):
     assert load_chat_template(str(tmp_path / "t.jinja")) == "{{ messages[0].content }}"
     with pytest.raises(FileNotFoundError, match="qwen2_tools"):
         load_chat_template("chatml")
+
+
+def test_agent_import_path_must_name_an_async_function():
+    from asyncrl.envs.openai_agent import resolve_agent
+
+    assert resolve_agent("asyncio:sleep").__name__ == "sleep"
+    with pytest.raises(ValueError, match="async function"):
+        resolve_agent("json:dumps")
+    with pytest.raises(ValueError, match="import path"):
+        resolve_agent("nocolon")
