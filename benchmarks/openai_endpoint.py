@@ -50,7 +50,7 @@ async def one_round(c, engine, spec, messages: list[dict], episode: str, seed: i
 
 async def measure(model_dir: Path, rounds: int) -> dict:
     import openai
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast
 
     from asyncrl.models.templates import load_chat_template
     from asyncrl.rollout.engine import Engine, SamplingSpec
@@ -60,7 +60,7 @@ async def measure(model_dir: Path, rounds: int) -> dict:
     engine = Engine(str(model_dir), max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
     await engine.start()
     spec = SamplingSpec(max_tokens=MAX_TOKENS, temperature=1.0)
-    server = OpenAIServer(engine, ChatRenderer(AutoTokenizer.from_pretrained(model_dir), load_chat_template("qwen2_tools")), spec, MAX_MODEL_LEN, "m")
+    server = OpenAIServer(engine, ChatRenderer(PreTrainedTokenizerFast.from_pretrained(model_dir), load_chat_template("qwen2_tools")), spec, MAX_MODEL_LEN, "m")
     c = openai.AsyncOpenAI(base_url=f"{await server.start()}/v1", api_key="unused", max_retries=0)
     await one_round(c, engine, spec, [{"role": "user", "content": "Hi."}], "warm-up", seed=0)  # connection, template
     results, drift = [], 0

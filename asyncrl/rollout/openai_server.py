@@ -34,6 +34,8 @@ EPISODE_HEADER = "X-Episode-Id"
 VERSION_HEADER = "X-Policy-Version"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20
+MAX_BODY_BYTES = 64 << 20
+"""A long agent conversation resent on every call outgrows aiohttp's 1 MiB default."""
 TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
 
 
@@ -176,7 +178,7 @@ class OpenAIServer:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Listen on host:port (0: a free port); returns the base URL (`http://host:port`)."""
-        app = web.Application()
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         self._runner = web.AppRunner(app, access_log=None)
@@ -319,11 +321,13 @@ async def start_worker_endpoint(engine: Engine, rollout: Any, model_dir: str, ma
     """The endpoint of one rollout worker, listening on `rollout.openai_host` and its port (`port_for`)."""
     from pathlib import Path
 
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast
 
     from asyncrl.models.templates import load_chat_template
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # tokenizer.json as saved, not the class `AutoTokenizer` picks by model type (for the char tokenizer of the
+    # ascii presets that class drops spaces and newlines when encoding).
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
     template = load_chat_template(rollout.openai_chat_template) if rollout.openai_chat_template else None
     server = OpenAIServer(engine, ChatRenderer(tokenizer, template), sampling, max_model_len, Path(model_dir).name)
     await server.start(rollout.openai_host, port_for(rollout.openai_port, worker_name))

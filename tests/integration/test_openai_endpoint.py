@@ -103,13 +103,13 @@ def test_multi_call_episode_is_one_trajectory_of_exactly_what_the_engine_produce
 
 @pytest.mark.parametrize("template", ["default", "qwen2_tools"])
 def test_zero_drift_on_every_shipped_template_with_a_tool_call_round_trip(loop, worker, template):
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast
 
     from asyncrl.models.templates import load_chat_template
     from asyncrl.rollout.openai_capture import ChatRenderer
     from asyncrl.rollout.openai_server import OpenAIServer
 
-    renderer = ChatRenderer(AutoTokenizer.from_pretrained(worker.spec.model_dir), load_chat_template(template))
+    renderer = ChatRenderer(PreTrainedTokenizerFast.from_pretrained(worker.spec.model_dir), load_chat_template(template))
     server = OpenAIServer(worker.engine, renderer, worker.sampling, 1024, "m")
 
     async def episode():
