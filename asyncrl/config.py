@@ -105,6 +105,23 @@ class RolloutConfig(Section):
     """A rollout worker that dies (while generating or loading weights) is replaced and its requests are
     re-dispatched; the run goes on and the learner does not wait for the replacement. False stops the run
     with an error naming the worker."""
+    openai_port: int = Field(0, ge=-1, le=65535)
+    """OpenAI-compatible endpoint per worker (docs/openai_endpoint.md): 0 = off, -1 = a free port per worker,
+    N = port N + the worker's index. `RolloutPool.openai_urls()` lists the URLs."""
+    openai_host: str = "127.0.0.1"
+    """Address the endpoints listen on; the default keeps them reachable from this machine only."""
+    openai_chat_template: str = ""
+    """Template the endpoint renders conversations with: "" = the model's own, a shipped name (`default`,
+    `qwen2_tools`) or a `.jinja` file."""
+    openai_agent: str = ""
+    """`module:function` agent harness run for each request instead of one generation (`asyncrl.envs.openai_agent`):
+    `async agent(client, prompt, episode) -> reward | (reward, info)`; needs `openai_port` != 0."""
+
+    @model_validator(mode="after")
+    def _agent_needs_endpoint(self) -> RolloutConfig:
+        if self.openai_agent and self.openai_port == 0:
+            raise ValueError("rollout.openai_agent runs against the worker's endpoint: set rollout.openai_port (-1 = a free port)")
+        return self
 
 
 class EnvConfig(Section):

@@ -44,6 +44,10 @@ class SamplingSpec:
     """A running request reports its new tokens every this many tokens, and always its first and last ones
     (vLLM `SamplingParams.stream_interval`): fewer wake-ups of the worker per request. The first token's
     report is what `Engine.abort_stale` needs; `Engine.progress` advances in these steps."""
+    stop: tuple[str, ...] = ()
+    """Stop strings (the OpenAI endpoint's `stop`); the tokens that completed one stay in the response."""
+    top_logprobs: int = 0
+    """Alternatives reported per position (`generate(..., top_logprobs=...)`); 0 = only the sampled token."""
 
     @classmethod
     def from_rollout_config(cls, rollout: Any) -> SamplingSpec:
@@ -140,14 +144,18 @@ class Engine:
             seed=spec.seed,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            detokenize=False,
+            stop=list(spec.stop) or None,
+            detokenize=bool(spec.stop),  # vLLM matches stop strings on detokenized text only
             skip_special_tokens=True,
             output_kind=RequestOutputKind.DELTA,
             stream_interval=spec.stream_interval,
         )
 
-    async def generate(self, request: Request, sampling: SamplingSpec) -> Trajectory:
-        """Run one request to completion (or to its timeout) and return its trajectory."""
+    async def generate(
+        self, request: Request, sampling: SamplingSpec, top_logprobs: list[dict[int, float]] | None = None
+    ) -> Trajectory:
+        """Run one request to completion (or to its timeout) and return its trajectory. `top_logprobs`, when
+        given, receives each position's `sampling.top_logprobs` most likely tokens and their log-probs."""
         self._require_started()
         prompt: Prompt = request.prompt
         request_id = f"{request.request_id}#{next(self._ids)}"  # unique inside vLLM even if re-dispatched here
@@ -164,7 +172,7 @@ class Engine:
         async def consume() -> None:
             nonlocal spans, finish_reason
             stream = self._llm.generate(
-                {"prompt_token_ids": list(prompt.prompt_ids)}, self._sampling_params(sampling), request_id
+                {"prompt_token_ids": list(prompt.prompt_ids)}, self._sampling_params(sampling, logprobs=sampling.top_logprobs), request_id
             )
             async for out in stream:
                 completion = out.outputs[0]
@@ -176,6 +184,8 @@ class Engine:
                 token_ids.extend(new)
                 if new:
                     logprobs.extend(vllm_compat.sampled_logprobs(completion.logprobs, new))
+                    if top_logprobs is not None:
+                        top_logprobs.extend(vllm_compat.top_logprobs(completion.logprobs, sampling.top_logprobs))
                 self._progress[request.request_id] = len(token_ids)
                 if out.finished:
                     spans = completion.weight_versions

@@ -466,6 +466,13 @@ class RolloutPool:
         names = list(self._workers)
         return dict(zip(names, (r["pid"] for r in ray.get([self._workers[n].ready.remote() for n in names], timeout=timeout_s))))
 
+    def openai_urls(self, timeout_s: float = _CONTROL_TIMEOUT_S) -> dict[str, str]:
+        """Base URL of each serving worker's OpenAI-compatible endpoint (`rollout.openai_port` != 0); a client's
+        `base_url` is the URL + `/v1`."""
+        names = self.serving()
+        answers = ray.get([self._workers[n].ready.remote() for n in names], timeout=timeout_s)
+        return {n: a["openai_url"] for n, a in zip(names, answers) if a["openai_url"] is not None}
+
     def versions(self, timeout_s: float = _CONTROL_TIMEOUT_S) -> dict[str, int]:
         names = list(self._workers)
         return dict(zip(names, ray.get([self._workers[n].version.remote() for n in names], timeout=timeout_s)))

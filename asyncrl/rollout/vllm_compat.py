@@ -228,3 +228,9 @@ def version_per_token(spans: Any, num_tokens: int, default_version: int) -> np.n
 def sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
     """The log-prob of each sampled token from vLLM's per-position `{token_id: Logprob}` dicts (logprobs=0)."""
     return [float(position[token].logprob) for position, token in zip(logprobs, token_ids)]
+
+
+def top_logprobs(logprobs: Any, k: int) -> list[dict[int, float]]:
+    """The `k` most likely tokens of each position, by vLLM's rank (the sampled token is there as well, ranked
+    wherever it falls: it is dropped unless it is among the `k`)."""
+    return [{int(t): float(lp.logprob) for t, lp in position.items() if lp.rank is not None and lp.rank <= k} for position in logprobs]

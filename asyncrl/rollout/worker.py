@@ -27,6 +27,7 @@ from asyncrl.config import EnvConfig, RolloutConfig
 from asyncrl.envs.rewards import resolve_reward
 from asyncrl.envs.tools.base import InProcessTools, RewardError, ToolExecutor, ToolInfraError
 from asyncrl.rollout.engine import Engine, SamplingSpec
+from asyncrl.rollout.openai_server import OpenAIServer, start_worker_endpoint
 from asyncrl.types import Prompt, Request, Trajectory
 
 PUT_BATCH_WINDOW_S = 0.005
@@ -100,6 +101,10 @@ class RolloutWorker:
         self._reward_failures = 0
         self._trajectories_put = 0
         self._stale_aborts = 0
+        self.openai: OpenAIServer | None = None
+        """The OpenAI-compatible endpoint (`rollout.openai_port` != 0), started with the engine."""
+        self.agent: Any = None
+        """`OpenAIAgentEnv` when `rollout.openai_agent` names a harness: it serves the queue's requests."""
 
     # ---------------------------------------------------------------------------------------------
     # Lifecycle
@@ -109,7 +114,19 @@ class RolloutWorker:
         async with self._start_lock:
             if not self.engine.started:
                 await self.engine.start()
-        return {"name": self.name, "version": self.engine.version, "pid": os.getpid()}
+                await self._start_openai()
+        url = self.openai.url if self.openai is not None else None
+        return {"name": self.name, "version": self.engine.version, "pid": os.getpid(), "openai_url": url}
+
+    async def _start_openai(self) -> None:
+        if self.config.openai_port == 0:
+            return
+        max_len = self.spec.max_model_len or self.config.max_model_len
+        self.openai = await start_worker_endpoint(self.engine, self.config, self.spec.model_dir, max_len, self.sampling, self.name)
+        if self.config.openai_agent:
+            from asyncrl.envs.openai_agent import OpenAIAgentEnv, resolve_agent
+
+            self.agent = OpenAIAgentEnv(resolve_agent(self.config.openai_agent), self.openai, self.config.request_timeout_s)
 
     async def run(self) -> dict[str, Any]:
         """Serve the queue until `stop()`; returns `stats()` at the end."""
@@ -175,6 +192,8 @@ class RolloutWorker:
 
     async def shutdown(self) -> None:
         await self.stop()
+        if self.openai is not None:
+            await self.openai.stop()
         await self.engine.shutdown()
 
     # ---------------------------------------------------------------------------------------------
@@ -209,8 +228,11 @@ class RolloutWorker:
         return dataclasses.replace(self.sampling, **changes) if changes else self.sampling
 
     async def _rollout(self, request: Request) -> None:
-        trajectory = await self.engine.generate(request, self._sampling_for(request.prompt))
-        trajectory = await self._score(trajectory, request.prompt)
+        if self.agent is not None:  # the harness scored its episode
+            trajectory = await self.agent.rollout(request, self.name)
+        else:
+            trajectory = await self.engine.generate(request, self._sampling_for(request.prompt))
+            trajectory = await self._score(trajectory, request.prompt)
         self._outbox.append(trajectory)
         self._outbox_event.set()
 
@@ -280,6 +302,15 @@ class RolloutWorker:
     async def version(self) -> int:
         return self.engine.version
 
+    async def finish_episode(self, episode_id: str, reward: float, **fields: Any) -> Trajectory:
+        """Close an episode captured by this worker's OpenAI endpoint into one trajectory with `reward`; `fields`
+        are further `Trajectory` fields (prompt_id and group_id default to the episode id)."""
+        if self.openai is None:
+            raise RuntimeError(f"{self.name}: no OpenAI endpoint (rollout.openai_port is 0)")
+        captured = await self.openai.finish_episode(episode_id)
+        fields = {"prompt_id": episode_id, "group_id": episode_id, "sample_index": 0, "worker": self.name, **fields}
+        return captured.trajectory(reward=reward, **fields)
+
     async def stats(self) -> dict[str, Any]:
         """Counters for metrics: tokens generated, requests done, busy/idle seconds since `run()` began."""
         return self._stats()
@@ -300,4 +331,5 @@ class RolloutWorker:
             "stale_aborts": self._stale_aborts,
             "busy_s": busy_s,
             "idle_s": max(0.0, elapsed_s - busy_s),
+            **(self.openai.stats() if self.openai is not None else {}),
         }

@@ -1,0 +1,26 @@
+"""Chat templates shipped with asyncrl, by name; `load_chat_template` also reads a user's `.jinja` file.
+
+`default` is the char tokenizer's own template (`asyncrl.models.tokenizer.CHAT_TEMPLATE`): message contents
+concatenated. `qwen2_tools` is a Qwen2-style ChatML template with function calling.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from asyncrl.models.tokenizer import CHAT_TEMPLATE
+
+_HERE = Path(__file__).resolve().parent
+SHIPPED = ("default", "qwen2_tools")
+
+
+def load_chat_template(name_or_path: str) -> str:
+    """The template text of a shipped name, or of a `.jinja` file path."""
+    if name_or_path == "default":
+        return CHAT_TEMPLATE
+    if name_or_path in SHIPPED:
+        return (_HERE / f"{name_or_path}.jinja").read_text()
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"chat template {name_or_path!r} is neither a shipped name ({', '.join(SHIPPED)}) nor a file")
+    return path.read_text()

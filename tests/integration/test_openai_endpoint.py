@@ -1,0 +1,175 @@
+"""The OpenAI-compatible endpoint of a rollout worker, through the real `openai` client and a real vLLM CPU engine.
+
+One engine for the module: the `ascii-1m` preset (random init, char tokenizer: one token per character), sampling
+at the rollout temperature. A random model does not write tool calls, so the round trip here sends tools and tool
+results through the template around whatever it samples; the parse-and-echo of a sampled `<tool_call>` is checked
+token by token on scripted completions in tests/unit/rollout/test_openai_capture.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+
+TOOLS = [{"type": "function", "function": {"name": "calc", "description": "evaluate", "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}}}}]
+QUESTION = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "What is 2+3?"}]
+TOOL_RESULT = {"role": "tool", "tool_call_id": "call_0", "content": "5"}
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from asyncrl.models import build_model
+
+    return build_model("ascii-1m", tmp_path_factory.mktemp("ascii-model"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def worker(loop, model_dir):
+    from asyncrl.config import RolloutConfig
+    from asyncrl.rollout.worker import RolloutWorker, WorkerSpec
+
+    rollout = RolloutConfig(openai_port=-1, openai_chat_template="qwen2_tools", max_tokens=6, max_model_len=1024, max_requests_in_flight=8)
+    worker = RolloutWorker("rollout-0", WorkerSpec(str(model_dir), rollout=rollout, max_model_len=1024))
+    loop.run_until_complete(worker.ready())
+    yield worker
+    loop.run_until_complete(worker.shutdown())
+
+
+def client(url: str, episode: str | None = None):
+    import openai
+
+    headers = {"X-Episode-Id": episode} if episode else None
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, default_headers=headers)
+
+
+def same_weights(model_dir) -> list[bytes]:
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.rollout.weights import hf_named_tensors, pack_buckets
+
+    return pack_buckets(hf_named_tensors(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)), bucket_bytes=1 << 30)
+
+
+def test_multi_call_episode_is_one_trajectory_of_exactly_what_the_engine_produced(loop, worker, model_dir):
+    url = worker.openai.url
+    buckets = same_weights(model_dir)
+
+    async def episode():
+        c, messages, replies = client(url, "ep-1"), [{"role": "user", "content": "Hello"}], []
+        for k in range(3):
+            raw = await c.chat.completions.with_raw_response.create(model="m", messages=messages, logprobs=True, max_tokens=4 + k)
+            replies.append((raw.headers["x-policy-version"], raw.parse()))
+            messages += [{"role": "assistant", "content": replies[-1][1].choices[0].message.content}, {"role": "user", "content": f"more {k}"}]
+            if k == 0:
+                await worker.update_weights(buckets, version=1)  # the same weights, relabelled: later tokens carry 1
+        return replies, await worker.finish_episode("ep-1", reward=1.0)
+
+    replies, t = loop.run_until_complete(episode())
+    assert [h for h, _ in replies] == ["0", "1", "1"]
+    assert t.prompt_ids.tolist() == replies[0][1].prompt_token_ids
+    assert len(t.turn_starts) == 3 and t.turn_starts[0] == 0
+    expected_mask = np.zeros(len(t.response_ids), dtype=np.int8)
+    for k, (_, r) in enumerate(replies):
+        start, ids = t.turn_starts[k], r.choices[0].token_ids
+        # Each call was fed exactly the episode so far, and its sampled tokens and log-probs are the trajectory's.
+        assert r.prompt_token_ids == t.prompt_ids.tolist() + t.response_ids[:start].tolist()
+        assert t.response_ids[start : start + len(ids)].tolist() == ids
+        assert r.usage.completion_tokens == len(ids) and r.usage.prompt_tokens == len(r.prompt_token_ids)
+        logprobs = np.asarray([c.logprob for c in r.choices[0].logprobs.content], dtype=np.float32)
+        assert np.array_equal(t.rollout_logprobs[start : start + len(ids)], logprobs)
+        assert np.all(logprobs < 0)
+        expected_mask[start : start + len(ids)] = 1
+        assert set(t.versions[start : start + len(ids)].tolist()) == {0 if k == 0 else 1}
+    assert t.loss_mask.tolist() == expected_mask.tolist()
+    # The observation after the first turn is the template's text for the new user message, at version 0.
+    first_end = t.turn_starts[0] + len(replies[0][1].choices[0].token_ids)
+    observation = t.response_ids[first_end : t.turn_starts[1]]
+    assert worker.openai.renderer.decode(observation).endswith("<|im_start|>user\nmore 0<|im_end|>\n<|im_start|>assistant\n")
+    assert set(t.versions[first_end : t.turn_starts[1]].tolist()) == {0}
+    assert t.reward == 1.0 and t.worker == "rollout-0" and worker.openai.capture.drifts == 0
+
+
+@pytest.mark.parametrize("template", ["default", "qwen2_tools"])
+def test_zero_drift_on_every_shipped_template_with_a_tool_call_round_trip(loop, worker, template):
+    from transformers import PreTrainedTokenizerFast
+
+    from asyncrl.models.templates import load_chat_template
+    from asyncrl.rollout.openai_capture import ChatRenderer
+    from asyncrl.rollout.openai_server import OpenAIServer
+
+    renderer = ChatRenderer(PreTrainedTokenizerFast.from_pretrained(worker.spec.model_dir), load_chat_template(template))
+    server = OpenAIServer(worker.engine, renderer, worker.sampling, 1024, "m")
+
+    async def episode():
+        c, messages = client(await server.start(), "tools"), list(QUESTION)
+        for follow_up in (TOOL_RESULT, {"role": "user", "content": "thanks"}, None):
+            r = await c.chat.completions.create(model="m", messages=messages, tools=TOOLS, max_tokens=6)
+            messages += [r.choices[0].message.model_dump(exclude_none=True)] + ([follow_up] if follow_up else [])
+        captured = await server.finish_episode("tools")
+        await server.stop()
+        return captured
+
+    captured = loop.run_until_complete(episode())
+    assert captured.calls == 3 and captured.drifts == 0 and server.capture.drifts == 0
+    t = captured.trajectory(prompt_id="p", group_id="g", sample_index=0)
+    observation = renderer.decode(t.response_ids[t.loss_mask == 0].tolist())
+    assert "5" in observation and "thanks" in observation  # the tool result and the user turn, as the template wrote them
+
+
+def test_loopback_binding_bad_fields_and_unknown_episodes(loop, worker):
+    import openai
+
+    url = worker.openai.url
+    assert url.startswith("http://127.0.0.1:")
+
+    async def calls():
+        c = client(url)
+        models = await c.models.list()
+        errors = {}
+        for field, extra in (("temperature", {"temperature": 5}), ("n", {"n": 2}), ("top_logprobs", {"top_logprobs": 2})):
+            try:
+                await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], **extra)
+            except openai.BadRequestError as e:
+                errors[field] = (e.status_code, e.param)
+        await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], user="fresh")
+        return models, errors, await worker.finish_episode("fresh", reward=0.5)
+
+    models, errors, t = loop.run_until_complete(calls())
+    assert [m.id for m in models.data] == [worker.openai.model_name]
+    assert errors == {"temperature": (400, "temperature"), "n": (400, "n"), "top_logprobs": (400, "top_logprobs")}
+    assert t.turn_starts == [0] and t.loss_mask.sum() == len(t.response_ids) > 0 and t.reward == 0.5
+
+
+def test_agent_env_returns_the_harness_episode_scored_by_the_harness(loop, worker):
+    from asyncrl.envs.openai_agent import OpenAIAgentEnv
+    from asyncrl.testing import make_prompt, make_request
+
+    async def agent(c, prompt, episode):
+        messages = [{"role": "user", "content": prompt}]
+        for _ in range(2):
+            r = await c.chat.completions.create(model=episode.model, messages=messages, max_tokens=3)
+            messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "again"}]
+        return float(episode.prompt.ground_truth == "7"), {"truncated": True}
+
+    async def broken(c, prompt, episode):
+        await c.chat.completions.create(model=episode.model, messages=[{"role": "user", "content": prompt}], max_tokens=2)
+        raise RuntimeError("harness bug")
+
+    request = make_request(make_prompt("q7", text="What is 3+4?", ground_truth="7"), sample_index=2)
+    good = loop.run_until_complete(OpenAIAgentEnv(agent, worker.openai, 60.0).rollout(request, "rollout-0"))
+    bad = loop.run_until_complete(OpenAIAgentEnv(broken, worker.openai, 60.0).rollout(request, "rollout-0"))
+    assert (good.group_id, good.sample_index, good.failure, good.truncated, len(good.turn_starts)) == (request.group_id, request.sample_index, None, True, 2)
+    assert good.reward == 1.0 and good.prompt_id == "q7"
+    assert bad.failure == "agent_error: RuntimeError: harness bug" and len(bad.turn_starts) == 1
