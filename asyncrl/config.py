@@ -79,7 +79,12 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature; the learner divides logits by the same value (invariant 4)."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling; rollout log-probs are those of the processed distribution."""
+    """Nucleus sampling (vLLM: after temperature and top-k, the least likely tokens whose total probability
+    is at most 1 - top_p are dropped). Rollout log-probs are those of the processed (renormalised)
+    distribution and the learner recomputes the same one (docs/algorithms.md#sampling-distribution)."""
+    top_k: int = Field(0, ge=0)
+    """Keep only the k most likely tokens (after temperature, before top-p); 0 = off. Like `top_p`, the
+    learner scores the processed distribution; a token outside the learner's kept set leaves the loss."""
     max_tokens: int = Field(8, ge=1)
     """Maximum generated tokens per trajectory."""
     max_model_len: int = Field(512, ge=16)

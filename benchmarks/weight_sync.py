@@ -84,7 +84,7 @@ def pools(model_dir: Path, bucket_bytes: int, timeout_s: float):
     from asyncrl.rollout.pool import RolloutPool
     from asyncrl.weight_sync.object_store import ObjectStoreSync
 
-    learner = LearnerPool(model_dir, LearnerConfig(num_ranks=1, lr=1e-3, tokens_per_microbatch=4096), resolve_recipe("grpo"), 1.0)
+    learner = LearnerPool(model_dir, LearnerConfig(num_ranks=1, lr=1e-3, tokens_per_microbatch=4096), resolve_recipe("grpo"))
     rollout = None
     try:
         rollout = RolloutPool(
@@ -125,6 +125,7 @@ def timed_sync(sync, rollout, version: int, parity) -> dict:
 def bench_preset(preset: str, model_root: Path, syncs: int, bucket_bytes: int, timeout_s: float) -> dict:
     import numpy as np
 
+    from asyncrl.algo.sampling import RAW
     from asyncrl.models import PRESETS as MODEL_PRESETS
     from asyncrl.models import build_model
     from asyncrl.models.tokenizer import SPECIAL_TOKENS
@@ -137,7 +138,7 @@ def bench_preset(preset: str, model_root: Path, syncs: int, bucket_bytes: int, t
 
         def parity() -> float:
             engine = np.asarray(rollout.score(probe, PROBE_PROMPT_LEN))
-            return float(np.max(np.abs(engine - np.asarray(learner.score(probe, PROBE_PROMPT_LEN, 1.0)))))
+            return float(np.max(np.abs(engine - np.asarray(learner.score(probe, PROBE_PROMPT_LEN, RAW)))))
 
         setup_s, parity_at_start, rows = time.perf_counter() - started, parity(), []
         for k in range(syncs):

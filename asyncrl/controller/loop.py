@@ -255,14 +255,17 @@ class Controller:
         self.metrics.observe_sync(result.version, result.seconds, parity)
 
     def _parity_probe(self) -> float:
-        """Max |engine - learner| log-prob on one fixed sequence (invariant 4)."""
-        import numpy as np
+        """Max |engine - learner| log-prob on one fixed sequence (invariant 4): under the raw distribution
+        and, when the run samples from a processed one (temperature, top-k, top-p), under that too."""
+        from asyncrl.algo.sampling import RAW, SamplingDistribution, logprob_gap
 
         ids = self.probe.prompt_ids + self.tokenizer(self.probe.ground_truth, add_special_tokens=False).input_ids
         plen = len(self.probe.prompt_ids)
-        engine = self.rollout.score(ids, plen)
-        learner = self.learner.score(ids, plen, 1.0)  # vLLM prompt log-probs are raw (temperature 1)
-        return float(np.max(np.abs(np.asarray(engine) - np.asarray(learner))))
+        gap = logprob_gap(self.rollout.score(ids, plen), self.learner.score(ids, plen, RAW))
+        rollout = self.cfg.rollout
+        if SamplingDistribution(rollout.temperature, rollout.top_p, rollout.top_k) != RAW:
+            gap = max(gap, logprob_gap(self.rollout.score(ids, plen, processed=True), self.learner.score(ids, plen)))
+        return gap
 
     def _evaluate(self, start: float) -> None:
         if not self.eval_set:

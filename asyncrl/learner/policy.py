@@ -2,9 +2,9 @@
 the optional critic (the same trunk plus a scalar value head), and how both are sharded with FSDP2.
 
 Log-prob semantics (architecture invariant 4): the learner scores the distribution the engine sampled
-from, so logits are divided by the sampling temperature. The LM head and the log-softmax run in FP32
-whatever the parameter dtype (ScaleRL's FP32 head); with fp32 weights this matches a plain transformers
-forward to ~1e-7.
+from: logits divided by the sampling temperature, then vLLM's top-k and top-p (`asyncrl.algo.sampling`).
+The LM head and the log-softmax run in FP32 whatever the parameter dtype (ScaleRL's FP32 head); with fp32
+weights this matches a plain transformers forward to ~1e-7.
 
 Gradient reduction (architecture invariant 5): FSDP2 in torch 2.13 AVERAGES gradients over the
 data-parallel ranks by default (`ReduceOp.AVG`, or SUM followed by a division by the world size when
@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from asyncrl.algo.sampling import SamplingDistribution, token_logprobs
 
 __all__ = ["HF_PREFIX", "PolicyModel", "ValueModel", "hf_name", "load_causal_lm", "shard"]
 
@@ -41,11 +43,10 @@ def load_causal_lm(model_dir: str, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def _shifted_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """log p(input_ids[:, t+1]) from logits at t, [B, L]; the last column (predicts nothing) is 0."""
-    logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
-    picked = logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return F.pad(picked, (0, 1))
+def _shifted_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, sampling: SamplingDistribution) -> torch.Tensor:
+    """log p(input_ids[:, t+1]) under the processed distribution from logits at t, [B, L]; the last column
+    (predicts nothing) is 0."""
+    return F.pad(token_logprobs(logits[:, :-1], input_ids[:, 1:], sampling), (0, 1))
 
 
 class PolicyModel(nn.Module):
@@ -65,16 +66,17 @@ class PolicyModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
-        temperature: float,
+        sampling: SamplingDistribution,
     ) -> torch.Tensor:
-        """input_ids, attention_mask, position_ids: [B, L] -> learner log-probs [B, L] (fp32), aligned so
-        column t scores token t+1 (batch.py); padding columns hold finite garbage."""
+        """input_ids, attention_mask, position_ids: [B, L] -> learner log-probs [B, L] (fp32) under the
+        processed `sampling` distribution, aligned so column t scores token t+1 (batch.py); -inf for a
+        token outside the kept set; padding columns hold garbage (possibly -inf)."""
         hidden = self.causal_lm.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
         head = self.causal_lm.get_output_embeddings().weight
-        logits = F.linear(hidden.float(), head.float()) / temperature
-        return _shifted_logprobs(logits, input_ids)
+        logits = F.linear(hidden.float(), head.float())
+        return _shifted_logprobs(logits, input_ids, sampling)
 
 
 class ValueModel(nn.Module):

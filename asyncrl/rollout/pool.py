@@ -413,10 +413,11 @@ class RolloutPool:
         names = list(self._workers)
         return dict(zip(names, ray.get([self._workers[n].version.remote() for n in names], timeout=timeout_s)))
 
-    def score(self, token_ids: Sequence[int], prompt_len: int, name: str | None = None) -> np.ndarray:
-        """Engine log-probs of token_ids[prompt_len:] (the parity probe), on `name` or the first serving worker."""
+    def score(self, token_ids: Sequence[int], prompt_len: int, name: str | None = None, processed: bool = False) -> np.ndarray:
+        """Engine log-probs of token_ids[prompt_len:] (the parity probe), on `name` or the first serving worker:
+        raw, or (`processed`) under the run's temperature, top-k and top-p."""
         handle = self._workers[name or self.serving()[0]]
-        return ray.get(handle.score.remote(list(token_ids), prompt_len), timeout=_CONTROL_TIMEOUT_S)
+        return ray.get(handle.score.remote(list(token_ids), prompt_len, processed), timeout=_CONTROL_TIMEOUT_S)
 
     def evaluate(self, prompts: Sequence[Prompt | Sequence[int]], max_tokens: int | None = None) -> list[tuple[str, str]]:
         """Greedy completions (text, finish_reason) in prompt order, spread over the serving workers. A worker

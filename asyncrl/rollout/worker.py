@@ -270,9 +270,10 @@ class RolloutWorker:
             self._stale_aborts += await self.engine.abort_stale(self.spec.max_staleness)
         return self.engine.version
 
-    async def score(self, token_ids: Sequence[int], prompt_len: int) -> np.ndarray:
+    async def score(self, token_ids: Sequence[int], prompt_len: int, processed: bool = False) -> np.ndarray:
+        """Raw log-probs, or (`processed`) those of the distribution this worker samples from."""
         await self.ready()
-        return await self.engine.score(token_ids, prompt_len)
+        return await self.engine.score(token_ids, prompt_len, self.sampling if processed else None)
 
     async def evaluate(self, prompts: Sequence[Prompt | Sequence[int]], max_tokens: int | None = None) -> list[tuple[str, str]]:
         await self.ready()
