@@ -53,7 +53,10 @@ class ModelConfig(Section):
     CPU whose kernels round differently; a target does not. With 0.2 the check first passes at 0.315
     (0.312 held-out, 14.7 epochs). None = run all epochs."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype for learner and engines. fp32 gives 1e-5 log-prob parity on CPU."""
+    """Compute dtype of the learner's decoder layers and weight dtype of the engines. With `bfloat16` the
+    learner keeps fp32 master weights, optimizer state, gradient reductions and head (FSDP2 mixed
+    precision; docs/algorithms.md#mixed-precision) and sends the engines bf16 roundings of its weights.
+    fp32 gives 1e-5 log-prob parity on CPU."""
 
 
 class DataConfig(Section):

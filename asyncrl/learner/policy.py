@@ -35,7 +35,7 @@ def hf_name(name: str) -> str:
     return name[len(HF_PREFIX) :] if name.startswith(HF_PREFIX) else name
 
 
-def load_causal_lm(model_dir: str, dtype: torch.dtype) -> nn.Module:
+def load_causal_lm(model_dir: str, dtype: torch.dtype = torch.float32) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
@@ -105,13 +105,21 @@ class ValueModel(nn.Module):
         return self.value_head(hidden.float()).squeeze(-1)
 
 
-def shard(module: PolicyModel | ValueModel, mesh) -> None:
+def shard(module: PolicyModel | ValueModel, mesh, compute_dtype: torch.dtype = torch.float32) -> None:
     """FSDP2: one unit per decoder layer, then the root (embeddings, final norm, head). Gradients are
-    SUMMED across ranks (module docstring)."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    SUMMED across ranks (module docstring).
 
+    Mixed precision (`compute_dtype` bfloat16): the parameters stay fp32 (the master weights the optimizer
+    steps, so an update below bf16 resolution still accumulates); the decoder layers all-gather and compute
+    in bf16 and reduce their gradients in fp32 (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`).
+    The root keeps fp32: embeddings, final norm and the head (tied to the embeddings in small Qwen2 models)
+    compute in fp32, so the logits and log-softmax see fp32 weights (ScaleRL's FP32 head)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mixed = compute_dtype != torch.float32
+    layers_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
     for layer in module.decoder_layers:
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=layers_policy)
     fully_shard(module, mesh=mesh)
     for sub in module.modules():
         if isinstance(sub, FSDPModule):

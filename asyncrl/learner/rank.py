@@ -75,6 +75,8 @@ class LearnerWorker:
         self.config = config  # asyncrl.config.LearnerConfig
         self.recipe = recipe  # asyncrl.algo.recipes.Recipe
         self.sampling = sampling  # the engines' processed distribution, which the learner's log-probs refer to
+        # The decoder layers' compute dtype and the engines' weight dtype; parameters (master weights),
+        # optimizer state, gradient reductions and the head stay fp32 whatever it is (`policy.shard`).
         self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         self.step = 0
 
@@ -124,16 +126,16 @@ class LearnerWorker:
         from asyncrl.learner.policy import PolicyModel, ValueModel, load_causal_lm, shard
 
         cfg = self.config
-        causal_lm = load_causal_lm(self.model_dir, self.dtype)
+        causal_lm = load_causal_lm(self.model_dir, torch.float32)
         self.model_config = causal_lm.config
         policy = PolicyModel(causal_lm).to(self.device)
-        shard(policy, mesh)
+        shard(policy, mesh, self.dtype)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         materialize_optimizer_state(optimizer)
         state = TrainState(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _linear_warmup(cfg.warmup_steps)))
         if cfg.critic:
-            critic = ValueModel(load_causal_lm(self.model_dir, self.dtype), seed=cfg.seed).to(self.device)
-            shard(critic, mesh)
+            critic = ValueModel(load_causal_lm(self.model_dir, torch.float32), seed=cfg.seed).to(self.device)
+            shard(critic, mesh, self.dtype)
             critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, betas=cfg.betas)
             materialize_optimizer_state(critic_optimizer)
             state.critic = critic
