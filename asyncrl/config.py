@@ -264,7 +264,18 @@ class EvalConfig(Section):
     every_steps: int = Field(10, ge=0)
     """Held-out evaluation period in optimizer steps (0 = only at start and end)."""
     temperature: float = Field(0.0, ge=0)
-    """Sampling temperature of evaluation (0 = greedy)."""
+    """Sampling temperature of evaluation (0 = greedy). No top-k / top-p: evaluation samples the policy's
+    own distribution."""
+    samples: int = Field(1, ge=1, le=1024)
+    """Completions per held-out prompt. With k > 1 (needs `temperature` > 0) an evaluation reports mean@k
+    (its `accuracy`) and pass@1..k (the unbiased estimator of Chen et al. 2021); a completion passes when
+    its reward is >= 1."""
+
+    @model_validator(mode="after")
+    def _samples_need_sampling(self) -> EvalConfig:
+        if self.samples > 1 and self.temperature == 0:
+            raise ValueError(f"eval.samples = {self.samples} needs eval.temperature > 0: greedy decoding gives the same completion every time")
+        return self
 
 
 class TelemetryConfig(Section):

@@ -9,6 +9,7 @@ Modules (each one family, shapes in docstrings, paper links in module docstrings
     shaping     DAPO overlong punishment, zero-variance filtering, pass-rate curriculum
     sampling    the engines' processed distribution (temperature, top-k, top-p) recomputed by the learner
     metrics     mismatch metrics as floats
+    evaluation  held-out scores of k samples: mean@k, unbiased pass@k
     recipes     named recipes and the learner entry points
     names       the valid names (imports nothing, so configs can validate cheaply)
     params      which parameters each component takes, with types and ranges (imports only names)

@@ -268,15 +268,24 @@ class Controller:
         return gap
 
     def _evaluate(self, start: float) -> None:
+        """Held-out evaluation of the policy the engines serve: `eval.samples` completions per prompt at
+        `eval.temperature` (greedy by default). The engines report the versions every request ran under; an
+        evaluation that straddled a version change (not all `self.version`) is run once more, and if it
+        straddles again it is recorded with `straddled: true` and its `served_versions`."""
         if not self.eval_set:
             return
         self._finish_sync()  # every engine serves `self.version`
-        from asyncrl.envs.rewards import resolve_reward
+        from asyncrl.algo.evaluation import score_samples
 
         began = time.perf_counter()
-        reward = resolve_reward(self.cfg.env.reward)
-        outputs = self.rollout.evaluate(self.eval_set, max_tokens=self.cfg.rollout.max_tokens)
-        correct = sum(reward(text, p.ground_truth, finish_reason=fin, extra_info=p.extra_info) for p, (text, fin) in zip(self.eval_set, outputs))
+        for _ in range(2):
+            outputs = self.rollout.evaluate(
+                self.eval_set, max_tokens=self.cfg.rollout.max_tokens, temperature=self.cfg.eval.temperature, samples=self.cfg.eval.samples
+            )
+            served = sorted({v for o in outputs for v in o.versions})
+            if served == [self.version]:
+                break
+        scores = score_samples(self._eval_rewards(outputs))
         record = {
             "version": self.version,
             "step": self.step,
@@ -284,12 +293,28 @@ class Controller:
             "wall_s": round(time.perf_counter() - start, 2),
             "wall_s_excl_eval": round(began - start - self.eval_s, 2),
             "eval_s": round(time.perf_counter() - began, 2),
-            "accuracy": correct / len(self.eval_set),
+            "accuracy": scores.mean_at_k,
+            "temperature": self.cfg.eval.temperature,
+            "samples": self.cfg.eval.samples,
+            "mean_at_k": scores.mean_at_k,
+            "pass_at_k": {str(k): v for k, v in scores.pass_at.items()},
+            "served_versions": served,
+            "straddled": served != [self.version],
         }
         self.eval_s += record["eval_s"]
         self.evals.append(record)
         self.progress.eval(record)
         self.metrics.observe_eval(record["accuracy"])
+
+    def _eval_rewards(self, outputs) -> list[list[float]]:
+        """rewards[prompt][sample] of `rollout.evaluate`'s results on the held-out set."""
+        from asyncrl.envs.rewards import resolve_reward
+
+        reward = resolve_reward(self.cfg.env.reward)
+        return [
+            [float(reward(text, p.ground_truth, finish_reason=fin, extra_info=p.extra_info)) for text, fin in zip(out.texts, out.finish_reasons)]
+            for p, out in zip(self.eval_set, outputs)
+        ]
 
     def _record(self, stats, batch: Batch, learner_wait_s: float) -> None:
         self.samples_trained += stats.num_samples

@@ -57,6 +57,18 @@ class SamplingSpec:
         )
 
 
+@dataclass(frozen=True)
+class EvalResult:
+    """One held-out prompt's completions and every policy version its requests ran under: the engine's
+    version when each was submitted and the per-token versions vLLM reports. More than one version means
+    the evaluation straddled a weight update; the caller must not credit it to a single version."""
+
+    texts: tuple[str, ...]
+    finish_reasons: tuple[str, ...]
+    """One per completion, aligned with `texts`."""
+    versions: frozenset[int]
+
+
 class Engine:
     """An in-process vLLM engine: generate trajectories, score sequences, load new weights."""
 
@@ -274,23 +286,34 @@ class Engine:
                 logprob = float(out.outputs[0].logprobs[0][int(target)].logprob)
         return logprob
 
-    async def evaluate(self, prompts: Sequence[Prompt | Sequence[int]], max_tokens: int) -> list[tuple[str, str]]:
-        """Greedy (temperature 0) completions: (response text, finish_reason) per prompt, in order."""
+    async def evaluate(
+        self, prompts: Sequence[Prompt | Sequence[int]], max_tokens: int, temperature: float = 0.0, samples: int = 1
+    ) -> list[EvalResult]:
+        """`samples` completions per prompt at `temperature` (0 = greedy), one `EvalResult` per prompt, in order."""
         self._require_started()
-        spec = SamplingSpec(max_tokens=max_tokens, temperature=0.0)
+        spec = SamplingSpec(max_tokens=max_tokens, temperature=temperature)
 
-        async def one(p: Prompt | Sequence[int]) -> tuple[str, str]:
-            ids = p.prompt_ids if isinstance(p, Prompt) else p
+        async def one(ids: Sequence[int]) -> tuple[str, str, set[int]]:
             params = self._sampling_params(spec, logprobs=None)
+            dispatch_version = self._version
             tokens: list[int] = []
-            reason = "abort"
+            reason, spans = "abort", None
             async for out in self._llm.generate({"prompt_token_ids": list(ids)}, params, f"eval#{next(self._ids)}"):
                 tokens.extend(out.outputs[0].token_ids)
                 if out.finished:
-                    reason = _finish_reason(out.outputs[0].finish_reason)
-            return self.decode(tokens), reason
+                    reason, spans = _finish_reason(out.outputs[0].finish_reason), out.outputs[0].weight_versions
+            versions = {dispatch_version, *vllm_compat.version_per_token(spans, len(tokens), dispatch_version).tolist()}
+            return self.decode(tokens), reason, versions
 
-        return list(await asyncio.gather(*(one(p) for p in prompts)))
+        async def of_prompt(p: Prompt | Sequence[int]) -> EvalResult:
+            runs = await asyncio.gather(*(one(p.prompt_ids if isinstance(p, Prompt) else p) for _ in range(samples)))
+            return EvalResult(
+                texts=tuple(text for text, _, _ in runs),
+                finish_reasons=tuple(reason for _, reason, _ in runs),
+                versions=frozenset(v for _, _, versions in runs for v in versions),
+            )
+
+        return list(await asyncio.gather(*(of_prompt(p) for p in prompts)))
 
     # ---------------------------------------------------------------------------------------------
     # Weights

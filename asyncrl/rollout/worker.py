@@ -25,7 +25,7 @@ import numpy as np
 
 from asyncrl.config import EnvConfig, RolloutConfig
 from asyncrl.envs.rewards import resolve_reward
-from asyncrl.rollout.engine import Engine, SamplingSpec
+from asyncrl.rollout.engine import Engine, EvalResult, SamplingSpec
 from asyncrl.types import Prompt, Request, Trajectory
 
 PUT_BATCH_WINDOW_S = 0.005
@@ -275,9 +275,11 @@ class RolloutWorker:
         await self.ready()
         return await self.engine.score(token_ids, prompt_len, self.sampling if processed else None)
 
-    async def evaluate(self, prompts: Sequence[Prompt | Sequence[int]], max_tokens: int | None = None) -> list[tuple[str, str]]:
+    async def evaluate(
+        self, prompts: Sequence[Prompt | Sequence[int]], max_tokens: int | None = None, temperature: float = 0.0, samples: int = 1
+    ) -> list[EvalResult]:
         await self.ready()
-        return await self.engine.evaluate(prompts, max_tokens or self.config.max_tokens)
+        return await self.engine.evaluate(prompts, max_tokens or self.config.max_tokens, temperature, samples)
 
     async def version(self) -> int:
         return self.engine.version

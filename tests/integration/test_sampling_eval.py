@@ -91,6 +91,39 @@ def test_engine_score_under_the_run_sampling_equals_the_learner_and_agrees_on_th
     assert logprob_gap(loop.run_until_complete(engine.score(ids, 4)), learner.score(ids, 4, SamplingDistribution())) <= PARITY_ATOL
 
 
+def test_greedy_evaluation_is_one_completion_per_prompt_under_the_served_version(loop, engine):
+    results = loop.run_until_complete(engine.evaluate(PROMPTS[:4], max_tokens=6))
+    assert [len(r.texts) for r in results] == [1, 1, 1, 1]
+    assert all(r.versions == {engine.version} for r in results)
+    assert results == loop.run_until_complete(engine.evaluate(PROMPTS[:4], max_tokens=6))  # greedy: repeatable
+
+
+def test_sampled_evaluation_gives_k_completions_per_prompt(loop, engine):
+    results = loop.run_until_complete(engine.evaluate(PROMPTS[:4], max_tokens=6, temperature=1.0, samples=4))
+    assert [len(r.texts) for r in results] == [4, 4, 4, 4] and all(len(r.finish_reasons) == 4 for r in results)
+    assert len({text for r in results for text in r.texts}) > 4  # sampled, not four copies of greedy
+
+
+def test_an_evaluation_across_a_weight_update_reports_both_versions(loop, engine, learner):
+    import ray
+
+    buckets = ray.get(learner.export_weights(1 << 20).refs)  # the same weights, relabelled as version 1
+    before = engine.version
+
+    async def evaluate_across_an_update():
+        task = asyncio.ensure_future(engine.evaluate(PROMPTS, max_tokens=64, temperature=1.0, samples=2))
+        await asyncio.sleep(0.05)  # every request is submitted under `before`; most are still running
+        await engine.update_weights(buckets, before + 1, in_flight=True)
+        return await task
+
+    results = loop.run_until_complete(evaluate_across_an_update())
+    print("versions per prompt:", [sorted(r.versions) for r in results])
+    assert any(r.versions == {before, before + 1} for r in results)
+    assert all(r.versions <= {before, before + 1} for r in results)
+    after = loop.run_until_complete(engine.evaluate(PROMPTS[:2], max_tokens=6))
+    assert all(r.versions == {before + 1} for r in after)
+
+
 def test_a_step_takes_tokens_outside_the_learner_kept_set_out_of_the_loss(learner):
     """Last in the module: it moves the learner's weights. Random responses of a 16-token vocab fall
     outside the top-5 often; the step stays finite and reports the fraction it left out."""
