@@ -1,13 +1,17 @@
-"""Truncated sampling and evaluation against a real vLLM CPU engine and a real learner rank.
+"""Truncated sampling and evaluation against a real vLLM CPU engine and a real learner rank, and the
+pass-rate curriculum in a real run.
 
 One engine (in-process, tiny 0.3M model with a 16-token vocab) and one FSDP2 learner rank on the same
-weights serve every test of the module. Under temperature 0.9, top-k 5 and top-p 0.8 the learner's
-log-probs (`asyncrl.algo.sampling`) must equal what vLLM reports, token by token.
+weights serve the sampling and evaluation tests. Under temperature 0.9, top-k 5 and top-p 0.8 the
+learner's log-probs (`asyncrl.algo.sampling`) must equal what vLLM reports, token by token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +19,16 @@ import pytest
 from asyncrl.algo.sampling import SamplingDistribution, logprob_gap
 
 pytestmark = pytest.mark.integration
+
+# The run's reward `test_sampling_eval:even_prompts_pass` is imported by name in the rollout workers, which
+# inherit the environment of the Ray cluster the `ray_cluster` fixture starts after collection.
+_WORKER_PATH = (str(Path(__file__).parent), str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH"))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in _WORKER_PATH if p)
+
+
+def even_prompts_pass(response, ground_truth, *, finish_reason, extra_info):
+    """Prompts with an even `index` are always solved, the others never."""
+    return 1.0 if int(extra_info["index"]) % 2 == 0 else 0.0
 
 TEMPERATURE, TOP_P, TOP_K = 0.9, 0.8, 5
 PARITY_ATOL = 1e-4
@@ -141,3 +155,45 @@ def test_a_step_takes_tokens_outside_the_learner_kept_set_out_of_the_loss(learne
     assert stats.metrics["outside_support_frac"] == pytest.approx(outside / total)
     assert np.isfinite(stats.loss) and np.isfinite(stats.grad_norm) and stats.grad_norm > 0
     assert stats.metrics["skipped_step"] == 0.0
+
+
+def test_a_run_retires_prompts_it_solves_and_keeps_sampling_the_others(ray_cluster, tiny_model_dir, tmp_path):
+    """ScaleRL no-positive-resampling over several epochs of an 8-prompt Parquet dataset: the even prompts
+    always pass, so each is retired after its first group and skipped when its id comes round again."""
+    from asyncrl.config import load_config
+    from asyncrl.controller.loop import Controller
+    from asyncrl.envs.data import write_verl_parquet
+    from asyncrl.testing import TINY_RUN
+
+    rows = [
+        {"data_source": "tiny", "prompt": [{"role": "user", "content": f"{i}+{i}="}],
+         "reward_model": {"style": "rule", "ground_truth": str(2 * i)}, "extra_info": {"index": i}}
+        for i in range(8)
+    ]  # fmt: skip
+    write_verl_parquet(rows, tmp_path / "train.parquet")
+    overrides = {
+        "mode": "sync", "buffer.max_staleness": 0, "output_dir": str(tmp_path / "run"), "model.path": str(tiny_model_dir),
+        "data.task": "parquet", "data.train_path": str(tmp_path / "train.parquet"), "env.reward": "test_sampling_eval:even_prompts_pass",
+        "buffer.pass_rate_curriculum": True, "learner.max_steps": 5, "rollout.max_tokens": 4, "telemetry.progress": False,
+        "checkpoint.export_hf": False, "weight_sync.parity_probe": False,
+    }  # fmt: skip
+    cfg = load_config(None, [*TINY_RUN, *(f"{k}={json.dumps(v)}" for k, v in overrides.items())])
+    controller = Controller(cfg, tiny_model_dir)
+    try:
+        controller.start()
+        summary = controller.run()
+    finally:
+        controller.shutdown()
+    import pyarrow.parquet as pq
+
+    log = pq.read_table(tmp_path / "run" / "trajectories.parquet", columns=["prompt_id", "group_id"]).to_pylist()
+    groups_of: dict[str, set[str]] = {}
+    for row in log:
+        groups_of.setdefault(row["prompt_id"], set()).add(row["group_id"])
+    print("groups per prompt:", {p: len(g) for p, g in sorted(groups_of.items())}, "counters:", summary["counters"])
+    # 5 steps x 4 groups = 20 groups: the first epoch's 8 (sync mode: all finish before the next batch is
+    # admitted), then only odd prompts: 12 more, so each odd prompt 1 + 3 = 4 groups and each even one 1.
+    assert all(len(groups_of[str(i)]) == 1 for i in (0, 2, 4, 6))
+    assert all(len(groups_of[str(i)]) == 4 for i in (1, 3, 5, 7))
+    assert summary["counters"]["retired_prompts"] == 4
+    assert summary["counters"]["skipped_retired"] >= 4  # each even id came round at least once more
