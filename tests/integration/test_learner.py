@@ -69,7 +69,7 @@ def _plain_loss_and_gradients(tiny_model_dir, params, batch, recipe):
     from asyncrl.learner.policy import PolicyModel, hf_name
 
     model = PolicyModel(_reference_model(tiny_model_dir, params))
-    logprobs = model(batch.input_ids, batch.attention_mask, batch.position_ids, 1.0)
+    logprobs = model(batch.input_ids, batch.attention_mask, batch.position_ids, RAW)
     old = logprobs.detach()
     weights = compute_token_weights(recipe, batch.loss_mask, batch.group_ids, old, batch.rollout_logprobs)
     tis_stats = tis_normalizer_stats(recipe, batch.loss_mask, old, batch.rollout_logprobs) if recipe.normalizes_tis else None
