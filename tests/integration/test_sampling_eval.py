@@ -159,7 +159,8 @@ def test_a_step_takes_tokens_outside_the_learner_kept_set_out_of_the_loss(learne
 
 def test_a_run_retires_prompts_it_solves_and_keeps_sampling_the_others(ray_cluster, tiny_model_dir, tmp_path):
     """ScaleRL no-positive-resampling over several epochs of an 8-prompt Parquet dataset: the even prompts
-    always pass, so each is retired after its first group and skipped when its id comes round again."""
+    always pass, so each is retired after its first group and skipped when its id comes round again. The
+    run samples with top-k and top-p, so its parity probe compares the processed distributions too."""
     from asyncrl.config import load_config
     from asyncrl.controller.loop import Controller
     from asyncrl.envs.data import write_verl_parquet
@@ -175,7 +176,7 @@ def test_a_run_retires_prompts_it_solves_and_keeps_sampling_the_others(ray_clust
         "mode": "sync", "buffer.max_staleness": 0, "output_dir": str(tmp_path / "run"), "model.path": str(tiny_model_dir),
         "data.task": "parquet", "data.train_path": str(tmp_path / "train.parquet"), "env.reward": "test_sampling_eval:even_prompts_pass",
         "buffer.pass_rate_curriculum": True, "learner.max_steps": 5, "rollout.max_tokens": 4, "telemetry.progress": False,
-        "checkpoint.export_hf": False, "weight_sync.parity_probe": False,
+        "checkpoint.export_hf": False, "rollout.temperature": TEMPERATURE, "rollout.top_p": TOP_P, "rollout.top_k": TOP_K,
     }  # fmt: skip
     cfg = load_config(None, [*TINY_RUN, *(f"{k}={json.dumps(v)}" for k, v in overrides.items())])
     controller = Controller(cfg, tiny_model_dir)
@@ -197,3 +198,4 @@ def test_a_run_retires_prompts_it_solves_and_keeps_sampling_the_others(ray_clust
     assert all(len(groups_of[str(i)]) == 4 for i in (1, 3, 5, 7))
     assert summary["counters"]["retired_prompts"] == 4
     assert summary["counters"]["skipped_retired"] >= 4  # each even id came round at least once more
+    assert summary["parity_max_abs_diff_mean"] is not None and summary["parity_max_abs_diff_mean"] <= PARITY_ATOL
