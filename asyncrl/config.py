@@ -53,7 +53,10 @@ class ModelConfig(Section):
     CPU whose kernels round differently; a target does not. With 0.2 the check first passes at 0.315
     (0.312 held-out, 14.7 epochs). None = run all epochs."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype for learner and engines. fp32 gives 1e-5 log-prob parity on CPU."""
+    """Compute dtype of the learner's decoder layers and weight dtype of the engines. With `bfloat16` the
+    learner keeps fp32 master weights, optimizer state, gradient reductions and head (FSDP2 mixed
+    precision; docs/algorithms.md#mixed-precision) and sends the engines bf16 roundings of its weights.
+    fp32 gives 1e-5 log-prob parity on CPU."""
 
 
 class DataConfig(Section):
@@ -79,7 +82,12 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature; the learner divides logits by the same value (invariant 4)."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling; rollout log-probs are those of the processed distribution."""
+    """Nucleus sampling (vLLM: after temperature and top-k, the least likely tokens whose total probability
+    is at most 1 - top_p are dropped). Rollout log-probs are those of the processed (renormalised)
+    distribution and the learner recomputes the same one (docs/algorithms.md#sampling-distribution)."""
+    top_k: int = Field(0, ge=0)
+    """Keep only the k most likely tokens (after temperature, before top-p); 0 = off. Like `top_p`, the
+    learner scores the processed distribution; a token outside the learner's kept set leaves the loss."""
     max_tokens: int = Field(8, ge=1)
     """Maximum generated tokens per trajectory."""
     max_model_len: int = Field(512, ge=16)
@@ -316,7 +324,18 @@ class EvalConfig(Section):
     every_steps: int = Field(10, ge=0)
     """Held-out evaluation period in optimizer steps (0 = only at start and end)."""
     temperature: float = Field(0.0, ge=0)
-    """Sampling temperature of evaluation (0 = greedy)."""
+    """Sampling temperature of evaluation (0 = greedy). No top-k / top-p: evaluation samples the policy's
+    own distribution."""
+    samples: int = Field(1, ge=1, le=1024)
+    """Completions per held-out prompt. With k > 1 (needs `temperature` > 0) an evaluation reports mean@k
+    (its `accuracy`) and pass@1..k (the unbiased estimator of Chen et al. 2021); a completion passes when
+    its reward is >= 1."""
+
+    @model_validator(mode="after")
+    def _samples_need_sampling(self) -> EvalConfig:
+        if self.samples > 1 and self.temperature == 0:
+            raise ValueError(f"eval.samples = {self.samples} needs eval.temperature > 0: greedy decoding gives the same completion every time")
+        return self
 
 
 class WandbConfig(Section):

@@ -79,7 +79,7 @@ def grpo_args(cfg, steps: int) -> dict:
         lr_scheduler_type="constant" if cfg.learner.warmup_steps == 0 else "constant_with_warmup",
         warmup_steps=cfg.learner.warmup_steps, adam_beta1=cfg.learner.betas[0], adam_beta2=cfg.learner.betas[1],
         weight_decay=cfg.learner.weight_decay, max_grad_norm=cfg.learner.grad_clip, temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p, top_k=0, max_completion_length=cfg.rollout.max_tokens, loss_type=LOSS_TYPE,
+        top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, max_completion_length=cfg.rollout.max_tokens, loss_type=LOSS_TYPE,
         scale_rewards=SCALE_REWARDS, beta=0.0, num_iterations=1, steps_per_generation=1, gradient_accumulation_steps=1,
         per_device_train_batch_size=cfg.learner.prompts_per_step * group, shuffle_dataset=False, seed=0,
     )  # fmt: skip

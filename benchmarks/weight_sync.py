@@ -89,7 +89,7 @@ def pools(model_dir: Path, bucket_bytes: int, timeout_s: float, transports: list
     from asyncrl.weight_sync.object_store import ObjectStoreSync
     from asyncrl.weight_sync.shared_memory import SharedMemorySync
 
-    learner = LearnerPool(model_dir, LearnerConfig(num_ranks=1, lr=1e-3, tokens_per_microbatch=4096), resolve_recipe("grpo"), 1.0)
+    learner = LearnerPool(model_dir, LearnerConfig(num_ranks=1, lr=1e-3, tokens_per_microbatch=4096), resolve_recipe("grpo"))
     rollout, syncs = None, {}
     try:
         rollout = RolloutPool(
@@ -130,6 +130,7 @@ def bench_preset(preset: str, model_root: Path, syncs: int, bucket_bytes: int, t
     """One row per transport: `syncs` timed syncs each, alternating transports on the same learner and engine."""
     import numpy as np
 
+    from asyncrl.algo.sampling import RAW
     from asyncrl.models import PRESETS as MODEL_PRESETS
     from asyncrl.models import build_model
     from asyncrl.models.tokenizer import SPECIAL_TOKENS
@@ -142,7 +143,7 @@ def bench_preset(preset: str, model_root: Path, syncs: int, bucket_bytes: int, t
 
         def parity() -> float:
             engine = np.asarray(rollout.score(probe, PROBE_PROMPT_LEN))
-            return float(np.max(np.abs(engine - np.asarray(learner.score(probe, PROBE_PROMPT_LEN, 1.0)))))
+            return float(np.max(np.abs(engine - np.asarray(learner.score(probe, PROBE_PROMPT_LEN, RAW)))))
 
         setup_s, parity_at_start, rows = time.perf_counter() - started, parity(), {t: [] for t in transports}
         version = 0

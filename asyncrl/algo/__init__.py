@@ -7,7 +7,9 @@ Modules (each one family, shapes in docstrings, paper links in module docstrings
     correction  train-vs-rollout mismatch: TIS, MIS / rejection, IcePop, DIS, decoupled PPO, bypass, OPSM
     kl          k1 / k2 / k3 KL estimators, KL-in-reward
     shaping     DAPO overlong punishment, zero-variance filtering, pass-rate curriculum
+    sampling    the engines' processed distribution (temperature, top-k, top-p) recomputed by the learner
     metrics     mismatch metrics as floats
+    evaluation  held-out scores of k samples: mean@k, unbiased pass@k
     recipes     named recipes and the learner entry points
     names       the valid names (imports nothing, so configs can validate cheaply)
     params      which parameters each component takes, with types and ranges (imports only names)

@@ -345,24 +345,33 @@ class Controller:
         self.telemetry.sync(SyncEvent(result.version, result.seconds, parity, bytes=result.num_bytes))
 
     def _parity_probe(self) -> float:
-        """Max |engine - learner| log-prob on one fixed sequence (invariant 4)."""
-        import numpy as np
+        """Max |engine - learner| log-prob on one fixed sequence (invariant 4): under the raw distribution
+        and, when the run samples from a processed one (temperature, top-k, top-p), under that too."""
+        from asyncrl.algo.sampling import RAW, SamplingDistribution, logprob_gap
 
         ids = self.probe.prompt_ids + self.tokenizer(self.probe.ground_truth, add_special_tokens=False).input_ids
         plen = len(self.probe.prompt_ids)
-        engine = self.rollout.score(ids, plen)
-        learner = self.learner.score(ids, plen, 1.0)  # vLLM prompt log-probs are raw (temperature 1)
-        return float(np.max(np.abs(np.asarray(engine) - np.asarray(learner))))
+        gap = logprob_gap(self.rollout.score(ids, plen), self.learner.score(ids, plen, RAW))
+        rollout = self.cfg.rollout
+        if SamplingDistribution(rollout.temperature, rollout.top_p, rollout.top_k) != RAW:
+            gap = max(gap, logprob_gap(self.rollout.score(ids, plen, processed=True), self.learner.score(ids, plen)))
+        return gap
 
-    def _eval_rewards(self, outputs: list[tuple[str, str]]) -> list[float]:
-        """The held-out answers' rewards: in the sandboxed tool workers when the run has them (a user reward never
-        runs in the driver), else here. An answer whose reward fails scores 0."""
+    def _eval_rewards(self, outputs) -> list[list[float]]:
+        """rewards[prompt][sample] of `rollout.evaluate`'s results on the held-out set."""
+        answers = [(p, text, fin) for p, out in zip(self.eval_set, outputs) for text, fin in zip(out.texts, out.finish_reasons)]
+        flat = iter(self._score_answers(answers))
+        return [[next(flat) for _ in out.texts] for out in outputs]
+
+    def _score_answers(self, answers: list[tuple]) -> list[float]:
+        """Rewards of (prompt, text, finish reason) answers: in the sandboxed tool workers when the run has them
+        (a user reward never runs in the driver), else here. An answer whose reward fails scores 0."""
         from asyncrl.envs.rewards import resolve_reward
         from asyncrl.envs.tools.base import RewardError, ToolInfraError
 
         if self.tools is None:
             reward = resolve_reward(self.cfg.env.reward)
-            return [reward(text, p.ground_truth, finish_reason=fin, extra_info=p.extra_info) for p, (text, fin) in zip(self.eval_set, outputs)]
+            return [float(reward(text, p.ground_truth, finish_reason=fin, extra_info=p.extra_info)) for p, text, fin in answers]
         client, env = self.tools.client(), self.cfg.env
 
         async def score(prompt, text: str, finish: str) -> float:
@@ -372,17 +381,29 @@ class Controller:
                 return 0.0
 
         async def score_all() -> list[float]:
-            return await asyncio.gather(*(score(p, text, fin) for p, (text, fin) in zip(self.eval_set, outputs)))
+            return await asyncio.gather(*(score(p, text, fin) for p, text, fin in answers))
 
         return asyncio.run(score_all())
 
     def _evaluate(self, start: float) -> None:
+        """Held-out evaluation of the policy the engines serve: `eval.samples` completions per prompt at
+        `eval.temperature` (greedy by default). The engines report the versions every request ran under; an
+        evaluation that straddled a version change (not all `self.version`) is run once more, and if it
+        straddles again it is recorded with `straddled: true` and its `served_versions`."""
         if not self.eval_set:
             return
         self._finish_sync()  # every engine serves `self.version`
+        from asyncrl.algo.evaluation import score_samples
+
         began = time.perf_counter()
-        outputs = self.rollout.evaluate(self.eval_set, max_tokens=self.cfg.rollout.max_tokens)
-        correct = sum(self._eval_rewards(outputs))
+        for _ in range(2):
+            outputs = self.rollout.evaluate(
+                self.eval_set, max_tokens=self.cfg.rollout.max_tokens, temperature=self.cfg.eval.temperature, samples=self.cfg.eval.samples
+            )
+            served = sorted({v for o in outputs for v in o.versions})
+            if served == [self.version]:
+                break
+        scores = score_samples(self._eval_rewards(outputs))
         record = {
             "version": self.version,
             "step": self.step,
@@ -390,7 +411,13 @@ class Controller:
             "wall_s": round(time.perf_counter() - start, 2),
             "wall_s_excl_eval": round(began - start - self.eval_s, 2),
             "eval_s": round(time.perf_counter() - began, 2),
-            "accuracy": correct / len(self.eval_set),
+            "accuracy": scores.mean_at_k,
+            "temperature": self.cfg.eval.temperature,
+            "samples": self.cfg.eval.samples,
+            "mean_at_k": scores.mean_at_k,
+            "pass_at_k": {str(k): v for k, v in scores.pass_at.items()},
+            "served_versions": served,
+            "straddled": served != [self.version],
         }
         self.eval_s += record["eval_s"]
         self.evals.append(record)

@@ -2,9 +2,9 @@
 the optional critic (the same trunk plus a scalar value head), and how both are sharded with FSDP2.
 
 Log-prob semantics (architecture invariant 4): the learner scores the distribution the engine sampled
-from, so logits are divided by the sampling temperature. The LM head and the log-softmax run in FP32
-whatever the parameter dtype (ScaleRL's FP32 head); with fp32 weights this matches a plain transformers
-forward to ~1e-7.
+from: logits divided by the sampling temperature, then vLLM's top-k and top-p (`asyncrl.algo.sampling`).
+The LM head and the log-softmax run in FP32 whatever the parameter dtype (ScaleRL's FP32 head); with fp32
+weights this matches a plain transformers forward to ~1e-7.
 
 Gradient reduction (architecture invariant 5): FSDP2 in torch 2.13 AVERAGES gradients over the
 data-parallel ranks by default (`ReduceOp.AVG`, or SUM followed by a division by the world size when
@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncrl.algo.sampling import SamplingDistribution, token_logprobs
+
 __all__ = ["HF_PREFIX", "PolicyModel", "ValueModel", "hf_name", "load_causal_lm", "shard"]
 
 # Parameter names inside PolicyModel are the Hugging Face names behind this prefix.
@@ -33,7 +35,7 @@ def hf_name(name: str) -> str:
     return name[len(HF_PREFIX) :] if name.startswith(HF_PREFIX) else name
 
 
-def load_causal_lm(model_dir: str, dtype: torch.dtype) -> nn.Module:
+def load_causal_lm(model_dir: str, dtype: torch.dtype = torch.float32) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
@@ -41,11 +43,10 @@ def load_causal_lm(model_dir: str, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def _shifted_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """log p(input_ids[:, t+1]) from logits at t, [B, L]; the last column (predicts nothing) is 0."""
-    logprobs = torch.log_softmax(logits[:, :-1], dim=-1)
-    picked = logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return F.pad(picked, (0, 1))
+def _shifted_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, sampling: SamplingDistribution) -> torch.Tensor:
+    """log p(input_ids[:, t+1]) under the processed distribution from logits at t, [B, L]; the last column
+    (predicts nothing) is 0."""
+    return F.pad(token_logprobs(logits[:, :-1], input_ids[:, 1:], sampling), (0, 1))
 
 
 class PolicyModel(nn.Module):
@@ -65,16 +66,17 @@ class PolicyModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
-        temperature: float,
+        sampling: SamplingDistribution,
     ) -> torch.Tensor:
-        """input_ids, attention_mask, position_ids: [B, L] -> learner log-probs [B, L] (fp32), aligned so
-        column t scores token t+1 (batch.py); padding columns hold finite garbage."""
+        """input_ids, attention_mask, position_ids: [B, L] -> learner log-probs [B, L] (fp32) under the
+        processed `sampling` distribution, aligned so column t scores token t+1 (batch.py); -inf for a
+        token outside the kept set; padding columns hold garbage (possibly -inf)."""
         hidden = self.causal_lm.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
         head = self.causal_lm.get_output_embeddings().weight
-        logits = F.linear(hidden.float(), head.float()) / temperature
-        return _shifted_logprobs(logits, input_ids)
+        logits = F.linear(hidden.float(), head.float())
+        return _shifted_logprobs(logits, input_ids, sampling)
 
 
 class ValueModel(nn.Module):
@@ -103,13 +105,21 @@ class ValueModel(nn.Module):
         return self.value_head(hidden.float()).squeeze(-1)
 
 
-def shard(module: PolicyModel | ValueModel, mesh) -> None:
+def shard(module: PolicyModel | ValueModel, mesh, compute_dtype: torch.dtype = torch.float32) -> None:
     """FSDP2: one unit per decoder layer, then the root (embeddings, final norm, head). Gradients are
-    SUMMED across ranks (module docstring)."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    SUMMED across ranks (module docstring).
 
+    Mixed precision (`compute_dtype` bfloat16): the parameters stay fp32 (the master weights the optimizer
+    steps, so an update below bf16 resolution still accumulates); the decoder layers all-gather and compute
+    in bf16 and reduce their gradients in fp32 (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`).
+    The root keeps fp32: embeddings, final norm and the head (tied to the embeddings in small Qwen2 models)
+    compute in fp32, so the logits and log-softmax see fp32 weights (ScaleRL's FP32 head)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mixed = compute_dtype != torch.float32
+    layers_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
     for layer in module.decoder_layers:
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=layers_policy)
     fully_shard(module, mesh=mesh)
     for sub in module.modules():
         if isinstance(sub, FSDPModule):

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from asyncrl.algo.metrics import lag_mismatch_figures
+from asyncrl.algo.sampling import RAW, SamplingDistribution
 from asyncrl.learner.batch import TrainBatch, build_batch, loss_needs_whole_groups, split_mini_batches, split_rows
 from asyncrl.learner.export import ExportedWeights
 from asyncrl.learner.rank import LearnerWorker
@@ -92,7 +93,7 @@ class LearnerPool:
         model_dir: str | os.PathLike,
         config,
         recipe,
-        temperature: float = 1.0,
+        sampling: SamplingDistribution = RAW,
         dtype: str = "float32",
         init_timeout_s: float = 300.0,
         placement_timeout_s: float = 300.0,
@@ -112,7 +113,7 @@ class LearnerPool:
         model = ship(model_dir)
         self.workers = [
             actor.options(num_cpus=config.num_cpus_per_rank, num_gpus=config.num_gpus_per_rank, scheduling_strategy=placement.in_bundle(self.group, rank))
-            .remote(rank, self.num_ranks, str(model_dir), config, recipe, temperature, dtype, model=model)
+            .remote(rank, self.num_ranks, str(model_dir), config, recipe, sampling, dtype, model=model)
             for rank in range(self.num_ranks)
         ]
         addr, port = ray.get(self.workers[0].master_address.remote(), timeout=init_timeout_s)
@@ -120,11 +121,9 @@ class LearnerPool:
 
     @classmethod
     def from_config(cls, cfg, model_dir: str | os.PathLike) -> LearnerPool:
-        """Build from the run's `asyncrl.config.Config` (recipe from `algorithm`, temperature from `rollout`)."""
-        return cls(
-            model_dir, cfg.learner, recipe_from_config(cfg), cfg.rollout.temperature, cfg.model.dtype,
-            placement_timeout_s=cfg.cluster.placement_timeout_s,
-        )
+        """Build from the run's `asyncrl.config.Config` (recipe from `algorithm`, sampling from `rollout`)."""
+        sampling = SamplingDistribution(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
+        return cls(model_dir, cfg.learner, recipe_from_config(cfg), sampling, cfg.model.dtype, placement_timeout_s=cfg.cluster.placement_timeout_s)
 
     def _call(self, method: str, *args, timeout_s: float | None = None, per_rank: Sequence[tuple] | None = None) -> list:
         """Call `method` on every rank at once (collective) and wait, at most `timeout_s` (default
@@ -191,8 +190,9 @@ class LearnerPool:
         loss, grads = self._call("compute_gradients", per_rank=[(s, recipe) for s in shards])[0]
         return loss, grads
 
-    def score(self, token_ids: Sequence[int], prompt_len: int, temperature: float | None = None) -> np.ndarray:
-        return self._call("score", list(token_ids), prompt_len, temperature)[0]
+    def score(self, token_ids: Sequence[int], prompt_len: int, sampling: SamplingDistribution | None = None) -> np.ndarray:
+        """Learner log-probs of `token_ids[prompt_len:]` under `sampling` (default: the run's)."""
+        return self._call("score", list(token_ids), prompt_len, sampling)[0]
 
     # ------------------------------------------------------------------ weights and checkpoints
 

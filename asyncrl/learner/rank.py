@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from asyncrl.algo.sampling import SamplingDistribution
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.export import ExportedWeights
 from asyncrl.learner.step import RankStep
@@ -68,13 +69,15 @@ class LearnerWorker:
     """One learner rank. Construct through `LearnerPool` (it is wrapped with `ray.remote` there); every
     public method except `master_address` is collective: all ranks must call it together."""
 
-    def __init__(self, rank: int, num_ranks: int, model_dir: str, config, recipe, temperature: float, dtype: str = "float32"):
+    def __init__(self, rank: int, num_ranks: int, model_dir: str, config, recipe, sampling: SamplingDistribution, dtype: str = "float32"):
         self.rank = rank
         self.num_ranks = num_ranks
         self.model_dir = str(model_dir)
         self.config = config  # asyncrl.config.LearnerConfig
         self.recipe = recipe  # asyncrl.algo.recipes.Recipe
-        self.temperature = temperature
+        self.sampling = sampling  # the engines' processed distribution, which the learner's log-probs refer to
+        # The decoder layers' compute dtype and the engines' weight dtype; parameters (master weights),
+        # optimizer state, gradient reductions and the head stay fp32 whatever it is (`policy.shard`).
         self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         self.step = 0
         self._segment: SegmentWriter | None = None
@@ -100,7 +103,7 @@ class LearnerWorker:
         mesh = init_device_mesh(self.device.type, (self.num_ranks,))
         torch.manual_seed(self.config.seed)
         self.state = self._train_state(mesh)
-        self._step = RankStep(self.state, self.config, self.recipe, self.temperature, self.device, self._all_reduce)
+        self._step = RankStep(self.state, self.config, self.recipe, self.sampling, self.device, self._all_reduce)
 
     def _init_process_group(self, master_addr: str, master_port: int, timeout_s: float) -> None:
         import torch.distributed as dist
@@ -126,16 +129,16 @@ class LearnerWorker:
         from asyncrl.learner.policy import PolicyModel, ValueModel, load_causal_lm, shard
 
         cfg = self.config
-        causal_lm = load_causal_lm(self.model_dir, self.dtype)
+        causal_lm = load_causal_lm(self.model_dir, torch.float32)
         self.model_config = causal_lm.config
         policy = PolicyModel(causal_lm).to(self.device)
-        shard(policy, mesh)
+        shard(policy, mesh, self.dtype)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         materialize_optimizer_state(optimizer)
         state = TrainState(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _linear_warmup(cfg.warmup_steps)))
         if cfg.critic:
-            critic = ValueModel(load_causal_lm(self.model_dir, self.dtype), seed=cfg.seed).to(self.device)
-            shard(critic, mesh)
+            critic = ValueModel(load_causal_lm(self.model_dir, torch.float32), seed=cfg.seed).to(self.device)
+            shard(critic, mesh, self.dtype)
             critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, betas=cfg.betas)
             materialize_optimizer_state(critic_optimizer)
             state.critic = critic
@@ -166,15 +169,16 @@ class LearnerWorker:
         loss, grads = dataclasses.replace(self._step, recipe=recipe or self.recipe).gradients(rows)
         return loss, (grads if self.rank == 0 else None)
 
-    def score(self, token_ids: Sequence[int], prompt_len: int, temperature: float | None = None) -> np.ndarray:
-        """Learner log-probs of `token_ids[prompt_len:]` given their prefixes (the parity probe)."""
+    def score(self, token_ids: Sequence[int], prompt_len: int, sampling: SamplingDistribution | None = None) -> np.ndarray:
+        """Learner log-probs of `token_ids[prompt_len:]` given their prefixes under `sampling` (default: the
+        run's), -inf outside its kept set (the parity probe)."""
         ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device).unsqueeze(0)
         n = ids.shape[1]
         if not 1 <= prompt_len < n:
             raise ValueError(f"score: need 1 <= prompt_len < len(token_ids) (got {prompt_len}, {n})")
         positions = torch.arange(n, device=self.device).unsqueeze(0)
         with torch.no_grad():
-            logprobs = self.state.policy(ids, torch.ones_like(ids), positions, temperature or self.temperature)
+            logprobs = self.state.policy(ids, torch.ones_like(ids), positions, sampling or self.sampling)
         return logprobs[0, prompt_len - 1 : n - 1].cpu().numpy()
 
     # ------------------------------------------------------------------ weights, snapshots, checkpoints

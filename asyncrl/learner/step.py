@@ -2,7 +2,8 @@
 
     rank: micro_batches by token budget, padded to the same count on every rank (FSDP collectives)
           [critic: values -> GAE/VAPO advantages per sequence, whitening with global statistics]
-          per micro-batch: learner log-probs (FP32 head, / temperature) -> compute_policy_loss -> backward
+          per micro-batch: learner log-probs (FP32 head, processed like the engine's sampling: temperature,
+                           top-k, top-p) -> compute_policy_loss -> backward
           clip_grad_norm_ -> AdamW step -> scheduler step  [critic: value loss, its own step]
 
 One update per rollout batch (`learner.mini_batches` = `epochs` = 1): `old_logprobs` are the detached
@@ -20,6 +21,9 @@ update is the single-update step above on one mini-batch with that fixed pi_old;
 schedules advance once per rollout batch. `learner.kl_stop` ends the step early, decided on the
 all-reduced approx-KL so every rank stops at the same update.
 
+Under top-k / top-p a token may lie outside the learner's kept set (log-prob -inf, `algo.sampling`): it
+is taken out of the loss like a rejected token and counted in `outside_support_frac`.
+
 Gradients are summed across ranks (policy.py), so the loss is never rescaled by dp_size.
 """
 
@@ -34,6 +38,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from asyncrl.algo.sampling import SamplingDistribution, in_support
 from asyncrl.learner.batch import CRITIC_ADVANTAGES, TrainBatch, dummy_microbatch, loss_needs_whole_groups, micro_batches
 from asyncrl.types import StepStats
 
@@ -208,7 +213,7 @@ class RankStep:
     state: TrainState
     config: LearnerConfig
     recipe: Recipe
-    temperature: float
+    sampling: SamplingDistribution
     device: torch.device
     all_reduce: AllReduce
     seconds: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
@@ -338,8 +343,10 @@ class RankStep:
         rejection and the TIS normaliser, each summed over every micro-batch of every rank."""
         with torch.no_grad():
             old = [self._logprobs(mb) for mb in mbs]
-        weights = self._weights_after_rejection(mbs, real, old) if self.recipe.denominator_after_rejection else [mb.token_weights for mb in mbs]
-        tis_stats = self._tis_stats(mbs[:real], old[:real]) if self.recipe.normalizes_tis else None
+        # A token outside pi_old's kept set (-inf) counts in these statistics with a ratio of 1 to mu.
+        finite = [torch.where(torch.isfinite(o), o, mb.rollout_logprobs) for mb, o in zip(mbs, old)]
+        weights = self._weights_after_rejection(mbs, real, finite) if self.recipe.denominator_after_rejection else [mb.token_weights for mb in mbs]
+        tis_stats = self._tis_stats(mbs[:real], finite[:real]) if self.recipe.normalizes_tis else None
         return MiniBatch(mbs, real, advantages, returns, old, weights, tis_stats)
 
     def _tis_stats(self, mbs: list[TrainBatch], old: list[torch.Tensor]) -> torch.Tensor:
@@ -363,21 +370,36 @@ class RankStep:
         for i, mb in enumerate(batch.micro_batches):
             learner_logprobs = self._logprobs(mb)
             old = batch.old[i]
-            old_logprobs = old if old is not None else learner_logprobs.detach()
+            mask, weights, learner_logprobs, old_logprobs = self._supported(
+                mb, batch.weights[i], learner_logprobs, old if old is not None else learner_logprobs.detach()
+            )
             loss, metrics = compute_policy_loss(
-                self.recipe, learner_logprobs, old_logprobs, mb.rollout_logprobs, batch.advantages[i], mb.loss_mask, batch.weights[i],
+                self.recipe, learner_logprobs, old_logprobs, mb.rollout_logprobs, batch.advantages[i], mask, weights,
                 mb.group_ids, tis_stats=batch.tis_stats,
             )
             loss.backward()
             loss_sum += loss.detach().double()
             if i < batch.real:
-                kl = kl_penalty(old_logprobs, learner_logprobs.detach(), mb.loss_mask, "k3")
+                kl = kl_penalty(old_logprobs, learner_logprobs.detach(), mask, "k3")
                 metrics["approx_kl"] = float(kl.double().sum()) / max(mb.num_loss_tokens, 1)
+                if self.sampling.truncates:
+                    dropped = int(mb.loss_mask.bool().sum()) - int(mask.sum())
+                    metrics["outside_support_frac"] = dropped / max(mb.num_loss_tokens, 1)
                 parts.append((metrics, float(mb.num_loss_tokens)))
-                old_seen.append((old_logprobs, mb.rollout_logprobs, mb.loss_mask.long(), mb.lags))
+                old_seen.append((old_logprobs, mb.rollout_logprobs, mask.long(), mb.lags))
         metrics = merge_metrics(parts)
         metrics.update(self._mismatch(old_seen))
         return float(self.all_reduce(loss_sum, "sum").item()), metrics
+
+    def _supported(
+        self, mb: TrainBatch, weights: torch.Tensor, learner_logprobs: torch.Tensor, old_logprobs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss mask, reduction weights, learner and old log-probs) without the tokens that pi_theta or pi_old
+        gives probability 0 under top-k / top-p (`algo.sampling.in_support`); unchanged without truncation."""
+        if not self.sampling.truncates:
+            return mb.loss_mask, weights, learner_logprobs, old_logprobs
+        mask, (learner_logprobs, old_logprobs) = in_support(mb.loss_mask, [learner_logprobs, old_logprobs])
+        return mask, torch.where(mask, weights, torch.zeros_like(weights)), learner_logprobs, old_logprobs
 
     def _mismatch(self, seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> dict[str, float]:
         """`mismatch_*` metrics of (old, rollout log-probs, loss mask, row lags) over this rank's real
@@ -432,7 +454,7 @@ class RankStep:
     # ------------------------------------------------------------------ forward helpers and micro-batches
 
     def _logprobs(self, mb: TrainBatch) -> torch.Tensor:
-        return self.state.policy(mb.input_ids, mb.attention_mask, mb.position_ids, self.temperature)
+        return self.state.policy(mb.input_ids, mb.attention_mask, mb.position_ids, self.sampling)
 
     def _values(self, mb: TrainBatch) -> torch.Tensor:
         return self.state.critic(mb.input_ids, mb.attention_mask, mb.position_ids)

@@ -13,6 +13,7 @@ PipelineRL). `in_flight=False` lets running requests finish before loading (the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -55,8 +56,21 @@ class SamplingSpec:
             max_tokens=rollout.max_tokens,
             temperature=rollout.temperature,
             top_p=rollout.top_p,
+            top_k=rollout.top_k,
             timeout_s=rollout.request_timeout_s,
         )
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One held-out prompt's completions and every policy version its requests ran under: the engine's
+    version when each was submitted and the per-token versions vLLM reports. More than one version means
+    the evaluation straddled a weight update; the caller must not credit it to a single version."""
+
+    texts: tuple[str, ...]
+    finish_reasons: tuple[str, ...]
+    """One per completion, aligned with `texts`."""
+    versions: frozenset[int]
 
 
 class Engine:
@@ -130,7 +144,9 @@ class Engine:
     # ---------------------------------------------------------------------------------------------
     # Generation
 
-    def _sampling_params(self, spec: SamplingSpec, *, logprobs: int | None = 0, prompt_logprobs: int | None = None) -> Any:
+    def _sampling_params(
+        self, spec: SamplingSpec, *, logprobs: int | None = 0, prompt_logprobs: int | None = None, logprob_token_ids: list[int] | None = None
+    ) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -145,6 +161,7 @@ class Engine:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             stop=list(spec.stop) or None,
+            logprob_token_ids=logprob_token_ids,
             detokenize=bool(spec.stop),  # vLLM matches stop strings on detokenized text only
             skip_special_tokens=True,
             output_kind=RequestOutputKind.DELTA,
@@ -245,12 +262,18 @@ class Engine:
             return ""
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    async def score(self, token_ids: Sequence[int], prompt_len: int) -> np.ndarray:
-        """log p(token_ids[t] | token_ids[:t]) for t >= prompt_len under the engine's current weights
-        (temperature 1: vLLM computes prompt log-probs from the raw logits). float32 [len - prompt_len]."""
+    async def score(self, token_ids: Sequence[int], prompt_len: int, sampling: SamplingSpec | None = None) -> np.ndarray:
+        """log p(token_ids[t] | token_ids[:t]) for t >= prompt_len under the engine's current weights, float32
+        [len - prompt_len]. `sampling` None: the raw distribution (temperature 1; vLLM's prompt log-probs skip
+        every sampling processor). Otherwise the processed distribution of `sampling` (temperature, top-k,
+        top-p), -inf for a token outside its kept set: what rollout log-probs under `sampling` refer to."""
         self._require_started()
         if not 1 <= prompt_len < len(token_ids):
             raise ValueError(f"prompt_len must be in [1, {len(token_ids)}) (got {prompt_len})")
+        if sampling is not None:
+            positions = range(prompt_len, len(token_ids))
+            scored = await asyncio.gather(*(self._processed_logprob(token_ids[:t], token_ids[t], sampling) for t in positions))
+            return np.asarray(scored, dtype=np.float32)
         params = self._sampling_params(SamplingSpec(max_tokens=1, temperature=1.0), logprobs=None, prompt_logprobs=0)
         request_id = f"score#{next(self._ids)}"
         prompt_logprobs = None
@@ -262,23 +285,45 @@ class Engine:
             dtype=np.float32,
         )
 
-    async def evaluate(self, prompts: Sequence[Prompt | Sequence[int]], max_tokens: int) -> list[tuple[str, str]]:
-        """Greedy (temperature 0) completions: (response text, finish_reason) per prompt, in order."""
-        self._require_started()
-        spec = SamplingSpec(max_tokens=max_tokens, temperature=0.0)
+    async def _processed_logprob(self, prefix: Sequence[int], target: int, sampling: SamplingSpec) -> float:
+        """The processed log-prob of `target` after `prefix`: one one-token request that asks for it by id
+        (vLLM `logprob_token_ids`, processed like sampled tokens' log-probs), whatever token it samples."""
+        spec = dataclasses.replace(sampling, max_tokens=1, ignore_eos=True, timeout_s=None)
+        params = self._sampling_params(spec, logprobs=None, logprob_token_ids=[int(target)])
+        logprob = float("nan")
+        async for out in self._llm.generate({"prompt_token_ids": list(prefix)}, params, f"score#{next(self._ids)}"):
+            if out.outputs[0].logprobs:
+                logprob = float(out.outputs[0].logprobs[0][int(target)].logprob)
+        return logprob
 
-        async def one(p: Prompt | Sequence[int]) -> tuple[str, str]:
-            ids = p.prompt_ids if isinstance(p, Prompt) else p
+    async def evaluate(
+        self, prompts: Sequence[Prompt | Sequence[int]], max_tokens: int, temperature: float = 0.0, samples: int = 1
+    ) -> list[EvalResult]:
+        """`samples` completions per prompt at `temperature` (0 = greedy), one `EvalResult` per prompt, in order."""
+        self._require_started()
+        spec = SamplingSpec(max_tokens=max_tokens, temperature=temperature)
+
+        async def one(ids: Sequence[int]) -> tuple[str, str, set[int]]:
             params = self._sampling_params(spec, logprobs=None)
+            dispatch_version = self._version
             tokens: list[int] = []
-            reason = "abort"
+            reason, spans = "abort", None
             async for out in self._llm.generate({"prompt_token_ids": list(ids)}, params, f"eval#{next(self._ids)}"):
                 tokens.extend(out.outputs[0].token_ids)
                 if out.finished:
-                    reason = _finish_reason(out.outputs[0].finish_reason)
-            return self.decode(tokens), reason
+                    reason, spans = _finish_reason(out.outputs[0].finish_reason), out.outputs[0].weight_versions
+            versions = {dispatch_version, *vllm_compat.version_per_token(spans, len(tokens), dispatch_version).tolist()}
+            return self.decode(tokens), reason, versions
 
-        return list(await asyncio.gather(*(one(p) for p in prompts)))
+        async def of_prompt(p: Prompt | Sequence[int]) -> EvalResult:
+            runs = await asyncio.gather(*(one(p.prompt_ids if isinstance(p, Prompt) else p) for _ in range(samples)))
+            return EvalResult(
+                texts=tuple(text for text, _, _ in runs),
+                finish_reasons=tuple(reason for _, reason, _ in runs),
+                versions=frozenset(v for _, _, versions in runs for v in versions),
+            )
+
+        return list(await asyncio.gather(*(of_prompt(p) for p in prompts)))
 
     # ---------------------------------------------------------------------------------------------
     # Weights

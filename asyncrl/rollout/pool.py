@@ -27,7 +27,7 @@ from asyncrl.cluster import placement
 from asyncrl.config import Config, EnvConfig, RolloutConfig
 from asyncrl.models.shipping import ShippedModel, materialise, ship
 from asyncrl.envs.tools.base import ToolExecutor
-from asyncrl.rollout.engine import SamplingSpec
+from asyncrl.rollout.engine import EvalResult, SamplingSpec
 from asyncrl.rollout.worker import RolloutWorker, WorkerSpec
 from asyncrl.types import Prompt
 from asyncrl.weight_sync.base import PublishedWeights
@@ -477,20 +477,23 @@ class RolloutPool:
         names = list(self._workers)
         return dict(zip(names, ray.get([self._workers[n].version.remote() for n in names], timeout=timeout_s)))
 
-    def score(self, token_ids: Sequence[int], prompt_len: int, name: str | None = None) -> np.ndarray:
-        """Engine log-probs of token_ids[prompt_len:] (the parity probe), on `name` or the first serving worker."""
+    def score(self, token_ids: Sequence[int], prompt_len: int, name: str | None = None, processed: bool = False) -> np.ndarray:
+        """Engine log-probs of token_ids[prompt_len:] (the parity probe), on `name` or the first serving worker:
+        raw, or (`processed`) under the run's temperature, top-k and top-p."""
         handle = self._workers[name or self.serving()[0]]
-        return ray.get(handle.score.remote(list(token_ids), prompt_len), timeout=_CONTROL_TIMEOUT_S)
+        return ray.get(handle.score.remote(list(token_ids), prompt_len, processed), timeout=_CONTROL_TIMEOUT_S)
 
-    def evaluate(self, prompts: Sequence[Prompt | Sequence[int]], max_tokens: int | None = None) -> list[tuple[str, str]]:
-        """Greedy completions (text, finish_reason) in prompt order, spread over the serving workers. A worker
-        that dies meanwhile is replaced and its share evaluated again on the others."""
+    def evaluate(
+        self, prompts: Sequence[Prompt | Sequence[int]], max_tokens: int | None = None, temperature: float = 0.0, samples: int = 1
+    ) -> list[EvalResult]:
+        """`samples` completions per prompt at `temperature` (0 = greedy), in prompt order, spread over the
+        serving workers. A worker that dies meanwhile is replaced and its share evaluated again on the others."""
         for _ in range(3):
             handles = [self._workers[n] for n in self.serving()]
             per_worker = -(-len(prompts) // len(handles))
             chunks = [list(prompts[i : i + per_worker]) for i in range(0, len(prompts), per_worker)]
             try:
-                return [item for part in ray.get([h.evaluate.remote(c, max_tokens) for h, c in zip(handles, chunks)]) for item in part]
+                return [item for part in ray.get([h.evaluate.remote(c, max_tokens, temperature, samples) for h, c in zip(handles, chunks)]) for item in part]
             except RayActorError:
                 time.sleep(1.0)  # then `serving()` notices the dead worker and replaces it
         raise RuntimeError("evaluation failed three times: rollout workers kept dying")

@@ -62,7 +62,10 @@ def engine_args(
     """`AsyncEngineArgs` for a rollout engine.
 
     - `logprobs_mode="processed_logprobs"` (vLLM >= 0.10, checked on 0.32): returned log-probs are those of
-      the distribution actually sampled from (temperature, top-p/top-k applied) — invariant 4.
+      the distribution actually sampled from (temperature, top-k, top-p applied) — invariant 4. So are those
+      of `SamplingParams.logprob_token_ids` (gathered from the same processed log-probs), which
+      `Engine.score(..., sampling)` asks for; prompt log-probs skip every sampling processor (raw, whatever
+      the mode: "prompt tokens skip sampling processors" in vLLM 0.32's model runner).
     - `dtype=float32`: fp32 on both sides gives ~1e-6 log-prob parity with a transformers forward pass.
     - `enforce_eager=True` on CPU (vLLM 0.32): no graph capture / torch.compile warm-up on CPU (slow start).
     - `enable_prefix_caching=False` (vLLM 0.32): in-flight updates pause with `clear_cache=False` (running

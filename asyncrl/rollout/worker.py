@@ -26,7 +26,7 @@ import numpy as np
 from asyncrl.config import EnvConfig, RolloutConfig
 from asyncrl.envs.rewards import resolve_reward
 from asyncrl.envs.tools.base import InProcessTools, RewardError, ToolExecutor, ToolInfraError
-from asyncrl.rollout.engine import Engine, SamplingSpec
+from asyncrl.rollout.engine import Engine, EvalResult, SamplingSpec
 from asyncrl.rollout.openai_server import OpenAIServer, start_worker_endpoint
 from asyncrl.types import Prompt, Request, Trajectory
 
@@ -291,13 +291,16 @@ class RolloutWorker:
             self._stale_aborts += await self.engine.abort_stale(self.spec.max_staleness)
         return self.engine.version
 
-    async def score(self, token_ids: Sequence[int], prompt_len: int) -> np.ndarray:
+    async def score(self, token_ids: Sequence[int], prompt_len: int, processed: bool = False) -> np.ndarray:
+        """Raw log-probs, or (`processed`) those of the distribution this worker samples from."""
         await self.ready()
-        return await self.engine.score(token_ids, prompt_len)
+        return await self.engine.score(token_ids, prompt_len, self.sampling if processed else None)
 
-    async def evaluate(self, prompts: Sequence[Prompt | Sequence[int]], max_tokens: int | None = None) -> list[tuple[str, str]]:
+    async def evaluate(
+        self, prompts: Sequence[Prompt | Sequence[int]], max_tokens: int | None = None, temperature: float = 0.0, samples: int = 1
+    ) -> list[EvalResult]:
         await self.ready()
-        return await self.engine.evaluate(prompts, max_tokens or self.config.max_tokens)
+        return await self.engine.evaluate(prompts, max_tokens or self.config.max_tokens, temperature, samples)
 
     async def version(self) -> int:
         return self.engine.version

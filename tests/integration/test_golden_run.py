@@ -25,7 +25,7 @@ def _run(model_dir, preset, overrides):
     from asyncrl.learner.pool import LearnerPool
 
     recipe = resolve_recipe(preset, **overrides)
-    pool = LearnerPool(model_dir, LearnerConfig(lr=1e-3, num_ranks=1, tokens_per_microbatch=64, seed=0), recipe, temperature=1.0)
+    pool = LearnerPool(model_dir, LearnerConfig(lr=1e-3, num_ranks=1, tokens_per_microbatch=64, seed=0), recipe)
     try:
         rows = []
         for step in range(STEPS):

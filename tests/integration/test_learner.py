@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from asyncrl.algo.recipes import resolve_recipe
+from asyncrl.algo.sampling import RAW, SamplingDistribution
 from asyncrl.config import LearnerConfig, WeightSyncConfig
 from asyncrl.testing import random_groups as make_groups
 
@@ -68,7 +69,7 @@ def _plain_loss_and_gradients(tiny_model_dir, params, batch, recipe):
     from asyncrl.learner.policy import PolicyModel, hf_name
 
     model = PolicyModel(_reference_model(tiny_model_dir, params))
-    logprobs = model(batch.input_ids, batch.attention_mask, batch.position_ids, 1.0)
+    logprobs = model(batch.input_ids, batch.attention_mask, batch.position_ids, RAW)
     old = logprobs.detach()
     weights = compute_token_weights(recipe, batch.loss_mask, batch.group_ids, old, batch.rollout_logprobs)
     tis_stats = tis_normalizer_stats(recipe, batch.loss_mask, old, batch.rollout_logprobs) if recipe.normalizes_tis else None
@@ -125,7 +126,7 @@ def test_score_equals_a_transformers_fp32_forward_with_temperature(pools, tiny_m
     reference = _reference_model(tiny_model_dir, two.state_snapshot()["params"])
     tokens, prompt_len = [1, 5, 6, 7, 4, 9, 12, 3, 2], 3
     for temperature in (1.0, 0.6):
-        learner = two.score(tokens, prompt_len, temperature)
+        learner = two.score(tokens, prompt_len, SamplingDistribution(temperature))
         expected = _reference_logprobs(reference, tokens, prompt_len, temperature)
         assert learner.shape == (len(tokens) - prompt_len,)
         assert np.abs(learner - expected).max() < 1e-6
@@ -219,7 +220,7 @@ def test_export_hf_loads_in_transformers_with_identical_logits(pools, tmp_path):
         assert np.array_equal(state[name].numpy(), value), name
     tokens, prompt_len = [1, 4, 8, 10, 3, 5, 2], 2
     exported = _reference_logprobs(model, tokens, prompt_len, 1.0)
-    assert np.abs(two.score(tokens, prompt_len, 1.0) - exported).max() < 1e-6
+    assert np.abs(two.score(tokens, prompt_len, RAW) - exported).max() < 1e-6
 
 
 def test_critic_steps_reduce_the_value_loss_and_the_policy_waits_for_critic_warmup(ray_cluster, tiny_model_dir):
@@ -236,12 +237,12 @@ def test_critic_steps_reduce_the_value_loss_and_the_policy_waits_for_critic_warm
         for group in groups:  # terminal rows: the targets are the rewards, nothing bootstraps
             group.trajectories = [t.replace(finish_reason="stop") for t in group.trajectories]
         probe = [1, 4, 8, 10, 3, 5, 2]
-        scores, losses, frozen = [pool.score(probe, 2, 1.0)], [], []
+        scores, losses, frozen = [pool.score(probe, 2, RAW)], [], []
         for _ in range(4):
             stats = pool.train_step(groups)
             losses.append(stats.metrics["critic_value_loss"])
             frozen.append(stats.metrics["policy_frozen"])
-            scores.append(pool.score(probe, 2, 1.0))
+            scores.append(pool.score(probe, 2, RAW))
         print("critic value loss per step:", losses)
         assert frozen == [1.0, 1.0, 0.0, 0.0]
         assert np.array_equal(scores[0], scores[1]) and np.array_equal(scores[1], scores[2])
@@ -345,10 +346,10 @@ def test_two_epochs_with_a_critic_keep_pi_old_and_still_wait_for_critic_warmup(r
         for group in groups:  # terminal rows: the value targets are the rewards, nothing bootstraps
             group.trajectories = [t.replace(finish_reason="stop") for t in group.trajectories]
         probe = [1, 4, 8, 10, 3, 5, 2]
-        scores, steps = [pool.score(probe, 2, 1.0)], []
+        scores, steps = [pool.score(probe, 2, RAW)], []
         for _ in range(2):
             steps.append(pool.train_step(groups).metrics)
-            scores.append(pool.score(probe, 2, 1.0))
+            scores.append(pool.score(probe, 2, RAW))
     finally:
         pool.shutdown()
     assert [m["policy_frozen"] for m in steps] == [1.0, 0.0]

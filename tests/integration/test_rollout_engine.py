@@ -243,7 +243,7 @@ def test_a_request_past_its_timeout_is_aborted_and_comes_back_failed_timeout(loo
 def test_evaluate_is_greedy_and_matches_transformers_argmax(loop, engine, hf_model):
     results = loop.run_until_complete(engine.evaluate(PROMPTS[:3], max_tokens=6))
     assert results == loop.run_until_complete(engine.evaluate(PROMPTS[:3], max_tokens=6))
-    for prompt, (text, reason) in zip(PROMPTS[:3], results):
+    for prompt, (text, reason) in zip(PROMPTS[:3], ((r.texts[0], r.finish_reasons[0]) for r in results)):
         ids = list(prompt)
         out: list[int] = []
         with torch.no_grad():

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from asyncrl.algo.sampling import RAW
 from asyncrl.config import EnvConfig, LearnerConfig, RolloutConfig, WeightSyncConfig
 from asyncrl.testing import random_groups
 
@@ -48,7 +49,7 @@ def pools(ray_cluster, tiny_model_dir):
 def parity(pools, worker: str | None = None) -> float:
     learner, rollout, _ = pools
     engine = np.asarray(rollout.score(PROBE, PROMPT_LEN, name=worker))
-    return float(np.max(np.abs(engine - np.asarray(learner.score(PROBE, PROMPT_LEN, 1.0)))))
+    return float(np.max(np.abs(engine - np.asarray(learner.score(PROBE, PROMPT_LEN, RAW)))))
 
 
 def step_and_sync(pools, sync, version: int, seed: int) -> tuple[float, float]:

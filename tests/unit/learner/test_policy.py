@@ -3,6 +3,7 @@ import torch
 
 from asyncrl.algo.advantages import masked_whiten
 from asyncrl.algo.recipes import compute_policy_loss, resolve_recipe
+from asyncrl.algo.sampling import RAW, SamplingDistribution
 from asyncrl.learner.batch import build_batch, dummy_microbatch, micro_batches
 from asyncrl.learner.policy import PolicyModel, ValueModel, load_causal_lm
 from asyncrl.learner.step import Update, apply_whitening, mean_over_updates, merge_metrics, update_metrics, whitening_moments
@@ -22,7 +23,7 @@ def test_learner_logprobs_equal_a_plain_transformers_forward_with_temperature(po
     batch = build_batch(random_groups(num_groups=2, group_size=2, seed=4), resolve_recipe("dapo"))
     temperature = 0.7
     with torch.no_grad():
-        learner = policy(batch.input_ids, batch.attention_mask, batch.position_ids, temperature)
+        learner = policy(batch.input_ids, batch.attention_mask, batch.position_ids, SamplingDistribution(temperature))
         for b in range(batch.num_rows):
             n = int(batch.seq_lens[b])
             ids = batch.input_ids[b : b + 1, :n]  # unpadded, one sequence: no mask involved
@@ -30,14 +31,14 @@ def test_learner_logprobs_equal_a_plain_transformers_forward_with_temperature(po
             expected = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
             assert torch.allclose(learner[b, : n - 1], expected, atol=1e-6, rtol=0), b
             # The same numbers at temperature 1 differ: the temperature really is applied.
-            assert not torch.allclose(policy(ids, torch.ones_like(ids), torch.arange(n)[None], 1.0)[0, : n - 1], expected)
+            assert not torch.allclose(policy(ids, torch.ones_like(ids), torch.arange(n)[None], RAW)[0, : n - 1], expected)
 
 
 def _gradients(model, mbs, recipe):
     model.zero_grad(set_to_none=True)
     total = 0.0
     for mb in mbs:
-        logprobs = model(mb.input_ids, mb.attention_mask, mb.position_ids, 1.0)
+        logprobs = model(mb.input_ids, mb.attention_mask, mb.position_ids, RAW)
         loss, _ = compute_policy_loss(
             recipe, logprobs, logprobs.detach(), mb.rollout_logprobs, mb.advantages, mb.loss_mask, mb.token_weights, mb.group_ids
         )

@@ -1,0 +1,105 @@
+"""`model.dtype: bfloat16` on a real FSDP2 rank (gloo, one rank, in this process): bf16 decoder layers,
+fp32 master weights, optimizer state, head and gradient reductions, bf16 weights for the engines."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.algo.recipes import resolve_recipe
+from asyncrl.algo.sampling import RAW
+from asyncrl.config import LearnerConfig
+from asyncrl.learner.batch import build_batch
+
+from .helpers import random_groups
+
+LR = 1e-5
+"""Adam's first step moves a weight by lr * g / (|g| + eps) ~ 1e-5, far below bf16 spacing at |w| > 0.01
+(2^-7 * 2^-7 = 6.1e-5 for |w| in [2^-7, 2^-6)): a bf16 master weight would not move at all."""
+
+
+@pytest.fixture(scope="module")
+def rank(tiny_model_dir):
+    from asyncrl.learner.rank import LearnerWorker
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = LearnerWorker(0, 1, str(tiny_model_dir), LearnerConfig(lr=LR, grad_clip=1e9), resolve_recipe("grpo"), RAW, "bfloat16")
+    worker.setup("127.0.0.1", port, 60.0)
+    yield worker
+    worker.shutdown()
+
+
+def _dtypes_seen_in_forward(worker) -> dict[str, torch.dtype]:
+    """Weight dtypes while the forward runs (FSDP2 casts when it all-gathers, so only a hook sees them)."""
+    lm, seen = worker.state.policy.causal_lm, {}
+
+    def record(key: str, of_output: bool = False):
+        def hook(module, inputs, output) -> None:  # returns None: the output is left alone
+            seen[key] = output.dtype if of_output else module.weight.dtype
+
+        return hook
+
+    hooks = [
+        lm.model.layers[0].self_attn.q_proj.register_forward_hook(record("layer")),
+        lm.model.embed_tokens.register_forward_hook(record("embed")),
+        lm.model.norm.register_forward_hook(record("norm_out", of_output=True)),
+    ]
+    try:
+        out = worker.score([1, 5, 6, 7, 4], 2)
+    finally:
+        for h in hooks:
+            h.remove()
+    seen["head"] = lm.get_output_embeddings().weight.dtype
+    seen["logprobs"] = torch.as_tensor(out).dtype
+    return seen
+
+
+def test_layers_compute_in_bf16_while_embeddings_head_and_logprobs_stay_fp32(rank):
+    seen = _dtypes_seen_in_forward(rank)
+    assert seen["layer"] == torch.bfloat16
+    assert seen["embed"] == seen["head"] == seen["norm_out"] == torch.float32  # tied: the head is the embedding
+    assert seen["logprobs"] == torch.float32
+
+
+def test_master_weights_and_optimizer_state_are_fp32_and_a_tiny_update_accumulates(rank):
+    from asyncrl.learner.batch import split_mini_batches, split_rows
+
+    before = {k: v.copy() for k, v in rank.state_snapshot()["params"].items()}  # one CPU rank: views of the params
+    recipe = rank.recipe
+    batch = build_batch(random_groups(num_groups=3, group_size=3, seed=1), recipe)
+    shards = [split_rows(part, 1)[0] for part in split_mini_batches(batch, 1, recipe)]
+    stats = rank.train_step(shards)
+    assert np.isfinite(stats.loss) and stats.grad_norm > 0
+    params = list(rank.state.policy.parameters())
+    assert all(p.dtype == torch.float32 for p in params)
+    moments = [v for state in rank.state.optimizer.state.values() for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")]
+    assert moments and all(m.dtype == torch.float32 for m in moments)
+    after = rank.state_snapshot()["params"]
+    name = "model.layers.0.mlp.up_proj.weight"
+    delta = np.abs(after[name] - before[name])
+    moved = (delta > 0) & (np.abs(before[name]) > 0.01)
+    # Fresh AdamW: |step| = lr * |g| / (|g| + eps) = 1e-5 wherever |g| >> eps = 1e-8.
+    assert moved.sum() > 0.5 * (np.abs(before[name]) > 0.01).sum()
+    assert np.median(delta[moved]) == pytest.approx(LR, rel=1e-3)
+    # In bf16 the same weights would not have moved: the update is below their resolution.
+    after_bf16, before_bf16 = (torch.from_numpy(a).to(torch.bfloat16) for a in (after[name], before[name]))
+    assert (after_bf16 == before_bf16).numpy()[moved].mean() > 0.9
+
+
+def test_weights_leave_for_the_engines_as_bf16_roundings_of_the_fp32_masters(rank):
+    from asyncrl.learner.export import pack_state_dict
+    from asyncrl.rollout.weights import unpack_bucket
+
+    state = rank._hf_state()
+    buckets, _, num_tensors = pack_state_dict(state, 1 << 20, rank.dtype)
+    sent = {k: v for b in buckets for k, v in unpack_bucket(b).items()}
+    assert len(sent) == num_tensors == len(state)
+    for name, tensor in sent.items():
+        assert state[name].dtype == torch.float32, name
+        assert tensor.dtype == torch.bfloat16, name
+        assert torch.equal(tensor, state[name].to(torch.bfloat16)), name
