@@ -1,5 +1,6 @@
 """Shared fixtures. Environment for Ray and vLLM-on-CPU is set before anything imports them."""
 
+import asyncio
 import os
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -36,3 +37,20 @@ def ray_cluster():
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """One asyncio loop per module, for tests that drive an in-process `Engine` (its background tasks live on it)."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def module_engine(loop, model_dir, max_model_len: int = 512):
+    """A started in-process engine on `loop` for a module fixture to yield; the fixture shuts it down."""
+    from asyncrl.rollout.engine import Engine
+
+    engine = Engine(str(model_dir), name="engine-0", max_model_len=max_model_len, max_num_seqs=64, kv_cache_gib=1)
+    loop.run_until_complete(engine.start())
+    return engine

@@ -22,13 +22,6 @@ TOOL_RESULT = {"role": "tool", "tool_call_id": "call_0", "content": "5"}
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from asyncrl.models import build_model
 

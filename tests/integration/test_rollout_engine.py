@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 import pytest
+
+from tests.conftest import module_engine
 import torch
 
 pytestmark = pytest.mark.integration
@@ -21,18 +23,8 @@ PROMPTS = [[1, 4 + i % 10, 4 + (3 * i) % 10, 14, 4 + (7 * i) % 10, 15] for i in 
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def engine(loop, tiny_model_dir):
-    from asyncrl.rollout.engine import Engine
-
-    engine = Engine(str(tiny_model_dir), name="engine-0", max_model_len=512, max_num_seqs=64, kv_cache_gib=1)
-    loop.run_until_complete(engine.start())
+    engine = module_engine(loop, tiny_model_dir, max_model_len=512)
     yield engine
     loop.run_until_complete(engine.shutdown())
 
