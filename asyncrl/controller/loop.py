@@ -295,12 +295,17 @@ class Controller:
         if not self.eval_set:
             return
         self._finish_sync()  # every engine serves `self.version`
+        from asyncrl.envs.base import is_multi_turn
         from asyncrl.envs.rewards import resolve_reward
 
         began = time.perf_counter()
-        reward = resolve_reward(self.cfg.env.reward)
-        outputs = self.rollout.evaluate(self.eval_set, max_tokens=self.cfg.rollout.max_tokens)
-        correct = sum(reward(text, p.ground_truth, finish_reason=fin, extra_info=p.extra_info) for p, (text, fin) in zip(self.eval_set, outputs))
+        episodes: dict = {}
+        if is_multi_turn(self.cfg.env.name):
+            correct, episodes = self._evaluate_episodes()
+        else:
+            reward = resolve_reward(self.cfg.env.reward)
+            outputs = self.rollout.evaluate(self.eval_set, max_tokens=self.cfg.rollout.max_tokens)
+            correct = sum(reward(text, p.ground_truth, finish_reason=fin, extra_info=p.extra_info) for p, (text, fin) in zip(self.eval_set, outputs))
         record = {
             "version": self.version,
             "step": self.step,
@@ -309,10 +314,22 @@ class Controller:
             "wall_s_excl_eval": round(began - start - self.eval_s, 2),
             "eval_s": round(time.perf_counter() - began, 2),
             "accuracy": correct / len(self.eval_set),
+            **episodes,
         }
         self.eval_s += record["eval_s"]
         self.evals.append(record)
         self.telemetry.eval(record)
+
+    def _evaluate_episodes(self) -> tuple[float, dict]:
+        """Greedy held-out episodes (tools and all): the summed reward, and the tool-call rate (episodes that
+        called a tool at least once), mean turns and failed episodes for the eval record."""
+        scores = self.rollout.evaluate_episodes(self.eval_set, max_tokens=self.cfg.rollout.max_tokens)
+        n = max(1, len(scores))
+        return sum(s.reward for s in scores), {
+            "tool_call_rate": sum(s.tool_calls > 0 for s in scores) / n,
+            "turns_mean": sum(s.num_turns for s in scores) / n,
+            "episodes_failed": sum(s.failure is not None for s in scores),
+        }
 
     def _record(self, stats, batch: Batch, learner_wait_s: float) -> None:
         self.samples_trained += stats.num_samples

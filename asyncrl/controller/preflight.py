@@ -66,7 +66,7 @@ def cluster_resources(address: str) -> Resources:
 def preflight(cfg: Config, resources: Resources | None = None) -> list[Problem]:
     """Every problem found, in config order; an empty list means the job can start."""
     resources = resources or local_resources()
-    return [*_model(cfg), *_data(cfg), *_reward(cfg), *_resume(cfg), *_placement(cfg, resources)]
+    return [*_model(cfg), *_data(cfg), *_reward(cfg), *_env(cfg), *_resume(cfg), *_placement(cfg, resources)]
 
 
 def _model(cfg: Config) -> list[Problem]:
@@ -131,6 +131,23 @@ def _reward(cfg: Config) -> list[Problem]:
         return [Problem("env.reward", str(e))]
     except Exception as e:  # the user's module raised while importing
         return [Problem("env.reward", f"importing {cfg.env.reward!r} raised {type(e).__name__}: {e}")]
+    return []
+
+
+def _env(cfg: Config) -> list[Problem]:
+    """The environment imports, is a class with async `reset`/`step`, takes `env.kwargs` and has valid `stop`."""
+    from asyncrl.envs.base import EnvContext, make_env, resolve_env
+
+    try:
+        resolve_env(cfg.env.name)
+    except ValueError as e:
+        return [Problem("env.name", str(e))]
+    except Exception as e:  # the user's module raised while importing
+        return [Problem("env.name", f"importing {cfg.env.name!r} raised {type(e).__name__}: {e}")]
+    try:
+        make_env(cfg.env.name, cfg.env.kwargs, EnvContext(reward=cfg.env.reward))
+    except Exception as e:
+        return [Problem("env.kwargs", str(e))]
     return []
 
 

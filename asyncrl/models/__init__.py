@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncrl.models.tokenizer import ADD_ALPHABET, ASCII_ALPHABET, SPECIAL_TOKENS, build_char_tokenizer
+from asyncrl.models.tokenizer import ADD_ALPHABET, ASCII_ALPHABET, CALC_ALPHABET, SPECIAL_TOKENS, build_char_tokenizer
 
 
 @dataclass(frozen=True)
@@ -36,11 +36,16 @@ PRESETS: dict[str, Preset] = {
     "add-1m": Preset(128, 4, 4, 2, 512),
     "add-3m": Preset(256, 4, 8, 4, 768),
     "ascii-1m": Preset(128, 4, 4, 2, 512, alphabet=ASCII_ALPHABET),
+    "calc-1m": Preset(128, 4, 4, 2, 512, alphabet=CALC_ALPHABET),
     "w3-0.5m": Preset(96, 4, 3, 1, 320),
     "w3-25m": Preset(512, 6, 8, 4, 2048),
     "w3-125m": Preset(768, 16, 12, 4, 3072),
     "qwen-0.5b": Preset(896, 24, 14, 2, 4864, alphabet=ASCII_ALPHABET, max_position_embeddings=4096),
 }
+
+
+WARM_STARTED_TASKS = ("add", "calc")
+"""Built-in tasks with a supervised warm start (`add`: `warm_start`; `calc`: `warm_start_calc`)."""
 
 
 def cache_root() -> Path:
@@ -115,7 +120,7 @@ def ensure_model(cfg) -> Path:
         return path
     spec = {
         "preset": cfg.model.preset,
-        "examples": cfg.model.warm_start_examples if cfg.data.task == "add" else 0,
+        "examples": cfg.model.warm_start_examples if cfg.data.task in WARM_STARTED_TASKS else 0,
         "epochs": cfg.model.warm_start_epochs,
         "lr": cfg.model.warm_start_lr,
         "max_operand": cfg.data.max_operand,
@@ -123,6 +128,8 @@ def ensure_model(cfg) -> Path:
         "seed": cfg.seed,
         "v": 3,  # 3: deterministic (one thread), sampled reward and entropy recorded
     }
+    if cfg.data.task == "calc":  # keys only calc has: the `add` starts keep their cache names
+        spec.update(task="calc", operands=cfg.data.operands, tool_fraction=cfg.model.warm_start_tool_fraction)
     key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
     path = cache_root() / "models" / f"{cfg.model.preset}-{key}"
     with _file_lock(path.with_suffix(".lock")):
@@ -131,7 +138,11 @@ def ensure_model(cfg) -> Path:
         tmp = path.with_name(path.name + ".tmp")
         build_model(cfg.model.preset, tmp, seed=cfg.seed)
         report = {"spec": spec, "heldout_accuracy": None}
-        if spec["examples"] > 0 and spec["epochs"] > 0:
+        if spec["examples"] > 0 and spec["epochs"] > 0 and cfg.data.task == "calc":
+            from asyncrl.models.warm_start import warm_start_calc
+
+            report.update(warm_start_calc(tmp, spec["examples"], spec["epochs"], spec["lr"], spec["operands"], cfg.seed, spec["tool_fraction"]))
+        elif spec["examples"] > 0 and spec["epochs"] > 0:
             from asyncrl.models.warm_start import warm_start
 
             report.update(

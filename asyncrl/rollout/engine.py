@@ -44,6 +44,10 @@ class SamplingSpec:
     """A running request reports its new tokens every this many tokens, and always its first and last ones
     (vLLM `SamplingParams.stream_interval`): fewer wake-ups of the worker per request. The first token's
     report is what `Engine.abort_stale` needs; `Engine.progress` advances in these steps."""
+    stop: tuple[str, ...] = ()
+    """Strings that end the generation (a tool call's close marker). The tokens sampled up to and including
+    the one that completed the string stay in the trajectory exactly as sampled (`include_stop_str_in_output`);
+    vLLM detokenizes only requests that have stop strings."""
 
     @classmethod
     def from_rollout_config(cls, rollout: Any) -> SamplingSpec:
@@ -140,7 +144,9 @@ class Engine:
             seed=spec.seed,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            detokenize=False,
+            detokenize=bool(spec.stop),
+            stop=list(spec.stop) or None,
+            include_stop_str_in_output=True,
             skip_special_tokens=True,
             output_kind=RequestOutputKind.DELTA,
             stream_interval=spec.stream_interval,
@@ -229,6 +235,11 @@ class Engine:
             finished_at=time.time(),
             response_text=self.decode(token_ids),
         )
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` without special tokens (an environment observation appended to an episode)."""
+        self._require_started()
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         if not token_ids:

@@ -79,3 +79,21 @@ def test_one_unit_must_fit_on_one_node(gpus_per_rank, expected):
     cfg = load_config(None, ["learner.num_ranks=1", f"learner.num_gpus_per_rank={gpus_per_rank}"])
     nodes = [{"CPU": 16.0, "GPU": 4.0}, {"CPU": 16.0, "GPU": 4.0}]  # 8 GPUs in all, 4 per node
     assert [str(p) for p in preflight(cfg, Resources("c", nodes))] == expected
+
+
+def test_the_agent_recipes_pass(capsys):
+    for recipe in ("sao_agent", "grpo_agent"):
+        assert main(["check", recipe]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "override, key, reason",
+    [
+        ("env.name=no_such_module:Env", "env.name", "No module named 'no_such_module'"),
+        ("env.name=bogus", "env.name", "unknown environment 'bogus'"),
+        ("env.kwargs={bogus: 1}", "env.kwargs", "unexpected keyword argument 'bogus'"),
+    ],
+)
+def test_an_environment_that_cannot_be_built_is_rejected_naming_the_key(capsys, override, key, reason):
+    code, err = _check(capsys, "env.name=calc", override) if key == "env.kwargs" else _check(capsys, override)
+    assert code == 2 and f"{key}: " in err and reason in err
