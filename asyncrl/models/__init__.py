@@ -138,24 +138,8 @@ def ensure_model(cfg) -> Path:
         tmp = path.with_name(path.name + ".tmp")
         build_model(cfg.model.preset, tmp, seed=cfg.seed)
         report = {"spec": spec, "heldout_accuracy": None}
-        if spec["examples"] > 0 and spec["epochs"] > 0 and cfg.data.task == "calc":
-            from asyncrl.models.warm_start import warm_start_calc
-
-            report.update(warm_start_calc(tmp, spec["examples"], spec["epochs"], spec["lr"], spec["operands"], cfg.seed, spec["tool_fraction"]))
-        elif spec["examples"] > 0 and spec["epochs"] > 0:
-            from asyncrl.models.warm_start import warm_start
-
-            report.update(
-                warm_start(tmp, spec["examples"], spec["epochs"], spec["lr"], spec["max_operand"], target=spec["target"], seed=cfg.seed)
-            )
-            if not report["target_reached"]:
-                import warnings
-
-                warnings.warn(
-                    f"warm start of {cfg.model.preset} stopped after {spec['epochs']} epochs at validation accuracy "
-                    f"{report['validation_accuracy']} < model.warm_start_target {spec['target']}",
-                    stacklevel=2,
-                )
+        if spec["examples"] > 0 and spec["epochs"] > 0:
+            report.update(_warm_start(cfg, spec, tmp))
         (tmp / "warm_start.json").write_text(json.dumps(report, indent=2))
         if path.exists():
             import shutil
@@ -163,6 +147,24 @@ def ensure_model(cfg) -> Path:
             shutil.rmtree(path)
         tmp.rename(path)
     return path
+
+
+def _warm_start(cfg, spec: dict, model_dir: Path) -> dict:
+    """The supervised warm start of the config's task, in place; returns what it measured."""
+    from asyncrl.models import warm_start as ws
+
+    if cfg.data.task == "calc":
+        return ws.warm_start_calc(model_dir, spec["examples"], spec["epochs"], spec["lr"], spec["operands"], cfg.seed, spec["tool_fraction"])
+    report = ws.warm_start(model_dir, spec["examples"], spec["epochs"], spec["lr"], spec["max_operand"], target=spec["target"], seed=cfg.seed)
+    if not report["target_reached"]:
+        import warnings
+
+        warnings.warn(
+            f"warm start of {cfg.model.preset} stopped after {spec['epochs']} epochs at validation accuracy "
+            f"{report['validation_accuracy']} < model.warm_start_target {spec['target']}",
+            stacklevel=3,
+        )
+    return report
 
 
 __all__ = ["PRESETS", "Preset", "build_model", "ensure_model", "num_parameters", "cache_root"]
