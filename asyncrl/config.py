@@ -52,6 +52,9 @@ class ModelConfig(Section):
     epochs 14 and 17, and by 0.1 within 25 steps) that a fixed epoch count may land anywhere on it on a
     CPU whose kernels round differently; a target does not. With 0.2 the check first passes at 0.315
     (0.312 held-out, 14.7 epochs). None = run all epochs."""
+    warm_start_tool_fraction: float = Field(0.3, ge=0, le=1)
+    """`calc` task: fraction of warm-start examples that call the calculator (the rest answer in the head);
+    the `calc` warm start runs `warm_start_epochs` epochs (no accuracy target)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype of the learner's decoder layers and weight dtype of the engines. With `bfloat16` the
     learner keeps fp32 master weights, optimizer state, gradient reductions and head (FSDP2 mixed
@@ -60,8 +63,10 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    task: Literal["add", "parquet"] = "add"
-    """`add` generates the W1 task; `parquet` reads verl-layout files from `train_path` / `eval_path`."""
+    task: Literal["add", "parquet", "calc", "word_problems"] = "add"
+    """`add` generates the W1 task; `parquet` reads verl-layout files from `train_path` / `eval_path`; `calc`
+    (multi-operand sums to solve with the calculator) and `word_problems` (templated arithmetic stories) are
+    generated locally for the agent environments (docs/environments.md)."""
     train_path: str | None = None
     """Parquet file of training prompts (verl column layout) when `task: parquet`."""
     eval_path: str | None = None
@@ -70,6 +75,8 @@ class DataConfig(Section):
     """Number of held-out prompts used for evaluation."""
     max_operand: int = Field(999, ge=1)
     """Largest operand of the `add` task (operands are uniform in [0, max_operand])."""
+    operands: int = Field(3, ge=2, le=8)
+    """Operands of one `calc` problem (each a 3-digit number)."""
     seed: int = 0
     """Seed of the prompt stream; the held-out set uses its own fixed seed."""
 
@@ -137,6 +144,20 @@ class EnvConfig(Section):
     """Reward function: a built-in name (`exact_match`) or `module:function` import path."""
     reward_timeout_s: float = Field(10.0, gt=0)
     """A reward call running longer marks the trajectory `failed:reward_error` (timed out)."""
+    name: str = "single_turn"
+    """The environment that turns a prompt into an episode: a built-in (`single_turn`: one generation scored by
+    `env.reward`; `calc`; `word_problems`) or a user class `package.module:Class` (docs/environments.md)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the environment's constructor."""
+    max_turns: int = Field(4, ge=1, le=1024)
+    """Model turns per episode; an episode still going after this many ends `max_turns` (truncated)."""
+    max_total_tokens: int | None = Field(None, ge=2)
+    """Prompt plus every turn and observation of an episode; more ends it `context` (truncated). None:
+    `rollout.max_model_len`."""
+    episode_timeout_s: float = Field(600.0, gt=0)
+    """Wall time of one episode (turns and tool calls); past it the episode ends `timeout` (truncated)."""
+    tool_timeout_s: float = Field(5.0, gt=0)
+    """One tool call running longer comes back to the model as a `timeout` tool error."""
 
 
 class ToolsConfig(Section):
@@ -487,6 +508,10 @@ class Config(Section):
             raise ValueError(
                 f"learner.prompts_per_step ({self.learner.prompts_per_step}) must split into learner.mini_batches "
                 f"({self.learner.mini_batches}) equal mini-batches of whole groups"
+            )
+        if (self.env.max_total_tokens or 0) > self.rollout.max_model_len:
+            raise ValueError(
+                f"env.max_total_tokens ({self.env.max_total_tokens}) exceeds rollout.max_model_len ({self.rollout.max_model_len})"
             )
         if self.data.task == "parquet" and not self.data.train_path:
             raise ValueError("data.task 'parquet' needs data.train_path")

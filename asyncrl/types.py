@@ -75,6 +75,8 @@ class Trajectory:
     truncated: bool = False
     """The episode was cut by a limit (max turns, context, wall time, max_tokens) rather than ended by the
     model or the environment: GAE bootstraps from the value of its last state instead of treating it as terminal."""
+    tool_calls: int = 0
+    """Tool calls the model made during the episode (0 for environments without tools)."""
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -95,6 +97,15 @@ class Trajectory:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turn_starts)
+
+    @property
+    def turn_versions(self) -> list[int]:
+        """The policy version of each model turn's first token (a turn may span several: see `versions`)."""
+        return [int(self.versions[s]) if s < len(self.versions) else self.dispatch_version for s in self.turn_starts]
 
     @property
     def failed(self) -> bool:

@@ -3,6 +3,9 @@
 One row per trajectory; per-token arrays are Arrow list columns with the dtypes of `Trajectory`
 (int32 ids and versions, float32 log-probs, int8 loss mask), so `trajectories_from_arrow(
 trajectories_to_arrow(ts))` gives back equal records, arrays included.
+
+Episode columns (`turn_starts`, `truncated`, `tool_calls`, and the derived `num_turns` and `turn_versions` for
+readers of the log) come last; files written before they existed still read, with single-turn defaults.
 """
 
 from __future__ import annotations
@@ -44,13 +47,21 @@ TRAJECTORY_SCHEMA = pa.schema(
         ("submitted_at", pa.float64()),
         ("finished_at", pa.float64()),
         ("response_text", pa.string()),
+        ("turn_starts", pa.list_(pa.int32())),
+        ("truncated", pa.bool_()),
+        ("tool_calls", pa.int32()),
+        ("num_turns", pa.int32()),
+        ("turn_versions", pa.list_(pa.int32())),
     ]
 )
+_DERIVED = ("num_turns", "turn_versions")
+"""Written for readers of the log, recomputed from the record when read back."""
+_EPISODE_DEFAULTS = {"turn_starts": [0], "truncated": False, "tool_calls": 0}
 
 LOG_SCHEMA = TRAJECTORY_SCHEMA.append(pa.field("fate", pa.string()))
 """The Parquet log: a trajectory plus its terminal state (`trained`, `filtered:zero_variance`, ...)."""
 
-_SCALAR_COLUMNS = [f.name for f in TRAJECTORY_SCHEMA if f.name not in _TOKEN_COLUMNS]
+_SCALAR_COLUMNS = [f.name for f in TRAJECTORY_SCHEMA if f.name not in _TOKEN_COLUMNS and f.name not in _DERIVED]
 
 
 def _list_column(arrays: Sequence[np.ndarray], dtype: np.dtype) -> pa.ListArray:
@@ -92,7 +103,7 @@ def trajectories_from_arrow(data: pa.RecordBatch | pa.Table) -> list[Trajectory]
     out: list[Trajectory] = []
     for batch in batches:
         tokens = {name: _split_list_column(batch.column(name), dtype) for name, dtype in _TOKEN_COLUMNS.items()}
-        scalars = {name: batch.column(name).to_pylist() for name in _SCALAR_COLUMNS}
+        scalars = {name: _column_or_default(batch, name) for name in _SCALAR_COLUMNS}
         for i in range(batch.num_rows):
             out.append(
                 Trajectory(
@@ -101,6 +112,13 @@ def trajectories_from_arrow(data: pa.RecordBatch | pa.Table) -> list[Trajectory]
                 )
             )
     return out
+
+
+def _column_or_default(batch: pa.RecordBatch, name: str) -> list:
+    if name in batch.schema.names:
+        return batch.column(name).to_pylist()
+    default = _EPISODE_DEFAULTS[name]  # a log written before episodes existed
+    return [list(default) if isinstance(default, list) else default for _ in range(batch.num_rows)]
 
 
 def next_log_path(output_dir: str | Path) -> Path:

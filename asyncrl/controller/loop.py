@@ -386,16 +386,34 @@ class Controller:
         return asyncio.run(score_all())
 
     def _evaluate(self, start: float) -> None:
-        """Held-out evaluation of the policy the engines serve: `eval.samples` completions per prompt at
-        `eval.temperature` (greedy by default). The engines report the versions every request ran under; an
-        evaluation that straddled a version change (not all `self.version`) is run once more, and if it
-        straddles again it is recorded with `straddled: true` and its `served_versions`."""
+        """Held-out evaluation of the policy the engines serve. Single-turn tasks: `eval.samples` completions per
+        prompt at `eval.temperature` (greedy by default); the engines report the versions every request ran under,
+        and an evaluation that straddled a version change is run once more (then recorded with `straddled: true`).
+        Multi-turn environments: one greedy episode per prompt, tools and all."""
         if not self.eval_set:
             return
         self._finish_sync()  # every engine serves `self.version`
-        from asyncrl.algo.evaluation import score_samples
+        from asyncrl.envs.base import is_multi_turn
 
         began = time.perf_counter()
+        fields = self._evaluate_episodes() if is_multi_turn(self.cfg.env.name) else self._evaluate_answers()
+        record = {
+            "version": self.version,
+            "step": self.step,
+            "samples_trained": self.samples_trained,
+            "wall_s": round(time.perf_counter() - start, 2),
+            "wall_s_excl_eval": round(began - start - self.eval_s, 2),
+            "eval_s": round(time.perf_counter() - began, 2),
+            **fields,
+        }
+        self.eval_s += record["eval_s"]
+        self.evals.append(record)
+        self.telemetry.eval(record)
+
+    def _evaluate_answers(self) -> dict:
+        """`eval.samples` completions per prompt at `eval.temperature`, run once more if it straddled a version."""
+        from asyncrl.algo.evaluation import score_samples
+
         for _ in range(2):
             outputs = self.rollout.evaluate(
                 self.eval_set, max_tokens=self.cfg.rollout.max_tokens, temperature=self.cfg.eval.temperature, samples=self.cfg.eval.samples
@@ -404,13 +422,7 @@ class Controller:
             if served == [self.version]:
                 break
         scores = score_samples(self._eval_rewards(outputs))
-        record = {
-            "version": self.version,
-            "step": self.step,
-            "samples_trained": self.samples_trained,
-            "wall_s": round(time.perf_counter() - start, 2),
-            "wall_s_excl_eval": round(began - start - self.eval_s, 2),
-            "eval_s": round(time.perf_counter() - began, 2),
+        return {
             "accuracy": scores.mean_at_k,
             "temperature": self.cfg.eval.temperature,
             "samples": self.cfg.eval.samples,
@@ -419,9 +431,18 @@ class Controller:
             "served_versions": served,
             "straddled": served != [self.version],
         }
-        self.eval_s += record["eval_s"]
-        self.evals.append(record)
-        self.telemetry.eval(record)
+
+    def _evaluate_episodes(self) -> dict:
+        """Greedy held-out episodes (tools and all): success, the tool-call rate (episodes that called a tool at
+        least once), mean turns and failed episodes for the eval record."""
+        scores = self.rollout.evaluate_episodes(self.eval_set, max_tokens=self.cfg.rollout.max_tokens)
+        n = max(1, len(scores))
+        return {
+            "accuracy": sum(s.reward for s in scores) / n,
+            "tool_call_rate": sum(s.tool_calls > 0 for s in scores) / n,
+            "turns_mean": sum(s.num_turns for s in scores) / n,
+            "episodes_failed": sum(s.failure is not None for s in scores),
+        }
 
     def _record(self, stats, batch: Batch, learner_wait_s: float) -> None:
         self.samples_trained += stats.num_samples

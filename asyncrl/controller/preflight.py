@@ -109,7 +109,7 @@ def paths_every_node_reads(cfg: Config) -> dict[str, str]:
 def preflight(cfg: Config, resources: Resources | None = None, placement: bool = True) -> list[Problem]:
     """Every problem found, in config order; an empty list means the job can start. `placement=False` leaves
     the resources and shared paths to the cluster that runs the job (`asyncrl submit`)."""
-    problems = [*_model(cfg), *_data(cfg), *_reward(cfg), *_resume(cfg)]
+    problems = [*_model(cfg), *_data(cfg), *_reward(cfg), *_env(cfg), *_resume(cfg)]
     if placement:
         resources = resources or local_resources()
         problems += [*_placement(cfg, resources), *_storage(cfg, resources)]
@@ -223,6 +223,23 @@ def _reward(cfg: Config) -> list[Problem]:
         return [Problem("env.reward", str(e))]
     except Exception as e:  # the user's module raised while importing
         return [Problem("env.reward", f"importing {cfg.env.reward!r} raised {type(e).__name__}: {e}")]
+    return []
+
+
+def _env(cfg: Config) -> list[Problem]:
+    """The environment imports, is a class with async `reset`/`step`, takes `env.kwargs` and has valid `stop`."""
+    from asyncrl.envs.base import EnvContext, make_env, resolve_env
+
+    try:
+        resolve_env(cfg.env.name)
+    except ValueError as e:
+        return [Problem("env.name", str(e))]
+    except Exception as e:  # the user's module raised while importing
+        return [Problem("env.name", f"importing {cfg.env.name!r} raised {type(e).__name__}: {e}")]
+    try:
+        make_env(cfg.env.name, cfg.env.kwargs, EnvContext(reward=cfg.env.reward))
+    except Exception as e:
+        return [Problem("env.kwargs", str(e))]
     return []
 
 

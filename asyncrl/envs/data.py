@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from asyncrl.envs import add
+from asyncrl.envs import add, calc
 from asyncrl.types import Prompt
 
 
@@ -106,17 +106,39 @@ def verl_prompts(tokenizer: Any, path: str | Path) -> list[Prompt]:
     return prompts
 
 
+# ---------------------------------------------------------------------------------------------------
+# Agent tasks (asyncrl.envs.calc): prompts of the `calc` and `word_problems` environments
+
+
+def text_prompt(tokenizer: Any, text: str, answer: str, prompt_id: str, task: str) -> Prompt:
+    ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+    return Prompt(prompt_id=prompt_id, prompt_ids=ids, ground_truth=answer, text=text, data_source=task)
+
+
+def agent_task_stream(tokenizer: Any, task: str, seed: int, operands: int) -> Iterator[Prompt]:
+    for i, (text, answer) in enumerate(calc.train_problems(task, seed, operands)):
+        yield text_prompt(tokenizer, text, answer, f"{task}-{seed}-{i}", task)
+
+
+def heldout_agent_prompts(tokenizer: Any, task: str, n: int, operands: int) -> list[Prompt]:
+    return [text_prompt(tokenizer, t, a, f"eval-{i}", task) for i, (t, a) in enumerate(calc.heldout_problems(task, n, operands))]
+
+
 def train_stream(cfg, tokenizer: Any) -> Iterator[Prompt]:
     """The endless training prompt stream of a config (`data` section). A Parquet dataset repeats epoch after
     epoch with the same prompt ids, so per-prompt state (the pass-rate curriculum) sees a prompt again."""
     if cfg.data.task == "add":
         return add_prompt_stream(tokenizer, cfg.data.seed, cfg.data.max_operand)
+    if cfg.data.task in calc.PROBLEMS:
+        return agent_task_stream(tokenizer, cfg.data.task, cfg.data.seed, cfg.data.operands)
     return itertools.cycle(verl_prompts(tokenizer, cfg.data.train_path))
 
 
 def eval_prompts(cfg, tokenizer: Any) -> list[Prompt]:
     if cfg.data.task == "add":
         return heldout_add_prompts(tokenizer, cfg.data.eval_prompts, cfg.data.max_operand)
+    if cfg.data.task in calc.PROBLEMS:
+        return heldout_agent_prompts(tokenizer, cfg.data.task, cfg.data.eval_prompts, cfg.data.operands)
     if not cfg.data.eval_path:
         return []
     return verl_prompts(tokenizer, cfg.data.eval_path)[: cfg.data.eval_prompts]

@@ -20,7 +20,24 @@ def exact_match(response: str, ground_truth: str, *, finish_reason: str = "stop"
     return 1.0 if finish_reason == "stop" and response.strip() == ground_truth.strip() else 0.0
 
 
-BUILTIN: dict[str, Callable[..., float]] = {"exact_match": exact_match}
+def math_verify(response: str, ground_truth: str, *, finish_reason: str = "stop", extra_info: dict[str, Any] | None = None) -> float:
+    """1.0 iff `math-verify` finds the response's answer equal to the ground truth and the response ended with
+    end-of-sequence. Its own timeouts are signal-based (main thread only, and they would fire in the rollout
+    worker's event loop), so they are turned off here: the reward runs under `env.reward_timeout_s` in the
+    tool executor instead."""
+    if finish_reason != "stop":
+        return 0.0
+    import logging
+
+    from math_verify import parse, verify
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns on every call that its timeout is off
+    gold = parse(ground_truth, parsing_timeout=None)
+    answer = parse(response, parsing_timeout=None)
+    return 1.0 if verify(gold, answer, timeout_seconds=None) else 0.0
+
+
+BUILTIN: dict[str, Callable[..., float]] = {"exact_match": exact_match, "math_verify": math_verify}
 
 
 def resolve_reward(name: str) -> RewardFn:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncrl.types import Group
+from asyncrl.types import Group, Trajectory
 
 __all__ = [
     "CRITIC_ADVANTAGES",
@@ -75,7 +75,7 @@ class TrainBatch:
     value_weights: torch.Tensor  # float32 [B, L]; token-mean weights of the whole batch (critic loss)
     rewards: torch.Tensor  # float32 [B], task reward plus the recipe's shaping (`shape_rewards`)
     group_ids: torch.Tensor  # int64 [B], dense over the whole batch
-    dones: torch.Tensor  # bool [B], finish_reason == "stop" (False = truncated: GAE bootstraps)
+    dones: torch.Tensor  # bool [B], `is_terminal` (False = truncated: GAE bootstraps)
     seq_lens: torch.Tensor  # int64 [B], prompt + response tokens
     num_groups: int
     lags: torch.Tensor | None = None  # int64 [B], each row's policy lag (per-lag mismatch figures); None = unknown
@@ -162,11 +162,18 @@ def build_batch(groups: Sequence[Group], recipe, lags: Sequence[int] | None = No
         **_reduction_weights(recipe, mask, group_ids),
         rewards=rewards,
         group_ids=group_ids,
-        dones=torch.tensor([t.finish_reason == "stop" for _, t in trajectories]),
+        dones=torch.tensor([is_terminal(t) for _, t in trajectories]),
         seq_lens=torch.tensor(seq_lens, dtype=torch.long),
         num_groups=len(groups),
         lags=torch.tensor(list(lags), dtype=torch.long) if lags is not None else None,
     )
+
+
+def is_terminal(trajectory: Trajectory) -> bool:
+    """Ended by the model or its environment (end-of-sequence, an environment's `stop` or `tool_error`), so GAE
+    takes no value after it; a trajectory cut by a limit (max_tokens, max_turns, context, timeout) is not, and
+    GAE bootstraps from V(s_T)."""
+    return trajectory.finish_reason in ("stop", "tool_error") and not trajectory.truncated
 
 
 def _reduction_weights(recipe, mask: torch.Tensor, group_ids: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncrl.models.tokenizer import ADD_ALPHABET, ASCII_ALPHABET, SPECIAL_TOKENS, build_char_tokenizer
+from asyncrl.models.tokenizer import ADD_ALPHABET, ASCII_ALPHABET, CALC_ALPHABET, SPECIAL_TOKENS, build_char_tokenizer
 
 
 @dataclass(frozen=True)
@@ -37,11 +37,16 @@ PRESETS: dict[str, Preset] = {
     "add-1m": Preset(128, 4, 4, 2, 512),
     "add-3m": Preset(256, 4, 8, 4, 768),
     "ascii-1m": Preset(128, 4, 4, 2, 512, alphabet=ASCII_ALPHABET),
+    "calc-1m": Preset(128, 4, 4, 2, 512, alphabet=CALC_ALPHABET),
     "w3-0.5m": Preset(96, 4, 3, 1, 320),
     "w3-25m": Preset(512, 6, 8, 4, 2048),
     "w3-125m": Preset(768, 16, 12, 4, 3072),
     "qwen-0.5b": Preset(896, 24, 14, 2, 4864, alphabet=ASCII_ALPHABET, max_position_embeddings=4096),
 }
+
+
+WARM_STARTED_TASKS = ("add", "calc")
+"""Built-in tasks with a supervised warm start (`add`: `warm_start`; `calc`: `warm_start_calc`)."""
 
 
 def cache_root() -> Path:
@@ -118,7 +123,7 @@ def ensure_model(cfg, report: Callable[[str], None] | None = None) -> Path:
         return path
     spec = {
         "preset": cfg.model.preset,
-        "examples": cfg.model.warm_start_examples if cfg.data.task == "add" else 0,
+        "examples": cfg.model.warm_start_examples if cfg.data.task in WARM_STARTED_TASKS else 0,
         "epochs": cfg.model.warm_start_epochs,
         "lr": cfg.model.warm_start_lr,
         "max_operand": cfg.data.max_operand,
@@ -126,6 +131,8 @@ def ensure_model(cfg, report: Callable[[str], None] | None = None) -> Path:
         "seed": cfg.seed,
         "v": 3,  # 3: deterministic (one thread), sampled reward and entropy recorded
     }
+    if cfg.data.task == "calc":  # keys only calc has: the `add` starts keep their cache names
+        spec.update(task="calc", operands=cfg.data.operands, tool_fraction=cfg.model.warm_start_tool_fraction)
     key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
     path = cache_root() / "models" / f"{cfg.model.preset}-{key}"
     with _file_lock(path.with_suffix(".lock")):
@@ -135,28 +142,35 @@ def ensure_model(cfg, report: Callable[[str], None] | None = None) -> Path:
         tmp = path.with_name(path.name + ".tmp")
         report(f"building model {cfg.model.preset} in {path}")
         build_model(cfg.model.preset, tmp, seed=cfg.seed)
-        report = {"spec": spec, "heldout_accuracy": None}
+        record = {"spec": spec, "heldout_accuracy": None}
         if spec["examples"] > 0 and spec["epochs"] > 0:
-            from asyncrl.models.warm_start import warm_start
-
-            report.update(
-                warm_start(tmp, spec["examples"], spec["epochs"], spec["lr"], spec["max_operand"], target=spec["target"], seed=cfg.seed, report=report)
-            )
-            if not report["target_reached"]:
-                import warnings
-
-                warnings.warn(
-                    f"warm start of {cfg.model.preset} stopped after {spec['epochs']} epochs at validation accuracy "
-                    f"{report['validation_accuracy']} < model.warm_start_target {spec['target']}",
-                    stacklevel=2,
-                )
-        (tmp / "warm_start.json").write_text(json.dumps(report, indent=2))
+            record.update(_warm_start(cfg, spec, tmp, report))
+        (tmp / "warm_start.json").write_text(json.dumps(record, indent=2))
         if path.exists():
             import shutil
 
             shutil.rmtree(path)
         tmp.rename(path)
     return path
+
+
+def _warm_start(cfg, spec: dict, model_dir: Path, report: Callable[[str], None]) -> dict:
+    """The supervised warm start of the config's task, in place; returns what it measured. `report` is told its
+    progress."""
+    from asyncrl.models import warm_start as ws
+
+    if cfg.data.task == "calc":
+        return ws.warm_start_calc(model_dir, spec["examples"], spec["epochs"], spec["lr"], spec["operands"], cfg.seed, spec["tool_fraction"])
+    measured = ws.warm_start(model_dir, spec["examples"], spec["epochs"], spec["lr"], spec["max_operand"], target=spec["target"], seed=cfg.seed, report=report)
+    if not measured["target_reached"]:
+        import warnings
+
+        warnings.warn(
+            f"warm start of {cfg.model.preset} stopped after {spec['epochs']} epochs at validation accuracy "
+            f"{measured['validation_accuracy']} < model.warm_start_target {spec['target']}",
+            stacklevel=3,
+        )
+    return measured
 
 
 __all__ = ["PRESETS", "Preset", "build_model", "ensure_model", "num_parameters", "cache_root"]

@@ -59,13 +59,18 @@ def _validation_prompts(tokenizer, n: int, max_operand: int, exclude: set[tuple[
 
 
 def _batch(tokenizer, chunk):
+    """Padded (input ids, attention, labels) of examples `(ids, supervised)`: `supervised` is the prompt length
+    (every later token is learned) or a 0/1 flag per token (a multi-turn example: observations are not)."""
     width = max(len(ids) for ids, _ in chunk)
     input_ids = torch.full((len(chunk), width), tokenizer.pad_token_id)
     labels = torch.full((len(chunk), width), -100)
     attn = torch.zeros((len(chunk), width), dtype=torch.long)
-    for r, (ids, plen) in enumerate(chunk):
+    for r, (ids, supervised) in enumerate(chunk):
         input_ids[r, : len(ids)] = torch.tensor(ids)
-        labels[r, plen : len(ids)] = torch.tensor(ids[plen:])
+        if isinstance(supervised, int):
+            labels[r, supervised : len(ids)] = torch.tensor(ids[supervised:])
+        else:
+            labels[r, : len(ids)] = torch.where(torch.tensor(supervised, dtype=torch.bool), torch.tensor(ids), -100)
         attn[r, : len(ids)] = 1
     return input_ids, attn, labels
 
@@ -235,3 +240,45 @@ def greedy_accuracy(model, tokenizer, prompts, max_new_tokens: int = 8, batch_si
         for i in range(0, len(prompts), batch_size)
     )
     return correct / max(1, len(prompts))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The `calc` agent task (asyncrl.envs.calc): a start that calls the calculator sometimes, not always
+
+
+def calc_example(tokenizer, text: str, answer: str, use_tool: bool) -> tuple[list[int], list[int]]:
+    """(ids, supervised flags) of one episode exactly as the rollout worker assembles it: prompt, then either
+    `[expr]` + observation `=answer;` (not supervised) + answer, or the answer at once; then EOS."""
+    from asyncrl.envs.calc import call_text, result_text
+
+    def enc(s: str) -> list[int]:
+        return list(tokenizer(s, add_special_tokens=False).input_ids)
+
+    ids, flags = enc(text), [0] * len(enc(text))
+    if use_tool:
+        call, observation = enc(call_text(text.rstrip("="))), enc(result_text(answer))
+        ids, flags = ids + call + observation, flags + [1] * len(call) + [0] * len(observation)
+    final = enc(answer) + [tokenizer.eos_token_id]
+    return ids + final, flags + [1] * len(final)
+
+
+def warm_start_calc(model_dir: str | Path, examples: int, epochs: int, lr: float, operands: int = 3, seed: int = 0,
+                    tool_fraction: float = 0.3, batch_size: int = 32) -> dict:
+    """Supervised start for `calc`: `tool_fraction` of the examples call the calculator, the rest answer in the
+    head (which a tiny model gets mostly wrong), for a fixed number of epochs, deterministically. The result
+    calls the tool sometimes but not reliably, so RL has both success and tool use to raise."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncrl.envs import calc
+
+    with deterministic(seed):
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        rng, problems = random.Random(seed), calc.train_problems("calc", add.WARM_START_SEED + seed, operands)
+        data = [calc_example(tokenizer, *next(problems), rng.random() < tool_fraction) for _ in range(examples)]
+        start = time.perf_counter()
+        steps, loss = _train(model, tokenizer, data, epochs, lr, rng, batch_size, lambda _step: False)
+        model.eval()
+        model.save_pretrained(model_dir, safe_serialization=True)
+    return {"task": "calc", "tool_fraction": tool_fraction, "steps": steps, "epochs": epochs,
+            "train_seconds": round(time.perf_counter() - start, 2), "final_loss": loss}

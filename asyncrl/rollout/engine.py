@@ -46,7 +46,9 @@ class SamplingSpec:
     (vLLM `SamplingParams.stream_interval`): fewer wake-ups of the worker per request. The first token's
     report is what `Engine.abort_stale` needs; `Engine.progress` advances in these steps."""
     stop: tuple[str, ...] = ()
-    """Stop strings (the OpenAI endpoint's `stop`); the tokens that completed one stay in the response."""
+    """Strings that end the generation (a tool call's close marker, the OpenAI endpoint's `stop`). The tokens
+    sampled up to and including the one that completed the string stay in the trajectory exactly as sampled
+    (`include_stop_str_in_output`); vLLM detokenizes only requests that have stop strings."""
     top_logprobs: int = 0
     """Alternatives reported per position (`generate(..., top_logprobs=...)`); 0 = only the sampled token."""
 
@@ -161,6 +163,7 @@ class Engine:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             stop=list(spec.stop) or None,
+            include_stop_str_in_output=True,
             logprob_token_ids=logprob_token_ids,
             detokenize=bool(spec.stop),  # vLLM matches stop strings on detokenized text only
             skip_special_tokens=True,
@@ -256,6 +259,11 @@ class Engine:
             finished_at=time.time(),
             response_text=self.decode(token_ids),
         )
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` without special tokens (an environment observation appended to an episode)."""
+        self._require_started()
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         if not token_ids:

@@ -25,10 +25,10 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from asyncrl.cluster import placement
 from asyncrl.config import Config, EnvConfig, RolloutConfig
-from asyncrl.models.shipping import ShippedModel, materialise, ship
 from asyncrl.envs.tools.base import ToolExecutor
+from asyncrl.models.shipping import ShippedModel, materialise, ship
 from asyncrl.rollout.engine import EvalResult, SamplingSpec
-from asyncrl.rollout.worker import RolloutWorker, WorkerSpec
+from asyncrl.rollout.worker import EpisodeScore, RolloutWorker, WorkerSpec
 from asyncrl.types import Prompt
 from asyncrl.weight_sync.base import PublishedWeights
 
@@ -488,12 +488,20 @@ class RolloutPool:
     ) -> list[EvalResult]:
         """`samples` completions per prompt at `temperature` (0 = greedy), in prompt order, spread over the
         serving workers. A worker that dies meanwhile is replaced and its share evaluated again on the others."""
+        return self._spread("evaluate", prompts, max_tokens, temperature, samples)
+
+    def evaluate_episodes(self, prompts: Sequence[Prompt], max_tokens: int | None = None) -> list[EpisodeScore]:
+        """Greedy episodes of the run's environment (multi-turn, tools and all), like `evaluate`."""
+        return self._spread("evaluate_episodes", prompts, max_tokens)
+
+    def _spread(self, method: str, prompts: Sequence[Any], *args: Any) -> list[Any]:
         for _ in range(3):
             handles = [self._workers[n] for n in self.serving()]
             per_worker = -(-len(prompts) // len(handles))
             chunks = [list(prompts[i : i + per_worker]) for i in range(0, len(prompts), per_worker)]
+            calls = [getattr(h, method).remote(c, *args) for h, c in zip(handles, chunks)]
             try:
-                return [item for part in ray.get([h.evaluate.remote(c, max_tokens, temperature, samples) for h, c in zip(handles, chunks)]) for item in part]
+                return [item for part in ray.get(calls) for item in part]
             except RayActorError:
                 time.sleep(1.0)  # then `serving()` notices the dead worker and replaces it
         raise RuntimeError("evaluation failed three times: rollout workers kept dying")

@@ -1,8 +1,9 @@
 """`RolloutWorker`: one vLLM engine serving requests from the replay queue (an async Ray actor).
 
 The loop pulls requests with `queue.acquire(name, free_slots)` (an empty answer is back-pressure), keeps up
-to `max_requests_in_flight` generations running at once (vLLM batches them continuously), scores each
-finished trajectory with the reward function, and hands finished trajectories back with `queue.put` in
+to `max_requests_in_flight` episodes running at once (vLLM batches their generations continuously), runs each
+as an environment episode (`EpisodeRunner`: one scored generation for the default `single_turn`, model turns
+and tool observations for agent environments), and hands finished trajectories back with `queue.put` in
 small batches. A reward that raises or runs past `env.reward_timeout_s` marks its trajectory
 `failure="reward_error: ..."`; the worker keeps serving.
 
@@ -24,9 +25,11 @@ from typing import Any
 import numpy as np
 
 from asyncrl.config import EnvConfig, RolloutConfig
+from asyncrl.envs.base import Env, EnvContext, make_env
 from asyncrl.envs.rewards import resolve_reward
-from asyncrl.envs.tools.base import InProcessTools, RewardError, ToolExecutor, ToolInfraError
+from asyncrl.envs.tools.base import InProcessTools, ToolExecutor
 from asyncrl.rollout.engine import Engine, EvalResult, SamplingSpec
+from asyncrl.rollout.episode_runner import EpisodeLimits, EpisodeRunner
 from asyncrl.rollout.openai_server import OpenAIServer, start_worker_endpoint
 from asyncrl.types import Prompt, Request, Trajectory
 
@@ -54,6 +57,17 @@ class WorkerSpec:
     (`Engine.abort_stale`; `buffer.max_staleness` when `buffer.abort_stale_in_flight`); None never aborts."""
     tools: ToolExecutor | None = None
     """Runs tools and the reward (asyncrl/envs/tools); None: in this process (`InProcessTools`)."""
+
+
+@dataclass(frozen=True)
+class EpisodeScore:
+    """One held-out episode's outcome (`RolloutWorker.evaluate_episodes`)."""
+
+    reward: float
+    finish_reason: str
+    num_turns: int
+    tool_calls: int
+    failure: str | None = None
 
 
 class RolloutWorker:
@@ -84,6 +98,9 @@ class RolloutWorker:
             gpu_memory_utilization=self.config.gpu_memory_utilization,
             seed=spec.seed,
         )
+        self.env_context = EnvContext(self.tools, spec.env.reward, spec.env.reward_timeout_s, spec.env.tool_timeout_s)
+        self._make_env()  # fail at start, naming the environment, rather than on the first request
+        self.episodes = EpisodeRunner(self.engine, self._make_env, self._limits())
         self._start_lock = asyncio.Lock()
         self._running = False
         self._stopping = False
@@ -227,33 +244,23 @@ class RolloutWorker:
             changes["ignore_eos"] = bool(extra["ignore_eos"])
         return dataclasses.replace(self.sampling, **changes) if changes else self.sampling
 
+    def _make_env(self) -> Env:
+        return make_env(self.spec.env.name, self.spec.env.kwargs, self.env_context)
+
+    def _limits(self) -> EpisodeLimits:
+        env = self.spec.env
+        max_total = env.max_total_tokens or self.spec.max_model_len or self.config.max_model_len
+        return EpisodeLimits(env.max_turns, max_total, env.episode_timeout_s)
+
     async def _rollout(self, request: Request) -> None:
-        if self.agent is not None:  # the harness scored its episode
+        if self.agent is not None:  # an agent harness drove the episode through the OpenAI endpoint and scored it
             trajectory = await self.agent.rollout(request, self.name)
         else:
-            trajectory = await self.engine.generate(request, self._sampling_for(request.prompt))
-            trajectory = await self._score(trajectory, request.prompt)
+            trajectory = await self.episodes.run(request, self._sampling_for(request.prompt))
+        if trajectory.failure is not None and trajectory.failure.startswith("reward_error"):
+            self._reward_failures += 1
         self._outbox.append(trajectory)
         self._outbox_event.set()
-
-    async def _score(self, trajectory: Trajectory, prompt: Prompt) -> Trajectory:
-        if trajectory.failed:
-            return trajectory
-        try:
-            reward = await self.tools.reward(
-                self.spec.env.reward,
-                trajectory.response_text,
-                trajectory.ground_truth,
-                finish_reason=trajectory.finish_reason,
-                extra_info=dict(prompt.extra_info),
-                timeout_s=self.spec.env.reward_timeout_s,
-            )
-        except RewardError as e:
-            self._reward_failures += 1
-            return trajectory.replace(failure=f"reward_error: {e}")
-        except ToolInfraError as e:  # the tool worker scoring it died: not the model's fault, kept out of advantages
-            return trajectory.replace(failure=str(e))
-        return trajectory.replace(reward=reward)
 
     async def _flush_loop(self) -> None:
         while True:
@@ -301,6 +308,18 @@ class RolloutWorker:
     ) -> list[EvalResult]:
         await self.ready()
         return await self.engine.evaluate(prompts, max_tokens or self.config.max_tokens, temperature, samples)
+
+    async def evaluate_episodes(self, prompts: Sequence[Prompt], max_tokens: int | None = None) -> list[EpisodeScore]:
+        """Greedy episodes of the environment (tools and all): one `EpisodeScore` per prompt, in order."""
+        await self.ready()
+        sampling = SamplingSpec(max_tokens=max_tokens or self.config.max_tokens, temperature=0.0, timeout_s=self.config.request_timeout_s)
+
+        async def one(i: int, prompt: Prompt) -> EpisodeScore:
+            request = Request(f"eval-episode/{i}/0", f"eval-episode-{i}", 0, 1, prompt)
+            t = await self.episodes.run(request, sampling)
+            return EpisodeScore(t.reward, t.finish_reason, t.num_turns, t.tool_calls, t.failure)
+
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
     async def version(self) -> int:
         return self.engine.version

@@ -9,7 +9,7 @@ from buffer_fakes import FakeClock, make_config, make_prompts
 
 from asyncrl.buffer.core import ReplayQueueCore
 from asyncrl.buffer.storage import TrajectoryLog, next_log_path, trajectories_from_arrow, trajectories_to_arrow
-from asyncrl.testing import make_answer
+from asyncrl.testing import make_answer, make_trajectory
 from asyncrl.types import Trajectory
 
 
@@ -120,3 +120,26 @@ def test_the_queue_logs_every_arrived_trajectory_with_its_fate(tmp_path):
     }
     c = core.check_conservation()
     assert {k: c[k] for k in fates} == dict(fates)
+
+
+def test_episode_fields_round_trip_and_the_log_shows_turns_and_their_versions(tmp_path):
+    # Two model turns (versions 3 then 5) around a 2-token observation, cut by max_turns, one tool call.
+    episode = make_trajectory([7, 8, 20, 21, 9], loss_mask=[1, 1, 0, 0, 1], versions=[3, 3, 3, 3, 5],
+                              turn_starts=[0, 4], truncated=True, tool_calls=1, finish_reason="max_turns")
+    log = TrajectoryLog(tmp_path / "t.parquet")
+    log.append(episode, "trained")
+    log.close()
+    table = pq.read_table(tmp_path / "t.parquet")
+    row = table.to_pylist()[0]
+    assert (row["turn_starts"], row["turn_versions"], row["num_turns"], row["tool_calls"], row["truncated"]) == ([0, 4], [3, 5], 2, 1, True)
+    (back,) = trajectories_from_arrow(table)
+    assert (back.turn_starts, back.truncated, back.tool_calls, back.finish_reason) == ([0, 4], True, 1, "max_turns")
+
+
+def test_a_log_written_before_episodes_existed_still_reads_as_single_turn():
+    old_columns = [f.name for f in trajectories_to_arrow([]).schema][:18]  # the schema up to `response_text`
+    old = trajectories_to_arrow(sample_trajectories()).select(old_columns)
+    back = trajectories_from_arrow(old)
+    assert [(t.turn_starts, t.truncated, t.tool_calls) for t in back] == [([0], False, 0)] * 4
+    back[0].turn_starts.append(9)
+    assert back[1].turn_starts == [0]  # each record its own list

@@ -97,3 +97,21 @@ def test_check_wants_the_cluster_address_not_the_dashboard_url(capsys, monkeypat
     monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")  # set for `submit`: placement is left to the cluster
     code, err = _check(capsys, "rollout.num_gpus_per_worker=8")
     assert code == 0 and "placement not checked" in err
+
+
+def test_the_agent_recipes_pass(capsys):
+    for recipe in ("sao_agent", "grpo_agent"):
+        assert main(["check", recipe]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "override, key, reason",
+    [
+        ("env.name=no_such_module:Env", "env.name", "No module named 'no_such_module'"),
+        ("env.name=bogus", "env.name", "unknown environment 'bogus'"),
+        ("env.kwargs={bogus: 1}", "env.kwargs", "unexpected keyword argument 'bogus'"),
+    ],
+)
+def test_an_environment_that_cannot_be_built_is_rejected_naming_the_key(capsys, override, key, reason):
+    code, err = _check(capsys, "env.name=calc", override) if key == "env.kwargs" else _check(capsys, override)
+    assert code == 2 and f"{key}: " in err and reason in err

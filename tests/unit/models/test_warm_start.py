@@ -66,3 +66,15 @@ def test_deterministic_warm_start_is_repeatable_and_restores_the_thread_count(tm
     assert {k: v for k, v in reports[0].items() if k not in drop} == {k: v for k, v in reports[1].items() if k not in drop}
     assert reports[0]["steps"] == 2 and reports[0]["epochs"] == 1.0  # 64 examples, batch 32
     assert 0 <= reports[0]["sampled_reward_t1"] <= 1 and reports[0]["answer_entropy_nats"] > 0
+
+
+def test_a_calc_example_supervises_the_model_turns_but_not_the_observation():
+    from asyncrl.models.tokenizer import CALC_ALPHABET
+    from asyncrl.models.warm_start import calc_example
+
+    tok = build_char_tokenizer(CALC_ALPHABET)
+    ids, flags = calc_example(tok, "1+2=", "3", use_tool=True)
+    assert tok.decode(ids[:-1]) == "1+2=[1+2]=3;3" and ids[-1] == tok.eos_token_id
+    assert flags == [0] * 4 + [1] * 5 + [0] * 3 + [1] * 2
+    ids, flags = calc_example(tok, "1+2=", "3", use_tool=False)
+    assert tok.decode(ids[:-1]) == "1+2=3" and flags == [0] * 4 + [1] * 2
