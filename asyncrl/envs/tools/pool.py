@@ -36,11 +36,13 @@ _START_TIMEOUT_S = 60.0
 
 
 def needs_tool_pool(cfg: Config) -> bool:
-    """Whether the run starts the pool: `tools.pool`, or with `auto` a user `module:function` reward (it must
-    not run in the rollout worker's process). Environments that call tools add their test here."""
+    """Whether the run starts the pool: `tools.pool`, or with `auto` a user `module:function` reward or a
+    multi-turn environment (user code and tool calls never run in the rollout worker's process)."""
+    from asyncrl.envs.base import is_multi_turn
+
     if cfg.tools.pool != "auto":
         return cfg.tools.pool == "on"
-    return ":" in cfg.env.reward
+    return ":" in cfg.env.reward or is_multi_turn(cfg.env.name)
 
 
 @dataclass
