@@ -102,13 +102,19 @@ LAG_PARTS = "lagpart/"
 
 
 def lag_mismatch_parts(
-    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, lags: torch.Tensor, is_cap: float = 2.0
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    lags: torch.Tensor,
+    is_cap: float = 2.0,
+    keep: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """The mismatch of each staleness bucket (what a user reads to choose eta), as pieces that merge exactly.
 
     Inputs [B, T] log-probs and mask, `lags` [B] (each row's policy lag). Keys `lagpart/<lag>/<piece>`: token
     sums ending in `_sum` (`learner.step.merge_metrics` adds them over ranks), `abs_diff_max` (max) and the
-    kappa quantiles `is_weight_pXX` (a token-weighted mean over ranks: exact on one rank, like the batch ones)."""
+    kappa quantiles `is_weight_pXX` (a token-weighted mean over ranks: exact on one rank, like the batch ones).
+    `keep` [B, T]: the tokens the correction keeps (`algo.recipes.correction_keep`), for the masked fraction."""
     mask = as_mask(mask)
     old = valid(old_logprobs, mask).detach()
     rollout = valid(rollout_logprobs, mask).detach()
@@ -119,6 +125,8 @@ def lag_mismatch_parts(
         "tokens": torch.ones_like(kappa), "k1": rollout - old, "k3": kappa - log_kappa - 1.0, "abs_diff": diff,
         "w": kappa, "w2": kappa**2, "clipped": (kappa > is_cap).float(),
     }
+    if keep is not None:
+        pieces["masked"] = (~keep.bool()).float()
     out: dict[str, torch.Tensor] = {}
     for lag in sorted(set(lags.tolist())):
         rows = mask & (lags == lag).to(mask.device)[:, None]
@@ -137,7 +145,8 @@ def lag_mismatch_parts(
 def lag_mismatch_figures(metrics: dict[str, float]) -> dict[str, float]:
     """`metrics` with its merged `lagpart/` pieces replaced by `mismatch_<figure>/lag=<lag>`: the same figures
     as `mismatch_metrics` (kl = k1, k3_kl, logprob_abs_diff_mean/max, chi2_token, kappa_ess,
-    kappa_clipped_fraction, kappa_is_weight_pXX) plus `tokens`, each a ratio of sums (sum, then divide)."""
+    kappa_clipped_fraction, kappa_is_weight_pXX) plus `tokens`, each a ratio of sums (sum, then divide), and
+    `correction_masked_fraction/lag=<lag>` when the parts carry the correction's keep mask."""
     out = {k: v for k, v in metrics.items() if not k.startswith(LAG_PARTS)}
     parts: dict[str, dict[str, float]] = {}
     for key, value in metrics.items():
@@ -158,4 +167,6 @@ def lag_mismatch_figures(metrics: dict[str, float]) -> dict[str, float]:
             **{f"kappa_{k}": v for k, v in p.items() if k.startswith("is_weight_p")},
         }
         out.update({f"mismatch_{name}/lag={lag}": float(v) for name, v in figures.items()})
+        if "masked_sum" in p:
+            out[f"correction_masked_fraction/lag={lag}"] = p["masked_sum"] / n
     return out

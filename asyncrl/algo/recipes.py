@@ -407,6 +407,16 @@ def _batch_normalized(w: torch.Tensor, mask: torch.Tensor, tis_stats: torch.Tens
     return corr_lib.batch_normalize_weights(w, mask, mean)
 
 
+def correction_keep(recipe: Recipe, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+    """The tokens the correction keeps at pi_theta = pi_old (the step's first update), for the masked-fraction
+    metrics; None when the correction masks nothing or needs the advantages to decide (`opsm`)."""
+    if recipe.correction == "opsm":
+        return None
+    with torch.no_grad():
+        _, keep, _ = _correction(recipe, old_logprobs, old_logprobs, rollout_logprobs, None, as_mask(mask))
+    return keep
+
+
 def _correction(recipe, learner_logprobs, old_logprobs, rollout_logprobs, advantages, mask, tis_stats=None):
     """-> (weight [B, T] | None, keep [B, T] | None, metrics). Everything detached."""
     name = recipe.correction

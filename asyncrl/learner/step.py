@@ -405,6 +405,7 @@ class RankStep:
         """`mismatch_*` metrics of (old, rollout log-probs, loss mask, row lags) over this rank's real
         micro-batches, plus their per-lag pieces when every row's lag is known (the pool divides them)."""
         from asyncrl.algo.metrics import lag_mismatch_parts, mismatch_metrics
+        from asyncrl.algo.recipes import correction_keep
 
         if not seen or not any(int(m.sum()) for _, _, m, _ in seen):
             return {}
@@ -412,7 +413,8 @@ class RankStep:
         out = {f"mismatch_{k}": v for k, v in mismatch_metrics(olds, rollouts, masks.bool(), self.recipe.tis_cap).items()}
         if all(lags is not None for *_, lags in seen):
             lags = torch.cat([lags for *_, lags in seen])
-            out.update(lag_mismatch_parts(olds, rollouts, masks.bool(), lags, self.recipe.tis_cap))
+            keep = correction_keep(self.recipe, olds, rollouts, masks.bool())
+            out.update(lag_mismatch_parts(olds, rollouts, masks.bool(), lags, self.recipe.tis_cap, keep))
         return out
 
     def _clip_and_step(self, module, optimizer, scheduler) -> tuple[float, bool]:

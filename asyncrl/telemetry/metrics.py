@@ -63,7 +63,7 @@ METRICS: list[MetricSpec] = [
     *_mismatch("asyncrl_mismatch_ess_fraction", "Normalised effective sample size of kappa = pi_train / mu"),
     *_mismatch("asyncrl_mismatch_is_weight", "Quantile of the IS weight kappa = pi_train / mu", ("quantile",)),
     *_mismatch("asyncrl_correction_clipped_fraction", "Fraction of tokens whose kappa exceeds the IS cap (algorithm.tis_cap)", ("method",)),
-    MetricSpec("asyncrl_correction_masked_fraction", "gauge", "Fraction of tokens masked by the correction", ("method",)),
+    *_mismatch("asyncrl_correction_masked_fraction", "Fraction of tokens masked by the correction (per lag: at pi_old, the step's first update)", ("method",)),
     # queue
     MetricSpec("asyncrl_queue_ready_groups", "gauge", "Groups ready for the learner"),
     MetricSpec("asyncrl_queue_backlog_groups", "gauge", "Prompts waiting for admission"),
@@ -100,6 +100,7 @@ MISMATCH_ROW_KEYS = {
     "asyncrl_mismatch_logprob_abs_diff_mean": "mismatch_logprob_abs_diff_mean",
     "asyncrl_mismatch_ess_fraction": "mismatch_kappa_ess",
     "asyncrl_correction_clipped_fraction": "mismatch_kappa_clipped_fraction",
+    "asyncrl_correction_masked_fraction": "correction_masked_fraction",
 }
 """Metric -> the step row's key (`mismatch_<figure>`; per lag `mismatch_<figure>/lag=<lag>`, asyncrl/algo/metrics.py)."""
 STEP_GAUGES = {
@@ -176,8 +177,6 @@ class RunMetrics(Sink):
             self._set(name, row, key, labels)
         for q in QUANTILES:
             self._set("asyncrl_mismatch_is_weight", row, f"mismatch_kappa_is_weight_{q}", {"quantile": q})
-        if "correction_masked_fraction" in row:
-            self.m["asyncrl_correction_masked_fraction"].labels(**method).set(row["correction_masked_fraction"])
 
     def _set(self, name: str, row: dict[str, Any], key: str, labels: dict[str, str]) -> None:
         if key in row:

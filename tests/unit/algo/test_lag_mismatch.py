@@ -47,3 +47,16 @@ def test_figures_are_the_same_when_rows_are_split_over_ranks_of_unequal_size():
     for key in ("tokens", "kl", "k3_kl", "logprob_abs_diff_mean", "logprob_abs_diff_max", "chi2_token", "kappa_ess"):
         assert merged[f"mismatch_{key}/lag=1"] == pytest.approx(whole[f"mismatch_{key}/lag=1"]), key
     assert merged["mismatch_k3_kl/lag=1"] == pytest.approx((2 - LOG2 - 1) / 4)
+
+
+def test_the_masked_fraction_of_each_lag_comes_from_the_correction_keep_mask():
+    from asyncrl.algo.recipes import correction_keep, resolve_recipe
+
+    # MIS with upper bound 1.5 rejects kappa = 2 (row 1, token 0) and keeps kappa = 1 everywhere else.
+    recipe = resolve_recipe("grpo", correction="mis", mis_upper=1.5, mis_lower=0.5)
+    keep = correction_keep(recipe, OLD, ROLLOUT, MASK)
+    assert keep.tolist() == [[True, True], [False, True]]
+    figures = lag_mismatch_figures(lag_mismatch_parts(OLD, ROLLOUT, MASK, LAGS, keep=keep))
+    assert figures["correction_masked_fraction/lag=0"] == 0.0
+    assert figures["correction_masked_fraction/lag=1"] == 0.5  # 1 of its 2 tokens
+    assert correction_keep(resolve_recipe("grpo", correction="opsm"), OLD, ROLLOUT, MASK) is None  # needs advantages
