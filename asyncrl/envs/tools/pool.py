@@ -145,6 +145,9 @@ class ToolClient:
         return await self._on_worker("call", (call, timeout_s))
 
     async def reward(self, reward: str, response: str, ground_truth: str, *, finish_reason: str, extra_info: dict[str, Any], timeout_s: float) -> float:
+        """A user `module:function` reward in a sandboxed run on a tool worker; a built-in one (trusted, pure) here."""
+        if ":" not in reward:
+            return await InProcessTools().reward(reward, response, ground_truth, finish_reason=finish_reason, extra_info=extra_info, timeout_s=timeout_s)
         outcome = await self._on_worker("reward", (reward, response, ground_truth, finish_reason, dict(extra_info), timeout_s))
         if outcome.error is not None:
             raise RewardError(outcome.error)

@@ -58,3 +58,12 @@ def test_reward_values_are_checked():
             check_reward_value(bad)
     value = asyncio.run(InProcessTools().reward("exact_match", "12", "12", finish_reason="stop", extra_info={}, timeout_s=5))
     assert value == 1.0
+
+
+def test_the_pool_client_scores_a_built_in_reward_itself_and_sends_user_rewards_to_a_worker():
+    from asyncrl.envs.tools.pool import ToolClient
+
+    client = ToolClient(names=())  # no tool worker at all: a built-in reward must not need one
+    assert asyncio.run(client.reward("exact_match", "12", "12", finish_reason="stop", extra_info={}, timeout_s=5)) == 1.0
+    with pytest.raises(Exception, match="no_tool_worker|range"):
+        asyncio.run(client.reward("mypkg.rewards:score", "12", "12", finish_reason="stop", extra_info={}, timeout_s=5))
