@@ -47,7 +47,7 @@ def build_telemetry(cfg: Config) -> Telemetry:
     """The run's sinks, built before anything slow starts so that every start-up phase is shown; the
     dashboard's address is the first thing printed."""
     t = cfg.telemetry
-    out = Path(cfg.output_dir)
+    out = cfg.run_dir()
     sinks: list[Sink] = [
         Progress(enabled=t.progress, every_steps=t.log_every_steps, max_steps=cfg.learner.max_steps),
         RunMetrics(t.prometheus_port, cfg.algorithm.resolved_names()["correction"], t.bind_host),

@@ -53,7 +53,7 @@ def _run(cfg: Config, telemetry: Telemetry) -> dict:
                 summary = controller.run()
             finally:
                 controller.shutdown()
-        (Path(cfg.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+        (cfg.run_dir() / "summary.json").write_text(json.dumps(summary, indent=2))
     finally:
         if started_ray:
             import ray

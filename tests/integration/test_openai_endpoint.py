@@ -8,7 +8,6 @@ token by token on scripted completions in tests/unit/rollout/test_openai_capture
 
 from __future__ import annotations
 
-import asyncio
 
 import numpy as np
 import pytest
