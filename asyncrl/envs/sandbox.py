@@ -172,9 +172,20 @@ def _bwrap_prefix(bwrap: str, uid: int | None, tmp_bytes: int) -> list[str]:
     args = [
         bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/run",
         "--ro-bind", sys.base_prefix, PYTHON_MOUNT, "--perms", "01777", "--size", str(tmp_bytes), "--tmpfs", "/tmp",
+        *_code_under_tmp(),
         "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session", "--chdir", "/tmp",
     ]  # fmt: skip
     return args + _drop_to(uid)
+
+
+def _code_under_tmp() -> list[str]:
+    """Read-only binds of the folders the run imports from that its own `/tmp` and `/run` would hide (a checkout
+    or virtual environment under /tmp, as in CI): the entries of `sys.path`, the environment and this package."""
+    import asyncrl
+
+    roots = {os.path.realpath(p or ".") for p in [*sys.path, sys.prefix, os.path.dirname(os.path.dirname(asyncrl.__file__))]}
+    hidden = sorted(p for p in roots if p.startswith(("/tmp/", "/run/")) and os.path.isdir(p))
+    return [arg for p in hidden for arg in ("--ro-bind", p, p)]
 
 
 def _drop_to(uid: int | None) -> list[str]:
