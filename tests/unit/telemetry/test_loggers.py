@@ -1,6 +1,7 @@
 """TensorBoard and W&B (offline) sinks: the scalars they write are read back from their own files."""
 
 import json
+import time
 import struct
 
 from asyncrl.telemetry.loggers import TensorBoardSink, WandbSink, step_scalars
@@ -62,11 +63,23 @@ def _wandb_records(path):
     return records
 
 
+def _wandb_history(run_file, wait_s: float = 15.0) -> list[dict]:
+    """The run file's history rows. W&B's service process may still be writing them for a moment after
+    `finish()` returns (seen once in a few runs): read again until the rows stop growing, at most `wait_s`."""
+    deadline, history = time.monotonic() + wait_s, []
+    while True:
+        rows = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item} for r in _wandb_records(run_file) if r.HasField("history")]
+        if (rows and len(rows) == len(history)) or time.monotonic() > deadline:
+            return rows
+        history = rows
+        time.sleep(0.5)
+
+
 def test_wandb_offline_run_holds_the_scalars(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     _feed(WandbSink("asyncrl-test", "offline", tmp_path, "run-1", {"mode": "streaming"}))
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
-    history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item} for r in _wandb_records(run_file) if r.HasField("history")]
+    history = _wandb_history(run_file)
     assert [h["train/reward"] for h in history if "train/reward" in h] == [0.25, 0.5, 0.75]
     assert [(h["eval/step"], h["eval/accuracy"]) for h in history if "eval/accuracy" in h] == [(0, 0.125), (2, 0.5)]
     assert [h["sync/seconds"] for h in history if "sync/seconds" in h] == [0.75]
