@@ -11,10 +11,13 @@ reports accuracy at equal trained samples, time to 0.5 and to 0.7 held-out accur
 The peer runs in a subprocess when `trl` is installed (`pip install -e .[bench]`). Writes
 benchmarks/results/learning_add.json (and a PNG plot when matplotlib is installed).
 
-    python benchmarks/learning_add.py [--quick] [--steps N] [--target 0.5] [--mini-batches 4] [--out PATH]
+    python benchmarks/learning_add.py [--quick] [--steps N] [--target 0.5] [--mini-batches 4] [--modes sync,streaming,sao]
+                                      [--no-baselines] [--out PATH]
 
 `--mini-batches N` (N > 1) also runs every mode with `learner.mini_batches=N` as `<mode>_mbN`, so the
 JSON and the plot hold both curves (accuracy per trained sample with one and with N updates per batch).
+`--modes` picks a subset of the modes and `--no-baselines` leaves out the peer and the plain loop, e.g. the
+mini-batch comparison alone: `--modes streaming --mini-batches 4 --no-baselines`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import common  # benchmarks/common.py: a script's own folder is on sys.path
@@ -92,13 +96,13 @@ def plain_run(steps: int, every: int, target: float) -> dict:
     }
 
 
-def runs(mini_batches: int) -> list[tuple[str, str, list[str]]]:
-    """(run name, recipe file, extra overrides): every mode as shipped, then with `mini_batches` updates
-    per rollout batch when that is more than 1."""
-    shipped = [(mode, file, []) for mode, file in MODES.items()]
+def runs(mini_batches: int, modes: Sequence[str] = tuple(MODES)) -> list[tuple[str, str, list[str]]]:
+    """(run name, recipe file, extra overrides): each of `modes` as shipped, then with `mini_batches`
+    updates per rollout batch when that is more than 1."""
+    shipped = [(mode, MODES[mode], []) for mode in modes]
     if mini_batches <= 1:
         return shipped
-    return shipped + [(f"{mode}_mb{mini_batches}", file, [f"learner.mini_batches={mini_batches}"]) for mode, file in MODES.items()]
+    return shipped + [(f"{mode}_mb{mini_batches}", file, [f"learner.mini_batches={mini_batches}"]) for mode, file, _ in shipped]
 
 
 def main() -> None:
@@ -110,10 +114,11 @@ def main() -> None:
     common.set_runtime_env()
     steps, every = (3, 1) if args.quick else (args.steps, 5)
     out = Path(tempfile.mkdtemp(prefix="learning_add-"))
-    results = asyncrl_runs(out, steps, every, args.target, args.mini_batches)
-    if importlib.util.find_spec("trl") is not None:
+    results = asyncrl_runs(out, steps, every, args.target, runs(args.mini_batches, args.modes))
+    if args.baselines and importlib.util.find_spec("trl") is not None:
         results["trl"] = trl_run(out, steps, every, args.target)
-    results["plain"] = plain_run(steps, every, args.target)
+    if args.baselines:
+        results["plain"] = plain_run(steps, every, args.target)
     for mode, r in results.items():
         r.update(run_figures(r["evals"], "wall_s" if mode in ("trl", "plain") else "wall_s_excl_eval"))
     print_table(results, steps, args.target)
@@ -129,11 +134,21 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--target", type=float, default=0.5, help="held-out accuracy whose wall-clock is reported")
     parser.add_argument("--replot", action="store_true", help="only redraw the PNG from the existing JSON")
     parser.add_argument("--mini-batches", type=int, default=1, help="N > 1: also run each mode with learner.mini_batches=N")
+    parser.add_argument("--modes", type=_modes, default=tuple(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--no-baselines", dest="baselines", action="store_false", help="leave out the TRL peer and the plain loop")
     return parser.parse_args()
 
 
-def asyncrl_runs(out: Path, steps: int, every: int, target: float, mini_batches: int) -> dict[str, dict]:
-    """Every mode (and its `_mbN` variant) from the shipped recipes, in one Ray session."""
+def _modes(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(f"unknown mode {unknown or text!r}; valid: {', '.join(MODES)}")
+    return modes
+
+
+def asyncrl_runs(out: Path, steps: int, every: int, target: float, planned: list[tuple[str, str, list[str]]]) -> dict[str, dict]:
+    """The planned runs (`runs()`) from the shipped recipes, in one Ray session."""
     import ray
 
     from asyncrl.config import RECIPES, load_config
@@ -141,7 +156,7 @@ def asyncrl_runs(out: Path, steps: int, every: int, target: float, mini_batches:
 
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     results = {}
-    for mode, file, extra in runs(mini_batches):
+    for mode, file, extra in planned:
         cfg = load_config(RECIPES / file, [f"output_dir={out / mode}", f"learner.max_steps={steps}", f"eval.every_steps={every}", *extra])
         summary = run(cfg)
         results[mode] = {
@@ -173,15 +188,16 @@ def trl_run(out: Path, steps: int, every: int, target: float) -> dict:
 
 
 def print_table(results: dict, steps: int, target: float) -> None:
-    base = results["sync"]
+    base_name = "sync" if "sync" in results else next(iter(results))
+    base = results[base_name]
     base_rate = (base["final_accuracy"] - base["start_accuracy"]) / base["wall_clock_s"]
     print(f"\nW1 add, {steps} steps per mode, target accuracy {target}")
-    print(f"{'mode':<10} {'start':>6} {'final':>6} {'gain':>6} {'wall s':>7} {'samples':>8} {'t(target) s':>11} {'acc/s vs sync':>13}")
+    print(f"{'mode':<10} {'start':>6} {'final':>6} {'gain':>6} {'wall s':>7} {'samples':>8} {'t(target) s':>11} {'acc/s vs ' + base_name:>16}")
     for mode, r in results.items():
         gain = r["final_accuracy"] - r["start_accuracy"]
         ratio = f"{gain / r['wall_clock_s'] / base_rate:.2f}x" if base_rate > 0 else "-"
         ttt = f"{r['time_to_target_s']:.0f}" if r["time_to_target_s"] is not None else "-"
-        print(f"{mode:<10} {r['start_accuracy']:>6.3f} {r['final_accuracy']:>6.3f} {gain:>+6.3f} {r['wall_clock_s']:>7.0f} {r['samples_trained']:>8d} {ttt:>11} {ratio:>13}")
+        print(f"{mode:<10} {r['start_accuracy']:>6.3f} {r['final_accuracy']:>6.3f} {gain:>+6.3f} {r['wall_clock_s']:>7.0f} {r['samples_trained']:>8d} {ttt:>11} {ratio:>16}")
     if "trl" not in results:
         print("peer baseline (TRL GRPOTrainer): trl is not installed (pip install -e .[bench])")
     elif results["trl"]["time_to_target_s"]:
