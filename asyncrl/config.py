@@ -269,7 +269,9 @@ class LearnerConfig(Section):
     """Optimizer steps per epoch over one rollout batch: its prompt groups are dealt in order into this
     many mini-batches of `prompts_per_step / mini_batches` whole groups. From the second update on the
     PPO ratio pi_theta / pi_old leaves 1, so clipping and DIS act. The policy version still advances
-    once per rollout batch."""
+    once per rollout batch. Lower `lr` with it: each update is a full Adam step, so N updates of the same
+    lr move the policy about N times as far per batch (W1, N = 4: the same lr learned less per sample than
+    N = 1, lr / 4 learned at least as much; benchmarks/RESULTS.md)."""
     epochs: int = Field(1, ge=1)
     """Passes over the rollout batch's mini-batches (PPO epochs); updates per step = epochs x mini_batches."""
     kl_stop: float | None = Field(None, gt=0)

@@ -12,7 +12,7 @@ The peer runs in a subprocess when `trl` is installed (`pip install -e .[bench]`
 benchmarks/results/learning_add.json (and a PNG plot when matplotlib is installed).
 
     python benchmarks/learning_add.py [--quick] [--steps N] [--target 0.5] [--mini-batches 4] [--modes sync,streaming,sao]
-                                      [--no-baselines] [--out PATH]
+                                      [--mb-set learner.lr=5e-5] [--no-baselines] [--out PATH]
 
 `--mini-batches N` (N > 1) also runs every mode with `learner.mini_batches=N` as `<mode>_mbN`, so the
 JSON and the plot hold both curves (accuracy per trained sample with one and with N updates per batch).
@@ -96,13 +96,13 @@ def plain_run(steps: int, every: int, target: float) -> dict:
     }
 
 
-def runs(mini_batches: int, modes: Sequence[str] = tuple(MODES)) -> list[tuple[str, str, list[str]]]:
+def runs(mini_batches: int, modes: Sequence[str] = tuple(MODES), mb_overrides: Sequence[str] = ()) -> list[tuple[str, str, list[str]]]:
     """(run name, recipe file, extra overrides): each of `modes` as shipped, then with `mini_batches`
-    updates per rollout batch when that is more than 1."""
+    updates per rollout batch (and `mb_overrides`, e.g. a smaller learning rate) when that is more than 1."""
     shipped = [(mode, MODES[mode], []) for mode in modes]
     if mini_batches <= 1:
         return shipped
-    return shipped + [(f"{mode}_mb{mini_batches}", file, [f"learner.mini_batches={mini_batches}"]) for mode, file, _ in shipped]
+    return shipped + [(f"{mode}_mb{mini_batches}", file, [f"learner.mini_batches={mini_batches}", *mb_overrides]) for mode, file, _ in shipped]
 
 
 def main() -> None:
@@ -112,9 +112,10 @@ def main() -> None:
         plot(json.loads(result_json.read_text())["modes"], result_json.with_suffix(".png"))
         return
     common.set_runtime_env()
+    load_start = common.load_average()
     steps, every = (3, 1) if args.quick else (args.steps, 5)
     out = Path(tempfile.mkdtemp(prefix="learning_add-"))
-    results = asyncrl_runs(out, steps, every, args.target, runs(args.mini_batches, args.modes))
+    results = asyncrl_runs(out, steps, every, args.target, runs(args.mini_batches, args.modes, args.mb_set))
     if args.baselines and importlib.util.find_spec("trl") is not None:
         results["trl"] = trl_run(out, steps, every, args.target)
     if args.baselines:
@@ -123,7 +124,8 @@ def main() -> None:
         r.update(run_figures(r["evals"], "wall_s" if mode in ("trl", "plain") else "wall_s_excl_eval"))
     print_table(results, steps, args.target)
     print_figures(results)
-    common.write_json(result_json, {"steps": steps, "target": args.target, "modes": results})
+    command = " ".join(["python", "benchmarks/learning_add.py", *sys.argv[1:]])
+    common.write_json(result_json, {"machine": common.machine(load_start), "command": command, "steps": steps, "target": args.target, "modes": results})
     plot(results, result_json.with_suffix(".png"))
 
 
@@ -134,6 +136,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--target", type=float, default=0.5, help="held-out accuracy whose wall-clock is reported")
     parser.add_argument("--replot", action="store_true", help="only redraw the PNG from the existing JSON")
     parser.add_argument("--mini-batches", type=int, default=1, help="N > 1: also run each mode with learner.mini_batches=N")
+    parser.add_argument("--mb-set", action="append", default=[], metavar="KEY=VALUE", help="config override for the _mbN runs only (repeatable)")
     parser.add_argument("--modes", type=_modes, default=tuple(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--no-baselines", dest="baselines", action="store_false", help="leave out the TRL peer and the plain loop")
     return parser.parse_args()

@@ -209,6 +209,17 @@ def learning_add(d: dict) -> list[str]:
     return lines
 
 
+def learning_add_mini_batches(d: dict) -> list[str]:
+    """The W1 comparison of one against several updates per rollout batch (`--mini-batches N`)."""
+    lines = learning_add(d)
+    lines[0] = "## W1 `add` — one vs several updates per rollout batch (`benchmarks/learning_add.py --mini-batches`)"
+    lines[2] = (f"`{d.get('command', 'learning_add.py --mini-batches N')}`: the same mode with one optimizer step per rollout batch "
+                f"and with several (`_mbN`), {d['steps']} steps each from the same warm start; held-out accuracy per trained sample "
+                "is what compares them (wall-clock moves with the machine's load).")
+    means = ", ".join(f"{mode} {sum(e['accuracy'] for e in r['evals']) / len(r['evals']):.3f}" for mode, r in d["modes"].items())
+    return lines + ["", f"Mean held-out accuracy over the evaluations (every 1,280 samples, the area under the per-sample curve): {means}."]
+
+
 def profile(d: dict) -> list[str]:
     lines = [
         "## Profile — where the time goes (`benchmarks/profile_run.py`)",
@@ -237,9 +248,11 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "queue_throughput": queue_throughput,
     "algo_throughput": algo_throughput,
     "learning_add": learning_add,
+    "learning_add_mb4": learning_add_mini_batches,
+    "learning_add_mb4_same_lr": learning_add_mini_batches,
     "profile": profile,
 }
-ORDER = ["learning_add", "async_speedup", "weight_sync", "queue_throughput", "algo_throughput", "profile"]
+ORDER = ["learning_add", "learning_add_mb4", "learning_add_mb4_same_lr", "async_speedup", "weight_sync", "queue_throughput", "algo_throughput", "profile"]
 
 
 def render(results: Path) -> str:

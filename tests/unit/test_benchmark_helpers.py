@@ -7,7 +7,7 @@ import torch
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from learning_add import accuracy_at, run_figures  # noqa: E402
+from learning_add import accuracy_at, run_figures, runs  # noqa: E402
 from plain_grpo import group_advantages  # noqa: E402
 
 
@@ -32,3 +32,12 @@ def test_run_figures_give_milestone_times_and_seconds_per_256_samples():
 
 def test_accuracy_at_takes_the_last_evaluation_not_past_the_sample_count():
     assert [accuracy_at(EVALS, n) for n in (0, 2559, 2560, 10_000)] == [0.3, 0.3, 0.52, 0.71]
+
+
+def test_mini_batch_runs_take_their_own_overrides_and_only_the_chosen_modes():
+    planned = runs(4, ("streaming",), ["learner.lr=2.5e-5"])
+    assert planned == [
+        ("streaming", "default.yaml", []),
+        ("streaming_mb4", "default.yaml", ["learner.mini_batches=4", "learner.lr=2.5e-5"]),
+    ]
+    assert [name for name, _, _ in runs(1)] == ["sync", "streaming", "sao"]
