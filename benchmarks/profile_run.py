@@ -135,13 +135,20 @@ def wait_for_steps(run: subprocess.Popen, metrics: Path, min_steps: int, timeout
 
 def stop_run(run: subprocess.Popen) -> None:
     """SIGTERM to the run's process group, SIGKILL if it has not ended a minute later (a loaded machine
-    can hold up Ray's shutdown): the figures already taken must not be lost to a slow exit."""
+    can hold up Ray's shutdown): the figures already taken must not be lost to a slow exit. Descendants in
+    other process groups (vLLM's engine core starts its own) that outlive the run are killed too."""
+    import psutil
+
+    descendants = psutil.Process(run.pid).children(recursive=True)
     os.killpg(run.pid, signal.SIGTERM)
     try:
         run.wait(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(run.pid, signal.SIGKILL)
         run.wait()
+    _, alive = psutil.wait_procs(descendants, timeout=10)
+    for proc in alive:
+        proc.kill()
 
 
 def record_processes(pids: dict[str, int], duration: float, out: Path) -> dict[str, float]:
