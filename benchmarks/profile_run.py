@@ -1,21 +1,24 @@
 """Where the time goes in a run: py-spy samples every process of a live `asyncrl run` at once.
 
-Starts `asyncrl run CONFIG [overrides]`, waits for training to be under way, then records each process
+Starts `asyncrl run CONFIG [overrides]`, waits for training to be under way (`--delay` seconds and
+`--min-steps` steps logged), then records each process
 (driver, ReplayQueue, RolloutWorker, vLLM engine core and its model worker, LearnerWorker) with `py-spy record --format raw`
 for `--duration` seconds, concurrently, together with its CPU share. Prints, per process, the CPU share
-and the frames with the largest inclusive and self sample fractions; writes benchmarks/results/profile.json.
+and the frames with the largest inclusive and self sample fractions; writes benchmarks/results/profile.json (`--out`).
 Needs `py-spy` (the `bench` extra) and permission to ptrace the run's processes (root, or
 kernel.yama.ptrace_scope=0).
 
-    python benchmarks/profile_run.py [--config configs/default.yaml] [--delay 70] [--duration 20] [override ...]
+    python benchmarks/profile_run.py [--config configs/default.yaml] [--delay 70] [--duration 20] [--label L] [--out F] [override ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,26 +28,33 @@ from pathlib import Path
 import common  # benchmarks/common.py: a script's own folder is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Process titles set by Ray (`ray::<Actor>`) and vLLM (`VLLM::EngineCore`); the driver is `asyncrl run`.
-# On CPU vLLM 0.32 runs the model in a child of the engine core (`VLLM::Worker`, multiprocess executor).
+# Process titles set by Ray (`ray::<Actor class>`) and vLLM (`VLLM::EngineCore`); the driver is `asyncrl run`.
+# The pools run node-local subclasses (`NodeLocalRolloutWorker`, `NodeLocalLearnerWorker`), so a role matches
+# the class name with or without that prefix. On CPU vLLM 0.32 runs the model in a child of the engine core
+# (`VLLM::Worker`, multiprocess executor).
 ROLES = {
-    "ReplayQueue": "ray::ReplayQueue",
-    "RolloutWorker": "ray::RolloutWorker",
-    "EngineCore": "VLLM::EngineCore",
-    "EngineWorker": "VLLM::Worker",
-    "LearnerWorker": "ray::LearnerWorker",
+    "ReplayQueue": ("ray::ReplayQueue",),
+    "RolloutWorker": ("ray::RolloutWorker", "ray::NodeLocalRolloutWorker"),
+    "EngineCore": ("VLLM::EngineCore",),
+    "EngineWorker": ("VLLM::Worker",),
+    "LearnerWorker": ("ray::LearnerWorker", "ray::NodeLocalLearnerWorker"),
 }
 
 
 def find_processes(driver_pid: int) -> dict[str, int]:
+    """The run's processes by role: only the driver's descendants (its Ray node started them), so another
+    run on the same machine is never sampled."""
     import psutil
 
     found = {"driver": driver_pid}
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        title = " ".join(proc.info["cmdline"] or [])
-        for role, prefix in ROLES.items():
-            if title.startswith(prefix) and role not in found:
-                found[role] = proc.info["pid"]
+    for proc in psutil.Process(driver_pid).children(recursive=True):
+        try:
+            title = " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+        for role, prefixes in ROLES.items():
+            if title.startswith(prefixes) and role not in found:
+                found[role] = proc.pid
     return found
 
 
@@ -83,26 +93,62 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
     parser.add_argument("--delay", type=float, default=70.0, help="seconds after launch before sampling (startup)")
+    parser.add_argument("--min-steps", type=int, default=5, help="and not before the run has taken this many steps")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of sampling")
     parser.add_argument("--top", type=int, default=15, help="frames listed per process")
+    parser.add_argument("--label", default="", help="what this profile is of (e.g. 'before <change>'), shown by report.py")
+    parser.add_argument("--out", type=Path, default=common.RESULTS / "profile.json", help="result JSON")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides for the run")
     return parser.parse_args()
 
 
-def sample_run(args, out: Path) -> dict[str, float]:
+def sample_run(args, out: Path) -> tuple[dict[str, float], int]:
     """Starts the run, records each of its processes with py-spy into `out/<role>.txt` once training is
-    under way, and stops the run; returns the cores each process used while sampled."""
+    under way, and stops the run; returns the cores each process used while sampled and the samples the
+    learner trained meanwhile (a loaded machine trains fewer: CPU per trained sample compares runs)."""
     cli = str(Path(sys.executable).with_name("asyncrl"))
     run = subprocess.Popen([cli, "run", args.config, f"output_dir={out / 'run'}", "telemetry.progress=false", *args.overrides],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         time.sleep(args.delay)
-        if run.poll() is not None:
-            raise SystemExit(f"the run ended (rc {run.returncode}) before sampling started; lower --delay or raise learner.max_steps")
-        return record_processes(find_processes(run.pid), args.duration, out)
+        metrics = out / "run" / "metrics.jsonl"
+        wait_for_steps(run, metrics, args.min_steps)
+        before = len(metrics.read_text().splitlines())
+        cores = record_processes(find_processes(run.pid), args.duration, out)
+        lines = metrics.read_text().splitlines()[before:]
+        return cores, sum(json.loads(line).get("samples", 0) for line in lines)
     finally:
-        os.killpg(run.pid, 15)
+        stop_run(run)
+
+
+def wait_for_steps(run: subprocess.Popen, metrics: Path, min_steps: int, timeout_s: float = 900.0) -> None:
+    """Until the run has logged `min_steps` optimizer steps (one metrics line each): on a loaded machine start-up
+    alone can outlast `--delay`, and a profile of start-up says nothing about training."""
+    deadline = time.monotonic() + timeout_s
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < min_steps:
+        if run.poll() is not None:
+            raise SystemExit(f"the run ended (rc {run.returncode}) before sampling started; raise learner.max_steps")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no {min_steps} training steps within {timeout_s:.0f}s")
+        time.sleep(1.0)
+
+
+def stop_run(run: subprocess.Popen) -> None:
+    """SIGTERM to the run's process group, SIGKILL if it has not ended a minute later (a loaded machine
+    can hold up Ray's shutdown): the figures already taken must not be lost to a slow exit. Descendants in
+    other process groups (vLLM's engine core starts its own) that outlive the run are killed too."""
+    import psutil
+
+    descendants = psutil.Process(run.pid).children(recursive=True)
+    os.killpg(run.pid, signal.SIGTERM)
+    try:
         run.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
+    _, alive = psutil.wait_procs(descendants, timeout=10)
+    for proc in alive:
+        proc.kill()
 
 
 def record_processes(pids: dict[str, int], duration: float, out: Path) -> dict[str, float]:
@@ -126,7 +172,8 @@ def record_processes(pids: dict[str, int], duration: float, out: Path) -> dict[s
 def print_report(report: dict, top: int) -> None:
     print(f"\nprofile of {Path(report['config']).name} {' '.join(report['overrides'])} over {report['duration_s']:.0f}s (cores = CPU time / wall time)")
     for role, r in report["processes"].items():
-        print(f"\n== {role}: {r['cpu_cores']:.2f} cores, {r['samples']} samples")
+        per_sample = f", {r['cpu_ms_per_trained_sample']:.2f} ms CPU per trained sample" if "cpu_ms_per_trained_sample" in r else ""
+        print(f"\n== {role}: {r['cpu_cores']:.2f} cores{per_sample}, {r['samples']} samples")
         for frame, f in r.get("inclusive", [])[:top]:
             print(f"  {f:6.1%}  {frame[:110]}")
         if r.get("self"):
@@ -138,13 +185,16 @@ def print_report(report: dict, top: int) -> None:
 def main() -> None:
     args = parse_args()
     out = Path(tempfile.mkdtemp(prefix="profile-"))
-    cpu = sample_run(args, out)
-    report = {"config": args.config, "overrides": args.overrides, "duration_s": args.duration, "processes": {}}
+    load_start = common.load_average()  # the worker's CPU share depends on how busy the machine is
+    cpu, trained = sample_run(args, out)
+    report = {"config": args.config, "overrides": args.overrides, "label": args.label, "duration_s": args.duration,
+              "trained_samples_per_s": trained / args.duration, "machine": common.machine(load_start), "processes": {}}
     for role, cores in cpu.items():
         raw = out / f"{role}.txt"
-        report["processes"][role] = {"cpu_cores": cores, **(summarize(raw, args.top) if raw.exists() else {"samples": 0})}
+        per_sample = {"cpu_ms_per_trained_sample": 1000 * cores * args.duration / trained} if trained else {}
+        report["processes"][role] = {"cpu_cores": cores, **per_sample, **(summarize(raw, args.top) if raw.exists() else {"samples": 0})}
     print_report(report, args.top)
-    common.write_json(common.RESULTS / "profile.json", report)
+    common.write_json(args.out, report)
 
 
 if __name__ == "__main__":

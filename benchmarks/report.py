@@ -120,6 +120,47 @@ def _async_rows(modes: list[dict], limit: dict) -> list[list[str]]:
     return rows
 
 
+def limits(d: dict) -> list[str]:
+    m, fractions = d["model"], d["w2_fraction_of_limit"]
+    goals = {"sync": 0.9, "streaming": 0.8, "sao": 0.8}
+    lines = [
+        "## Limit model — W2 against what this machine allows (`benchmarks/limits.py`)",
+        "",
+        "Each piece measured alone on W2's requests: engine E = all requests at once on one vLLM engine with 1 CPU "
+        "(Ray task, as in a run); g_b = batch b generated alone (stragglers included); t_b = one optimizer step on "
+        "batch b, plain module, 1 torch thread (no Ray, no FSDP). sync limit = Σn_b / Σ(g_b + t_b); streaming "
+        "limit = min(E, learner rate Σn_b / Σt_b), engine and learner on one vCPU each (the 2 vCPUs are about one "
+        "core of matmul: the shared-core bound 1 / (1/E + 1/L) is the pessimistic case). Tokens = prompt + response.",
+        "",
+        "W2 and this run are separate sessions on a shared machine: the load-normalised fraction divides by how much "
+        "faster W2's own engine-alone run was than this one's (same requests), assuming the learner sped up alike. "
+        "The learner rate is measured on the stream's first batches; streaming and sao train another mix (long "
+        "requests dropped stale: shorter, less padded rows), so their fractions can exceed 1.",
+        "",
+        f"This run: 1-min load average {d['machine']['load_average_1min_start']:.1f} → {d['machine']['load_average_1min_end']:.1f}.",
+        "",
+        "**Headline:** " + "; ".join(f"W2 {mode} {f['fraction_of_limit_load_normalised']:.2f} of its limit load-normalised "
+                                     f"(goal ≥ {goals[mode]})" for mode, f in fractions.items())
+        + f"; `Engine` at {m['engine_over_vllm']:.3f} of vLLM alone on the same requests (goal ≥ 0.95), client CPU "
+        f"{m['client_cpu_ms_per_request']['engine']:.2f} ms per request (vLLM alone {m['client_cpu_ms_per_request']['vllm_alone']:.2f}).",
+        "",
+    ]
+    lines += table(
+        ["engine tok/s", "vLLM alone tok/s", "engine ÷ vLLM", "straggler factor", "learner tok/s (sync / streaming recipe)",
+         "sync limit tok/s", "streaming limit tok/s", "shared-core bound tok/s"],
+        [[f"{m['engine_tokens_per_s']:.0f}", f"{m['vllm_alone_tokens_per_s']:.0f}", f"{m['engine_over_vllm']:.3f}",
+          f"{m['straggler_factor']:.2f}", " / ".join(f"{v:.0f}" for v in m["learner_tokens_per_s"].values()),
+          f"{m['sync_limit_tokens_per_s']:.0f}", f"{m['streaming_limit_tokens_per_s']:.0f} ({m['streaming_bound_by']}-bound)",
+          f"{m['shared_core_bound_tokens_per_s']:.0f}"]],
+    )
+    lines += [""] + table(
+        ["W2 mode", "trained tok/s", "fraction of limit (as measured)", "machine speed W2 ÷ here", "fraction load-normalised", "goal"],
+        [[mode, f"{f['trained_tokens_per_s']:.0f}", f"{f['fraction_of_limit']:.2f}", f"{f['machine_speed_ratio']:.2f}",
+          f"{f['fraction_of_limit_load_normalised']:.2f}", f"≥ {goals[mode]}"] for mode, f in fractions.items()],
+    )
+    return lines
+
+
 def queue_throughput(d: dict) -> list[str]:
     c = d["config"]
     lines = [
@@ -221,18 +262,24 @@ def learning_add_mini_batches(d: dict) -> list[str]:
 
 
 def profile(d: dict) -> list[str]:
+    label = f" — {d['label']}" if d.get("label") else ""
+    load = d.get("machine", {})
+    load_note = f" 1-min load average {load['load_average_1min_start']:.1f} → {load['load_average_1min_end']:.1f}." if load else ""
     lines = [
-        "## Profile — where the time goes (`benchmarks/profile_run.py`)",
+        f"## Profile{label} — where the time goes (`benchmarks/profile_run.py`)",
         "",
         f"py-spy on every process of `asyncrl run {Path(d['config']).name} {' '.join(d['overrides'])}` for "
-        f"{d['duration_s']:.0f} s of training; cores = CPU time / wall time while sampled (py-spy itself adds load).",
+        f"{d['duration_s']:.0f} s of training; cores = CPU time / wall time while sampled (py-spy itself adds load).{load_note}",
         "",
     ]
+    if "trained_samples_per_s" in d:
+        lines += [f"The learner trained {d['trained_samples_per_s']:.0f} samples/s meanwhile; CPU ms per trained sample "
+                  "compares profiles taken at different loads.", ""]
     rows = []
     for role, r in d["processes"].items():
         top = "; ".join(f"{frame} {share:.0%}" for frame, share in r.get("self", [])[:3])
-        rows.append([role, f"{r['cpu_cores']:.2f}", r["samples"], top or "-"])
-    return lines + table(["process", "cores", "samples", "largest self shares"], rows)
+        rows.append([role, f"{r['cpu_cores']:.2f}", fnum(r.get("cpu_ms_per_trained_sample")), r["samples"], top or "-"])
+    return lines + table(["process", "cores", "CPU ms / trained sample", "samples", "largest self shares"], rows)
 
 
 def generic(name: str, d: dict) -> list[str]:
@@ -251,8 +298,11 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "learning_add_mb4": learning_add_mini_batches,
     "learning_add_mb4_same_lr": learning_add_mini_batches,
     "profile": profile,
+    "profile_before": profile,
+    "limits": limits,
 }
-ORDER = ["learning_add", "learning_add_mb4", "learning_add_mb4_same_lr", "async_speedup", "weight_sync", "queue_throughput", "algo_throughput", "profile"]
+ORDER = ["learning_add", "learning_add_mb4", "learning_add_mb4_same_lr", "async_speedup", "limits", "weight_sync", "queue_throughput", "algo_throughput",
+         "profile_before", "profile"]
 
 
 def render(results: Path) -> str:

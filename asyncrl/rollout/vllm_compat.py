@@ -9,6 +9,7 @@ Contents:
 - `create_async_llm`: the engine, with the model in the engine-core process on CPU (no busy-waiting worker).
 - `WeightReceiver`: the worker extension (`worker_extension_cls`) that loads safetensors buckets or a
   shared-memory segment in place (`load_weights`).
+- `token_input`: a prompt of token ids in the form `AsyncLLM.generate` takes without a thread hop.
 - `version_per_token`: per-token policy versions from vLLM's weight-version spans.
 - `pause_for_update` / `resume_after_update`: in-flight (keep running requests) and draining pauses.
 """
@@ -91,6 +92,19 @@ def engine_args(
         disable_log_stats=True,
         enable_log_requests=False,
     )
+
+
+def token_input(token_ids: list[int]) -> Any:
+    """`token_ids` as vLLM's rendered token input (vLLM 0.32 `vllm.inputs.engine.tokens_input`).
+
+    vLLM 0.32: `AsyncLLM.generate` processes a rendered input inline, but sends a raw `{"prompt_token_ids":
+    ...}` prompt through its renderer's thread pool (built for tokenizing text; deprecated for token ids): one
+    thread hop per request, the largest per-request cost in a rollout worker's profile after vLLM's own output
+    handling. Length validation against `max_model_len` is the same on both paths.
+    """
+    from vllm.inputs.engine import tokens_input
+
+    return tokens_input(token_ids)
 
 
 class WeightReceiver:

@@ -41,3 +41,28 @@ def test_mini_batch_runs_take_their_own_overrides_and_only_the_chosen_modes():
         ("streaming_mb4", "default.yaml", ["learner.mini_batches=4", "learner.lr=2.5e-5"]),
     ]
     assert [name for name, _, _ in runs(1)] == ["sync", "streaming", "sao"]
+
+
+def test_limit_model_follows_its_formulas():
+    from limits import EngineFigures, limit_model, w2_fractions
+
+    # 2 batches of 100 + 300 tokens. Engine: best all-at-once run 1 s -> E = 400 tokens/s; vLLM alone 0.9 s.
+    # Batch by batch 1 s each: 2 s where the saturated engine needs 1 s -> straggler factor 2.
+    engine = EngineFigures(engine_s=[2.0, 1.0], vllm_s=[0.9, 0.95], batch_s=[1.0, 1.0], trajectories=[],
+                           engine_cpu_s=[0.3, 0.2], vllm_cpu_s=[0.1, 0.15])
+    model = limit_model(engine, [100, 300], {"sync": [0.5, 0.5], "streaming": [1.0, 1.0]}, requests=100)
+    assert model["engine_tokens_per_s"] == 400.0
+    assert abs(model["engine_over_vllm"] - 0.9) < 1e-12
+    assert model["straggler_factor"] == 2.0
+    assert model["client_cpu_ms_per_request"] == {"engine": 2.0, "vllm_alone": 1.0}  # best run's CPU s / 100 requests
+    assert abs(model["sync_limit_tokens_per_s"] - 400 / 3) < 1e-9  # 400 tokens / (2 s generating + 1 s training)
+    assert model["learner_tokens_per_s"] == {"sync": 400.0, "streaming": 200.0}
+    assert (model["streaming_limit_tokens_per_s"], model["streaming_bound_by"]) == (200.0, "learner")  # min(400, 200)
+    assert abs(model["shared_core_bound_tokens_per_s"] - 400 / 3) < 1e-9  # 1 / (1/400 + 1/200)
+    # W2's session timed the engine alone at 800 tokens/s: the machine was 2x faster then.
+    w2 = {"engine_alone": {"tokens_per_s": 800.0},
+          "modes": [{"mode": "sync", "trained_tokens_per_s": 120.0}, {"mode": "streaming", "trained_tokens_per_s": 150.0}]}
+    fractions = w2_fractions(model, w2)
+    assert abs(fractions["sync"]["fraction_of_limit"] - 0.9) < 1e-9 and fractions["streaming"]["fraction_of_limit"] == 0.75
+    assert abs(fractions["sync"]["fraction_of_limit_load_normalised"] - 0.45) < 1e-9  # 120 / (133.3 x 2)
+    assert fractions["streaming"]["fraction_of_limit_load_normalised"] == 0.375

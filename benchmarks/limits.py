@@ -1,0 +1,327 @@
+"""A limit model for this machine: the best W2 throughput its engine and its learner allow, and how close
+the last W2 run (`benchmarks/async_speedup.py`) came to it.
+
+Measured pieces, each alone, on W2's workload (tiny-0.3m, log-normal lengths, the same prompt stream):
+  E       engine tokens/s: every trained request submitted at once to one vLLM engine (`Engine`), in a Ray
+          task with the rollout worker's CPU share (`rollout.num_cpus_per_worker` = 1: Ray sets
+          OMP_NUM_THREADS=1), as W2's "engine alone".
+  g_b     seconds to generate batch b alone (its prompts_per_step x G requests at once, waiting for the
+          longest): what sync pays per batch, stragglers included.
+  t_b     seconds of one optimizer step on batch b with `RankStep` on a plain module (no Ray, no FSDP),
+          `learner.num_cpus_per_rank` = 1 torch thread, each mode's recipe.
+  V       vLLM's own tokens/s on the same requests (raw `AsyncLLM`, same sampling, FINAL_ONLY): the
+          overhead of `Engine` is E / V (goal >= 0.95). Both runs also give the client process's CPU per
+          request (all its threads; the engine core is a child process): the rollout worker's share.
+Tokens are W2's: prompt + response tokens of the trained samples (n_b in batch b).
+
+Model:
+  straggler factor  s = sum_b g_b / (sum_b n_b / E)      (batch-at-a-time generation vs the saturated engine)
+  sync limit          = sum_b n_b / sum_b (g_b + t_b)    (generate a batch, then train on it; weight sync free)
+  learner rate      L = sum_b n_b / sum_b t_b
+  streaming limit     = min(E, L)                        (generation and training overlap, engine on one
+                                                          vCPU and learner on the other, each at its alone rate)
+The machine has 2 vCPUs, about one core of matmul: when both sides run at once each may get less than
+alone, so min(E, L) is optimistic; `shared_core_bound` = 1 / (1/E + 1/L) is the rate if they only
+time-share one core. W2's figures are reported as fractions of the limits (goals: sync >= 0.9, streaming
+>= 0.8), as measured and load-normalised by E_w2 / E (W2 times the same engine-alone run in its session).
+
+    python benchmarks/limits.py [--w2 benchmarks/results/async_speedup.json] [--quick]   # ~2 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import common  # benchmarks/common.py: a script's own folder is on sys.path
+
+import async_speedup as w2  # W2's workload, its engine jobs and its per-mode config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# Ray's worker pickles the engine side by value: it gets W2's constants, not the `async_speedup` module.
+MAX_MODEL_LEN, MAX_REQUESTS_IN_FLIGHT, ROLLOUT_CPUS = w2.MAX_MODEL_LEN, w2.MAX_REQUESTS_IN_FLIGHT, w2.ROLLOUT_CPUS
+REPEATS = 2
+"""Engine and vLLM-alone runs are interleaved this many times; the best of each counts (shared machine)."""
+
+
+@dataclass
+class EngineFigures:
+    """What the engine-side Ray task measured (seconds), and the trajectories the learner then trains on."""
+
+    engine_s: list[float]
+    vllm_s: list[float]
+    batch_s: list[float]
+    trajectories: list
+    engine_cpu_s: list[float] = field(default_factory=list)
+    vllm_cpu_s: list[float] = field(default_factory=list)
+    """CPU seconds of the client process (every thread; the engine core is a child process, not counted)
+    during each all-at-once run: the rollout worker's share of the per-request work."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Engine side: one Ray task with the rollout worker's CPU share.
+
+
+def engine_side(model_dir: Path, batches: list[list]) -> EngineFigures:
+    return asyncio.run(measure_engine(model_dir, batches))
+
+
+async def measure_engine(model_dir: Path, batches: list[list]) -> EngineFigures:
+    """All requests at once through `Engine` and through raw vLLM (interleaved), then batch by batch."""
+    from asyncrl.rollout.engine import Engine
+
+    engine = Engine(str(model_dir), name="limit", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_REQUESTS_IN_FLIGHT, seed=0)
+    await engine.start()
+    jobs = [job for batch in batches for job in batch]
+    figures, raw = EngineFigures([], [], [], []), None
+    try:
+        raw = await start_raw_vllm(model_dir, jobs[:1])
+        for _ in range(REPEATS):
+            cpu = time.process_time()
+            figures.vllm_s.append(await raw_generate_s(raw, jobs))
+            figures.vllm_cpu_s.append(time.process_time() - cpu)
+            cpu = time.process_time()
+            seconds, figures.trajectories = await engine_generate(engine, jobs)
+            figures.engine_cpu_s.append(time.process_time() - cpu)
+            figures.engine_s.append(seconds)
+        for batch in batches:
+            figures.batch_s.append((await engine_generate(engine, batch))[0])
+    finally:
+        if raw is not None:
+            raw.shutdown()
+        await engine.shutdown()
+    return figures
+
+
+async def engine_generate(engine, jobs: list) -> tuple[float, list]:
+    began = time.perf_counter()
+    trajectories = await asyncio.gather(*(engine.generate(request, spec) for request, spec in jobs))
+    seconds = time.perf_counter() - began
+    failed = [t for t in trajectories if t.failed]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0].failure}")
+    return seconds, trajectories
+
+
+async def start_raw_vllm(model_dir: Path, warm_up: list):
+    """A second engine with `Engine`'s engine arguments, driven through vLLM's API only (the baseline);
+    `warm_up` pays its one-off first-request cost, as `Engine.start` does."""
+    from asyncrl.rollout import vllm_compat
+
+    args = vllm_compat.engine_args(str(model_dir), max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_REQUESTS_IN_FLIGHT)
+    llm = vllm_compat.create_async_llm(args)
+    await raw_generate_s(llm, warm_up)
+    return llm
+
+
+async def raw_generate_s(llm, jobs: list) -> float:
+    """Seconds for vLLM alone to finish `jobs` submitted at once, one final output per request, the sampled
+    tokens' log-probs included (what `Engine` asks for)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    async def one(i: int, request, spec) -> None:
+        params = SamplingParams(
+            max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
+            ignore_eos=spec.ignore_eos, logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        async for _ in llm.generate({"prompt_token_ids": list(request.prompt.prompt_ids)}, params, f"raw-{i}-{time.time_ns()}"):
+            pass
+
+    began = time.perf_counter()
+    await asyncio.gather(*(one(i, r, s) for i, (r, s) in enumerate(jobs)))
+    return time.perf_counter() - began
+
+
+def measure_engine_side(model_dir: Path, batches: list[list]) -> EngineFigures:
+    import ray
+
+    print("engine side (engine, vLLM alone, batch by batch) ...", flush=True)
+    task = ray.remote(num_cpus=ROLLOUT_CPUS, max_calls=1)(engine_side)
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    try:
+        return ray.get(task.remote(model_dir, batches))
+    finally:
+        ray.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Learner side: this process, no Ray, no FSDP.
+
+
+def learner_seconds(model_dir: Path, mode: str, args, groups_per_batch: list[list], out_dir: Path) -> list[float]:
+    """Seconds of each optimizer step of `mode`'s recipe on the given batches (one plain fp32 module, the
+    learner's torch threads), as `LearnerWorker` steps them but without its process group."""
+    import torch
+
+    from asyncrl.algo.sampling import SamplingDistribution
+    from asyncrl.learner.batch import build_batch, split_mini_batches
+    from asyncrl.learner.checkpoint import TrainState
+    from asyncrl.learner.policy import PolicyModel, load_causal_lm
+    from asyncrl.learner.pool import recipe_from_config
+    from asyncrl.learner.rank import materialize_optimizer_state
+    from asyncrl.learner.step import RankStep
+
+    cfg = w2.mode_config(mode, args, out_dir, model_dir)  # W2's learner settings and recipe for `mode`
+    learner, recipe = cfg.learner, recipe_from_config(cfg)
+    torch.set_num_threads(max(1, int(learner.num_cpus_per_rank)))
+    torch.manual_seed(learner.seed)
+    policy = PolicyModel(load_causal_lm(str(model_dir)))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=learner.lr, betas=learner.betas, weight_decay=learner.weight_decay)
+    materialize_optimizer_state(optimizer)
+    state = TrainState(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
+    sampling = SamplingDistribution(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
+    step = RankStep(state, learner, recipe, sampling, torch.device("cpu"), lambda tensor, _op: tensor)
+    seconds = []
+    for b, groups in enumerate(groups_per_batch):
+        began = time.perf_counter()
+        step.train(split_mini_batches(build_batch(groups, recipe), learner.mini_batches, recipe), b)
+        seconds.append(time.perf_counter() - began)
+    return seconds
+
+
+def groups_of(trajectories: list, args) -> list[list]:
+    """The trained trajectories as W2's batches of `prompts_per_step` groups of G (in stream order)."""
+    from asyncrl.types import Group
+
+    g, per_batch = args.samples_per_prompt, args.prompts_per_step
+    groups = [Group(trajectories[i].group_id, list(trajectories[i : i + g])) for i in range(0, len(trajectories), g)]
+    return [groups[i : i + per_batch] for i in range(0, len(groups), per_batch)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The model.
+
+
+def limit_model(engine: EngineFigures, batch_tokens: list[int], train_s: dict[str, list[float]], requests: int) -> dict:
+    """The formulas of the module docstring; `train_s` per mode (sync, streaming); `requests` per all-at-once run."""
+    tokens = sum(batch_tokens)
+    engine_rate = tokens / min(engine.engine_s)
+    learner_rate = tokens / sum(train_s["streaming"])
+    return {
+        "tokens": tokens,
+        "engine_tokens_per_s": engine_rate,
+        "vllm_alone_tokens_per_s": tokens / min(engine.vllm_s),
+        "engine_over_vllm": min(engine.vllm_s) / min(engine.engine_s),
+        "client_cpu_ms_per_request": {"engine": 1000 * min(engine.engine_cpu_s) / requests, "vllm_alone": 1000 * min(engine.vllm_cpu_s) / requests},
+        "straggler_factor": sum(engine.batch_s) / (tokens / engine_rate),
+        "gen_batch_s_mean": sum(engine.batch_s) / len(engine.batch_s),
+        "train_batch_s_mean": {mode: sum(s) / len(s) for mode, s in train_s.items()},
+        "learner_tokens_per_s": {mode: tokens / sum(s) for mode, s in train_s.items()},
+        "sync_limit_tokens_per_s": tokens / (sum(engine.batch_s) + sum(train_s["sync"])),
+        "streaming_limit_tokens_per_s": min(engine_rate, learner_rate),
+        "streaming_bound_by": "engine" if engine_rate <= learner_rate else "learner",
+        "shared_core_bound_tokens_per_s": 1.0 / (1.0 / engine_rate + 1.0 / learner_rate),
+    }
+
+
+def w2_fractions(model: dict, w2_result: dict | None) -> dict:
+    """Each W2 mode's trained tokens/s over its limit (sao, also asynchronous, against streaming's), as
+    measured, and load-normalised: W2 measured the same engine-alone run E in its own session, so
+    E_w2 / E_here says how much faster the shared machine was then; the normalised fraction assumes the
+    learner sped up alike (a first-order correction: the fractions are only exact back to back)."""
+    if w2_result is None:
+        return {}
+    limits = {"sync": model["sync_limit_tokens_per_s"], "streaming": model["streaming_limit_tokens_per_s"], "sao": model["streaming_limit_tokens_per_s"]}
+    speed = w2_result["engine_alone"]["tokens_per_s"] / model["engine_tokens_per_s"]
+    return {
+        m["mode"]: {
+            "trained_tokens_per_s": m["trained_tokens_per_s"],
+            "fraction_of_limit": m["trained_tokens_per_s"] / limits[m["mode"]],
+            "machine_speed_ratio": speed,
+            "fraction_of_limit_load_normalised": m["trained_tokens_per_s"] / (limits[m["mode"]] * speed),
+        }
+        for m in w2_result["modes"]
+        if m["mode"] in limits
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common.add_output_options(parser, "limits", "4 batches instead of W2's (~1 min); writes limits_quick.json")
+    parser.add_argument("--w2", type=Path, default=common.RESULTS / "async_speedup.json",
+                        help="the W2 result to report against; its workload config is the one measured here")
+    args = parser.parse_args()
+    w2_result = json.loads(args.w2.read_text()) if args.w2.exists() else None
+    config = (w2_result or {}).get("config", {})
+    length = config.get("length_distribution", {})
+    # The defaults of async_speedup.py, overridden by the W2 result's own config: the same workload.
+    args.steps = 4 if args.quick else config.get("steps", 24)
+    args.prompts_per_step = config.get("prompts_per_step", 8)
+    args.samples_per_prompt = config.get("samples_per_prompt", 4)
+    args.max_staleness = config.get("max_staleness", 4)
+    args.median_tokens, args.p99_tokens, args.seed = length.get("median", 32.0), length.get("p99", 512.0), 0
+    args.w2_result = w2_result
+    return args
+
+
+def batches_of_jobs(args, model_dir: Path) -> list[list]:
+    """W2's trained requests (the first steps x prompts_per_step prompts, G samples each), batch by batch."""
+    from asyncrl.config import RolloutConfig
+
+    prompts = w2.workload(args, model_dir)[: args.steps * args.prompts_per_step]
+    rollout = RolloutConfig(max_requests_in_flight=MAX_REQUESTS_IN_FLIGHT, max_model_len=MAX_MODEL_LEN)
+    per_batch = args.prompts_per_step
+    return [w2.engine_jobs(prompts[i : i + per_batch], args.samples_per_prompt, rollout) for i in range(0, len(prompts), per_batch)]
+
+
+def print_summary(model: dict, fractions: dict) -> None:
+    print(f"engine {model['engine_tokens_per_s']:.0f} tokens/s ({model['engine_over_vllm']:.3f} of vLLM alone, "
+          f"{model['vllm_alone_tokens_per_s']:.0f}); straggler factor {model['straggler_factor']:.2f}; learner "
+          + ", ".join(f"{m} {r:.0f}" for m, r in model["learner_tokens_per_s"].items()) + " tokens/s")
+    cpu = model["client_cpu_ms_per_request"]
+    print(f"client CPU per request: Engine {cpu['engine']:.3f} ms, vLLM alone {cpu['vllm_alone']:.3f} ms")
+    print(f"limits: sync {model['sync_limit_tokens_per_s']:.0f} tokens/s, streaming {model['streaming_limit_tokens_per_s']:.0f} "
+          f"({model['streaming_bound_by']}-bound; one shared core: {model['shared_core_bound_tokens_per_s']:.0f})")
+    for mode, f in fractions.items():
+        print(f"W2 {mode}: {f['trained_tokens_per_s']:.0f} tokens/s = {f['fraction_of_limit']:.2f} of its limit; "
+              f"{f['fraction_of_limit_load_normalised']:.2f} load-normalised (engine alone {f['machine_speed_ratio']:.2f}x faster in W2's session)")
+
+
+def main() -> None:
+    args = parse_args()
+    common.set_runtime_env()
+    from asyncrl.models import build_model
+
+    began, load_start = time.perf_counter(), common.load_average()
+    with tempfile.TemporaryDirectory(prefix="asyncrl-limits-") as tmp:
+        model_dir = build_model("tiny-0.3m", Path(tmp) / "model", seed=args.seed)
+        batches = batches_of_jobs(args, model_dir)
+        engine = measure_engine_side(model_dir, batches)
+        groups = groups_of(engine.trajectories, args)
+        print("learner alone (sync's and streaming's recipes) ...", flush=True)
+        train_s = {mode: learner_seconds(model_dir, mode, args, groups, Path(tmp) / "runs") for mode in ("sync", "streaming")}
+    batch_tokens = [sum(t.num_tokens for g in batch for t in g.trajectories) for batch in groups]
+    model = limit_model(engine, batch_tokens, train_s, len(engine.trajectories))
+    fractions = w2_fractions(model, args.w2_result)
+    print_summary(model, fractions)
+    result = {
+        "workload": "W2 tail (limit model)",
+        "quick": args.quick,
+        "config": {"steps": args.steps, "prompts_per_step": args.prompts_per_step, "samples_per_prompt": args.samples_per_prompt,
+                   "engine_cpus": ROLLOUT_CPUS, "learner_threads": 1, "w2_result": str(args.w2) if args.w2_result else None},
+        "machine": common.machine(load_start),
+        "measured": {"engine_s": engine.engine_s, "vllm_alone_s": engine.vllm_s, "gen_batch_s": engine.batch_s,
+                     "engine_client_cpu_s": engine.engine_cpu_s, "vllm_client_cpu_s": engine.vllm_cpu_s,
+                     "train_batch_s": train_s, "batch_tokens": batch_tokens},
+        "model": model,
+        "w2_fraction_of_limit": fractions,
+        "total_s": round(time.perf_counter() - began, 1),
+    }
+    out = common.output_path("limits", args)
+    common.write_json(out, result)
+    print(f"wrote {out} ({result['total_s']:.0f}s in all)")
+
+
+if __name__ == "__main__":
+    main()
