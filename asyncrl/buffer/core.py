@@ -337,8 +337,9 @@ class ReplayQueueCore:
 
         Ready groups with lag `learner_version - min_version > max_staleness` are dropped first
         (`dropped_stale`). With `min_groups`, hands out all ready groups when at least that many are ready
-        (for the end of a run). Returns None, handing out nothing, when too few are ready. The admission
-        version is left alone: only the controller moves it, once engines confirm a sync.
+        (for the end of a run). Returns None, handing out nothing, when too few are ready or, under
+        `stale_policy: wait`, while `awaited_requests` names any; under `wait` the oldest `min_version` goes
+        first. The admission version is left alone: only the controller moves it, once engines confirm a sync.
         """
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1 (got {num_groups})")
@@ -514,6 +515,8 @@ class ReplayQueueCore:
         self._release(g, i)
         if g.first_arrival_at is None:
             g.first_arrival_at = now
+        if t.failure is None:
+            self.ledger.record_generated(len(t.response_ids))
         if g.resolved:
             self._finish(g, i, g.late_fate, t)
         elif t.failure is not None and filters.failure_reason(t.failure) == STALE_FAILURE:
@@ -521,7 +524,6 @@ class ReplayQueueCore:
         elif t.failure is not None:
             self._finish(g, i, filters.failed_state(t.failure), t)
         else:
-            self.ledger.record_generated(len(t.response_ids))
             g.rewards_seen.append(float(t.reward))
             if self.config.filter_overlong and filters.is_overlong(t):
                 self._finish(g, i, filters.FILTERED_OVERLONG, t)

@@ -59,7 +59,11 @@ class LengthStats:
 @dataclass(frozen=True)
 class ResponseLengths:
     """Response lengths of every sample that finished generation (`generated`: reached the queue without a
-    failure, whatever its fate) and of the samples handed to the learner (`trained`)."""
+    failure, whatever its fate) and of the samples handed to the learner (`trained`).
+
+    A policy that drops long samples shows as `trained` below `generated`. Samples still ready when a run
+    ends count as generated only; short ones finish first, so at the end `generated` may sit a little below
+    `trained` even when nothing was dropped. Requests aborted as stale never finish and are in neither."""
 
     generated: LengthStats
     trained: LengthStats
