@@ -194,10 +194,18 @@ class ToolsConfig(Section):
 class BufferConfig(Section):
     max_staleness: int = Field(4, ge=0, le=1024)
     """eta: the largest policy lag (learner version minus a sample's min_version) allowed in a gradient."""
+    stale_policy: Literal["drop", "wait"] = "wait"
+    """What happens to a sample that would outlive `max_staleness`. `wait` (default): nothing is aborted or dropped
+    for staleness; the learner's next step waits until every group for which that step is the last one within the
+    bound (started at admission version <= learner version - max_staleness) is ready, and trains the oldest groups
+    first, so long samples are trained and the trained length distribution is the generated one. `drop`: such
+    samples are aborted in flight (`abort_stale_in_flight`) or dropped at hand-out, so the learner never waits for
+    them but trains a distribution biased to short samples. Either way no trained sample has lag > `max_staleness`."""
     abort_stale_in_flight: bool = True
-    """Abort a running request as soon as it is certain to exceed `max_staleness` (its first token is more than
-    `max_staleness` versions older than the weights its engine now serves): it ends `dropped_stale` with its
-    group, and the engine's slot goes to new work instead of tokens that would be thrown away."""
+    """Under `stale_policy: drop`, abort a running request as soon as it is certain to exceed `max_staleness` (its
+    first token is more than `max_staleness` versions older than the weights its engine now serves): it ends
+    `dropped_stale` with its group, and the engine's slot goes to new work instead of tokens that would be thrown
+    away. Ignored under `wait`, which aborts nothing."""
     group_timeout_s: float = Field(120.0, gt=0)
     """A group whose members are not all in within this time after its first member is a straggler."""
     straggler_policy: Literal["drop", "partial"] = "drop"
@@ -216,6 +224,11 @@ class BufferConfig(Section):
     """Ready groups held before producers are back-pressured."""
     log_parquet: bool = True
     """Append every trajectory with its fate to `<run>/trajectories.parquet`."""
+
+    @property
+    def abort_staleness(self) -> int | None:
+        """The staleness at which engines abort running requests (`Engine.abort_stale`); None = never."""
+        return self.max_staleness if self.abort_stale_in_flight and self.stale_policy == "drop" else None
 
 
 class AlgorithmConfig(Section):

@@ -72,7 +72,7 @@ def async_speedup(d: dict) -> list[str]:
         "## W2 `tail` — async throughput under heavy-tailed lengths (`benchmarks/async_speedup.py`)",
         "",
         f"{c['model']}, {c['steps']} steps × {c['prompts_per_step']} prompts × G={c['samples_per_prompt']} per mode "
-        f"(sao: G single-rollout copies of each prompt), η={c['max_staleness']}; per-prompt max_tokens log-normal "
+        f"(sao: G single-rollout copies of each prompt), η={c['max_staleness']}, stale policy {c.get('stale_policy', 'drop')}; per-prompt max_tokens log-normal "
         f"(median {dist['median']:g}, p99 {dist['p99']:g}, EOS ignored). Trained tokens = prompt + response tokens of "
         "trained samples; efficiency = trained tokens/s ÷ the same requests on one engine with no learner.",
         "",
@@ -80,7 +80,7 @@ def async_speedup(d: dict) -> list[str]:
         "",
     ]
     return lines + table(
-        ["mode", "recipe", "window s", "samples", "tokens", "mean resp len", "tokens/s", "vs sync", "efficiency",
+        ["mode", "recipe", "window s", "samples", "tokens", "mean resp len generated", "mean resp len trained", "tokens/s", "vs sync", "efficiency",
          "rollout idle", "learner idle", "staleness mean", "staleness max", "dropped stale", "of which aborted early"],
         _async_rows(d["modes"], d.get("engine_alone") or {}),
     )
@@ -103,7 +103,7 @@ def _async_rows(modes: list[dict], limit: dict) -> list[list[str]]:
     rows = [
         [
             m["mode"], m["recipe"], fnum(m["window_s"], ".1f"), str(m["samples_trained"]), str(m["tokens_trained"]),
-            fnum(m.get("mean_response_tokens"), ".1f"), fnum(m["trained_tokens_per_s"], ".0f"),
+            fnum(m.get("generated_mean_response_tokens"), ".1f"), fnum(m.get("mean_response_tokens"), ".1f"), fnum(m["trained_tokens_per_s"], ".0f"),
             fx(m["trained_tokens_per_s"] / sync["trained_tokens_per_s"]) if sync else "-",
             fnum(m.get("rollout_efficiency")), fnum(m.get("rollout_idle_fraction")), fnum(m.get("learner_idle_fraction")),
             fnum(m.get("staleness_mean")), str(m.get("staleness_max", "-")), str(m.get("dropped_stale", "-")),
@@ -113,7 +113,7 @@ def _async_rows(modes: list[dict], limit: dict) -> list[list[str]]:
     ]
     if limit:
         rows.append([
-            "engine alone", "-", fnum(limit["seconds"], ".1f"), str(limit["requests"]), str(limit["tokens"]),
+            "engine alone", "-", fnum(limit["seconds"], ".1f"), str(limit["requests"]), str(limit["tokens"]), "-",
             fnum(limit["response_tokens"] / limit["requests"], ".1f"), fnum(limit["tokens_per_s"], ".0f"), "-", "1.00",
             "-", "-", "-", "-", "-", "-",
         ])

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.buffer.core import ReplayQueueCore
+from asyncrl.buffer.ledger import ResponseLengths
 from asyncrl.config import BufferConfig
 from asyncrl.types import Batch, Prompt, Request, Trajectory
 
@@ -57,7 +58,7 @@ class ReplayQueue:
         if self.core.expire_stragglers():
             self._notify()
 
-    def _describe(self) -> str:
+    def _describe(self, learner_version: int) -> str:
         s = self.core.stats()
         outstanding = self.core.outstanding_by_worker()
         holders = ", ".join(f"{w}={n}" for w, n in sorted(outstanding.items(), key=lambda kv: -kv[1])[:8]) or "none"
@@ -65,7 +66,12 @@ class ReplayQueue:
         if oldest is not None:
             holders += f" (oldest {oldest[0]} held by {oldest[1]} for {oldest[2]:.1f}s)"
         hint = ""
-        if s["groups_in_flight"] == 0 and s["backlog_groups"] == 0 and s["ready_groups"] == 0:
+        awaited = self.core.awaited_requests(learner_version)
+        if awaited:
+            hint = "; stale_policy wait: this step is the last within max_staleness for " + ", ".join(
+                f"{rid} ({'held by ' + worker if worker else 'not yet acquired'})" for rid, worker in awaited
+            )
+        elif s["groups_in_flight"] == 0 and s["backlog_groups"] == 0 and s["ready_groups"] == 0:
             hint = "; nothing in flight and the backlog is empty (were prompts added?)"
         elif s["groups_ahead"] >= s["admission_limit_groups"] and s["backlog_groups"]:
             hint = (
@@ -151,7 +157,7 @@ class ReplayQueue:
                 want = f"{num_groups} groups" if min_groups is None else f"{num_groups} (at least {min_groups}) groups"
                 raise TimeoutError(
                     f"ReplayQueue '{self.name}': get_batch waited {time.monotonic() - start:.1f}s (timeout {timeout_s}s) "
-                    f"for {want} at learner version {learner_version}: {self._describe()}"
+                    f"for {want} at learner version {learner_version}: {self._describe(learner_version)}"
                 )
             await self._wait_change(deadline)
 
@@ -171,6 +177,9 @@ class ReplayQueue:
 
     async def staleness_histogram(self) -> dict[int, int]:
         return self.core.staleness_histogram()
+
+    async def response_lengths(self) -> ResponseLengths:
+        return self.core.response_lengths()
 
     async def state_dict(self) -> dict[str, Any]:
         return self.core.state_dict()

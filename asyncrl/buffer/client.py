@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.buffer.actor import ReplayQueue
+from asyncrl.buffer.ledger import ResponseLengths
 from asyncrl.config import BufferConfig
 from asyncrl.types import Batch, Prompt
 
@@ -81,6 +82,10 @@ class QueueClient:
     def staleness_histogram(self) -> dict[int, int]:
         """Lag -> trained samples."""
         return self._get("staleness_histogram", self.handle.staleness_histogram.remote(), self.timeouts.call_s)
+
+    def response_lengths(self) -> ResponseLengths:
+        """Response-length distributions of the samples generated and of those trained."""
+        return self._get("response_lengths", self.handle.response_lengths.remote(), self.timeouts.call_s)
 
     def requeue_worker(self, worker: str) -> int:
         """Re-dispatch what a dead worker held; returns how many requests."""

@@ -25,8 +25,18 @@ a group started at version v arrives within the bound iff n + 1 <= (v + eta + 1)
 n = consumed + in flight + ready and v is the *admission version*: the version every engine has confirmed,
 set by the controller alone (`set_version`), never raised by the learner version `get_batch` is called at.
 Hand-out check: a ready group with lag > eta is dropped, never handed out.
-Groups finish out of order (long samples), so some still exceed the bound; an engine aborts such a request
-as soon as that is certain and hands it in with `failure="stale: ..."`, which drops its group at once.
+Groups finish out of order (long samples), so some would exceed the bound; `config.stale_policy` decides:
+
+- `wait` (default): the learner waits for them. `get_batch` at learner version L hands out nothing while a
+  group started at admission version a <= L - eta is unfinished (step L is its last within the bound: its
+  tokens carry versions >= a), and hands out ready groups oldest `min_version` first, so such groups are
+  trained at L. Admission keeps what the learner waits for to at most B groups per version in the usual
+  case; a group the gate could not save is still dropped at hand-out, never trained over the bound.
+- `drop`: the learner never waits; an engine aborts such a request as soon as that is certain and hands it
+  in with `failure="stale: ..."` (that drops its group at once), and ready groups too old are dropped.
+  Long samples are the ones that outlive eta, so the trained lengths are biased short.
+
+Either way `ledger.response_lengths()` compares the lengths generated with those trained.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.buffer import filters
-from asyncrl.buffer.ledger import ConservationError, Ledger
+from asyncrl.buffer.ledger import ConservationError, Ledger, ResponseLengths
 from asyncrl.config import BufferConfig
 from asyncrl.types import DROPPED_STALE, STALE_FAILURE, TRAINED, Batch, Group, Prompt, Request, Trajectory
 
@@ -91,6 +101,8 @@ class _GroupState:
     """Ready, filtered or dropped as a whole; members still out get `late_fate` when they arrive."""
     late_fate: str = filters.FILTERED_STRAGGLER
     min_version: int = 0
+    start_version: int = 0
+    """The admission version when the group started: no member's tokens can be older (`stale_policy: wait`)."""
 
     @property
     def size(self) -> int:
@@ -325,13 +337,18 @@ class ReplayQueueCore:
 
         Ready groups with lag `learner_version - min_version > max_staleness` are dropped first
         (`dropped_stale`). With `min_groups`, hands out all ready groups when at least that many are ready
-        (for the end of a run). Returns None, handing out nothing, when too few are ready. The admission
-        version is left alone: only the controller moves it, once engines confirm a sync.
+        (for the end of a run). Returns None, handing out nothing, when too few are ready or, under
+        `stale_policy: wait`, while `awaited_requests` names any; under `wait` the oldest `min_version` goes
+        first. The admission version is left alone: only the controller moves it, once engines confirm a sync.
         """
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1 (got {num_groups})")
         self.expire_stragglers()
+        if self.awaited_requests(learner_version):
+            return None
         self._drop_stale(learner_version)
+        if self.config.stale_policy == "wait":
+            self._ready = deque(sorted(self._ready, key=lambda g: g.min_version))
         if len(self._ready) >= num_groups:
             take = num_groups
         elif min_groups is not None and len(self._ready) >= min_groups:
@@ -342,10 +359,31 @@ class ReplayQueueCore:
         handed = [self._hand_out(self._ready.popleft(), now) for _ in range(take)]
         batch = Batch([group for group, _ in handed], learner_version)
         waited = [seconds for _, latencies in handed for seconds in latencies]
-        for lag, seconds in zip(batch.lags, waited):
-            self.ledger.record_trained(lag, seconds)
+        lengths = [len(t.response_ids) for g in batch.groups for t in g.trajectories]
+        for lag, seconds, length in zip(batch.lags, waited, lengths):
+            self.ledger.record_trained(lag, seconds, length)
         self.ledger.count("groups_consumed", take)
         return batch
+
+    def awaited_requests(self, learner_version: int) -> list[tuple[str, str | None]]:
+        """Under `stale_policy: wait`: (request_id, holding worker or None while not yet acquired) of the
+        unfinished members of the oldest group a step at `learner_version` must wait for; empty otherwise.
+
+        Groups start in admission-version order, so the oldest unresolved group is the only one to look at.
+        """
+        if self.config.stale_policy != "wait":
+            return []
+        oldest = next((g for g in self._groups.values() if not g.resolved), None)
+        if oldest is None or learner_version - oldest.start_version < self.config.max_staleness:
+            return []
+        return [
+            (f"{oldest.group_id}/{i}/{m.attempt}", m.holder)
+            for i, m in enumerate(oldest.members) if m.state in (PENDING, OUT)
+        ]
+
+    def response_lengths(self) -> ResponseLengths:
+        """Response-length distributions of the samples generated and of those trained (`ledger.ResponseLengths`)."""
+        return self.ledger.response_lengths()
 
     def drained(self) -> bool:
         """Nothing more can become ready without new prompts: empty backlog, every group resolved."""
@@ -387,7 +425,8 @@ class ReplayQueueCore:
         """A flat dict of numbers for telemetry: `counters()`, the queue's state (`admission_version`,
         `batch_groups`, `max_staleness`, `admission_limit_groups`, `groups_ahead`, `ready_groups`,
         `ready_samples`, `groups_in_flight`, `backlog_groups`, `retired_prompts_total`), the staleness of
-        trained samples (`staleness_mean`, `staleness_max`, `staleness_hist:<lag>`) and put-to-get latency
+        trained samples (`staleness_mean`, `staleness_max`, `staleness_hist:<lag>`), the mean response length of
+        generated and of trained samples (`response_len_{generated,trained}_mean`) and put-to-get latency
         (`latency_count`, `latency_{mean,p50,p99,max}_s`)."""
         out: dict[str, float] = dict(self.counters())
         out.update(
@@ -403,6 +442,8 @@ class ReplayQueueCore:
             retired_prompts_total=len(self._pass_rate.retired),
         )
         out.update(self.ledger.staleness_stats())
+        lengths = self.response_lengths()
+        out.update(response_len_generated_mean=lengths.generated.mean, response_len_trained_mean=lengths.trained.mean)
         for key, value in self.latency_stats().items():
             out[f"latency_{key}" + ("" if key == "count" else "_s")] = value
         return out
@@ -474,6 +515,8 @@ class ReplayQueueCore:
         self._release(g, i)
         if g.first_arrival_at is None:
             g.first_arrival_at = now
+        if t.failure is None:
+            self.ledger.record_generated(len(t.response_ids))
         if g.resolved:
             self._finish(g, i, g.late_fate, t)
         elif t.failure is not None and filters.failure_reason(t.failure) == STALE_FAILURE:
@@ -522,7 +565,7 @@ class ReplayQueueCore:
         prompt, size = self._backlog.popleft()
         gid = f"{prompt.prompt_id}#{self._next_group}"
         self._next_group += 1
-        self._groups[gid] = _GroupState(gid, prompt, [Member() for _ in range(size)])
+        self._groups[gid] = _GroupState(gid, prompt, [Member() for _ in range(size)], start_version=self.admission_version)
         self._pending.extend((gid, i) for i in range(size))
         self._unresolved += 1
         self.ledger.dispatch(size)

@@ -5,12 +5,15 @@ Kept apart from `core.py` so that the conservation law (invariant 3) reads in on
     dispatched == trained + dropped_stale + Σ filtered:* + Σ failed:* + in_flight
 
 The core tells the ledger when samples are dispatched and when one reaches its terminal state; the ledger
-counts, checks the law, and keeps the staleness histogram and put-to-get latencies of trained samples.
+counts, checks the law, and keeps the staleness histogram and put-to-get latencies of trained samples, and
+the response lengths of generated and of trained samples (a staleness policy that drops long samples shows as
+a gap between the two).
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,6 +30,45 @@ ALWAYS_COUNTED = (
 """Keys `counters()` always reports (0 when nothing happened), so readers need no `.get(key, 0)`."""
 
 
+@dataclass(frozen=True)
+class LengthStats:
+    """Response lengths (tokens) of a set of samples. Percentiles are nearest-rank: `p50` is the smallest length
+    that at least half of the samples do not exceed. All zero for no samples."""
+
+    count: int = 0
+    mean: float = 0.0
+    p50: int = 0
+    p90: int = 0
+    max: int = 0
+
+    @classmethod
+    def from_histogram(cls, histogram: Counter[int]) -> LengthStats:
+        count = sum(histogram.values())
+        if not count:
+            return cls()
+        lengths = sorted(histogram)
+        cumulative = np.cumsum([histogram[n] for n in lengths])
+
+        def rank(q: float) -> int:
+            return lengths[int(np.searchsorted(cumulative, q * count))]
+
+        mean = sum(n * k for n, k in histogram.items()) / count
+        return cls(count=count, mean=mean, p50=rank(0.5), p90=rank(0.9), max=lengths[-1])
+
+
+@dataclass(frozen=True)
+class ResponseLengths:
+    """Response lengths of every sample that finished generation (`generated`: reached the queue without a
+    failure, whatever its fate) and of the samples handed to the learner (`trained`).
+
+    A policy that drops long samples shows as `trained` below `generated`. Samples still ready when a run
+    ends count as generated only; short ones finish first, so at the end `generated` may sit a little below
+    `trained` even when nothing was dropped. Requests aborted as stale never finish and are in neither."""
+
+    generated: LengthStats
+    trained: LengthStats
+
+
 class ConservationError(AssertionError):
     """dispatched != trained + dropped_stale + filtered + failed + in_flight, or in_flight disagrees with the members."""
 
@@ -41,6 +83,10 @@ class Ledger:
         self.staleness: Counter[int] = Counter()
         """Lag (learner version - the sample's min_version) -> trained samples."""
         self.latencies: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self.generated_lengths: Counter[int] = Counter()
+        """Response length -> samples that finished generation."""
+        self.trained_lengths: Counter[int] = Counter()
+        """Response length -> trained samples."""
 
     def count(self, key: str, n: int = 1) -> None:
         """An informational counter (not part of the conservation sum)."""
@@ -55,10 +101,18 @@ class Ledger:
         self.counts[fate] += 1
         self.in_flight -= 1
 
-    def record_trained(self, lag: int, latency_s: float) -> None:
+    def record_generated(self, response_length: int) -> None:
+        """A sample finished generation (it reached the queue without a failure)."""
+        self.generated_lengths[response_length] += 1
+
+    def record_trained(self, lag: int, latency_s: float, response_length: int) -> None:
         """A sample handed to the learner with `lag`, `latency_s` after it was put (its fate is counted by `finish`)."""
         self.staleness[lag] += 1
         self.latencies.append(latency_s)
+        self.trained_lengths[response_length] += 1
+
+    def response_lengths(self) -> ResponseLengths:
+        return ResponseLengths(LengthStats.from_histogram(self.generated_lengths), LengthStats.from_histogram(self.trained_lengths))
 
     def counters(self) -> dict[str, int]:
         out = dict.fromkeys(ALWAYS_COUNTED, 0)
@@ -110,10 +164,18 @@ class Ledger:
         counts = Counter(self.counts)
         counts["dispatched"] -= self.in_flight
         counts["groups_started"] -= redispatched_groups
-        return {"counters": {k: v for k, v in counts.items() if v}, "staleness": dict(self.staleness)}
+        return {
+            "counters": {k: v for k, v in counts.items() if v},
+            "staleness": dict(self.staleness),
+            "generated_lengths": dict(self.generated_lengths),
+            "trained_lengths": dict(self.trained_lengths),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict` (JSON round-tripped keys welcome); nothing is in flight afterwards."""
         self.counts = Counter({k: int(v) for k, v in state["counters"].items()})
         self.staleness = Counter({int(k): int(v) for k, v in state["staleness"].items()})
+        # Checkpoints written before the length histograms existed have neither key.
+        self.generated_lengths = Counter({int(k): int(v) for k, v in state.get("generated_lengths", {}).items()})
+        self.trained_lengths = Counter({int(k): int(v) for k, v in state.get("trained_lengths", {}).items()})
         self.in_flight = 0

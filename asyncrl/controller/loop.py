@@ -535,6 +535,8 @@ class Controller:
             "samples_trained": self.samples_trained,
             "tokens_trained": self.tokens_trained,
             "staleness_histogram": {str(lag): n for lag, n in sorted(histogram.items())},
+            "stale_policy": self.cfg.buffer.stale_policy,
+            "response_lengths": asdict(self.queue.response_lengths()),
             "counters": counters,
             "mismatch_k3_mean": sum(self.mismatch_k3) / len(self.mismatch_k3) if self.mismatch_k3 else None,
             "parity_max_abs_diff_mean": sum(self.parity) / len(self.parity) if self.parity else None,

@@ -170,12 +170,12 @@ class RolloutPool:
         tools: ToolExecutor | None = None,
     ) -> RolloutPool:
         """The run's pool: engines, sampling and reward from `cfg`; engines abort requests certain to exceed
-        `buffer.max_staleness` when `buffer.abort_stale_in_flight`. A preset model from the driver's cache travels
+        `buffer.max_staleness` when `buffer.abort_staleness` says so (`stale_policy: drop`). A preset model from the driver's cache travels
         through the object store to workers on nodes that lack it. `tools` (the tool pool's client) runs tools
         and rewards; None: in each worker's process."""
         return cls(
             str(model_dir), cfg.rollout, cfg.env, queue, dtype=cfg.model.dtype, max_model_len=cfg.rollout.max_model_len,
-            seed=cfg.seed, max_staleness=cfg.buffer.max_staleness if cfg.buffer.abort_stale_in_flight else None, latest=latest,
+            seed=cfg.seed, max_staleness=cfg.buffer.abort_staleness, latest=latest,
             replace_dead=cfg.rollout.replace_dead_workers, placement_timeout_s=cfg.cluster.placement_timeout_s, model=ship(model_dir),
             tools=tools,
         )

@@ -54,7 +54,7 @@ class WorkerSpec:
     """Overrides the sampling derived from `rollout` (e.g. `ignore_eos` for benchmarks)."""
     max_staleness: int | None = None
     """After each in-flight weight update, abort the running requests certain to exceed this staleness
-    (`Engine.abort_stale`; `buffer.max_staleness` when `buffer.abort_stale_in_flight`); None never aborts."""
+    (`Engine.abort_stale`; `buffer.abort_staleness`); None never aborts."""
     tools: ToolExecutor | None = None
     """Runs tools and the reward (asyncrl/envs/tools); None: in this process (`InProcessTools`)."""
 

@@ -107,3 +107,33 @@ def test_resume_with_two_learner_ranks_reshards_the_checkpoint_and_continues(fir
     assert history[0]["version"] == 5 and resumed["final_version"] == 6
     assert conservation["trained"] == saved["samples_trained"] + 4 * 4
     assert max(row["parity_max_abs_diff"] for row in history) < 1e-5  # the re-sharded weights are the same weights
+
+
+def test_wait_trains_long_samples_within_the_bound_instead_of_dropping_them(ray_cluster, tiny_model_dir, tmp_path):
+    """`buffer.stale_policy: wait` on heavy-tailed lengths: every 4th prompt generates 200 tokens, the others 4
+    (EOS ignored), so short groups overtake long ones. Nothing is aborted or dropped, no lag exceeds eta = 1,
+    and the long groups are trained: at least a tenth of the trained samples (p90) are 200 tokens long, and the
+    trained mean is not below the generated one (drop's bias; samples left ready at the end, short ones
+    first, can only lower the generated mean). At this size the learner is slower than the engine, so `drop`
+    passes too (it had nothing to drop in trial runs): the policies' difference is pinned by
+    tests/unit/buffer/test_buffer_stale_policy.py and measured by benchmarks/async_speedup.py."""
+    from asyncrl.envs.data import write_verl_parquet
+
+    rows = [
+        {"data_source": "add", "prompt": [{"role": "user", "content": f"{i % 10}+1="}],
+         "reward_model": {"style": "rule", "ground_truth": str(i % 10 + 1)},
+         "extra_info": {"index": i, "max_tokens": 200 if i % 4 == 0 else 4, "ignore_eos": True}}
+        for i in range(32)
+    ]  # fmt: skip
+    write_verl_parquet(rows, tmp_path / "train.parquet")
+    cfg = _config(tmp_path, **{
+        "model.path": str(tiny_model_dir), "data.task": "parquet", "data.train_path": str(tmp_path / "train.parquet"),
+        "buffer.stale_policy": "wait", "learner.max_steps": 4, "weight_sync.parity_probe": False, "checkpoint.export_hf": False,
+    })  # fmt: skip
+    summary, conservation, _ = _run(cfg, tiny_model_dir)
+    assert conservation["dropped_stale"] == 0 and sum(e.get("stale_aborts", 0) for e in summary["rollout"].values()) == 0
+    assert max(int(k) for k in summary["staleness_histogram"]) <= 1
+    generated, trained = summary["response_lengths"]["generated"], summary["response_lengths"]["trained"]
+    assert trained["count"] == conservation["trained"] == 4 * 4 * 4
+    assert trained["p90"] == trained["max"] == 200
+    assert trained["mean"] >= generated["mean"]

@@ -11,7 +11,7 @@ def ledger_with(dispatched: int, fates: list[str], trained_lags: list[int]) -> L
     for fate in fates:
         ledger.finish(fate)
     for lag in trained_lags:
-        ledger.record_trained(lag, latency_s=0.5)
+        ledger.record_trained(lag, latency_s=0.5, response_length=4)
     return ledger
 
 

@@ -94,7 +94,8 @@ def test_a_resumed_run_logs_to_the_next_free_file(tmp_path):
 
 def test_the_queue_logs_every_arrived_trajectory_with_its_fate(tmp_path):
     clock = FakeClock()
-    config = make_config(max_staleness=0, filter_zero_variance=True, filter_overlong=True, log_parquet=True, group_timeout_s=5.0)
+    config = make_config(max_staleness=0, filter_zero_variance=True, filter_overlong=True, log_parquet=True, group_timeout_s=5.0,
+                         stale_policy="drop")  # the learner does not wait: every fate shows up
     core = ReplayQueueCore(config, batch_groups=5, clock=clock, log_dir=tmp_path)
     core.add_prompts(make_prompts(5), samples_per_prompt=2)
     trained, zero_var, overlong_failed, stale, straggler = (core.acquire("w0", 2) for _ in range(5))
