@@ -116,7 +116,9 @@ def main() -> None:
     steps, every = (3, 1) if args.quick else (args.steps, 5)
     out = Path(tempfile.mkdtemp(prefix="learning_add-"))
     results = asyncrl_runs(out, steps, every, args.target, runs(args.mini_batches, args.modes, args.mb_set))
-    if args.baselines and importlib.util.find_spec("trl") is not None:
+    if args.baselines and importlib.util.find_spec("trl") is None:
+        print("peer baseline (TRL GRPOTrainer): trl is not installed (pip install -e .[bench])")
+    elif args.baselines:
         results["trl"] = trl_run(out, steps, every, args.target)
     if args.baselines:
         results["plain"] = plain_run(steps, every, args.target)
@@ -201,9 +203,7 @@ def print_table(results: dict, steps: int, target: float) -> None:
         ratio = f"{gain / r['wall_clock_s'] / base_rate:.2f}x" if base_rate > 0 else "-"
         ttt = f"{r['time_to_target_s']:.0f}" if r["time_to_target_s"] is not None else "-"
         print(f"{mode:<10} {r['start_accuracy']:>6.3f} {r['final_accuracy']:>6.3f} {gain:>+6.3f} {r['wall_clock_s']:>7.0f} {r['samples_trained']:>8d} {ttt:>11} {ratio:>16}")
-    if "trl" not in results:
-        print("peer baseline (TRL GRPOTrainer): trl is not installed (pip install -e .[bench])")
-    elif results["trl"]["time_to_target_s"]:
+    if "trl" in results and results["trl"]["time_to_target_s"]:
         peer = results["trl"]["time_to_target_s"]
         ratios = ", ".join(
             f"{m} {r['time_to_target_excl_eval_s'] / peer:.2f}" for m, r in results.items() if m != "trl" and r["time_to_target_excl_eval_s"]
