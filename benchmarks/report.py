@@ -224,6 +224,34 @@ def profile(d: dict) -> list[str]:
     return lines + table(["process", "cores", "samples", "largest self shares"], rows)
 
 
+def soak(d: dict) -> list[str]:
+    m = d["machine"]
+    lines = [
+        "## Soak — a long run under real faults (`benchmarks/soak.py`)",
+        "",
+        f"`{d['command']}`: {d['wall_minutes']} min wall, {len(d['legs'])} resumed legs "
+        f"({', '.join(leg['ending'] for leg in d['legs'])}), {d['steps']} steps, {d['trained_samples']} samples trained; "
+        f"load average {m['load_average_1min_start']:.1f} at start, {m['load_average_1min_end']:.1f} at end on {m['cpus']} CPUs.",
+        f"Samples lost: {d['prompts_lost']} (conservation counters), {d['lost_by_id']} (logs by id); "
+        f"trained twice: {d['trained_twice']['by_id']} (logs by id; {d['ledger']['kept_verified']} kept samples read, "
+        f"{d['ledger']['kept_unverifiable']} in logs a crash cut).",
+        "",
+    ]
+    rows = []
+    for kind, n in d["faults_by_kind"].items():
+        of_kind = [f for f in d["faults"] if f["kind"] == kind]
+        recovery = [f["recovery_s"] for f in of_kind if f.get("recovery_s") is not None]
+        before = [f["samples_per_s_before"] for f in of_kind if f.get("samples_per_s_before") is not None]
+        after = [f["samples_per_s_after"] for f in of_kind if f.get("samples_per_s_after") is not None]
+        rows.append([kind, n["injected"], n["survived"], n["not_known"], _spread(recovery), _spread(before), _spread(after)])
+    header = ["fault", "injected", "survived", "not known", "recovery s (min-max)", "samples/s 60 s before", "samples/s 60 s after"]
+    return lines + table(header, rows)
+
+
+def _spread(values: list[float]) -> str:
+    return "-" if not values else f"{min(values):g}" if min(values) == max(values) else f"{min(values):g}-{max(values):g}"
+
+
 def generic(name: str, d: dict) -> list[str]:
     scalars = {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool)) and v is not None}
     lines = [f"## {name}", ""]
@@ -238,6 +266,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "algo_throughput": algo_throughput,
     "learning_add": learning_add,
     "profile": profile,
+    "soak": soak,
 }
 ORDER = ["learning_add", "async_speedup", "weight_sync", "queue_throughput", "algo_throughput", "profile"]
 
