@@ -245,7 +245,14 @@ def soak(d: dict) -> list[str]:
         after = [f["samples_per_s_after"] for f in of_kind if f.get("samples_per_s_after") is not None]
         rows.append([kind, n["injected"], n["survived"], n["not_known"], _spread(recovery), _spread(before), _spread(after)])
     header = ["fault", "injected", "survived", "not known", "recovery s (min-max)", "samples/s 60 s before", "samples/s 60 s after"]
-    return lines + table(header, rows)
+    legend = [
+        "",
+        "Recovery: engine — from the pool noticing the death to the replacement serving the latest weights; tool "
+        "worker — from the injection to the next trained step; SIGTERM, driver and learner-rank kills — from the signal "
+        "to the next leg's first step (a whole restart and resume). Not known: the leg, or the next one, ended before "
+        "the outcome showed (the last leg's ending always). Samples/s: `-` where the window is not covered by steps.",
+    ]
+    return lines + table(header, rows) + legend
 
 
 def _spread(values: list[float]) -> str:

@@ -1,6 +1,7 @@
 """Soak: a long W1 run under periodic real faults of every kind, and what it lost (nothing, if it works).
 
     python benchmarks/soak.py [--minutes 20] [--leg-minutes 5] [--kill-every 4] [--nan-every 6] [--quick] [--out PATH]
+    python benchmarks/soak.py --reanalyse benchmarks/results/soak.json   # the analysis again, same run folder
 
 The run is cut into legs of `asyncrl run` processes, each resuming the previous one's latest checkpoint. The
 reward is a user `module:function` reward, so every sample is scored on a sandboxed tool worker. Faults:
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -40,6 +42,8 @@ TOOL_FAULTS = (signal.SIGKILL, signal.SIGSTOP)
 USER_REWARD = "asyncrl.envs.rewards:exact_match"
 """The built-in reward named as a user's `module:function`: it then runs on the tool workers, in the sandbox."""
 RANK_NAMED = re.compile(r"learner rank \d+: \w+ failed: the rank died")
+ENGINE_DIED = re.compile(r"^\[\s*([\d.]+)s\] rollout worker \S+ died: (\d+) requests re-dispatched, replaced by (\S+)", re.M)
+"""The driver's log line when its rollout pool noticed a dead engine (seconds since the driver started)."""
 TOOL_REPLACED = re.compile(r"tool worker \S+ (died|hung)[^\n]*replaced")
 """The driver's log line when its tool pool replaced a worker."""
 EXIT_TIMEOUT_S = 300.0
@@ -75,19 +79,37 @@ class Leg:
 
 def main() -> None:
     args = _parse()
+    result = _reanalysed(args) if args.reanalyse else _soak(args)
+    common.write_json(common.output_path("soak", args), result)
+    _print(result)
+    if result["prompts_lost"] or result["trained_twice"]["by_id"] or result["lost_by_id"]:
+        sys.exit("soak: samples were lost or trained twice")
+
+
+def _soak(args: argparse.Namespace) -> dict:
     common.set_runtime_env()
     load_start = common.load_average()
     out = Path(tempfile.mkdtemp(prefix="asyncrl-soak-")) / "run"
     began = time.monotonic()
     legs = _run_legs(out, args, began)
-    result = {
+    return {
         "machine": common.machine(load_start), "minutes": args.minutes, "wall_minutes": round((time.monotonic() - began) / 60, 1),
-        "command": " ".join(sys.argv), "output_dir": str(out), "legs": [asdict(leg) for leg in legs], **_analyse(out, legs, args),
+        "command": " ".join(sys.argv), "kill_every": args.kill_every, "nan_every": args.nan_every, "output_dir": str(out),
+        "legs": [asdict(leg) for leg in legs], **_analyse(out, legs, args),
     }  # fmt: skip
-    common.write_json(common.output_path("soak", args), result)
-    _print(result)
-    if result["prompts_lost"] or result["trained_twice"]["by_id"] or result["lost_by_id"]:
-        sys.exit("soak: samples were lost or trained twice")
+
+
+def _reanalysed(args: argparse.Namespace) -> dict:
+    """A result JSON's analysis done again from its legs and run folder (which must still exist)."""
+    result = json.loads(args.reanalyse.read_text())
+    args.kill_every, args.nan_every = result.get("kill_every", args.kill_every), result.get("nan_every", args.nan_every)
+    legs = [_leg_from_json(leg) for leg in result["legs"]]
+    return result | {"kill_every": args.kill_every, "nan_every": args.nan_every} | _analyse(Path(result["output_dir"]), legs, args)
+
+
+def _leg_from_json(leg: dict) -> Leg:
+    checkpoint = {key: Checkpoint(**leg[key]) if leg[key] else None for key in ("resumed_from", "resumable_at")}
+    return Leg(**(leg | checkpoint | {"step_seen_s": {int(k): v for k, v in leg["step_seen_s"].items()}}))
 
 
 def _parse() -> argparse.Namespace:
@@ -98,6 +120,7 @@ def _parse() -> argparse.Namespace:
     # a 5-minute leg trains some 6-15 steps.
     parser.add_argument("--kill-every", type=int, default=4, help="SIGKILL the rollout engine after every k steps")
     parser.add_argument("--nan-every", type=int, default=6, help="a NaN reward in every k-th step's batch")
+    parser.add_argument("--reanalyse", type=Path, default=None, help="redo the analysis of this result JSON (its run folder must exist)")
     common.add_output_options(parser, "soak", "3 legs of 3.5 min, one of each ending (smoke test)")
     args = parser.parse_args()
     if args.quick:
@@ -124,11 +147,11 @@ def _next_multiple(step: int, every: int) -> int:
 
 
 def _run_legs(out: Path, args: argparse.Namespace, began: float) -> list[Leg]:
-    """Run legs until `--minutes` are spent (a last leg shorter than a minute is not worth starting)."""
+    """Run whole legs while at least half a leg of `--minutes` is left (a short last leg may never train: a
+    loaded machine takes minutes to start one)."""
     legs: list[Leg] = []
-    deadline = began + args.minutes * 60
-    while deadline - time.monotonic() > 60:
-        seconds = min(args.leg_minutes * 60, deadline - time.monotonic())
+    deadline, seconds = began + args.minutes * 60, args.leg_minutes * 60
+    while deadline - time.monotonic() > seconds / 2:
         resume = legs[-1].resumable_at if legs else None
         legs.append(_run_leg(out, args, Leg(len(legs), ENDINGS[len(legs) % len(ENDINGS)], resume, time.monotonic() - began), seconds, began))
         print(f"leg {legs[-1].index}: {legs[-1].ending}, exit {legs[-1].exit_code}, resumable at {legs[-1].resumable_at}", flush=True)
@@ -239,11 +262,21 @@ def _keep_leg_files(out: Path, index: int) -> None:
 
 def _latest_checkpoint(out: Path) -> Checkpoint | None:
     """The newest complete checkpoint (`resume_from=latest` picks the same one); None if there is none."""
+    extra = _latest_extra(out)
+    return Checkpoint(extra["step"], extra["samples_trained"]) if extra else None
+
+
+def _pending_prompts(out: Path) -> Callable[[str], bool]:
+    """Whether a resume from the newest checkpoint would run a prompt: it waits in the queue's backlog, or it
+    is not drawn yet (W1 prompt ids are `add-<seed>-<draw index>`; a resume draws on from `prompts_drawn`)."""
+    extra = _latest_extra(out) or {"queue": {"backlog": []}, "prompts_drawn": 0}
+    backlog = {item["prompt"]["prompt_id"] for item in extra["queue"]["backlog"]}
+    return lambda prompt_id: prompt_id in backlog or int(prompt_id.rsplit("-", 1)[1]) >= extra["prompts_drawn"]
+
+
+def _latest_extra(out: Path) -> dict | None:
     done = sorted(f for f in (out / "checkpoints").glob("step-*") if (f / "learner_state.json").is_file())
-    if not done:
-        return None
-    extra = json.loads((done[-1] / "extra.json").read_text())
-    return Checkpoint(extra["step"], extra["samples_trained"])
+    return json.loads((done[-1] / "extra.json").read_text()) if done else None
 
 
 # ---------------------------------------------------------------------------------------------------- analysis
@@ -252,10 +285,10 @@ def _latest_checkpoint(out: Path) -> Checkpoint | None:
 def _analyse(out: Path, legs: list[Leg], args: argparse.Namespace) -> dict:
     """Faults by kind (injected, survived), recovery, throughput around each fault, and the sample accounting."""
     rows = [_metrics(out, leg) for leg in legs]
-    summaries = [_summary(out, leg.index) for leg in legs]
-    faults = [f for leg in legs for f in _leg_faults(leg, rows[leg.index], summaries[leg.index], args)]
+    summaries = [_summary(out, leg.index) for leg in legs]  # a crashed leg has none
+    faults = [f for leg in legs for f in _leg_faults(leg, rows[leg.index], (out.parent / f"leg-{leg.index}.log").read_text(), args)]
     faults += [_ending_fault(leg, legs[leg.index + 1] if leg.index + 1 < len(legs) else None, rows) for leg in legs]
-    ledger = soak_ledger.analyse([_ledger_leg(out, leg) for leg in legs])
+    ledger = soak_ledger.analyse([_ledger_leg(out, leg) for leg in legs], _pending_prompts(out))
     last = next((s for s in reversed(summaries) if s), None)
     return {
         "faults": faults,
@@ -287,23 +320,29 @@ def _ledger_leg(out: Path, leg: Leg) -> soak_ledger.LegLog:
     return soak_ledger.read_leg(out / f"trajectories.leg-{leg.index}.parquet", start, end)
 
 
-def _leg_faults(leg: Leg, rows: list[dict], summary: dict | None, args: argparse.Namespace) -> list[dict]:
-    """The engine kills and NaN steps the leg reached, and its tool-worker fault. A fault is survived when the
-    run went on training after it (engine kills: and, with a summary, the replacement served)."""
-    recovered = {f["step"]: f["recovered_s"] for f in (summary or {}).get("faults", [])}
+def _leg_faults(leg: Leg, rows: list[dict], log_text: str, args: argparse.Namespace) -> list[dict]:
+    """The engine kills and NaN steps of the leg, and its tool-worker fault."""
     steps = [r["step"] for r in rows]
     first = leg.resumed_from.step if leg.resumed_from else 0
-    out = []
-    for step in (s for s in steps if s > first and s % args.kill_every == 0 and s < steps[-1]):
-        engine = {"kind": "rollout engine SIGKILL (weight sync)", "leg": leg.index, "step": step, "survived": steps[-1] >= step + 2}
-        engine["recovery_s"] = recovered.get(step)
-        out.append(engine | _rates(rows, next(r["t"] for r in rows if r["step"] == step)))
+    out = [_engine_kill(leg, rows, died, log_text) for died in ENGINE_DIED.finditer(log_text)]
     for row in (r for r in rows if r["step"] > first and r["step"] % args.nan_every == 0):
         skipped = bool(row.get("skipped_step"))
         out.append({"kind": "NaN reward", "leg": leg.index, "step": row["step"], "survived": skipped and steps[-1] > row["step"]})
     if leg.tool_fault and leg.tool_fault["injected"]:
         out.append(_tool_fault(leg, rows))
     return out
+
+
+def _engine_kill(leg: Leg, rows: list[dict], died: re.Match, log_text: str) -> dict:
+    """Survived: the replacement served the latest weights (recovery: seconds from the pool noticing the death
+    to that); None when the leg ended first."""
+    served = re.search(rf"^\[\s*([\d.]+)s\] rollout worker {re.escape(died[3])} serves", log_text, re.M)
+    at = round(leg.started_s + float(died[1]), 1)
+    survived = (served is not None and not leg.exited_on_its_own) if served or leg.exited_on_its_own else None
+    return {
+        "kind": "rollout engine SIGKILL (weight sync)", "leg": leg.index, "at_s": at, "requeued": int(died[2]), "survived": survived,
+        "recovery_s": round(float(served[1]) - float(died[1]), 1) if served else None, **_rates(rows, at),
+    }  # fmt: skip
 
 
 def _tool_fault(leg: Leg, rows: list[dict]) -> dict:
