@@ -248,7 +248,14 @@ def _actor_pids(marker: str, actor_class: str) -> list[int]:
                 pids.append(pid)
         except OSError:
             continue
-    return sorted(pids)
+    return sorted(pid for pid in pids if _parent(pid) not in pids)  # a child forked by the actor keeps its title
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _keep_leg_files(out: Path, index: int) -> None:
