@@ -48,6 +48,7 @@ BENCH_SCRIPTS := algo_throughput queue_throughput weight_sync async_speedup lear
 
 bench: $(STAMP)
 	@for b in $(BENCH_SCRIPTS); do test -f benchmarks/$$b.py && $(PY) benchmarks/$$b.py || exit 1; done
+	$(PY) benchmarks/soak.py  # 20 minutes of faults; not in bench-quick nor in test
 	$(PY) benchmarks/report.py
 
 bench-quick: $(STAMP)

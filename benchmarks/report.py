@@ -282,6 +282,41 @@ def profile(d: dict) -> list[str]:
     return lines + table(["process", "cores", "CPU ms / trained sample", "samples", "largest self shares"], rows)
 
 
+def soak(d: dict) -> list[str]:
+    m = d["machine"]
+    lines = [
+        "## Soak — a long run under real faults (`benchmarks/soak.py`)",
+        "",
+        f"`{d['command']}`: {d['wall_minutes']} min wall, {len(d['legs'])} resumed legs "
+        f"({', '.join(leg['ending'] for leg in d['legs'])}), {d['steps']} steps, {d['trained_samples']} samples trained; "
+        f"load average {m['load_average_1min_start']:.1f} at start, {m['load_average_1min_end']:.1f} at end on {m['cpus']} CPUs.",
+        f"Samples lost: {d['prompts_lost']} (conservation counters), {d['lost_by_id']} (logs by id); "
+        f"trained twice: {d['trained_twice']['by_id']} (logs by id; {d['ledger']['kept_verified']} kept samples read, "
+        f"{d['ledger']['kept_unverifiable']} in logs a crash cut).",
+        "",
+    ]
+    rows = []
+    for kind, n in d["faults_by_kind"].items():
+        of_kind = [f for f in d["faults"] if f["kind"] == kind]
+        recovery = [f["recovery_s"] for f in of_kind if f.get("recovery_s") is not None]
+        before = [f["samples_per_s_before"] for f in of_kind if f.get("samples_per_s_before") is not None]
+        after = [f["samples_per_s_after"] for f in of_kind if f.get("samples_per_s_after") is not None]
+        rows.append([kind, n["injected"], n["survived"], n["not_known"], _spread(recovery), _spread(before), _spread(after)])
+    header = ["fault", "injected", "survived", "not known", "recovery s (min-max)", "samples/s 60 s before", "samples/s 60 s after"]
+    legend = [
+        "",
+        "Recovery: engine — from the pool noticing the death to the replacement serving the latest weights; tool "
+        "worker — from the injection to the next trained step; SIGTERM, driver and learner-rank kills — from the signal "
+        "to the next leg's first step (a whole restart and resume). Not known: the leg, or the next one, ended before "
+        "the outcome showed (the last leg's ending always). Samples/s: `-` where the window is not covered by steps.",
+    ]
+    return lines + table(header, rows) + legend
+
+
+def _spread(values: list[float]) -> str:
+    return "-" if not values else f"{min(values):g}" if min(values) == max(values) else f"{min(values):g}-{max(values):g}"
+
+
 def generic(name: str, d: dict) -> list[str]:
     scalars = {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool)) and v is not None}
     lines = [f"## {name}", ""]
@@ -300,9 +335,10 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "profile": profile,
     "profile_before": profile,
     "limits": limits,
+    "soak": soak,
 }
 ORDER = ["learning_add", "learning_add_mb4", "learning_add_mb4_same_lr", "async_speedup", "limits", "weight_sync", "queue_throughput", "algo_throughput",
-         "profile_before", "profile"]
+         "profile_before", "profile", "soak"]
 
 
 def render(results: Path) -> str:

@@ -13,6 +13,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from asyncrl.cluster.calls import named_get
+
 NAMESPACE = "asyncrl"
 POLL_S = 2.0
 """How often the controller reads the wanted sizes."""
@@ -57,18 +59,14 @@ class ControlClient:
 
     def wanted_rollout(self) -> tuple[int | None, float | None]:
         """(wanted rollout workers, wall time of the request), or (None, None) between polls."""
-        import ray
-
         if time.monotonic() - self.last_poll < POLL_S:
             return None, None
         self.last_poll = time.monotonic()
-        return ray.get(self.handle.wanted.remote(), timeout=30)
+        return named_get(self.handle.wanted.remote(), 30, "the job's control actor: wanted")
 
     def set_rollout(self, workers: int) -> int:
         """What `asyncrl scale` does, from the controller's process (the dashboard's scale control)."""
-        import ray
-
-        return ray.get(self.handle.set_rollout.remote(workers), timeout=30)
+        return named_get(self.handle.set_rollout.remote(workers), 30, "the job's control actor: set_rollout")
 
 
 class LocalControl:
@@ -97,7 +95,7 @@ def _scale_from_inside(job_id: str, rollout: int) -> None:
         control = ray.get_actor(actor_name(job_id), namespace=NAMESPACE)
     except ValueError:
         raise SystemExit(f"job {job_id} has no control actor (is it running, and was it started by `asyncrl submit`?)") from None
-    print(f"{job_id}: rollout pool -> {ray.get(control.set_rollout.remote(rollout), timeout=30)} workers")
+    print(f"{job_id}: rollout pool -> {named_get(control.set_rollout.remote(rollout), 30, f'control actor of job {job_id}: set_rollout')} workers")
 
 
 def parse_sizes(items: list[str]) -> dict[str, int]:

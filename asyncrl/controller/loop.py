@@ -162,12 +162,20 @@ class Controller:
         self.telemetry.note(str(self.tools.capabilities))
 
     def shutdown(self) -> None:
-        for name in ("rollout", "tools", "learner", "sync"):
-            pool = getattr(self, name, None)
-            if pool is not None:
-                pool.shutdown()
+        """Stop every part even when one fails, then raise the first failure: a dead learner rank must not
+        leave the engines running or the queue's trajectory log without its Parquet footer (unreadable)."""
+        parts = [getattr(self, name, None) for name in ("rollout", "tools", "learner", "sync")]
+        closers = [part.shutdown for part in parts if part is not None]
         if getattr(self, "queue", None) is not None:
-            self.queue.close()
+            closers.append(self.queue.close)
+        errors = []
+        for close in closers:
+            try:
+                close()
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     # ------------------------------------------------------------------------------------------------
     # The loop (one screen)

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from asyncrl.cluster.calls import named_get
 from asyncrl.config import Config
 
 VERL_COLUMNS = ("data_source", "prompt", "reward_model")
@@ -93,7 +94,8 @@ def _probe_paths(node_ids: list[str], paths: dict[str, str], timeout_s: float = 
     probe = ray.remote(_usable)
     refs = [probe.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(paths) for n in node_ids]
     unreadable: dict[str, list[str]] = {}
-    for node, usable in zip(node_ids, ray.get(refs, timeout=timeout_s)):
+    answers = named_get(refs, timeout_s, f"path check on node(s) {', '.join(n[:8] for n in node_ids)}")
+    for node, usable in zip(node_ids, answers):
         for path, ok in zip(paths.values(), usable):
             if not ok:
                 unreadable.setdefault(path, []).append(node[:8])

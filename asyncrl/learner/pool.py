@@ -23,6 +23,7 @@ import numpy as np
 
 from asyncrl.algo.metrics import lag_mismatch_figures
 from asyncrl.algo.sampling import RAW, SamplingDistribution
+from asyncrl.cluster.calls import named_get
 from asyncrl.learner.batch import TrainBatch, build_batch, loss_needs_whole_groups, split_mini_batches, split_rows
 from asyncrl.learner.export import ExportedWeights
 from asyncrl.learner.rank import LearnerWorker
@@ -116,7 +117,7 @@ class LearnerPool:
             .remote(rank, self.num_ranks, str(model_dir), config, recipe, sampling, dtype, model=model)
             for rank in range(self.num_ranks)
         ]
-        addr, port = ray.get(self.workers[0].master_address.remote(), timeout=init_timeout_s)
+        addr, port = named_get(self.workers[0].master_address.remote(), init_timeout_s, "learner rank 0: master_address")
         self._call("setup", addr, port, init_timeout_s, timeout_s=init_timeout_s + 60)
 
     @classmethod

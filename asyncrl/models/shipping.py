@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncrl.cluster.calls import named_get
 from asyncrl.models import _file_lock, cache_root
 
 
@@ -37,6 +38,8 @@ class ShippedModel:
 
 
 _shipped: dict[tuple[str, str], ShippedModel] = {}
+_FETCH_TIMEOUT_S = 300.0
+"""Longest wait for the archive from the object store (a few MB; it is only slow if its owner, the driver, is gone)."""
 """One archive per model folder and Ray job (both pools ship the same model)."""
 
 
@@ -69,14 +72,12 @@ def ship(model_dir: str | Path) -> ShippedModel | None:
 def materialise(model: ShippedModel) -> Path:
     """The model's folder on this node: the driver's own when this node shares its cache, else
     `<this node's cache>/shipped/<name>-<digest>`, unpacked from the archive the first time."""
-    import ray
-
     if Path(cache_root()).resolve() in Path(model.source).parents and (Path(model.source) / "config.json").is_file():
         return Path(model.source)
     target = cache_root() / "shipped" / model.folder_name
     with _file_lock(target.with_name(target.name + ".lock")):
         if not (target / "config.json").is_file():
-            unpack(ray.get(model.archive), target)
+            unpack(named_get(model.archive, _FETCH_TIMEOUT_S, f"model archive {model.folder_name} from the driver's object store"), target)
     return target
 
 

@@ -24,6 +24,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from asyncrl.cluster import placement
+from asyncrl.cluster.calls import named_get
 from asyncrl.config import Config, EnvConfig, RolloutConfig
 from asyncrl.envs.tools.base import ToolExecutor
 from asyncrl.models.shipping import ShippedModel, materialise, ship
@@ -46,6 +47,10 @@ class WeightSyncTimeout(WeightSyncError):
 
 
 _CONTROL_TIMEOUT_S = 30.0  # stop / stats / health calls
+
+
+class EvaluationTimeout(RuntimeError):
+    """An evaluation call was not answered in time (the message names the workers still running it)."""
 
 
 class WorkerDiedError(RuntimeError):
@@ -100,6 +105,14 @@ class NodeLocalRolloutWorker(RolloutWorker):
         if model is not None:
             spec = dataclasses.replace(spec, model_dir=str(materialise(model)))
         super().__init__(name, spec, queue)
+
+
+def _wait_or_say(calls: dict[Any, str], what: str, timeout_s: float) -> None:
+    """Wait for best-effort calls (object ref -> worker name); the run goes on without a late worker (it is
+    killed or re-queued next), but the log says whose `what` did not answer."""
+    _, late = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
+    if late:
+        print(f"[rollout pool] {what}: no answer within {timeout_s:.0f}s from {', '.join(calls[r] for r in late)}; going on", flush=True)
 
 
 def _died(ref: Any) -> bool:
@@ -212,7 +225,7 @@ class RolloutPool:
         self._generating = False
         handles = dict(self._workers)
         refs = {h.stop.remote(drain=drain): name for name, h in handles.items()}
-        ray.wait(list(refs), num_returns=len(refs), timeout=_CONTROL_TIMEOUT_S + self.rollout.request_timeout_s)
+        _wait_or_say(refs, "stop", _CONTROL_TIMEOUT_S + self.rollout.request_timeout_s)
         self._run_refs.clear()
         if not drain:
             for name in handles:
@@ -220,8 +233,7 @@ class RolloutPool:
 
     def shutdown(self) -> None:
         handles = list(self._workers.items())
-        refs = [h.shutdown.remote() for _, h in handles]
-        ray.wait(refs, num_returns=len(refs), timeout=_CONTROL_TIMEOUT_S)
+        _wait_or_say({h.shutdown.remote(): name for name, h in handles}, "shutdown", _CONTROL_TIMEOUT_S)
         for _, h in handles:
             ray.kill(h)
         for name in list(self._groups):
@@ -359,7 +371,7 @@ class RolloutPool:
     def _requeue(self, name: str) -> int:
         if self.queue is None:
             return 0
-        return int(ray.get(self.queue.requeue_worker.remote(name), timeout=_CONTROL_TIMEOUT_S))
+        return int(named_get(self.queue.requeue_worker.remote(name), _CONTROL_TIMEOUT_S, f"replay queue: requeue_worker({name})"))
 
     def _new_name(self) -> str:
         return f"rollout-{next(self._index)}"
@@ -464,44 +476,50 @@ class RolloutPool:
     def pids(self, timeout_s: float = _CONTROL_TIMEOUT_S) -> dict[str, int]:
         """Process id of each serving worker (fault injection kills real processes)."""
         names = list(self._workers)
-        return dict(zip(names, (r["pid"] for r in ray.get([self._workers[n].ready.remote() for n in names], timeout=timeout_s))))
+        answers = named_get([self._workers[n].ready.remote() for n in names], timeout_s, f"rollout workers {', '.join(names)}: ready")
+        return dict(zip(names, (r["pid"] for r in answers)))
 
     def openai_urls(self, timeout_s: float = _CONTROL_TIMEOUT_S) -> dict[str, str]:
         """Base URL of each serving worker's OpenAI-compatible endpoint (`rollout.openai_port` != 0); a client's
         `base_url` is the URL + `/v1`."""
         names = self.serving()
-        answers = ray.get([self._workers[n].ready.remote() for n in names], timeout=timeout_s)
+        answers = named_get([self._workers[n].ready.remote() for n in names], timeout_s, f"rollout workers {', '.join(names)}: ready")
         return {n: a["openai_url"] for n, a in zip(names, answers) if a["openai_url"] is not None}
 
     def versions(self, timeout_s: float = _CONTROL_TIMEOUT_S) -> dict[str, int]:
         names = list(self._workers)
-        return dict(zip(names, ray.get([self._workers[n].version.remote() for n in names], timeout=timeout_s)))
+        return dict(zip(names, named_get([self._workers[n].version.remote() for n in names], timeout_s, f"rollout workers {', '.join(names)}: version")))
 
     def score(self, token_ids: Sequence[int], prompt_len: int, name: str | None = None, processed: bool = False) -> np.ndarray:
         """Engine log-probs of token_ids[prompt_len:] (the parity probe), on `name` or the first serving worker:
         raw, or (`processed`) under the run's temperature, top-k and top-p."""
-        handle = self._workers[name or self.serving()[0]]
-        return ray.get(handle.score.remote(list(token_ids), prompt_len, processed), timeout=_CONTROL_TIMEOUT_S)
+        name = name or self.serving()[0]
+        return named_get(self._workers[name].score.remote(list(token_ids), prompt_len, processed), _CONTROL_TIMEOUT_S, f"rollout worker {name}: score")
 
     def evaluate(
         self, prompts: Sequence[Prompt | Sequence[int]], max_tokens: int | None = None, temperature: float = 0.0, samples: int = 1
     ) -> list[EvalResult]:
         """`samples` completions per prompt at `temperature` (0 = greedy), in prompt order, spread over the
         serving workers. A worker that dies meanwhile is replaced and its share evaluated again on the others."""
-        return self._spread("evaluate", prompts, max_tokens, temperature, samples)
+        return self._spread("evaluate", prompts, max_tokens, temperature, samples, timeout_s=self.rollout.request_timeout_s + _CONTROL_TIMEOUT_S)
 
     def evaluate_episodes(self, prompts: Sequence[Prompt], max_tokens: int | None = None) -> list[EpisodeScore]:
         """Greedy episodes of the run's environment (multi-turn, tools and all), like `evaluate`."""
-        return self._spread("evaluate_episodes", prompts, max_tokens)
+        return self._spread("evaluate_episodes", prompts, max_tokens, timeout_s=self.spec.env.episode_timeout_s + _CONTROL_TIMEOUT_S)
 
-    def _spread(self, method: str, prompts: Sequence[Any], *args: Any) -> list[Any]:
+    def _spread(self, method: str, prompts: Sequence[Any], *args: Any, timeout_s: float) -> list[Any]:
+        """`method` on every serving worker, each with its share of `prompts`, all at once: a worker runs its
+        share concurrently, so the whole call is bounded by one request's (or episode's) bound, `timeout_s`."""
         for _ in range(3):
-            handles = [self._workers[n] for n in self.serving()]
-            per_worker = -(-len(prompts) // len(handles))
+            names = self.serving()
+            per_worker = -(-len(prompts) // len(names))
             chunks = [list(prompts[i : i + per_worker]) for i in range(0, len(prompts), per_worker)]
-            calls = [getattr(h, method).remote(c, *args) for h, c in zip(handles, chunks)]
+            calls = {getattr(self._workers[n], method).remote(c, *args): n for n, c in zip(names, chunks)}
             try:
-                return [item for part in ray.get(calls) for item in part]
+                return [item for part in ray.get(list(calls), timeout=timeout_s) for item in part]
+            except GetTimeoutError:
+                late = [calls[ref] for ref in ray.wait(list(calls), num_returns=len(calls), timeout=0)[1]]
+                raise EvaluationTimeout(f"{method} of {len(prompts)} prompts: no answer within {timeout_s:.0f}s from {', '.join(late)}") from None
             except RayActorError:
                 time.sleep(1.0)  # then `serving()` notices the dead worker and replaces it
         raise RuntimeError("evaluation failed three times: rollout workers kept dying")

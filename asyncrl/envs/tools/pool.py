@@ -25,6 +25,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from asyncrl.cluster.calls import named_get
 from asyncrl.config import Config, ToolsConfig
 from asyncrl.envs.sandbox import Capabilities, Sandbox, SandboxLimits
 from asyncrl.envs.tools.base import InProcessTools, RewardError, ToolCall, ToolInfraError, ToolResult, check_reward_value
@@ -232,7 +233,7 @@ class ToolPool:
         self._pg = placement.reserve("tools", [placement.bundle(cpus, 0)] * len(self.names), "SPREAD", self.placement_timeout_s)
         for name in self.names:
             self._slots[name] = _Slot(self._spawn(name))
-        answers = ray.get([slot.handle.ready.remote() for slot in self._slots.values()], timeout=_START_TIMEOUT_S)
+        answers = named_get([slot.handle.ready.remote() for slot in self._slots.values()], _START_TIMEOUT_S, f"tool workers {', '.join(self._slots)}: ready")
         self.capabilities = answers[0]
         for slot in self._slots.values():
             slot.answered = True
