@@ -253,7 +253,8 @@ def learning_add(d: dict) -> list[str]:
 def learning_add_mini_batches(d: dict) -> list[str]:
     """The W1 comparison of one against several updates per rollout batch (`--mini-batches N`)."""
     lines = learning_add(d)
-    lines[0] = "## W1 `add` — one vs several updates per rollout batch (`benchmarks/learning_add.py --mini-batches`)"
+    mb_set = " ".join(arg for arg in d.get("command", "").split() if "=" in arg)
+    lines[0] = f"## W1 `add` — one vs several updates per rollout batch, {mb_set or 'the same settings'} (`benchmarks/learning_add.py --mini-batches`)"
     lines[2] = (f"`{d.get('command', 'learning_add.py --mini-batches N')}`: the same mode with one optimizer step per rollout batch "
                 f"and with several (`_mbN`), {d['steps']} steps each from the same warm start; held-out accuracy per trained sample "
                 "is what compares them (wall-clock moves with the machine's load).")
