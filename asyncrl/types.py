@@ -7,6 +7,7 @@ element by element; nothing here imports torch, Ray or vLLM.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -88,9 +89,11 @@ class Trajectory:
                 f"(ids {n}, logprobs {len(self.rollout_logprobs)}, mask {len(self.loss_mask)}, versions {len(self.versions)})"
             )
 
-    @property
+    @functools.cached_property
     def min_version(self) -> int:
-        return int(self.versions.min()) if len(self.versions) else self.dispatch_version
+        """The oldest token's version. Cached, as the arrays are never modified once the trajectory is built: the
+        queue reads it on arrival and again for the batch's lags."""
+        return int(np.minimum.reduce(self.versions)) if len(self.versions) else self.dispatch_version
 
     @property
     def max_version(self) -> int:
