@@ -209,7 +209,6 @@ class Request:
     attempt: int = 0
 
 
-
 _PER_TOKEN_FIELDS = ("response_ids", "rollout_logprobs", "loss_mask", "versions")
 """`Trajectory` fields with one entry per response token (they share each trajectory's length)."""
 _FIELDS = tuple(f.name for f in dataclasses.fields(Trajectory))
