@@ -7,6 +7,9 @@ element by element; nothing here imports torch, Ray or vLLM.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -86,9 +89,11 @@ class Trajectory:
                 f"(ids {n}, logprobs {len(self.rollout_logprobs)}, mask {len(self.loss_mask)}, versions {len(self.versions)})"
             )
 
-    @property
+    @functools.cached_property
     def min_version(self) -> int:
-        return int(self.versions.min()) if len(self.versions) else self.dispatch_version
+        """The oldest token's version. Cached, as the arrays are never modified once the trajectory is built: the
+        queue reads it on arrival and again for the batch's lags."""
+        return int(np.minimum.reduce(self.versions)) if len(self.versions) else self.dispatch_version
 
     @property
     def max_version(self) -> int:
@@ -155,6 +160,13 @@ class Batch:
     def __post_init__(self) -> None:
         self.lags = [self.version - t.min_version for g in self.groups for t in g.trajectories]
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Crosses to the learner as `TrajectoryColumns` (one buffer per array field for the whole batch); the
+        lags are computed again on arrival, from the same versions."""
+        members = [t for g in self.groups for t in g.trajectories]
+        sizes = [(g.group_id, len(g.trajectories)) for g in self.groups]
+        return (_unpack_batch, (sizes, TrajectoryColumns.pack(members), self.version))
+
     @property
     def num_samples(self) -> int:
         return len(self.lags)
@@ -195,3 +207,117 @@ class Request:
     group_size: int
     prompt: Prompt
     attempt: int = 0
+
+
+_PER_TOKEN_FIELDS = ("response_ids", "rollout_logprobs", "loss_mask", "versions")
+"""`Trajectory` fields with one entry per response token (they share each trajectory's length)."""
+_FIELDS = tuple(f.name for f in dataclasses.fields(Trajectory))
+_ARRAYS_AT = _FIELDS.index("prompt_ids")
+"""Where the array fields (`prompt_ids`, then the per-token ones) start in `Trajectory`'s field order:
+`TrajectoryColumns.unpack` passes fields by position (a quarter of the cost of keywords)."""
+_SCALAR_FIELDS = _FIELDS[:_ARRAYS_AT] + _FIELDS[_ARRAYS_AT + 1 + len(_PER_TOKEN_FIELDS) :]
+"""The other `Trajectory` fields, in the order of `TrajectoryColumns.scalar_rows`."""
+_scalar_row = operator.attrgetter(*_SCALAR_FIELDS)
+
+
+@dataclass(frozen=True)
+class TrajectoryColumns:
+    """N trajectories column-wise, the wire form of `PackedTrajectories`: one array per array field for all N
+    (Ray passes each numpy array as one zero-copy buffer, where a list of `Trajectory` costs five buffers and a
+    pickled record per item) and one tuple of plain values per trajectory.
+
+    Invariant: trajectory k owns `prompt_lengths[k]` entries of `prompt_ids` and `response_lengths[k]` entries of
+    each per-token column, starting at the sum of the earlier lengths; `scalar_rows[k]` holds its other fields
+    in `_SCALAR_FIELDS` order. Each array column is the `np.concatenate` of the trajectories' arrays: dtypes are
+    kept when the trajectories agree (the documented ones always do), mixed ones are promoted without loss.
+    """
+
+    prompt_ids: np.ndarray  # [sum of prompt_lengths]
+    prompt_lengths: list[int]  # [N]
+    response_ids: np.ndarray  # [sum of response_lengths]
+    rollout_logprobs: np.ndarray  # [sum of response_lengths]
+    loss_mask: np.ndarray  # [sum of response_lengths]
+    versions: np.ndarray  # [sum of response_lengths]
+    response_lengths: list[int]  # [N]
+    scalar_rows: list[tuple[Any, ...]]  # [N]
+
+    @classmethod
+    def pack(cls, trajectories: Sequence[Trajectory]) -> TrajectoryColumns:
+        def column(name: str) -> np.ndarray:
+            return np.concatenate([getattr(t, name) for t in trajectories]) if trajectories else np.zeros(0, np.int32)
+
+        return cls(
+            prompt_ids=column("prompt_ids"),
+            prompt_lengths=[len(t.prompt_ids) for t in trajectories],
+            **{name: column(name) for name in _PER_TOKEN_FIELDS},
+            response_lengths=[len(t.response_ids) for t in trajectories],
+            scalar_rows=[_scalar_row(t) for t in trajectories],
+        )
+
+    def unpack(self) -> list[Trajectory]:
+        """The trajectories; their arrays are views of the columns."""
+        prompts = _split(self.prompt_ids, self.prompt_lengths)
+        per_token = zip(*(_split(getattr(self, name), self.response_lengths) for name in _PER_TOKEN_FIELDS))
+        at = _ARRAYS_AT
+        return [
+            Trajectory(*row[:at], prompt, *arrays, *row[at:])
+            for prompt, arrays, row in zip(prompts, per_token, self.scalar_rows)
+        ]
+
+
+class PackedTrajectories(Sequence[Trajectory]):
+    """A list of trajectories that crosses between actors as `TrajectoryColumns` (see there for why): the
+    sender packs when Ray pickles it, the receiver unpacks once, on first access. Pass one wherever a
+    `Sequence[Trajectory]` goes to another actor in bulk (`ReplayQueue.put`)."""
+
+    def __init__(self, trajectories: Sequence[Trajectory]) -> None:
+        self._trajectories: list[Trajectory] | None = list(trajectories)
+        self._columns: TrajectoryColumns | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A module-level function: cloudpickle would send a classmethod's code along with every call.
+        return (_received_trajectories, (self.columns(),))
+
+    def columns(self) -> TrajectoryColumns:
+        if self._columns is None:
+            self._columns = TrajectoryColumns.pack(self.trajectories())
+        return self._columns
+
+    def trajectories(self) -> list[Trajectory]:
+        if self._trajectories is None:
+            self._trajectories = self._columns.unpack()
+        return self._trajectories
+
+    def __len__(self) -> int:
+        return len(self.trajectories())
+
+    def __iter__(self) -> Iterator[Trajectory]:
+        return iter(self.trajectories())
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]  # int -> Trajectory, slice -> list[Trajectory]
+        return self.trajectories()[index]
+
+
+def _received_trajectories(columns: TrajectoryColumns) -> PackedTrajectories:
+    """Inverse of `PackedTrajectories.__reduce__`: unpacked on first access."""
+    packed = PackedTrajectories([])
+    packed._trajectories, packed._columns = None, columns
+    return packed
+
+
+def _split(values: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
+    """`values` cut into consecutive views of `lengths` entries each."""
+    out, start = [], 0
+    for n in lengths:
+        out.append(values[start : start + n])
+        start += n
+    return out
+
+
+def _unpack_batch(sizes: list[tuple[str, int]], columns: TrajectoryColumns, version: int) -> Batch:
+    """Inverse of `Batch.__reduce__`: `sizes` are (group_id, members) of each group, in order."""
+    members, groups, start = columns.unpack(), [], 0
+    for group_id, n in sizes:
+        groups.append(Group(group_id, members[start : start + n]))
+        start += n
+    return Batch(groups, version)

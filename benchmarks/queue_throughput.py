@@ -1,6 +1,7 @@
 """W4 `queue`: replay-queue throughput with the staleness check on.
 
-4 producer Ray actors acquire requests from the replay-queue actor and put back small trajectories; 1
+4 producer Ray actors acquire requests from the replay-queue actor and put back small trajectories (as
+`PackedTrajectories`, the column-wise wire form the rollout workers send); 1
 consumer actor drains it with `get_batch` and advances the policy version after every batch (it does no
 training, so this measures the queue). Each new version is pushed to the producers (the weight sync) before
 the queue is told, so the staleness check and admission control run as in a real run. Reported: trajectories/s through
@@ -67,6 +68,8 @@ class Producer:
         )  # fmt: skip
 
     async def run(self) -> int:
+        from asyncrl.types import PackedTrajectories
+
         produced = 0
         while True:
             requests = await self.queue.acquire.remote(self.worker, self.put_batch, timeout_s=0.2)
@@ -77,7 +80,7 @@ class Producer:
             rewards = self.rng.random(len(requests))
             trajectories = [self.answer(r, float(reward)) for r, reward in zip(requests, rewards)]
             for start in range(0, len(trajectories), self.put_batch):
-                await self.queue.put.remote(trajectories[start : start + self.put_batch])
+                await self.queue.put.remote(PackedTrajectories(trajectories[start : start + self.put_batch]))
             produced += len(trajectories)
 
 

@@ -183,6 +183,11 @@ def queue_throughput(d: dict) -> list[str]:
             for r in d["runs"]
         ],
     )  # fmt: skip
+    machine = d.get("machine", {})
+    if "load_average_1min_start" in machine:
+        # The producers, the consumer and Ray share the CPUs with the queue: wall-clock rates follow the load.
+        lines += ["", f"1-minute load average at start / end: {machine['load_average_1min_start']:.1f} / "
+                      f"{machine['load_average_1min_end']:.1f} on {machine.get('cpus', '?')} CPUs."]  # fmt: skip
     return lines
 
 

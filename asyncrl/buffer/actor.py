@@ -114,6 +114,8 @@ class ReplayQueue:
             await self._wait_change(deadline)
 
     async def put(self, trajectories: Sequence[Trajectory]) -> int:
+        """Hand in finished trajectories (`ReplayQueueCore.put`); send a `PackedTrajectories`, which crosses
+        from the worker column-wise, rather than a list."""
         accepted = self.core.put(trajectories)
         self._notify()
         return accepted

@@ -31,7 +31,7 @@ from asyncrl.envs.tools.base import InProcessTools, ToolExecutor
 from asyncrl.rollout.engine import Engine, EvalResult, SamplingSpec
 from asyncrl.rollout.episode_runner import EpisodeLimits, EpisodeRunner
 from asyncrl.rollout.openai_server import OpenAIServer, start_worker_endpoint
-from asyncrl.types import Prompt, Request, Trajectory
+from asyncrl.types import PackedTrajectories, Prompt, Request, Trajectory
 
 PUT_BATCH_WINDOW_S = 0.005
 """Trajectories finishing within this window of each other travel to the queue in one `put`."""
@@ -277,7 +277,7 @@ class RolloutWorker:
             return
         batch, self._outbox = self._outbox, []
         try:
-            await self.queue.put.remote(batch)
+            await self.queue.put.remote(PackedTrajectories(batch))
         except Exception:
             # Keep them for the next flush rather than lose them; the queue may be restarting.
             self._outbox = batch + self._outbox

@@ -8,6 +8,7 @@ import pytest
 from asyncrl.buffer import QueueCallTimeout, QueueClient, QueueTimeouts, start_replay_queue
 from asyncrl.config import BufferConfig
 from asyncrl.testing import make_answer, make_prompt
+from asyncrl.types import PackedTrajectories
 
 pytestmark = pytest.mark.integration
 
@@ -123,3 +124,18 @@ def test_acquire_waits_for_prompts_and_returns_empty_at_its_timeout(ray_cluster)
     client.add_prompts([make_prompt()], 3)
     assert len(ray_cluster.get(pending)) == 3
     assert time.monotonic() - start < 3
+
+
+def test_packed_trajectories_go_through_the_actor_with_their_tokens_versions_and_lags(ray_cluster):
+    client = start_replay_queue(BufferConfig(max_staleness=1, filter_zero_variance=False, log_parquet=False), batch_groups=2, name="rq-packed")
+    client.add_prompts([make_prompt("a"), make_prompt("b")], 2)
+    requests = ray_cluster.get(client.handle.acquire.remote("w0", 4))
+    versions = {"a": [0, 1], "b": 1}  # min_version 0 and 1
+    answers = [make_answer(r, [5, 6 + r.sample_index], versions=versions[r.prompt.prompt_id], worker="w0") for r in requests]
+    assert ray_cluster.get(client.handle.put.remote(PackedTrajectories(answers))) == 4
+    batch = client.get_batch(2, 1, timeout_s=10.0)
+    assert [t.response_ids.tolist() for g in batch.groups for t in g.trajectories] == [[5, 6], [5, 7]] * 2
+    assert [t.versions.tolist() for t in batch.groups[0].trajectories] == [[0, 1], [0, 1]]
+    assert batch.lags == [1, 1, 0, 0]  # learner version 1 - min_version 0 (group a), 1 - 1 (group b)
+    c = client.check_conservation()
+    assert (c["trained"], c["in_flight"]) == (4, 0)

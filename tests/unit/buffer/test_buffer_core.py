@@ -1,12 +1,14 @@
 """Scenario tests of ReplayQueueCore: readiness, filters, stragglers, admission, staleness, requeue, resume."""
 
 import json
+import pickle
 
 import pytest
 from buffer_fakes import FakeClock, make_config, make_prompts
 
 from asyncrl.buffer.core import ConservationError, ReplayQueueCore
 from asyncrl.testing import make_answer
+from asyncrl.types import PackedTrajectories
 
 # Rewards with variance, so the zero-variance filter leaves the group alone.
 MIXED = [1.0, 0.0, 1.0, 0.0]
@@ -235,6 +237,25 @@ def test_a_stale_group_is_dropped_at_hand_out_and_never_returned():
     c = core.check_conservation()
     assert (c["dropped_stale"], c["trained"], c["groups_dropped_stale"]) == (2, 1, 2)
     assert core.staleness_histogram() == {1: 1}
+
+
+def test_trajectories_put_over_the_wire_keep_tokens_versions_and_the_staleness_check():
+    core = started_queue(num_prompts=3, group_size=2, batch_groups=3, max_staleness=1)
+    requests = core.acquire("w0", 6)
+    versions = {0: 0, 1: [1, 2], 2: 2}  # group k's token versions: min_version 0, 1, 2
+    sent = [make_answer(r, [10 + r.sample_index, 20], versions=versions[k // 2], reward=float(r.sample_index), worker="w0")
+            for k, r in enumerate(requests)]  # fmt: skip
+    buffers = []
+    wire = pickle.dumps(PackedTrajectories(sent), protocol=5, buffer_callback=buffers.append)
+    assert core.put(pickle.loads(wire, buffers=buffers)) == 6
+    # At learner version 2: group 0 has lag 2 > 1 (dropped), groups 1 and 2 lag 1 and 0.
+    batch = core.get_batch(2, learner_version=2)
+    assert [g.group_id for g in batch.groups] == [requests[2].group_id, requests[4].group_id]
+    assert [t.response_ids.tolist() for g in batch.groups for t in g.trajectories] == [[10, 20], [11, 20]] * 2
+    assert [t.versions.tolist() for t in batch.groups[0].trajectories] == [[1, 2], [1, 2]]
+    assert batch.lags == [1, 1, 0, 0]
+    c = core.check_conservation()
+    assert (c["dropped_stale"], c["trained"], c["in_flight"]) == (2, 4, 0)
 
 
 def test_a_member_aborted_as_certainly_stale_drops_its_whole_group_at_once():
