@@ -134,8 +134,8 @@ def limits(d: dict) -> list[str]:
         "",
         "W2 and this run are separate sessions on a shared machine: the load-normalised fraction divides by how much "
         "faster W2's own engine-alone run was than this one's (same requests), assuming the learner sped up alike. "
-        "The learner rate is measured on the stream's first batches; streaming and sao train another mix (long "
-        "requests dropped stale: shorter, less padded rows), so their fractions can exceed 1.",
+        "The learner rate is measured on the stream's first batches; under `stale_policy: drop` streaming and sao "
+        "train another mix (long requests dropped stale: shorter, less padded rows), so their fractions can exceed 1.",
         "",
         f"This run: 1-min load average {d['machine']['load_average_1min_start']:.1f} → {d['machine']['load_average_1min_end']:.1f}.",
         "",
