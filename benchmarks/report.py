@@ -246,6 +246,7 @@ def learning_add(d: dict) -> list[str]:
         ["run", "start acc", "final acc", "gain", "wall s", "samples", "t(target) s", "t(target) s without evals", "samples(target)", "staleness max", "mismatch k3", "parity"],
         rows,
     )
+    lines += ["", *_equal_samples_table(modes)]
     peer = modes.get("trl", {}).get("time_to_target_s")
     if peer:
         key = "time_to_target_excl_eval_s" if "time_to_target_excl_eval_s" in modes.get("sync", {}) else "time_to_target_s"
@@ -253,6 +254,24 @@ def learning_add(d: dict) -> list[str]:
         lines += ["", f"Wall-clock to reach {target} (evaluations excluded on both sides), relative to the peer (goal <= 0.5x): "
                   f"{ratios or 'no asyncrl mode reached it'}."]
     return lines
+
+
+def _equal_samples_table(modes: dict) -> list[str]:
+    """Accuracy at sample counts every run reached (the last evaluation at or before each), milestone times on
+    each run's clock without evaluations, and seconds per 256 trained samples."""
+    reach = min(r["evals"][-1]["samples_trained"] for r in modes.values())
+    points = [reach * k // 4 for k in (1, 2, 4)]
+
+    def acc_at(evals: list[dict], n: int) -> float | None:
+        done = [e["accuracy"] for e in evals if e["samples_trained"] <= n]
+        return done[-1] if done else None
+
+    rows = [
+        [mode, *(fnum(acc_at(r["evals"], n), ".3f") for n in points), fnum(r.get("time_to_0.5_s"), ".0f"),
+         fnum(r.get("time_to_0.7_s"), ".0f"), fnum(r.get("s_per_256_samples"), ".2f")]
+        for mode, r in modes.items()
+    ]
+    return table(["run", *(f"acc @ {n:,} samples" for n in points), "t(0.5) s", "t(0.7) s", "s per 256 samples"], rows)
 
 
 def learning_add_mini_batches(d: dict) -> list[str]:
