@@ -22,15 +22,12 @@ from asyncrl.algo.sampling import SamplingDistribution, logprob_gap
 
 pytestmark = pytest.mark.integration
 
-# The run's reward `test_sampling_eval:even_prompts_pass` is imported by name in the rollout workers, which
-# inherit the environment of the Ray cluster the `ray_cluster` fixture starts after collection.
-_WORKER_PATH = (str(Path(__file__).parent), str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH"))
+# The run's reward `sandbox_rewards:even_index_passes` is imported by name in the sandboxed reward processes,
+# which inherit the environment of the Ray cluster the `ray_cluster` fixture starts after collection. It lives
+# in a module that imports nothing heavy: each reward call is a fresh process that imports it.
+_ROOT = Path(__file__).resolve().parents[2]
+_WORKER_PATH = (str(_ROOT / "tests/unit/envs"), str(_ROOT), os.environ.get("PYTHONPATH"))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in _WORKER_PATH if p)
-
-
-def even_prompts_pass(response, ground_truth, *, finish_reason, extra_info):
-    """Prompts with an even `index` are always solved, the others never."""
-    return 1.0 if int(extra_info["index"]) % 2 == 0 else 0.0
 
 TEMPERATURE, TOP_P, TOP_K = 0.9, 0.8, 5
 PARITY_ATOL = 1e-4
@@ -166,7 +163,7 @@ def test_a_run_retires_prompts_it_solves_and_keeps_sampling_the_others(ray_clust
     write_verl_parquet(rows, tmp_path / "train.parquet")
     overrides = {
         "mode": "sync", "buffer.max_staleness": 0, "output_dir": str(tmp_path / "run"), "model.path": str(tiny_model_dir),
-        "data.task": "parquet", "data.train_path": str(tmp_path / "train.parquet"), "env.reward": "test_sampling_eval:even_prompts_pass",
+        "data.task": "parquet", "data.train_path": str(tmp_path / "train.parquet"), "env.reward": "sandbox_rewards:even_index_passes", "env.reward_timeout_s": 60,
         "buffer.pass_rate_curriculum": True, "learner.max_steps": 5, "rollout.max_tokens": 4, "telemetry.progress": False,
         "checkpoint.export_hf": False, "rollout.temperature": TEMPERATURE, "rollout.top_p": TOP_P, "rollout.top_k": TOP_K,
     }  # fmt: skip

@@ -15,3 +15,8 @@ def sleepy(response, ground_truth, *, finish_reason, extra_info):
 
 def wordy(response, ground_truth, *, finish_reason, extra_info):
     return "one"
+
+
+def even_index_passes(response, ground_truth, *, finish_reason, extra_info):
+    """Prompts with an even `index` are always solved, the others never."""
+    return 1.0 if int(extra_info["index"]) % 2 == 0 else 0.0
