@@ -1,7 +1,7 @@
 """W4 `queue`: replay-queue throughput with the staleness check on.
 
-4 producer Ray actors acquire requests from the replay-queue actor and put back small trajectories (as
-`PackedTrajectories`, the column-wise wire form the rollout workers send); 1
+4 producer Ray actors take requests from the replay-queue actor and hand back small trajectories (as
+`PackedTrajectories`, the column-wise wire form the rollout workers send) in the same call (`put_and_acquire`); 1
 consumer actor drains it with `get_batch` and advances the policy version after every batch (it does no
 training, so this measures the queue). Each new version is pushed to the producers (the weight sync) before
 the queue is told, so the staleness check and admission control run as in a real run. Reported: trajectories/s through
@@ -69,20 +69,21 @@ class Producer:
         )  # fmt: skip
 
     async def run(self) -> int:
+        """Hand in the last answers and take the next requests in one call (`put_and_acquire`), as a rollout
+        worker does; the first call puts nothing."""
         from asyncrl.types import PackedTrajectories
 
-        produced = 0
+        produced, finished = 0, []
         while True:
-            requests = await self.queue.acquire.remote(self.worker, self.put_batch, timeout_s=0.2)
+            exchange = await self.queue.put_and_acquire.remote(PackedTrajectories(finished), self.worker, self.put_batch, timeout_s=0.2)
+            requests, finished = exchange.requests, []
             if not requests:
                 if self.stopped:
                     return produced
                 continue
             rewards = self.rng.random(len(requests))
-            trajectories = [self.answer(r, float(reward)) for r, reward in zip(requests, rewards)]
-            for start in range(0, len(trajectories), self.put_batch):
-                await self.queue.put.remote(PackedTrajectories(trajectories[start : start + self.put_batch]))
-            produced += len(trajectories)
+            finished = [self.answer(r, float(reward)) for r, reward in zip(requests, rewards)]
+            produced += len(finished)
 
 
 class Consumer:

@@ -17,7 +17,7 @@ from typing import Any
 from asyncrl.buffer.core import ReplayQueueCore
 from asyncrl.buffer.ledger import ResponseLengths
 from asyncrl.config import BufferConfig
-from asyncrl.types import Batch, Prompt, Request, Trajectory
+from asyncrl.types import Batch, Exchange, Prompt, Request, Trajectory
 
 
 class ReplayQueue:
@@ -105,13 +105,15 @@ class ReplayQueue:
     # Rollout side.
 
     async def acquire(self, worker: str, max_requests: int, timeout_s: float = 0.0) -> list[Request]:
-        """Up to `max_requests` requests; waits up to `timeout_s` for at least one (an empty list is not an error)."""
+        """Up to `max_requests` requests; waits up to `timeout_s` for at least one (an empty list is not an error).
+        Asking for none answers at once."""
         deadline = time.monotonic() + timeout_s
-        while True:
+        while max_requests > 0:
             requests = self.core.acquire(worker, max_requests)
             if requests or time.monotonic() >= deadline:
                 return requests
             await self._wait_change(deadline)
+        return []
 
     async def put(self, trajectories: Sequence[Trajectory]) -> int:
         """Hand in finished trajectories (`ReplayQueueCore.put`); send a `PackedTrajectories`, which crosses
@@ -119,6 +121,14 @@ class ReplayQueue:
         accepted = self.core.put(trajectories)
         self._notify()
         return accepted
+
+    async def put_and_acquire(
+        self, trajectories: Sequence[Trajectory], worker: str, max_requests: int, timeout_s: float = 0.0
+    ) -> Exchange:
+        """`put` then `acquire` in one actor call, which halves a worker's calls per trajectory (each Ray call
+        costs the caller and this actor far more CPU than the queue's own work on a trajectory)."""
+        accepted = await self.put(trajectories)
+        return Exchange(accepted, await self.acquire(worker, max_requests, timeout_s))
 
     async def requeue_worker(self, worker: str) -> int:
         requeued = self.core.requeue_worker(worker)

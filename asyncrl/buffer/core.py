@@ -53,7 +53,7 @@ from typing import Any
 from asyncrl.buffer import filters
 from asyncrl.buffer.ledger import ConservationError, Ledger, ResponseLengths
 from asyncrl.config import BufferConfig
-from asyncrl.types import DROPPED_STALE, STALE_FAILURE, TRAINED, Batch, Group, Prompt, Request, Trajectory
+from asyncrl.types import DROPPED_STALE, STALE_FAILURE, TRAINED, Batch, Exchange, Group, Prompt, Request, Trajectory
 
 __all__ = ["ConservationError", "Member", "MemberState", "ReplayQueueCore"]
 
@@ -246,6 +246,13 @@ class ReplayQueueCore:
         for g in touched.values():
             self._after_arrivals(g)
         return accepted
+
+    def put_and_acquire(self, trajectories: Sequence[Trajectory], worker: str, max_requests: int) -> Exchange:
+        """`put(trajectories)`, then `acquire(worker, max_requests)`: a worker hands in what finished and takes
+        work for the slots that freed, in one call where the actor would otherwise take two. The same books as
+        the two calls in that order: the answers are in before more work goes out."""
+        accepted = self.put(trajectories)
+        return Exchange(accepted, self.acquire(worker, max_requests))
 
     def requeue_worker(self, worker: str) -> int:
         """Re-dispatch every request `worker` holds (it died); returns how many were re-dispatched.
