@@ -234,6 +234,19 @@ class Exchange:
     accepted: int
     requests: list[Request]
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Crosses as one tuple of plain values per request: Ray's pickler would otherwise call its Python-level
+        hook and a dataclass reduction for every `Request` (twice the CPU, on both sides)."""
+        return (_received_exchange, (self.accepted, [_request_row(r) for r in self.requests]))
+
+
+_request_row = operator.attrgetter(*(f.name for f in dataclasses.fields(Request)))
+
+
+def _received_exchange(accepted: int, rows: list[tuple[Any, ...]]) -> Exchange:
+    """Inverse of `Exchange.__reduce__`."""
+    return Exchange(accepted, [Request(*row) for row in rows])
+
 
 _PER_TOKEN_FIELDS = ("response_ids", "rollout_logprobs", "loss_mask", "versions")
 """`Trajectory` fields with one entry per response token (they share each trajectory's length)."""
@@ -298,10 +311,14 @@ class TrajectoryColumns:
         prompts = _split(self.prompt_ids, self.prompt_lengths)
         per_token = zip(*(_split(getattr(self, name), self.response_lengths) for name in _PER_TOKEN_FIELDS))
         at = _ARRAYS_AT
-        return [
+        out = [
             Trajectory(*row[:at], prompt, *arrays, *row[at:])
             for prompt, arrays, row in zip(prompts, per_token, self.scalar_rows)
         ]
+        # Fills each `min_version` cache from one reduction for all, where each would cost a numpy call of its own.
+        for t, version in zip(out, self.min_versions().tolist()):
+            t.__dict__["min_version"] = version
+        return out
 
 
 class PackedTrajectories(Sequence[Trajectory]):

@@ -5,8 +5,8 @@ import pickle
 
 import numpy as np
 
-from asyncrl.testing import make_group, make_trajectory
-from asyncrl.types import Batch, Group, PackedTrajectories, Trajectory, TrajectoryColumns
+from asyncrl.testing import make_group, make_prompt, make_trajectory
+from asyncrl.types import Batch, Exchange, Group, PackedTrajectories, Request, Trajectory, TrajectoryColumns
 
 
 def over_the_wire(obj):
@@ -87,3 +87,11 @@ def test_min_versions_of_columns_match_each_trajectorys_min_version():
     columns = TrajectoryColumns.pack(sent)
     assert columns.min_versions().tolist() == [t.min_version for t in sent] == [4, 6, 7, 2, 3]
     assert TrajectoryColumns.pack([]).min_versions().tolist() == []
+
+
+def test_an_exchange_crosses_a_pickle_with_equal_requests_and_shared_prompts():
+    prompt = make_prompt("p0", [1, 2, 3], "6")
+    requests = [Request(f"p0#0/{i}/{i % 2}", "p0#0", i, 2, prompt, attempt=i % 2) for i in range(2)]
+    received, _ = over_the_wire(Exchange(3, requests))
+    assert received == Exchange(3, requests)
+    assert received.requests[0].prompt is received.requests[1].prompt  # one prompt per group on the wire
