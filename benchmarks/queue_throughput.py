@@ -2,8 +2,8 @@
 
 4 producer Ray actors take requests from the replay-queue actor and hand back small trajectories (as
 `PackedTrajectories`, the column-wise wire form the rollout workers send) in the same call (`put_and_acquire`); 1
-consumer actor drains it with `get_batch` and advances the policy version after every batch (it does no
-training, so this measures the queue). Each new version is pushed to the producers (the weight sync) before
+consumer actor drains it with `set_version_and_get_batch` and advances the policy version after every batch (it
+does no training, so this measures the queue). Each new version is pushed to the producers (the weight sync) before
 the queue is told, so the staleness check and admission control run as in a real run. Reported: trajectories/s through
 the queue, put-to-get latency p50/p99 (measured by the queue), and batched puts (64 per call) against
 unbatched ones (1 per call; a smaller count keeps the time bounded). On a shared machine the wall-clock rate
@@ -98,7 +98,9 @@ class Consumer:
     async def run(self, batch_groups: int) -> dict:
         version, trained, max_lag = 0, 0, 0
         while True:
-            batch = await self.queue.get_batch.remote(batch_groups, version, timeout_s=60.0, min_groups=0)
+            # The queue learns `version` once every engine serves it (invariant 7: pushed below), so that groups
+            # it admits from now on carry at least this version; the same call takes the step's batch.
+            batch = await self.queue.set_version_and_get_batch.remote(version, batch_groups, timeout_s=60.0, min_groups=0)
             if not batch.groups:
                 stats = await self.queue.stats.remote()
                 if stats["in_flight"] == 0 and stats["backlog_groups"] == 0:
@@ -107,10 +109,7 @@ class Consumer:
             trained += batch.num_samples
             max_lag = max(max_lag, batch.staleness_max)
             version += 1
-            # Weight sync: the queue learns the new version once every engine serves it (invariant 7),
-            # so that groups it admits from now on carry at least this version.
-            await asyncio.gather(*[p.set_version.remote(version) for p in self.producers])
-            await self.queue.set_version.remote(version)
+            await asyncio.gather(*[p.set_version.remote(version) for p in self.producers])  # the weight sync
         return {"trained": trained, "steps": version, "max_lag": max_lag}
 
 

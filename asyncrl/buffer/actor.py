@@ -173,6 +173,14 @@ class ReplayQueue:
                 )
             await self._wait_change(deadline)
 
+    async def set_version_and_get_batch(
+        self, version: int, num_groups: int, timeout_s: float, min_groups: int | None = None
+    ) -> Batch:
+        """`set_version(version)`, then `get_batch(num_groups, version, ...)`, in one actor call: for a learner
+        that confirms the weight sync of `version` just before it asks for that step's batch."""
+        await self.set_version(version)
+        return await self.get_batch(num_groups, version, timeout_s, min_groups=min_groups)
+
     # ------------------------------------------------------------------------------------------------
     # Accounting, metrics, checkpoint.
 

@@ -1,4 +1,5 @@
-"""`put_and_acquire`: one call that does what `put` then `acquire` do, with the same books."""
+"""The combined actor calls: `put_and_acquire` does what `put` then `acquire` do, `set_version_and_get_batch` what
+`set_version` then `get_batch` do, each with the same books as the two calls."""
 
 import asyncio
 
@@ -64,3 +65,19 @@ def test_the_actor_puts_then_waits_for_requests_and_answers_at_once_when_asked_f
     assert (closed.accepted, closed.requests, nothing) == (2, [], [])
     assert opened.accepted == 0 and [r.request_id for r in opened.requests] == ["p1#1/0/0", "p1#1/1/0"]
     assert (counters["trained"], counters["in_flight"], counters["put"]) == (2, 2, 2)
+
+
+def test_set_version_and_get_batch_opens_admission_for_the_version_and_hands_out_that_steps_batch():
+    async def scenario() -> tuple:
+        queue = ReplayQueue(make_config(max_staleness=0), batch_groups=1, name="rq-version-batch")
+        await queue.add_prompts(make_prompts(2), samples_per_prompt=2)
+        await queue.put(answers(await queue.acquire("w0", 4)))
+        first = await queue.set_version_and_get_batch(0, 1, timeout_s=1.0)
+        closed = await queue.acquire("w0", 4)  # 1 group consumed = (0 + 0 + 1) * 1: admission is full at version 0
+        empty = await queue.set_version_and_get_batch(1, 1, timeout_s=0.05, min_groups=0)  # nothing ready yet
+        return first, closed, empty, await queue.acquire("w0", 4), await queue.stats()
+
+    first, closed, empty, opened, stats = asyncio.run(scenario())
+    assert (first.version, first.lags, closed) == (0, [0, 0], [])
+    assert (empty.version, empty.groups) == (1, [])
+    assert [r.request_id for r in opened] == ["p1#1/0/0", "p1#1/1/0"] and stats["admission_version"] == 1
