@@ -367,8 +367,7 @@ class ReplayQueueCore:
         batch = Batch([group for group, _ in handed], learner_version)
         waited = [seconds for _, latencies in handed for seconds in latencies]
         lengths = [len(t.response_ids) for g in batch.groups for t in g.trajectories]
-        for lag, seconds, length in zip(batch.lags, waited, lengths):
-            self.ledger.record_trained(lag, seconds, length)
+        self.ledger.record_trained(batch.lags, waited, lengths)
         self.ledger.count("groups_consumed", take)
         return batch
 
