@@ -233,6 +233,7 @@ class ReplayQueueCore:
         self.expire_stragglers()
         now = self.clock()
         touched: dict[str, _GroupState] = {}
+        generated: list[int] = []
         accepted = 0
         for t in trajectories:
             g = self._match(t)
@@ -240,9 +241,12 @@ class ReplayQueueCore:
                 self.ledger.count("stale_attempt")
                 continue
             accepted += 1
+            if t.failure is None:
+                generated.append(len(t.response_ids))
             self._arrive(g, t, now)
             touched[g.group_id] = g
         self.ledger.count("put", accepted)
+        self.ledger.record_generated(generated)
         for g in touched.values():
             self._after_arrivals(g)
         return accepted
@@ -521,8 +525,6 @@ class ReplayQueueCore:
         self._release(g, i)
         if g.first_arrival_at is None:
             g.first_arrival_at = now
-        if t.failure is None:
-            self.ledger.record_generated(len(t.response_ids))
         if g.resolved:
             self._finish(g, i, g.late_fate, t)
         elif t.failure is not None and filters.failure_reason(t.failure) == STALE_FAILURE:

@@ -102,9 +102,9 @@ class Ledger:
         self.counts[fate] += 1
         self.in_flight -= 1
 
-    def record_generated(self, response_length: int) -> None:
-        """A sample finished generation (it reached the queue without a failure)."""
-        self.generated_lengths[response_length] += 1
+    def record_generated(self, response_lengths: Sequence[int]) -> None:
+        """Samples that finished generation (they reached the queue without a failure), all of one put at once."""
+        self.generated_lengths.update(response_lengths)
 
     def record_trained(self, lags: Sequence[int], latencies_s: Sequence[float], response_lengths: Sequence[int]) -> None:
         """Samples handed to the learner, the k-th with `lags[k]`, `latencies_s[k]` after it was put (their fates are
