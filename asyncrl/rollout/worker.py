@@ -186,7 +186,7 @@ class RolloutWorker:
         Returns the number of requests dropped."""
         self._stopping = True
         self._slot_freed.set()
-        # An `acquire` already in flight must come back before the pool re-queues this worker's requests.
+        # A `put_and_acquire` already in flight must come back before the pool re-queues this worker's requests.
         await self._run_exited.wait()
         tasks = list(self._in_flight.values())
         dropped = 0
