@@ -184,7 +184,8 @@ def run_once(ray, args, num_trajectories: int, put_batch: int, tag: str, py_spy_
     consumer = ray.remote(Consumer).options(num_cpus=0).remote(queue.handle, producers)
     ray.get([a.ready.remote() for a in producers + [consumer]])
     queue.counters()  # the queue actor is up too
-    pids = {"queue": ray.get([_pid(queue.handle)]), "producers": ray.get([_pid(p) for p in producers]), "consumer": ray.get([_pid(consumer)])}
+    pids = {role: ray.get([_pid(a) for a in actors]) for role, actors in
+            [("queue", [queue.handle]), ("producers", producers), ("consumer", [consumer])]}  # fmt: skip
     num_prompts = num_trajectories // args.samples_per_prompt
     prompts = [make_prompt(f"q{k}", range(PROMPT_TOKENS)) for k in range(num_prompts)]
     queue.add_prompts(prompts, args.samples_per_prompt)
@@ -252,7 +253,8 @@ def main() -> None:
     parser.add_argument("--samples-per-prompt", type=int, default=4)
     parser.add_argument("--batch-groups", type=int, default=16, help="groups per consumer step")
     parser.add_argument("--max-staleness", type=int, default=4)
-    parser.add_argument("--py-spy", default=None, metavar="TXT", help="py-spy the queue actor of the batched run into TXT (collapsed stacks)")
+    parser.add_argument("--py-spy", default=None, metavar="TXT",
+                        help="py-spy the queue actor of the batched run into TXT (collapsed stacks)")
     args = parser.parse_args()
     batched_n = args.trajectories or (4000 if args.quick else 20_000)
     unbatched_n = args.unbatched_trajectories or (800 if args.quick else 4000)

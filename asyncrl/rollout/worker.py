@@ -5,8 +5,9 @@ slots in one call, `queue.put_and_acquire(finished, name, free_slots)` (no reque
 keeps up to `max_requests_in_flight` episodes running at once (vLLM batches their generations continuously),
 and runs each as an environment episode (`EpisodeRunner`: one scored generation for the default
 `single_turn`, model turns and tool observations for agent environments). Trajectories that finish while no
-slot call comes (at stop, or while one is in flight) go back with `queue.put`, batched over a short window. A reward that raises or runs past `env.reward_timeout_s` marks its trajectory
-`failure="reward_error: ..."`; the worker keeps serving.
+slot call comes (at stop, or while one is in flight) go back with `queue.put`, batched over a short window.
+A reward that raises or runs past `env.reward_timeout_s` marks its trajectory `failure="reward_error: ..."`;
+the worker keeps serving.
 
 The class is plain Python so a test can drive it in-process; the pool runs it as `ray.remote(RolloutWorker)`.
 Queue API used (the replay queue actor): `put_and_acquire(trajectories, worker, max_requests) -> Exchange`,
