@@ -114,12 +114,8 @@ class Consumer:
 
 
 def _cpu_seconds(process) -> float:
-    """User + system CPU seconds of a process, its threads included (Ray's I/O threads do the (de)serializing);
-    0 for one that ended (a Ray helper may come and go)."""
-    try:
-        times = process.cpu_times()
-    except psutil.NoSuchProcess:
-        return 0.0
+    """User + system CPU seconds of a process, its threads included (Ray's I/O threads do the (de)serializing)."""
+    times = process.cpu_times()
     return times.user + times.system
 
 
@@ -138,18 +134,22 @@ class CpuMeter:
         named = {pid: role for role, role_pids in pids.items() for pid in role_pids}
         self.processes = [(named.get(p.pid, "ray_system"), p) for p in driver.children(recursive=True)]
         self.processes.append(("driver", driver))
-        self.start = self._read()
+        self.start = [self._last_known(process, 0.0) for _, process in self.processes]
 
-    def _read(self) -> dict[str, float]:
-        out = dict.fromkeys(ROLES, 0.0)
-        for role, process in self.processes:
-            out[role] += _cpu_seconds(process)
-        return out
+    @staticmethod
+    def _last_known(process, last: float) -> float:
+        """A Ray helper may end during the run: it keeps the CPU seconds last read (at worst its end goes uncounted)."""
+        try:
+            return _cpu_seconds(process)
+        except psutil.NoSuchProcess:
+            return last
 
     def seconds(self) -> dict[str, float]:
         """CPU seconds of each role since the meter was made."""
-        now = self._read()
-        return {role: now[role] - self.start[role] for role in ROLES}
+        out = dict.fromkeys(ROLES, 0.0)
+        for (role, process), start in zip(self.processes, self.start):
+            out[role] += self._last_known(process, start) - start
+        return out
 
 
 def _pid(actor) -> int:
@@ -190,8 +190,8 @@ def run_once(ray, args, num_trajectories: int, put_batch: int, tag: str, py_spy_
     prompts = [make_prompt(f"q{k}", range(PROMPT_TOKENS)) for k in range(num_prompts)]
     queue.add_prompts(prompts, args.samples_per_prompt)
 
-    spy = _py_spy(pids["queue"][0], py_spy_out)
-    start, meter = time.perf_counter(), CpuMeter(pids)
+    meter = CpuMeter(pids)  # before py-spy starts: its own CPU is not the benchmark's
+    spy, start = _py_spy(pids["queue"][0], py_spy_out), time.perf_counter()
     runs = [p.run.remote() for p in producers]
     result = ray.get(consumer.run.remote(args.batch_groups))
     seconds, cpu_s = time.perf_counter() - start, meter.seconds()
