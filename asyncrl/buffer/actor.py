@@ -127,7 +127,8 @@ class ReplayQueue:
     ) -> Exchange:
         """`put` then `acquire` in one actor call, which halves a worker's calls per trajectory (each Ray call
         costs the caller and this actor far more CPU than the queue's own work on a trajectory)."""
-        accepted = await self.put(trajectories)
+        # Nothing handed in changes nothing: skip the put, whose notify would wake every waiting call for naught.
+        accepted = await self.put(trajectories) if len(trajectories) else 0
         return Exchange(accepted, await self.acquire(worker, max_requests, timeout_s))
 
     async def requeue_worker(self, worker: str) -> int:
