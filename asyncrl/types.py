@@ -162,10 +162,27 @@ class Batch:
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Crosses to the learner as `TrajectoryColumns` (one buffer per array field for the whole batch); the
-        lags are computed again on arrival, from the same versions."""
-        members = [t for g in self.groups for t in g.trajectories]
-        sizes = [(g.group_id, len(g.trajectories)) for g in self.groups]
-        return (_unpack_batch, (sizes, TrajectoryColumns.pack(members), self.version))
+        lags are computed again on arrival, from the same versions. A received batch whose groups were never
+        read goes on as the columns it came in."""
+        packed = self.__dict__.get("_packed")
+        if packed is None:
+            members = [t for g in self.groups for t in g.trajectories]
+            packed = ([(g.group_id, len(g.trajectories)) for g in self.groups], TrajectoryColumns.pack(members))
+        return (_unpack_batch, (*packed, self.version))
+
+    def __getattr__(self, name: str) -> Any:
+        """`groups` of a received batch, built on first access (see `_unpack_batch`); called only for attributes
+        the instance lacks."""
+        packed = self.__dict__.pop("_packed", None) if name == "groups" else None
+        if packed is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        sizes, columns = packed
+        members, groups, start = columns.unpack(), [], 0
+        for group_id, n in sizes:
+            groups.append(Group(group_id, members[start : start + n]))
+            start += n
+        self.groups = groups
+        return groups
 
     @property
     def num_samples(self) -> int:
@@ -209,6 +226,28 @@ class Request:
     attempt: int = 0
 
 
+@dataclass
+class Exchange:
+    """What the replay queue answers a rollout worker's `put_and_acquire`: how many of the handed-in trajectories
+    it accepted (as `put` counts them) and the next requests (as `acquire` hands them out), in one actor call."""
+
+    accepted: int
+    requests: list[Request]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Crosses as one tuple of plain values per request: Ray's pickler would otherwise call its Python-level
+        hook and a dataclass reduction for every `Request` (twice the CPU, on both sides)."""
+        return (_received_exchange, (self.accepted, [_request_row(r) for r in self.requests]))
+
+
+_request_row = operator.attrgetter(*(f.name for f in dataclasses.fields(Request)))
+
+
+def _received_exchange(accepted: int, rows: list[tuple[Any, ...]]) -> Exchange:
+    """Inverse of `Exchange.__reduce__`."""
+    return Exchange(accepted, [Request(*row) for row in rows])
+
+
 _PER_TOKEN_FIELDS = ("response_ids", "rollout_logprobs", "loss_mask", "versions")
 """`Trajectory` fields with one entry per response token (they share each trajectory's length)."""
 _FIELDS = tuple(f.name for f in dataclasses.fields(Trajectory))
@@ -218,6 +257,7 @@ _ARRAYS_AT = _FIELDS.index("prompt_ids")
 _SCALAR_FIELDS = _FIELDS[:_ARRAYS_AT] + _FIELDS[_ARRAYS_AT + 1 + len(_PER_TOKEN_FIELDS) :]
 """The other `Trajectory` fields, in the order of `TrajectoryColumns.scalar_rows`."""
 _scalar_row = operator.attrgetter(*_SCALAR_FIELDS)
+_DISPATCH_VERSION_AT = _SCALAR_FIELDS.index("dispatch_version")
 
 
 @dataclass(frozen=True)
@@ -254,15 +294,31 @@ class TrajectoryColumns:
             scalar_rows=[_scalar_row(t) for t in trajectories],
         )
 
+    def min_versions(self) -> np.ndarray:
+        """Each trajectory's `Trajectory.min_version` (its oldest token's version, `dispatch_version` without
+        tokens) from one reduction over the `versions` column."""
+        lengths = np.asarray(self.response_lengths, dtype=np.int64)
+        out = np.fromiter((row[_DISPATCH_VERSION_AT] for row in self.scalar_rows), dtype=np.int64, count=len(lengths))
+        has_tokens = lengths > 0
+        if has_tokens.any():
+            # reduceat over the starts of the non-empty trajectories only: each segment then runs to the next one's start
+            starts = np.cumsum(lengths) - lengths
+            out[has_tokens] = np.minimum.reduceat(self.versions, starts[has_tokens])
+        return out
+
     def unpack(self) -> list[Trajectory]:
         """The trajectories; their arrays are views of the columns."""
         prompts = _split(self.prompt_ids, self.prompt_lengths)
         per_token = zip(*(_split(getattr(self, name), self.response_lengths) for name in _PER_TOKEN_FIELDS))
         at = _ARRAYS_AT
-        return [
+        out = [
             Trajectory(*row[:at], prompt, *arrays, *row[at:])
             for prompt, arrays, row in zip(prompts, per_token, self.scalar_rows)
         ]
+        # Fills each `min_version` cache from one reduction for all, where each would cost a numpy call of its own.
+        for t, version in zip(out, self.min_versions().tolist()):
+            t.__dict__["min_version"] = version
+        return out
 
 
 class PackedTrajectories(Sequence[Trajectory]):
@@ -315,9 +371,10 @@ def _split(values: np.ndarray, lengths: list[int]) -> list[np.ndarray]:
 
 
 def _unpack_batch(sizes: list[tuple[str, int]], columns: TrajectoryColumns, version: int) -> Batch:
-    """Inverse of `Batch.__reduce__`: `sizes` are (group_id, members) of each group, in order."""
-    members, groups, start = columns.unpack(), [], 0
-    for group_id, n in sizes:
-        groups.append(Group(group_id, members[start : start + n]))
-        start += n
-    return Batch(groups, version)
+    """Inverse of `Batch.__reduce__`: `sizes` are (group_id, members) of each group, in order. The lags come from
+    the columns in one reduction; the groups are built when first read (`Batch.__getattr__`), so a receiver that
+    reads only the lags and counts, or sends the batch on, builds no per-trajectory objects."""
+    batch = Batch.__new__(Batch)
+    batch.version, batch._packed = version, (sizes, columns)
+    batch.lags = (version - columns.min_versions()).tolist()
+    return batch

@@ -1,9 +1,9 @@
 """W4 `queue`: replay-queue throughput with the staleness check on.
 
-4 producer Ray actors acquire requests from the replay-queue actor and put back small trajectories (as
-`PackedTrajectories`, the column-wise wire form the rollout workers send); 1
-consumer actor drains it with `get_batch` and advances the policy version after every batch (it does no
-training, so this measures the queue). Each new version is pushed to the producers (the weight sync) before
+4 producer Ray actors take requests from the replay-queue actor and hand back small trajectories (as
+`PackedTrajectories`, the column-wise wire form the rollout workers send) in the same call (`put_and_acquire`); 1
+consumer actor drains it with `set_version_and_get_batch` and advances the policy version after every batch (it
+does no training, so this measures the queue). Each new version is pushed to the producers (the weight sync) before
 the queue is told, so the staleness check and admission control run as in a real run. Reported: trajectories/s through
 the queue, put-to-get latency p50/p99 (measured by the queue), and batched puts (64 per call) against
 unbatched ones (1 per call; a smaller count keeps the time bounded). On a shared machine the wall-clock rate
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import time
 
 import psutil
@@ -68,20 +69,21 @@ class Producer:
         )  # fmt: skip
 
     async def run(self) -> int:
+        """Hand in the last answers and take the next requests in one call (`put_and_acquire`), as a rollout
+        worker does; the first call puts nothing."""
         from asyncrl.types import PackedTrajectories
 
-        produced = 0
+        produced, finished = 0, []
         while True:
-            requests = await self.queue.acquire.remote(self.worker, self.put_batch, timeout_s=0.2)
+            exchange = await self.queue.put_and_acquire.remote(PackedTrajectories(finished), self.worker, self.put_batch, timeout_s=0.2)
+            requests, finished = exchange.requests, []
             if not requests:
                 if self.stopped:
                     return produced
                 continue
             rewards = self.rng.random(len(requests))
-            trajectories = [self.answer(r, float(reward)) for r, reward in zip(requests, rewards)]
-            for start in range(0, len(trajectories), self.put_batch):
-                await self.queue.put.remote(PackedTrajectories(trajectories[start : start + self.put_batch]))
-            produced += len(trajectories)
+            finished = [self.answer(r, float(reward)) for r, reward in zip(requests, rewards)]
+            produced += len(finished)
 
 
 class Consumer:
@@ -96,7 +98,9 @@ class Consumer:
     async def run(self, batch_groups: int) -> dict:
         version, trained, max_lag = 0, 0, 0
         while True:
-            batch = await self.queue.get_batch.remote(batch_groups, version, timeout_s=60.0, min_groups=0)
+            # The queue learns `version` once every engine serves it (invariant 7: pushed below), so that groups
+            # it admits from now on carry at least this version; the same call takes the step's batch.
+            batch = await self.queue.set_version_and_get_batch.remote(version, batch_groups, timeout_s=60.0, min_groups=0)
             if not batch.groups:
                 stats = await self.queue.stats.remote()
                 if stats["in_flight"] == 0 and stats["backlog_groups"] == 0:
@@ -105,10 +109,7 @@ class Consumer:
             trained += batch.num_samples
             max_lag = max(max_lag, batch.staleness_max)
             version += 1
-            # Weight sync: the queue learns the new version once every engine serves it (invariant 7),
-            # so that groups it admits from now on carry at least this version.
-            await asyncio.gather(*[p.set_version.remote(version) for p in self.producers])
-            await self.queue.set_version.remote(version)
+            await asyncio.gather(*[p.set_version.remote(version) for p in self.producers])  # the weight sync
         return {"trained": trained, "steps": version, "max_lag": max_lag}
 
 
@@ -118,7 +119,58 @@ def _cpu_seconds(process) -> float:
     return times.user + times.system
 
 
-def run_once(ray, args, num_trajectories: int, put_batch: int, tag: str) -> dict:
+ROLES = ("queue", "producers", "consumer", "driver", "ray_system")
+"""Where the benchmark's CPU goes. `ray_system`: every other process under the driver (GCS, raylet, Ray's
+agents and idle workers), which routes every actor call."""
+
+
+class CpuMeter:
+    """CPU seconds per role over a run, from every process of this benchmark's Ray cluster (the driver and its
+    descendants), so that the wall-clock rate the 2 shared cores allow is a measurement: cores ÷ total CPU
+    seconds per trajectory. Neighbours' processes are not under the driver and do not count."""
+
+    def __init__(self, pids: dict[str, list[int]]) -> None:
+        driver = psutil.Process()
+        named = {pid: role for role, role_pids in pids.items() for pid in role_pids}
+        self.processes = [(named.get(p.pid, "ray_system"), p) for p in driver.children(recursive=True)]
+        self.processes.append(("driver", driver))
+        self.start = [self._last_known(process, 0.0) for _, process in self.processes]
+
+    @staticmethod
+    def _last_known(process, last: float) -> float:
+        """A Ray helper may end during the run: it keeps the CPU seconds last read (at worst its end goes uncounted)."""
+        try:
+            return _cpu_seconds(process)
+        except psutil.NoSuchProcess:
+            return last
+
+    def seconds(self) -> dict[str, float]:
+        """CPU seconds of each role since the meter was made."""
+        out = dict.fromkeys(ROLES, 0.0)
+        for (role, process), start in zip(self.processes, self.start):
+            out[role] += self._last_known(process, start) - start
+        return out
+
+
+def _pid(actor) -> int:
+    return actor.__ray_call__.remote(lambda _self: os.getpid())
+
+
+def _py_spy(pid: int, path: str | None):
+    """`py-spy record` of the queue actor into `path` as collapsed stacks (text: one stack and its sample count
+    a line, which speedscope and flamegraph.pl read), or None without a path."""
+    if path is None:
+        return None
+    import shutil
+    import subprocess
+    import sys
+
+    exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return subprocess.Popen([exe, "record", "--pid", str(pid), "--output", path, "--rate", "200", "--nonblocking", "--format", "raw"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+
+
+def run_once(ray, args, num_trajectories: int, put_batch: int, tag: str, py_spy_out: str | None = None) -> dict:
     from asyncrl.buffer import start_replay_queue
     from asyncrl.config import BufferConfig
     from asyncrl.testing import make_prompt
@@ -132,15 +184,20 @@ def run_once(ray, args, num_trajectories: int, put_batch: int, tag: str) -> dict
     consumer = ray.remote(Consumer).options(num_cpus=0).remote(queue.handle, producers)
     ray.get([a.ready.remote() for a in producers + [consumer]])
     queue.counters()  # the queue actor is up too
-    queue_process = psutil.Process(ray.get(queue.handle.__ray_call__.remote(lambda actor: os.getpid())))
+    pids = {role: ray.get([_pid(a) for a in actors]) for role, actors in
+            [("queue", [queue.handle]), ("producers", producers), ("consumer", [consumer])]}  # fmt: skip
     num_prompts = num_trajectories // args.samples_per_prompt
     prompts = [make_prompt(f"q{k}", range(PROMPT_TOKENS)) for k in range(num_prompts)]
     queue.add_prompts(prompts, args.samples_per_prompt)
 
-    start, cpu_start = time.perf_counter(), _cpu_seconds(queue_process)
+    meter = CpuMeter(pids)  # before py-spy starts: its own CPU is not the benchmark's
+    spy, start = _py_spy(pids["queue"][0], py_spy_out), time.perf_counter()
     runs = [p.run.remote() for p in producers]
     result = ray.get(consumer.run.remote(args.batch_groups))
-    seconds, queue_cpu_s = time.perf_counter() - start, _cpu_seconds(queue_process) - cpu_start
+    seconds, cpu_s = time.perf_counter() - start, meter.seconds()
+    if spy is not None:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its output on Ctrl-C
+        spy.wait(timeout=60)
     ray.get([p.stop.remote() for p in producers])
     ray.get(runs)
     stats = queue.stats()
@@ -148,16 +205,28 @@ def run_once(ray, args, num_trajectories: int, put_batch: int, tag: str) -> dict
     queue.close()
     for actor in producers + [consumer]:
         ray.kill(actor)
+    return _row(put_batch, num_prompts * args.samples_per_prompt, seconds, cpu_s, stats, counters, result)
+
+
+def _row(put_batch: int, trajectories: int, seconds: float, cpu_s: dict[str, float], stats: dict, counters: dict, result: dict) -> dict:
+    """One run's result. The wall limit is the rate at which the machine's cores would be busy with this
+    benchmark alone: cores ÷ the CPU seconds all its processes spend per trajectory."""
+    trained = counters["trained"]
+    cpu_us = {role: round(s / trained * 1e6, 1) for role, s in cpu_s.items()}
+    total_s = sum(cpu_s.values())
     return {
         "put_batch": put_batch,
-        "trajectories": num_prompts * args.samples_per_prompt,
-        "trained": counters["trained"],
+        "trajectories": trajectories,
+        "trained": trained,
         "dropped_stale": counters["dropped_stale"],
         "seconds": round(seconds, 3),
-        "trajectories_per_s": round(counters["trained"] / seconds, 1),
-        "queue_cpu_s": round(queue_cpu_s, 3),
-        "queue_cpu_us_per_trajectory": round(queue_cpu_s / counters["trained"] * 1e6, 1),
-        "queue_capacity_per_cpu_s": round(counters["trained"] / queue_cpu_s, 1),
+        "trajectories_per_s": round(trained / seconds, 1),
+        "queue_cpu_s": round(cpu_s["queue"], 3),
+        "queue_cpu_us_per_trajectory": cpu_us["queue"],
+        "queue_capacity_per_cpu_s": round(trained / cpu_s["queue"], 1),
+        "cpu_us_per_trajectory": {**cpu_us, "total": round(total_s / trained * 1e6, 1)},
+        "cpu_cores_busy": round(total_s / seconds, 2),
+        "wall_limit_trajectories_per_s": round((os.cpu_count() or 1) * trained / total_s, 1),
         "latency_p50_ms": round(stats["latency_p50_s"] * 1e3, 2),
         "latency_p99_ms": round(stats["latency_p99_s"] * 1e3, 2),
         "steps": result["steps"],
@@ -165,6 +234,13 @@ def run_once(ray, args, num_trajectories: int, put_batch: int, tag: str) -> dict
         "staleness_mean": round(stats["staleness_mean"], 3),
         "conservation_ok": counters["in_flight"] == 0 and counters["dispatched"] == counters["trained"] + counters["dropped_stale"],
     }
+
+
+def print_table(rows: list[dict], header: list[str]) -> None:
+    widths = [max(len(h), 10) for h in header]
+    print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
+    for row in rows:
+        print("  ".join(str(row[h]).rjust(w) for h, w in zip(header, widths)))
 
 
 def main() -> None:
@@ -177,6 +253,8 @@ def main() -> None:
     parser.add_argument("--samples-per-prompt", type=int, default=4)
     parser.add_argument("--batch-groups", type=int, default=16, help="groups per consumer step")
     parser.add_argument("--max-staleness", type=int, default=4)
+    parser.add_argument("--py-spy", default=None, metavar="TXT",
+                        help="py-spy the queue actor of the batched run into TXT (collapsed stacks)")
     args = parser.parse_args()
     batched_n = args.trajectories or (4000 if args.quick else 20_000)
     unbatched_n = args.unbatched_trajectories or (800 if args.quick else 4000)
@@ -188,23 +266,21 @@ def main() -> None:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         rows = [
-            run_once(ray, args, batched_n, args.put_batch, "batched"),
+            run_once(ray, args, batched_n, args.put_batch, "batched", py_spy_out=args.py_spy),
             run_once(ray, args, unbatched_n, 1, "unbatched"),
         ]
     finally:
         ray.shutdown()
 
     ratio = rows[0]["trajectories_per_s"] / rows[1]["trajectories_per_s"]
-    header = [
-        "put_batch", "trajectories", "seconds", "trajectories_per_s", "queue_cpu_us_per_trajectory", "queue_capacity_per_cpu_s",
-        "latency_p50_ms", "latency_p99_ms", "dropped_stale", "max_lag_versions", "steps",
-    ]  # fmt: skip
-    widths = [max(len(h), 10) for h in header]
     print("W4 queue: replay-queue throughput "
           f"({args.producers} producers, 1 consumer, G={args.samples_per_prompt}, B={args.batch_groups} groups/step, eta={args.max_staleness})")
-    print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
-    for row in rows:
-        print("  ".join(str(row[h]).rjust(w) for h, w in zip(header, widths)))
+    print_table(rows, [
+        "put_batch", "trajectories", "seconds", "trajectories_per_s", "queue_capacity_per_cpu_s", "wall_limit_trajectories_per_s",
+        "cpu_cores_busy", "latency_p50_ms", "latency_p99_ms", "dropped_stale", "max_lag_versions", "steps",
+    ])  # fmt: skip
+    print("CPU µs per trajectory:")
+    print_table([{"put_batch": r["put_batch"], **r["cpu_us_per_trajectory"]} for r in rows], ["put_batch", *ROLES, "total"])
     print(f"batched / unbatched throughput: {ratio:.1f}x")
 
     result = {

@@ -183,11 +183,28 @@ def queue_throughput(d: dict) -> list[str]:
             for r in d["runs"]
         ],
     )  # fmt: skip
+    lines += _queue_cpu(d["runs"], d.get("machine", {}).get("cpus"))
     machine = d.get("machine", {})
     if "load_average_1min_start" in machine:
         # The producers, the consumer and Ray share the CPUs with the queue: wall-clock rates follow the load.
         lines += ["", f"1-minute load average at start / end: {machine['load_average_1min_start']:.1f} / "
                       f"{machine['load_average_1min_end']:.1f} on {machine.get('cpus', '?')} CPUs."]  # fmt: skip
+    return lines
+
+
+def _queue_cpu(runs: list[dict], cpus: int | None) -> list[str]:
+    """Where W4's CPU goes, per process role, and the wall rate those CPU seconds allow on the machine's cores
+    (results from before the roles were measured have no such table)."""
+    if not all("cpu_us_per_trajectory" in r for r in runs):
+        return []
+    roles = ["queue", "producers", "consumer", "driver", "ray_system", "total"]
+    lines = ["", f"CPU µs per trajectory of every process of the benchmark (`ray_system`: GCS, raylet and Ray's other "
+                 f"processes); wall limit = {cpus or '?'} cores ÷ total CPU seconds per trajectory.", ""]  # fmt: skip
+    lines += table(
+        ["put batch", *roles, "cores busy", "wall limit traj/s", "measured traj/s"],
+        [[r["put_batch"], *(fnum(r["cpu_us_per_trajectory"][k], ".0f") for k in roles), fnum(r["cpu_cores_busy"], ".2f"),
+          fnum(r["wall_limit_trajectories_per_s"], ".0f"), fnum(r["trajectories_per_s"], ".0f")] for r in runs],
+    )  # fmt: skip
     return lines
 
 

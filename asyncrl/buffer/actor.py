@@ -17,7 +17,7 @@ from typing import Any
 from asyncrl.buffer.core import ReplayQueueCore
 from asyncrl.buffer.ledger import ResponseLengths
 from asyncrl.config import BufferConfig
-from asyncrl.types import Batch, Prompt, Request, Trajectory
+from asyncrl.types import Batch, Exchange, Prompt, Request, Trajectory
 
 
 class ReplayQueue:
@@ -105,13 +105,15 @@ class ReplayQueue:
     # Rollout side.
 
     async def acquire(self, worker: str, max_requests: int, timeout_s: float = 0.0) -> list[Request]:
-        """Up to `max_requests` requests; waits up to `timeout_s` for at least one (an empty list is not an error)."""
+        """Up to `max_requests` requests; waits up to `timeout_s` for at least one (an empty list is not an error).
+        Asking for none answers at once."""
         deadline = time.monotonic() + timeout_s
-        while True:
+        while max_requests > 0:
             requests = self.core.acquire(worker, max_requests)
             if requests or time.monotonic() >= deadline:
                 return requests
             await self._wait_change(deadline)
+        return []
 
     async def put(self, trajectories: Sequence[Trajectory]) -> int:
         """Hand in finished trajectories (`ReplayQueueCore.put`); send a `PackedTrajectories`, which crosses
@@ -119,6 +121,15 @@ class ReplayQueue:
         accepted = self.core.put(trajectories)
         self._notify()
         return accepted
+
+    async def put_and_acquire(
+        self, trajectories: Sequence[Trajectory], worker: str, max_requests: int, timeout_s: float = 0.0
+    ) -> Exchange:
+        """`put` then `acquire` in one actor call, which halves a worker's calls per trajectory (each Ray call
+        costs the caller and this actor far more CPU than the queue's own work on a trajectory)."""
+        # Nothing handed in changes nothing: skip the put, whose notify would wake every waiting call for naught.
+        accepted = await self.put(trajectories) if len(trajectories) else 0
+        return Exchange(accepted, await self.acquire(worker, max_requests, timeout_s))
 
     async def requeue_worker(self, worker: str) -> int:
         requeued = self.core.requeue_worker(worker)
@@ -162,6 +173,14 @@ class ReplayQueue:
                     f"for {want} at learner version {learner_version}: {self._describe(learner_version)}"
                 )
             await self._wait_change(deadline)
+
+    async def set_version_and_get_batch(
+        self, version: int, num_groups: int, timeout_s: float, min_groups: int | None = None
+    ) -> Batch:
+        """`set_version(version)`, then `get_batch(num_groups, version, ...)`, in one actor call: for a learner
+        that confirms the weight sync of `version` just before it asks for that step's batch."""
+        await self.set_version(version)
+        return await self.get_batch(num_groups, version, timeout_s, min_groups=min_groups)
 
     # ------------------------------------------------------------------------------------------------
     # Accounting, metrics, checkpoint.

@@ -36,7 +36,7 @@ class QueueCallTimeout(TimeoutError):
 
 class QueueClient:
     """Typed calls to one replay-queue actor. `handle` is the raw actor handle, for rollout workers and the
-    rollout pool, which call `acquire`, `put` and `requeue_worker` themselves."""
+    rollout pool, which call `put_and_acquire`, `put` and `requeue_worker` themselves."""
 
     def __init__(self, handle: Any, name: str, timeouts: QueueTimeouts = QueueTimeouts()) -> None:
         self.handle = handle

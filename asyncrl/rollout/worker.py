@@ -1,15 +1,17 @@
 """`RolloutWorker`: one vLLM engine serving requests from the replay queue (an async Ray actor).
 
-The loop pulls requests with `queue.acquire(name, free_slots)` (an empty answer is back-pressure), keeps up
-to `max_requests_in_flight` episodes running at once (vLLM batches their generations continuously), runs each
-as an environment episode (`EpisodeRunner`: one scored generation for the default `single_turn`, model turns
-and tool observations for agent environments), and hands finished trajectories back with `queue.put` in
-small batches. A reward that raises or runs past `env.reward_timeout_s` marks its trajectory
-`failure="reward_error: ..."`; the worker keeps serving.
+Each time slots are free the loop hands in the trajectories finished so far and takes requests for those
+slots in one call, `queue.put_and_acquire(finished, name, free_slots)` (no requests back is back-pressure),
+keeps up to `max_requests_in_flight` episodes running at once (vLLM batches their generations continuously),
+and runs each as an environment episode (`EpisodeRunner`: one scored generation for the default
+`single_turn`, model turns and tool observations for agent environments). Trajectories that finish while no
+slot call comes (at stop, or while one is in flight) go back with `queue.put`, batched over a short window.
+A reward that raises or runs past `env.reward_timeout_s` marks its trajectory `failure="reward_error: ..."`;
+the worker keeps serving.
 
 The class is plain Python so a test can drive it in-process; the pool runs it as `ray.remote(RolloutWorker)`.
-Queue API used (the replay queue actor): `acquire(worker, max_requests) -> list[Request]`,
-`put(trajectories) -> None`, `requeue_worker(worker) -> int` (called by the pool, not here).
+Queue API used (the replay queue actor): `put_and_acquire(trajectories, worker, max_requests) -> Exchange`,
+`put(trajectories) -> int`, `requeue_worker(worker) -> int` (called by the pool, not here).
 """
 
 from __future__ import annotations
@@ -164,7 +166,7 @@ class RolloutWorker:
                     self._slot_freed.clear()
                     await self._slot_freed.wait()
                     continue
-                requests: list[Request] = await self.queue.acquire.remote(self.name, free_slots)
+                requests = await self._hand_in_and_acquire(free_slots)
                 if self._stopping:
                     break  # still charged to this worker by the queue: `requeue_worker` re-dispatches them
                 if not requests:
@@ -185,7 +187,7 @@ class RolloutWorker:
         Returns the number of requests dropped."""
         self._stopping = True
         self._slot_freed.set()
-        # An `acquire` already in flight must come back before the pool re-queues this worker's requests.
+        # A `put_and_acquire` already in flight must come back before the pool re-queues this worker's requests.
         await self._run_exited.wait()
         tasks = list(self._in_flight.values())
         dropped = 0
@@ -279,12 +281,27 @@ class RolloutWorker:
         try:
             await self.queue.put.remote(PackedTrajectories(batch))
         except Exception:
-            # Keep them for the next flush rather than lose them; the queue may be restarting.
-            self._outbox = batch + self._outbox
-            self._outbox_event.set()
+            self._keep_for_next_flush(batch)
             await asyncio.sleep(IDLE_POLL_S[1])
             raise
         self._trajectories_put += len(batch)
+
+    async def _hand_in_and_acquire(self, max_requests: int) -> list[Request]:
+        """Hand in what finished and take up to `max_requests` requests in one queue call: a finished rollout
+        frees the slot being filled, so a put and an acquire would mostly travel one right after the other."""
+        batch, self._outbox = self._outbox, []
+        try:
+            exchange = await self.queue.put_and_acquire.remote(PackedTrajectories(batch), self.name, max_requests)
+        except Exception:
+            self._keep_for_next_flush(batch)
+            raise
+        self._trajectories_put += len(batch)
+        return exchange.requests
+
+    def _keep_for_next_flush(self, batch: list[Trajectory]) -> None:
+        """A hand-in failed: keep its trajectories for the next one rather than lose them (the queue may be restarting)."""
+        self._outbox = batch + self._outbox
+        self._outbox_event.set()
 
     # ---------------------------------------------------------------------------------------------
     # Weights, probes, evaluation

@@ -5,8 +5,8 @@ import pickle
 
 import numpy as np
 
-from asyncrl.testing import make_group, make_trajectory
-from asyncrl.types import Batch, Group, PackedTrajectories, Trajectory
+from asyncrl.testing import make_group, make_prompt, make_trajectory
+from asyncrl.types import Batch, Exchange, Group, PackedTrajectories, Request, Trajectory, TrajectoryColumns
 
 
 def over_the_wire(obj):
@@ -66,3 +66,32 @@ def test_a_batch_crosses_a_pickle_with_its_groups_and_lags():
     for got, want in zip(received.groups, groups):
         for a, b in zip(got.trajectories, want.trajectories):
             assert_same_trajectory(a, b)
+
+
+def test_a_received_batch_has_its_lags_before_its_groups_are_built_and_passes_on_as_it_came():
+    groups = [Group("g0", varied_trajectories()[:2]), Group("g1", varied_trajectories()[2:])]
+    received, _ = over_the_wire(Batch(groups, version=9))
+    assert "groups" not in vars(received)  # no Trajectory built yet
+    # 9 - min(4, 5, 5); 9 - dispatch_version 6 (no tokens); 9 - 7
+    assert (received.lags, received.num_samples, received.staleness_max) == ([5, 3, 2], 3, 5)
+    again, buffers = over_the_wire(received)
+    assert buffers == 5 and "groups" not in vars(received)  # sent on from the columns it came in
+    assert again.lags == [5, 3, 2] and [len(g.trajectories) for g in again.groups] == [2, 1]
+    for got, want in zip(again.groups[0].trajectories + again.groups[1].trajectories, varied_trajectories()):
+        assert_same_trajectory(got, want)
+    assert [g.group_id for g in received.groups] == ["g0", "g1"] and "groups" in vars(received)  # built on first read
+
+
+def test_min_versions_of_columns_match_each_trajectorys_min_version():
+    sent = varied_trajectories() + [make_trajectory(0, dispatch_version=2), make_trajectory(4, versions=[9, 3, 8, 3])]
+    columns = TrajectoryColumns.pack(sent)
+    assert columns.min_versions().tolist() == [t.min_version for t in sent] == [4, 6, 7, 2, 3]
+    assert TrajectoryColumns.pack([]).min_versions().tolist() == []
+
+
+def test_an_exchange_crosses_a_pickle_with_equal_requests_and_shared_prompts():
+    prompt = make_prompt("p0", [1, 2, 3], "6")
+    requests = [Request(f"p0#0/{i}/{i % 2}", "p0#0", i, 2, prompt, attempt=i % 2) for i in range(2)]
+    received, _ = over_the_wire(Exchange(3, requests))
+    assert received == Exchange(3, requests)
+    assert received.requests[0].prompt is received.requests[1].prompt  # one prompt per group on the wire

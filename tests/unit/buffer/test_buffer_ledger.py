@@ -10,8 +10,7 @@ def ledger_with(dispatched: int, fates: list[str], trained_lags: list[int]) -> L
     ledger.dispatch(dispatched)
     for fate in fates:
         ledger.finish(fate)
-    for lag in trained_lags:
-        ledger.record_trained(lag, latency_s=0.5, response_length=4)
+    ledger.record_trained(trained_lags, latencies_s=[0.5] * len(trained_lags), response_lengths=[4] * len(trained_lags))
     return ledger
 
 

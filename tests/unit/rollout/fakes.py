@@ -6,7 +6,7 @@ import asyncio
 from collections import Counter, deque
 
 from asyncrl.testing import make_answer, make_prompt, make_request
-from asyncrl.types import Request, Trajectory
+from asyncrl.types import Exchange, Request, Trajectory
 
 
 class _Remote:
@@ -23,12 +23,15 @@ class _Remote:
 
 
 class InProcessHandle:
-    """Stands in for the Ray actor handle of `target` without Ray: `handle.method.remote(...)` is an awaitable."""
+    """Stands in for the Ray actor handle of `target` without Ray: `handle.method.remote(...)` is an awaitable.
+    `calls` counts the methods looked up, one per call made through the handle."""
 
     def __init__(self, target) -> None:
         self._target = target
+        self.calls: Counter[str] = Counter()
 
     def __getattr__(self, name: str) -> _Remote:
+        self.calls[name] += 1
         return _Remote(getattr(self._target, name))
 
 
@@ -72,6 +75,13 @@ class FakeQueue:
             del self.in_flight[(t.group_id, t.sample_index)]
             self.finished.append(t)
             self.finished_attempts.append(owner[1].attempt)
+
+    def put_and_acquire(self, trajectories: list[Trajectory], worker: str, max_requests: int) -> Exchange:
+        """`put` (counted in `put_calls` only when it carries trajectories), then `acquire`."""
+        finished = len(self.finished)
+        if trajectories:
+            self.put(trajectories)
+        return Exchange(len(self.finished) - finished, self.acquire(worker, max_requests))
 
     def requeue_worker(self, worker: str) -> int:
         keys = [k for k, (w, _) in self.in_flight.items() if w == worker]

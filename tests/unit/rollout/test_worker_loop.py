@@ -61,6 +61,40 @@ def test_every_request_comes_back_once_with_its_reward_and_concurrency_stays_bou
     assert stats["busy_s"] > 0
 
 
+def test_each_finished_trajectory_rides_on_the_call_that_fills_its_slot():
+    queue = FakeQueue(make_requests(3))
+    worker, _ = _worker(queue, max_in_flight=1)
+    asyncio.run(_serve_until(worker, queue, 3))
+    assert sorted(t.group_id for t in queue.finished) == ["g0", "g1", "g2"]
+    # One slot: each finish frees it at once, while the batching window of a separate put is still open.
+    assert (worker.queue.calls["acquire"], worker.queue.calls["put"], queue.put_calls) == (0, 0, 3)
+    assert worker.queue.calls["put_and_acquire"] >= 4  # the first one puts nothing; the last one gets nothing
+
+
+class QueueFailingOnceWithTrajectories(FakeQueue):
+    """A queue restarting just when the first finished trajectory comes back with an acquire."""
+
+    def put_and_acquire(self, trajectories, worker, max_requests):
+        if trajectories and not self.finished and not getattr(self, "failed_once", False):
+            self.failed_once = True
+            raise ConnectionError("replay queue restarting")
+        return super().put_and_acquire(trajectories, worker, max_requests)
+
+
+def test_trajectories_of_a_failed_hand_in_are_kept_and_handed_in_later():
+    queue = QueueFailingOnceWithTrajectories(make_requests(1))
+
+    async def scenario():
+        worker, _ = _worker(queue, max_in_flight=1)
+        with pytest.raises(ConnectionError):
+            await worker.run()
+        assert queue.finished == []
+        await worker.stop(drain=True)  # the last flush puts what the failed call carried
+
+    asyncio.run(scenario())
+    assert [t.group_id for t in queue.finished] == ["g0"] and not queue.in_flight
+
+
 def test_a_crashing_reward_fails_its_trajectory_with_the_reason_and_the_worker_keeps_serving():
     requests = make_requests(3) + make_requests(1, ground_truth="boom", prefix="b") + make_requests(3, prefix="h")
     queue = FakeQueue(requests)
