@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -182,20 +182,32 @@ class LearnerPool:
     def train_step(self, groups: Sequence[Group], lags: Sequence[int] | None = None) -> StepStats:
         """One step on `groups` (the readiness units the buffer handed out); with `lags` (`Batch.lags`) the
         mismatch figures are also reported per staleness bucket (`mismatch_<figure>/lag=<lag>`)."""
-        return self.train_batch(self.make_batch(groups, lags=lags))
+        return self.finish_step(self.start_step(groups, lags))
+
+    def start_step(self, groups: Sequence[Group], lags: Sequence[int] | None = None) -> LearnerCall:
+        """`train_step` without the wait: the ranks train while the caller does other work; `finish_step`
+        collects the result."""
+        return self._start_batch(self.make_batch(groups, lags=lags))
 
     def train_batch(self, batch: TrainBatch) -> StepStats:
         """One step on a rollout batch: its mini-batches, each split over the ranks."""
-        began = time.perf_counter()
+        return self.finish_step(self._start_batch(batch))
+
+    def _start_batch(self, batch: TrainBatch) -> LearnerCall:
+        began = time.monotonic()  # `learner_step_s` and the call's timeout count the split too
         keep_groups = loss_needs_whole_groups(self.recipe)
         parts = split_mini_batches(batch, self.config.mini_batches, self.recipe)
         shards = [split_rows(part, self.num_ranks, keep_groups) for part in parts]
         per_rank = [([part[rank] for part in shards],) for rank in range(self.num_ranks)]
-        results: list[StepStats] = self._call("train_step", per_rank=per_rank)
+        return replace(self._submit("train_step", per_rank=per_rank), submitted=began)
+
+    def finish_step(self, call: LearnerCall) -> StepStats:
+        """The ranks' results of a step merged into one; `learner_step_s` counts from its submission."""
+        results: list[StepStats] = self._collect(call)
         self.step = results[0].step
         metrics = lag_mismatch_figures(merge_metrics([(r.metrics, r.metrics.get("loss_tokens", 0.0)) for r in results]))
         metrics.pop("loss_tokens", None)
-        metrics["learner_step_s"] = time.perf_counter() - began
+        metrics["learner_step_s"] = time.monotonic() - call.submitted
         return StepStats(
             step=self.step,
             loss=results[0].loss,
