@@ -195,10 +195,11 @@ class Controller:
                 break  # asked to stop while waiting
             learner_wait_s = time.perf_counter() - wait
             poison_batch(batch, self.step + 1 in cfg.faults.nan_reward_at_steps)
-            stats = self.learner.train_step(batch.groups, lags=batch.lags)
+            step = self.learner.start_step(batch.groups, lags=batch.lags)
             self.step += 1
+            self._upkeep()  # while the learner trains: its Ray calls leave the step's critical path
+            stats = self.learner.finish_step(step)
             self._check_finite(stats, batch)
-            self._upkeep()
             self._record(stats, batch, learner_wait_s=learner_wait_s)
             if self.step % cfg.weight_sync.every_steps == 0:
                 self._publish()

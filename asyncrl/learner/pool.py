@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,7 @@ from asyncrl.models.shipping import ShippedModel, materialise, ship
 from asyncrl.types import Group, StepStats
 from asyncrl.weight_sync.segment import SharedWeights
 
-__all__ = ["LearnerCallError", "LearnerCheckpoint", "LearnerPool", "recipe_from_config"]
+__all__ = ["LearnerCall", "LearnerCallError", "LearnerCheckpoint", "LearnerPool", "recipe_from_config"]
 
 
 def recipe_from_config(cfg):
@@ -70,6 +70,17 @@ class NodeLocalLearnerWorker(LearnerWorker):
 
     def __init__(self, rank: int, num_ranks: int, model_dir: str, *args, model: ShippedModel | None = None):
         super().__init__(rank, num_ranks, str(materialise(model)) if model is not None else model_dir, *args)
+
+
+@dataclass(frozen=True)
+class LearnerCall:
+    """A call started on every rank and not yet waited for (`LearnerPool._submit`)."""
+
+    method: str
+    refs: list[Any]
+    """One object ref per rank, in rank order."""
+    submitted: float
+    """`time.monotonic()` at submission: the call's timeout counts from here."""
 
 
 class LearnerCallError(RuntimeError):
@@ -128,14 +139,25 @@ class LearnerPool:
 
     def _call(self, method: str, *args, timeout_s: float | None = None, per_rank: Sequence[tuple] | None = None) -> list:
         """Call `method` on every rank at once (collective) and wait, at most `timeout_s` (default
-        `learner.call_timeout_s`) in all; a failure or a timeout names the rank and the call. A rank that
-        died takes its peers' collectives down with it, so a dead rank is named before their errors."""
+        `learner.call_timeout_s`) in all; a failure or a timeout names the rank and the call."""
+        return self._collect(self._submit(method, *args, per_rank=per_rank), timeout_s)
+
+    def _submit(self, method: str, *args, per_rank: Sequence[tuple] | None = None) -> LearnerCall:
+        """Start `method` on every rank without waiting. Each rank runs its calls in submission order, so a
+        call submitted later (the next `train_step`) runs after this one on every rank."""
+        refs = [getattr(w, method).remote(*(per_rank[r] if per_rank is not None else args)) for r, w in enumerate(self.workers)]
+        return LearnerCall(method, refs, time.monotonic())
+
+    def _collect(self, call: LearnerCall, timeout_s: float | None = None) -> list:
+        """Wait for every rank's result of `call`, at most `timeout_s` (default `learner.call_timeout_s`) from
+        its submission. A rank that died takes its peers' collectives down with it, so a dead rank is named
+        before their errors."""
         import ray
 
         timeout_s = timeout_s if timeout_s is not None else self.config.call_timeout_s
-        refs = [getattr(w, method).remote(*(per_rank[r] if per_rank is not None else args)) for r, w in enumerate(self.workers)]
+        refs, method = call.refs, call.method
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
-        deadline, pending, failed = time.monotonic() + timeout_s, list(refs), None
+        deadline, pending, failed = call.submitted + timeout_s, list(refs), None
         while pending:
             # After a first failure, wait only a few seconds more: long enough for a peer's death to surface.
             wait_s = deadline - time.monotonic() if failed is None else min(_DEATH_GRACE_S, deadline - time.monotonic())
@@ -160,20 +182,32 @@ class LearnerPool:
     def train_step(self, groups: Sequence[Group], lags: Sequence[int] | None = None) -> StepStats:
         """One step on `groups` (the readiness units the buffer handed out); with `lags` (`Batch.lags`) the
         mismatch figures are also reported per staleness bucket (`mismatch_<figure>/lag=<lag>`)."""
-        return self.train_batch(self.make_batch(groups, lags=lags))
+        return self.finish_step(self.start_step(groups, lags))
+
+    def start_step(self, groups: Sequence[Group], lags: Sequence[int] | None = None) -> LearnerCall:
+        """`train_step` without the wait: the ranks train while the caller does other work; `finish_step`
+        collects the result."""
+        return self._start_batch(self.make_batch(groups, lags=lags))
 
     def train_batch(self, batch: TrainBatch) -> StepStats:
         """One step on a rollout batch: its mini-batches, each split over the ranks."""
-        began = time.perf_counter()
+        return self.finish_step(self._start_batch(batch))
+
+    def _start_batch(self, batch: TrainBatch) -> LearnerCall:
+        began = time.monotonic()  # `learner_step_s` and the call's timeout count the split too
         keep_groups = loss_needs_whole_groups(self.recipe)
         parts = split_mini_batches(batch, self.config.mini_batches, self.recipe)
         shards = [split_rows(part, self.num_ranks, keep_groups) for part in parts]
         per_rank = [([part[rank] for part in shards],) for rank in range(self.num_ranks)]
-        results: list[StepStats] = self._call("train_step", per_rank=per_rank)
+        return replace(self._submit("train_step", per_rank=per_rank), submitted=began)
+
+    def finish_step(self, call: LearnerCall) -> StepStats:
+        """The ranks' results of a step merged into one; `learner_step_s` counts from its submission."""
+        results: list[StepStats] = self._collect(call)
         self.step = results[0].step
         metrics = lag_mismatch_figures(merge_metrics([(r.metrics, r.metrics.get("loss_tokens", 0.0)) for r in results]))
         metrics.pop("loss_tokens", None)
-        metrics["learner_step_s"] = time.perf_counter() - began
+        metrics["learner_step_s"] = time.monotonic() - call.submitted
         return StepStats(
             step=self.step,
             loss=results[0].loss,
@@ -206,6 +240,16 @@ class LearnerPool:
         """Gather the policy and copy it (HF names, tied lm_head explicit) into the shared-memory slot of
         `version` under `root` (rank 0 writes; `asyncrl.weight_sync.segment`)."""
         return self._call("export_shared", root, version)[0]
+
+    def start_export_shared(self, root: str, version: int) -> LearnerCall:
+        """`export_shared` without the wait: the ranks gather and write the slot before they run any call
+        submitted after this one (the next `train_step`); `call.refs[0]` resolves to rank 0's `SharedWeights`,
+        so an engine can be handed it before it is written. `finish_call` raises as `export_shared` does."""
+        return self._submit("export_shared", root, version)
+
+    def finish_call(self, call: LearnerCall) -> list:
+        """Every rank's result of a call started without waiting (`start_export_shared`), errors named by rank."""
+        return self._collect(call)
 
     def state_snapshot(self) -> dict[str, Any]:
         return self._call("state_snapshot")[0]

@@ -184,10 +184,20 @@ class LearnerWorker:
     # ------------------------------------------------------------------ weights, snapshots, checkpoints
 
     def _full_model_state(self, module) -> dict[str, torch.Tensor]:
-        """Full state dict gathered by all ranks; populated on rank 0, empty elsewhere."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        """Full state dict gathered by all ranks (one all-gather per sharded tensor, in the same order on every
+        rank; none on one rank, whose shard is the whole tensor); populated on rank 0 with CPU copies, empty
+        elsewhere. The weight sync runs this every step: `torch.distributed.checkpoint`'s
+        `get_model_state_dict(full_state_dict=True)` gives the same tensors but took 40-90 ms for the
+        1M-parameter W1 model on this loaded 2-core CPU, against a few ms here."""
+        from torch.distributed.tensor import DTensor
 
-        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = {}
+        for name, value in module.state_dict().items():
+            if isinstance(value, DTensor):
+                value = value.to_local() if value.device_mesh.size() == 1 else value.full_tensor()
+            if self.rank == 0:
+                full[name] = value.detach().to("cpu", copy=True)
+        return full
 
     def _hf_state(self) -> dict[str, torch.Tensor]:
         from asyncrl.learner.export import hf_state_dict

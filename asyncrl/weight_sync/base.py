@@ -47,6 +47,9 @@ class PendingSync:
     """Object ref of each engine's load call -> the worker's name."""
     began: float
     """`time.perf_counter()` when the export began."""
+    export: Any = None
+    """The learner's export call when the sync did not wait for it (`LearnerCall`; None: it was waited for).
+    `finish` collects it first, so that a failed export is named by learner rank."""
 
     @property
     def version(self) -> int:

@@ -30,9 +30,13 @@ class ObjectStoreSync(WeightSync):
 
     def start(self, version: int, in_flight: bool | None = None) -> PendingSync:
         began = time.perf_counter()
-        self._latest = self._publish(version)
-        calls = self.rollout.start_update(self._latest.refs, version, self.in_flight if in_flight is None else in_flight)
-        return PendingSync(self._latest, calls, began)
+        return self._send(self._publish(version), began, in_flight)
+
+    def _send(self, weights: PublishedWeights, began: float, in_flight: bool | None, export=None) -> PendingSync:
+        """Start every engine loading `weights`, which become `latest()`."""
+        self._latest = weights
+        calls = self.rollout.start_update(weights.refs, weights.version, self.in_flight if in_flight is None else in_flight)
+        return PendingSync(weights, calls, began, export)
 
     def _publish(self, version: int) -> PublishedWeights:
         """Export the learner's weights as `version`, as object refs the engines load."""
@@ -40,6 +44,8 @@ class ObjectStoreSync(WeightSync):
         return PublishedWeights(version, exported.refs, exported.num_bytes, exported.num_tensors)
 
     def finish(self, pending: PendingSync) -> SyncResult:
+        if pending.export is not None:
+            self.learner.finish_call(pending.export)
         self.rollout.finish_update(pending.calls, pending.version, self.config.timeout_s)
         return pending.confirmed()
 

@@ -11,6 +11,12 @@ q/k/v and gate/up; a parameter copy would not reach the kernels. The reload re-r
 views, which is a copy the engine needs anyway. Versions, pause/resume and parity are the engine's
 `update_weights` flow, the same as for the object store.
 
+Only the first export is waited for: it fixes the layout, hence the record's sizes. Later ones are submitted to
+the learner ranks and the engines are handed rank 0's pending result at once (`LearnerPool.start_export_shared`),
+so the controller goes on to its next batch and `train_step` while rank 0 writes the slot; the ranks run the
+export before that `train_step` (a Ray actor runs one caller's calls in order), and each engine waits for the
+record before it pauses to load. `finish` collects the export, naming a failed rank.
+
 Every engine must be on the learner's node (`weight_sync.transport: auto` picks this transport only on a
 single-node Ray cluster). Segments are unlinked by `shutdown()`, when the driver exits, and, for a driver
 that was killed, by the next `SharedMemorySync` on the machine (`sweep_orphans`: the driver's pid is in
@@ -31,13 +37,14 @@ import contextlib
 import os
 import re
 import secrets
+import time
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from asyncrl.weight_sync.base import PublishedWeights
+from asyncrl.weight_sync.base import PendingSync, PublishedWeights
 from asyncrl.weight_sync.object_store import ObjectStoreSync
-from asyncrl.weight_sync.segment import slot_path
+from asyncrl.weight_sync.segment import SegmentLayout, slot_path
 
 if TYPE_CHECKING:
     from asyncrl.config import Mode, WeightSyncConfig
@@ -91,13 +98,24 @@ class SharedMemorySync(ObjectStoreSync):
         sweep_orphans(shm_dir)
         self.root = segment_root(shm_dir)
         self._cleanup = weakref.finalize(self, _unlink_slots, self.root)  # also runs when the driver exits
+        self._layout: SegmentLayout | None = None
+        """The segments' layout, fixed by the first export (`SegmentWriter`)."""
+
+    def start(self, version: int, in_flight: bool | None = None) -> PendingSync:
+        """The first sync waits for its export (it learns the layout); later ones do not (module docstring)."""
+        if self._layout is None:
+            return super().start(version, in_flight)
+        began = time.perf_counter()
+        export = self.learner.start_export_shared(self.root, version)
+        weights = PublishedWeights(version, [export.refs[0]], self._layout.num_bytes, len(self._layout.places))
+        return self._send(weights, began, in_flight, export)
 
     def _publish(self, version: int) -> PublishedWeights:
         import ray
 
         shared = self.learner.export_shared(self.root, version)
-        layout = shared.layout
-        return PublishedWeights(version, [ray.put(shared)], layout.num_bytes, len(layout.places))
+        self._layout = shared.layout
+        return PublishedWeights(version, [ray.put(shared)], self._layout.num_bytes, len(self._layout.places))
 
     def shutdown(self) -> None:
         self._cleanup()

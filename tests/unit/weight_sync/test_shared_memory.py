@@ -8,20 +8,36 @@ import pytest
 import torch
 
 from asyncrl.config import WeightSyncConfig
+from asyncrl.learner.pool import LearnerCall, LearnerCallError
 from asyncrl.weight_sync.segment import SegmentWriter
 from asyncrl.weight_sync.shared_memory import SharedMemorySync, segment_root, sweep_orphans
 from asyncrl.weight_sync.transport import resolve_transport
 
 
 class FakeLearner:
-    """Writes a real segment, as learner rank 0 does."""
+    """Writes a real segment, as learner rank 0 does; a call started without waiting is written at once and
+    its result (the record) stands for rank 0's object ref. `calls` lists what the sync asked for."""
 
-    def __init__(self):
+    def __init__(self, fail_export=False):
         self.writer = None
+        self.calls = []
+        self.fail_export = fail_export
 
     def export_shared(self, root, version):
+        self.calls.append(("export_shared", version))
         self.writer = self.writer or SegmentWriter(root)
         return self.writer.write({"w": torch.full((4, 4), float(version)), "b": torch.zeros(2)}, version)
+
+    def start_export_shared(self, root, version):
+        record = self.export_shared(root, version)
+        self.calls[-1] = ("start_export_shared", version)
+        return LearnerCall("export_shared", [record], 0.0)
+
+    def finish_call(self, call):
+        self.calls.append(("finish_call", call.refs[0].version))
+        if self.fail_export:
+            raise LearnerCallError("learner rank 0: export_shared failed: disk full")
+        return call.refs
 
 
 class FakeRollout:
@@ -53,6 +69,28 @@ def test_the_engines_get_one_small_record_naming_the_slot_of_the_version(tmp_pat
     # payload: 16 + 2 float32 = 72 bytes in 2 tensors and one "bucket" (the record)
     assert (result.num_bytes, result.num_tensors, result.num_buckets) == (72, 2, 1)
     assert sync.latest().refs == refs
+
+
+def test_only_the_first_export_is_waited_for_later_ones_are_handed_to_the_engines_pending(tmp_path, ray_put):
+    sync = SharedMemorySync(FakeLearner(), FakeRollout(), WeightSyncConfig(), "streaming", shm_dir=str(tmp_path))
+    sync.finish(sync.start(1))
+    pending = sync.start(2)
+    assert sync.learner.calls == [("export_shared", 1), ("start_export_shared", 2)]
+    # the engines get rank 0's pending record (here the record itself) for slot 2 % 2 = 0
+    [_, (refs, version, _)] = sync.rollout.started
+    assert version == 2 and refs == pending.export.refs[:1] and refs[0].path == sync.root + "-0"
+    result = sync.finish(pending)
+    assert sync.learner.calls[-1] == ("finish_call", 2)
+    # sizes from the layout the first export fixed: 16 + 2 float32 = 72 bytes in 2 tensors
+    assert (result.version, result.num_bytes, result.num_tensors) == (2, 72, 2)
+    assert sync.latest().refs == refs
+
+
+def test_a_failed_export_is_named_by_learner_rank_when_the_sync_finishes(tmp_path, ray_put):
+    sync = SharedMemorySync(FakeLearner(fail_export=True), FakeRollout(), WeightSyncConfig(), "streaming", shm_dir=str(tmp_path))
+    sync.finish(sync.start(1))
+    with pytest.raises(LearnerCallError, match="learner rank 0: export_shared failed"):
+        sync.finish(sync.start(2))
 
 
 def test_shutdown_unlinks_both_slots(tmp_path, ray_put):
