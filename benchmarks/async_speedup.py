@@ -452,17 +452,18 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_output_options(parser, "async_speedup", "smoke size (~2 min); writes async_speedup_quick.json")
     parser.add_argument("--modes", nargs="+", default=None, choices=MODES)
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per mode (default 24, quick 4)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per mode (default 24, quick 2)")
     parser.add_argument("--prompts-per-step", type=int, default=8, help="prompt groups per step (sao: x G single prompts)")
     parser.add_argument("--samples-per-prompt", type=int, default=4, help="G of sync/streaming")
     parser.add_argument("--max-staleness", type=int, default=4, help="eta of streaming and sao")
     parser.add_argument("--stale-policy", choices=["drop", "wait"], default=None, help="buffer.stale_policy (default: the config's)")
     parser.add_argument("--median-tokens", type=float, default=32.0)
-    parser.add_argument("--p99-tokens", type=float, default=512.0)
+    parser.add_argument("--p99-tokens", type=float, default=None, help="default 512, quick 128")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-limit", action="store_true", help="skip the engine-alone run")
     args = parser.parse_args()
-    args.steps = args.steps or (4 if args.quick else 24)
+    args.steps = args.steps or (2 if args.quick else 24)
+    args.p99_tokens = args.p99_tokens or (128.0 if args.quick else 512.0)
     return args
 
 
