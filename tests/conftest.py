@@ -47,10 +47,10 @@ def loop():
     loop.close()
 
 
-def module_engine(loop, model_dir, max_model_len: int = 512):
+def module_engine(loop, model_dir, max_model_len: int = 512, weight_load: str = "in_place"):
     """A started in-process engine on `loop` for a module fixture to yield; the fixture shuts it down."""
     from asyncrl.rollout.engine import Engine
 
-    engine = Engine(str(model_dir), name="engine-0", max_model_len=max_model_len, max_num_seqs=64, kv_cache_gib=1)
+    engine = Engine(str(model_dir), name="engine-0", max_model_len=max_model_len, max_num_seqs=64, kv_cache_gib=1, weight_load=weight_load)
     loop.run_until_complete(engine.start())
     return engine

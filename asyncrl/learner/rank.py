@@ -185,10 +185,14 @@ class LearnerWorker:
 
     def _full_model_state(self, module) -> dict[str, torch.Tensor]:
         """Full state dict gathered by all ranks (one all-gather per sharded tensor, in the same order on every
-        rank; none on one rank, whose shard is the whole tensor); populated on rank 0 with CPU copies, empty
+        rank; none on one rank, whose shard is the whole tensor); populated on rank 0 (CPU tensors), empty
         elsewhere. The weight sync runs this every step: `torch.distributed.checkpoint`'s
         `get_model_state_dict(full_state_dict=True)` gives the same tensors but took 40-90 ms for the
-        1M-parameter W1 model on this loaded 2-core CPU, against a few ms here."""
+        1M-parameter W1 model on this loaded 2-core CPU, against a few ms here.
+
+        On one CPU rank the tensors are the parameters themselves, not copies: every caller serializes or copies
+        them before the rank's next call can step the optimizer (a fresh 0.5 GB copy per sync at 125M parameters
+        cost more than writing the shared-memory segment)."""
         from torch.distributed.tensor import DTensor
 
         full = {}
@@ -196,7 +200,7 @@ class LearnerWorker:
             if isinstance(value, DTensor):
                 value = value.to_local() if value.device_mesh.size() == 1 else value.full_tensor()
             if self.rank == 0:
-                full[name] = value.detach().to("cpu", copy=True)
+                full[name] = value.detach().to("cpu")
         return full
 
     def _hf_state(self) -> dict[str, torch.Tensor]:
@@ -245,7 +249,7 @@ class LearnerWorker:
             for hf_name_ in [name.removeprefix("causal_lm.")]
         }
         return {
-            "params": {k: v.float().numpy() for k, v in params.items()},
+            "params": {k: v.float().numpy().copy() for k, v in params.items()},  # a snapshot, not views of the live parameters
             "optimizer": moments,
             "lr": self.state.optimizer.param_groups[0]["lr"],
             "step": self.step,

@@ -94,6 +94,7 @@ class Engine:
         gpu_memory_utilization: float = 0.5,
         seed: int = 0,
         initial_version: int = 0,
+        weight_load: str = "in_place",
     ) -> None:
         self.model_dir = str(model_dir)
         self.name = name
@@ -106,6 +107,8 @@ class Engine:
         )
         self._kv_cache_gib = kv_cache_gib
         self._version = initial_version
+        self._in_place = weight_load == "in_place"
+        """`RolloutConfig.weight_load`: copy new weights into the parameters, or run vLLM's reload."""
         self._llm: Any = None
         self._tokenizer: Any = None
         self._update_lock = asyncio.Lock()
@@ -360,7 +363,7 @@ class Engine:
                 return 0  # a newer sync overtook this one (a joining worker gets both): the engine keeps the newer
             await vllm_compat.pause_for_update(self._llm, in_flight)
             try:
-                num_tensors = await vllm_compat.load_weights(self._llm, list(buckets))
+                num_tensors = await vllm_compat.load_weights(self._llm, list(buckets), self._in_place)
                 await vllm_compat.set_weight_version(self._llm, version)
                 self._version = version
             finally:

@@ -99,6 +99,7 @@ class RolloutWorker:
             kv_cache_gib=self.config.kv_cache_gib,
             gpu_memory_utilization=self.config.gpu_memory_utilization,
             seed=spec.seed,
+            weight_load=self.config.weight_load,
         )
         self.env_context = EnvContext(self.tools, spec.env.reward, spec.env.reward_timeout_s, spec.env.tool_timeout_s)
         self._make_env()  # fail at start, naming the environment, rather than on the first request

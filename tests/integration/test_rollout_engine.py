@@ -24,7 +24,9 @@ PROMPTS = [[1, 4 + i % 10, 4 + (3 * i) % 10, 14, 4 + (7 * i) % 10, 15] for i in 
 
 @pytest.fixture(scope="module")
 def engine(loop, tiny_model_dir):
-    engine = module_engine(loop, tiny_model_dir, max_model_len=512)
+    """Updated through vLLM's reload (`rollout.weight_load: reload`); the default in-place load is what
+    test_weight_sync_shm.py and every run use."""
+    engine = module_engine(loop, tiny_model_dir, max_model_len=512, weight_load="reload")
     yield engine
     loop.run_until_complete(engine.shutdown())
 

@@ -1,6 +1,7 @@
 """The shared-memory weight sync on real Ray, a real FSDP2 (gloo) learner rank and a real vLLM CPU engine
 (tiny model), all shared by the module: parity after a zero-copy sync, versions, a second sync, a joining
-worker, the object-store transport on the same pools, and no segment left in /dev/shm after shutdown."""
+worker, the object-store transport on the same pools, and no segment left in /dev/shm after shutdown. The
+engine loads in place (`rollout.weight_load` default); test_rollout_engine.py covers vLLM's reload."""
 
 from __future__ import annotations
 
