@@ -69,15 +69,17 @@ class EngineFigures:
 # Engine side: one Ray task with the rollout worker's CPU share.
 
 
-def engine_side(model_dir: Path, batches: list[list]) -> EngineFigures:
-    return asyncio.run(measure_engine(model_dir, batches))
+def engine_side(model_dir: Path, batches: list[list], weight_load: str) -> EngineFigures:
+    return asyncio.run(measure_engine(model_dir, batches, weight_load))
 
 
-async def measure_engine(model_dir: Path, batches: list[list]) -> EngineFigures:
-    """All requests at once through `Engine` and through raw vLLM (interleaved), then batch by batch."""
+async def measure_engine(model_dir: Path, batches: list[list], weight_load: str) -> EngineFigures:
+    """All requests at once through `Engine` and through raw vLLM (interleaved), then batch by batch. With
+    `weight_load: in_place` (the default) the engine runs unpacked `F.linear` layers, raw vLLM its oneDNN-packed
+    ones, so E / V holds the kernels' difference too; `reload` gives both the same kernels."""
     from asyncrl.rollout.engine import Engine
 
-    engine = Engine(str(model_dir), name="limit", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_REQUESTS_IN_FLIGHT, seed=0)
+    engine = Engine(str(model_dir), name="limit", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_REQUESTS_IN_FLIGHT, seed=0, weight_load=weight_load)
     await engine.start()
     jobs = [job for batch in batches for job in batch]
     figures, raw = EngineFigures([], [], [], []), None
@@ -140,14 +142,14 @@ async def raw_generate_s(llm, jobs: list) -> float:
     return time.perf_counter() - began
 
 
-def measure_engine_side(model_dir: Path, batches: list[list]) -> EngineFigures:
+def measure_engine_side(model_dir: Path, batches: list[list], weight_load: str) -> EngineFigures:
     import ray
 
     print("engine side (engine, vLLM alone, batch by batch) ...", flush=True)
     task = ray.remote(num_cpus=ROLLOUT_CPUS, max_calls=1)(engine_side)
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
-        return ray.get(task.remote(model_dir, batches))
+        return ray.get(task.remote(model_dir, batches, weight_load))
     finally:
         ray.shutdown()
 
@@ -251,6 +253,7 @@ def parse_args() -> argparse.Namespace:
     common.add_output_options(parser, "limits", "4 batches instead of W2's (~1 min); writes limits_quick.json")
     parser.add_argument("--w2", type=Path, default=common.RESULTS / "async_speedup.json",
                         help="the W2 result to report against; its workload config is the one measured here")
+    parser.add_argument("--weight-load", default="in_place", choices=["in_place", "reload"], help="the Engine's rollout.weight_load")
     args = parser.parse_args()
     w2_result = json.loads(args.w2.read_text()) if args.w2.exists() else None
     config = (w2_result or {}).get("config", {})
@@ -261,6 +264,7 @@ def parse_args() -> argparse.Namespace:
     args.samples_per_prompt = config.get("samples_per_prompt", 4)
     args.max_staleness = config.get("max_staleness", 4)
     args.median_tokens, args.p99_tokens, args.seed = length.get("median", 32.0), length.get("p99", 512.0), 0
+    args.stale_policy = config.get("stale_policy")  # W2's, recorded in its result (None: the config's default)
     args.w2_result = w2_result
     return args
 
@@ -297,7 +301,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="asyncrl-limits-") as tmp:
         model_dir = build_model("tiny-0.3m", Path(tmp) / "model", seed=args.seed)
         batches = batches_of_jobs(args, model_dir)
-        engine = measure_engine_side(model_dir, batches)
+        engine = measure_engine_side(model_dir, batches, args.weight_load)
         groups = groups_of(engine.trajectories, args)
         print("learner alone (sync's and streaming's recipes) ...", flush=True)
         train_s = {mode: learner_seconds(model_dir, mode, args, groups, Path(tmp) / "runs") for mode in ("sync", "streaming")}
@@ -309,7 +313,7 @@ def main() -> None:
         "workload": "W2 tail (limit model)",
         "quick": args.quick,
         "config": {"steps": args.steps, "prompts_per_step": args.prompts_per_step, "samples_per_prompt": args.samples_per_prompt,
-                   "engine_cpus": ROLLOUT_CPUS, "learner_threads": 1, "w2_result": str(args.w2) if args.w2_result else None},
+                   "engine_cpus": ROLLOUT_CPUS, "learner_threads": 1, "engine_weight_load": args.weight_load, "w2_result": str(args.w2) if args.w2_result else None},
         "machine": common.machine(load_start),
         "measured": {"engine_s": engine.engine_s, "vllm_alone_s": engine.vllm_s, "gen_batch_s": engine.batch_s,
                      "engine_client_cpu_s": engine.engine_cpu_s, "vllm_client_cpu_s": engine.vllm_cpu_s,

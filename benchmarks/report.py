@@ -38,26 +38,31 @@ def fnum(value: float | None, fmt: str = ".2f") -> str:
 def weight_sync(d: dict) -> list[str]:
     sizes = d["sizes"]
     worst = max(s["parity_after_max"] for s in sizes)
+    best = [s for s in sizes if s.get("weight_load", "reload") == "in_place" and s.get("transport") == "shared_memory"] or sizes
     lines = [
         "## W3 `sync` — weight publication (`benchmarks/weight_sync.py`)",
         "",
         f"Learner step done → every engine serves v+1 (1 learner rank, 1 engine, fp32; object store: buckets of "
-        f"{d['config']['bucket_bytes'] >> 20} MiB; shared memory: one /dev/shm segment the engine maps); median of "
-        "the syncs. ÷ memcpy: a plain copy of the same bytes, measured in the same run, over the sync's time.",
+        f"{d['config']['bucket_bytes'] >> 20} MiB; shared memory: one /dev/shm segment the engine maps; engine load "
+        "`in_place`: a copy into the model's parameters, `reload`: vLLM's reload and re-pack); median of the syncs. "
+        "÷ memcpy: a plain copy of the same bytes (2 threads; 1 thread, as the learner rank and the engine each "
+        "copy), measured in the same run, over the sync's time.",
         "",
-        "**Headline:** " + "; ".join(f"{s['preset']} {s.get('transport', 'object_store')} {s['total_s_median']:.2f} s at "
-                                     f"{s['memcpy_ratio']:.3f} of memcpy" for s in sizes)
-        + f"; parity after every sync ≤ {worst:.1e}.",
+        "**Headline:** " + "; ".join(f"{s['preset']} {s['total_s_median']:.2f} s at {s['memcpy_ratio']:.3f} of memcpy "
+                                     f"({s.get('memcpy_1thread_ratio', 0):.3f} of a 1-thread memcpy)" for s in best)
+        + f" (shared memory, in place); parity after every sync ≤ {worst:.1e}.",
         "",
     ]
     lines += table(
-        ["model", "transport", "params", "MB moved", "export s", "load s", "total s", "MB/s", "÷ memcpy", "parity before", "parity after"],
+        ["model", "load", "transport", "params", "MB moved", "export s", "load s", "total s", "MB/s", "÷ memcpy", "÷ 1-thread memcpy",
+         "parity before", "parity after", "decode s"],
         [
             [
-                s["preset"], s.get("transport", "object_store"), f"{s['parameters'] / 1e6:.1f}M", f"{s['bytes'] / 1e6:.1f}",
-                fnum(s["export_s_median"], ".3f"), fnum(s["load_s_median"], ".3f"), fnum(s["total_s_median"], ".3f"),
-                f"{s['bytes_per_s_median'] / 1e6:.0f}", fnum(s["memcpy_ratio"], ".4f"), f"{s['parity_before_max']:.1e}",
-                f"{s['parity_after_max']:.1e}",
+                s["preset"], s.get("weight_load", "reload"), s.get("transport", "object_store"), f"{s['parameters'] / 1e6:.1f}M",
+                f"{s['bytes'] / 1e6:.1f}", fnum(s["export_s_median"], ".3f"), fnum(s["load_s_median"], ".3f"),
+                fnum(s["total_s_median"], ".3f"), f"{s['bytes_per_s_median'] / 1e6:.0f}", fnum(s["memcpy_ratio"], ".4f"),
+                fnum(s.get("memcpy_1thread_ratio"), ".4f"), f"{s['parity_before_max']:.1e}", f"{s['parity_after_max']:.1e}",
+                fnum(s.get("decode_s"), ".3f"),
             ]
             for s in sizes
         ],
@@ -368,6 +373,7 @@ def generic(name: str, d: dict) -> list[str]:
 
 FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "weight_sync": weight_sync,
+    "weight_sync_0.5b": weight_sync,
     "async_speedup": async_speedup,
     "queue_throughput": queue_throughput,
     "algo_throughput": algo_throughput,
@@ -379,7 +385,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "limits": limits,
     "soak": soak,
 }
-ORDER = ["learning_add", "learning_add_mb4", "learning_add_mb4_same_lr", "async_speedup", "limits", "weight_sync", "queue_throughput", "algo_throughput",
+ORDER = ["learning_add", "learning_add_mb4", "learning_add_mb4_same_lr", "async_speedup", "limits", "weight_sync", "weight_sync_0.5b", "queue_throughput", "algo_throughput",
          "profile_before", "profile", "soak"]
 
 

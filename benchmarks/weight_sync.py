@@ -1,11 +1,12 @@
 """W3 `sync`: weight publication from the learner to the rollout engines (benchmarks/README.md).
 
-For each random-initialised Qwen2 preset (w3-0.5m, w3-25m, w3-125m): one LearnerPool rank and one
-RolloutPool engine (vLLM, CPU, `max_model_len` 256) in one Ray session, and both transports on them:
-`object_store` (safetensors buckets through Ray, `ObjectStoreSync`) and `shared_memory` (one /dev/shm
-segment the engine maps, `SharedMemorySync`). Before every sync the learner takes a real optimizer step on
-a small synthetic batch (untimed), so that the engine's weights are really stale; then the timed part runs
-exactly what the controller's publish does:
+For each random-initialised Qwen2 preset (w3-0.5m, w3-25m, w3-125m; qwen-0.5b on request) and each engine
+load mode (`rollout.weight_load`: `in_place` copies into the model's parameters, `reload` runs vLLM's
+layerwise reload and re-packing): one LearnerPool rank and one RolloutPool engine (vLLM, CPU, `max_model_len`
+256) in one Ray session, and both transports on them: `object_store` (safetensors buckets through Ray,
+`ObjectStoreSync`) and `shared_memory` (one /dev/shm segment the engine maps, `SharedMemorySync`). Before
+every sync the learner takes a real optimizer step on a small synthetic batch (untimed), so that the engine's
+weights are really stale; then the timed part runs exactly what the controller's publish does:
 
     t0  learner step done -> sync.start(v + 1)    (gather + export, then every engine starts loading)
     t1  export in hand    -> sync.finish(pending) (load + set version, confirmed by every engine)
@@ -13,11 +14,15 @@ exactly what the controller's publish does:
 
 Figures per size and transport: export and load seconds, total seconds, payload bytes (the fp32 tensors),
 bytes/s, and that rate over a plain memory copy of the same number of bytes (torch copy into a preallocated
-tensor, best of 5, measured in the same run: 1.0 would be a sync as fast as one memcpy of the weights), and
+tensor, best of 5, measured in the same run on 2 threads and on 1, as the learner rank and the engine each
+copy: 1.0 would be a sync as fast as one memcpy of the weights), and
 parity = max |engine log-prob - learner log-prob| over a fixed sequence, before the sync (should be large:
-the learner moved) and after it (should be ~1e-6 in fp32). Syncs alternate between the transports.
+the learner moved) and after it (should be ~1e-6 in fp32). Syncs alternate between the transports. Per load
+mode, `decode_s`: greedy decoding of 32 prompts x up to 32 tokens after the syncs, the same work in both
+modes (what the kernels each mode runs cost in generation).
 
-    python benchmarks/weight_sync.py            # all three sizes, ~5-8 min on 2 CPU cores (3 syncs each)
+    python benchmarks/weight_sync.py            # all three sizes, both loads, ~12 min on 2 CPU cores (3 syncs each)
+    python benchmarks/weight_sync.py --presets qwen-0.5b --transports shared_memory --weight-loads in_place --out ...
     python benchmarks/weight_sync.py --quick    # w3-0.5m only (smoke), writes weight_sync_quick.json
 """
 
@@ -36,15 +41,20 @@ import common  # benchmarks/common.py: a script's own folder is on sys.path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 PRESETS = ["w3-0.5m", "w3-25m", "w3-125m"]
+LARGE = ["qwen-0.5b"]  # 0.5B parameters: on request (--presets qwen-0.5b), ~16 GB of memory
 TRANSPORTS = ["object_store", "shared_memory"]
+LOADS = ["in_place", "reload"]  # rollout.weight_load
 MAX_MODEL_LEN = 256
 PROBE_LEN, PROBE_PROMPT_LEN = 64, 8
 
 
-def memcpy_seconds(num_bytes: int, repeats: int = 5) -> float:
-    """Seconds of a plain copy of `num_bytes` into a preallocated buffer (best of `repeats`, pages faulted in)."""
+def memcpy_seconds(num_bytes: int, threads: int, repeats: int = 5) -> float:
+    """Seconds of a plain copy of `num_bytes` into a preallocated buffer on `threads` threads (best of `repeats`,
+    pages faulted in). The learner rank and the engine copy on one thread each (one CPU each)."""
     import torch
 
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
     src = torch.ones(num_bytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -53,6 +63,7 @@ def memcpy_seconds(num_bytes: int, repeats: int = 5) -> float:
         start = time.perf_counter()
         dst.copy_(src)
         best = min(best, time.perf_counter() - start)
+    torch.set_num_threads(previous)
     return best
 
 
@@ -80,8 +91,9 @@ def synthetic_groups(vocab: int, seed: int, num_groups: int = 2, group_size: int
 
 
 @contextlib.contextmanager
-def pools(model_dir: Path, bucket_bytes: int, timeout_s: float, transports: list[str]):
-    """One FSDP2 learner rank and one vLLM engine on `model_dir`, and a weight sync of each transport."""
+def pools(model_dir: Path, bucket_bytes: int, timeout_s: float, transports: list[str], weight_load: str):
+    """One FSDP2 learner rank and one vLLM engine (loading as `weight_load` says) on `model_dir`, and a weight
+    sync of each transport."""
     from asyncrl.algo.recipes import resolve_recipe
     from asyncrl.config import EnvConfig, LearnerConfig, RolloutConfig, WeightSyncConfig
     from asyncrl.learner.pool import LearnerPool
@@ -93,7 +105,7 @@ def pools(model_dir: Path, bucket_bytes: int, timeout_s: float, transports: list
     rollout, syncs = None, {}
     try:
         rollout = RolloutPool(
-            str(model_dir), RolloutConfig(num_workers=1, max_requests_in_flight=8), EnvConfig(), queue=None,
+            str(model_dir), RolloutConfig(num_workers=1, max_requests_in_flight=8, weight_load=weight_load), EnvConfig(), queue=None,
             dtype="float32", max_model_len=MAX_MODEL_LEN,
         )
         rollout.start()
@@ -126,8 +138,22 @@ def timed_sync(sync, rollout, version: int, parity) -> dict:
     }  # fmt: skip
 
 
-def bench_preset(preset: str, model_root: Path, syncs: int, bucket_bytes: int, timeout_s: float, transports: list[str]) -> list[dict]:
-    """One row per transport: `syncs` timed syncs each, alternating transports on the same learner and engine."""
+def decode_seconds(rollout, probe: list[int], prompts: int = 32, tokens: int = 32) -> float:
+    """Seconds for the engine to decode `prompts` greedy completions of up to `tokens` tokens after the last
+    sync (best of 2): the same weights and work under both load modes, so their ratio is the decode-speed
+    cost or gain of the kernels each mode runs."""
+    batch = [probe[: PROBE_PROMPT_LEN + i % 8] for i in range(prompts)]
+    best = float("inf")
+    for _ in range(2):
+        began = time.perf_counter()
+        rollout.evaluate(batch, max_tokens=tokens)
+        best = min(best, time.perf_counter() - began)
+    return best
+
+
+def bench_preset(preset: str, model_root: Path, args: argparse.Namespace) -> list[dict]:
+    """One row per engine load mode and transport: for each load mode a fresh learner and engine, then
+    `syncs` timed syncs per transport, alternating transports."""
     import numpy as np
 
     from asyncrl.algo.sampling import RAW
@@ -138,28 +164,35 @@ def bench_preset(preset: str, model_root: Path, syncs: int, bucket_bytes: int, t
     model_dir = build_model(preset, model_root / preset, seed=0)
     vocab = len(SPECIAL_TOKENS) + len(MODEL_PRESETS[preset].alphabet)
     probe = [1] + np.random.default_rng(123).integers(3, vocab, PROBE_LEN - 1).tolist()
-    started = time.perf_counter()
-    with pools(model_dir, bucket_bytes, timeout_s, transports) as (learner, rollout, by_transport):
+    syncs = args.syncs_125m if preset in ("w3-125m", *LARGE) else args.syncs
+    out = []
+    for weight_load in args.weight_loads:
+        started = time.perf_counter()
+        with pools(model_dir, args.bucket_bytes, args.timeout_s, args.transports, weight_load) as (learner, rollout, by_transport):
 
-        def parity() -> float:
-            engine = np.asarray(rollout.score(probe, PROBE_PROMPT_LEN))
-            return float(np.max(np.abs(engine - np.asarray(learner.score(probe, PROBE_PROMPT_LEN, RAW)))))
+            def parity() -> float:
+                engine = np.asarray(rollout.score(probe, PROBE_PROMPT_LEN))
+                return float(np.max(np.abs(engine - np.asarray(learner.score(probe, PROBE_PROMPT_LEN, RAW)))))
 
-        setup_s, parity_at_start, rows = time.perf_counter() - started, parity(), {t: [] for t in transports}
-        version = 0
-        for k in range(syncs):
-            for transport, sync in by_transport.items():
-                learner.train_step(synthetic_groups(vocab, seed=version))  # the learner step (not timed)
-                parity_before, version = parity(), version + 1
-                rows[transport].append({**timed_sync(sync, rollout, version, parity), "parity_before": parity_before})
-                r = rows[transport][-1]
-                print(f"  {preset} {transport} sync {k + 1}/{syncs}: export {r['export_s']:.3f}s load {r['load_s']:.3f}s "
-                      f"({r['bytes'] / 1e6:.1f} MB, parity {r['parity_after']:.1e})", flush=True)  # fmt: skip
-    memcpy_s = memcpy_seconds(rows[transports[0]][0]["bytes"])
-    return [summarise(preset, t, rows[t], setup_s, parity_at_start, memcpy_s) for t in transports]
+            setup_s, parity_at_start, rows = time.perf_counter() - started, parity(), {t: [] for t in args.transports}
+            version = 0
+            for k in range(syncs):
+                for transport, sync in by_transport.items():
+                    learner.train_step(synthetic_groups(vocab, seed=version))  # the learner step (not timed)
+                    parity_before, version = parity(), version + 1
+                    rows[transport].append({**timed_sync(sync, rollout, version, parity), "parity_before": parity_before})
+                    r = rows[transport][-1]
+                    print(f"  {preset} {weight_load} {transport} sync {k + 1}/{syncs}: export {r['export_s']:.3f}s "
+                          f"load {r['load_s']:.3f}s ({r['bytes'] / 1e6:.1f} MB, parity {r['parity_after']:.1e})", flush=True)  # fmt: skip
+            decode_s = decode_seconds(rollout, probe)
+        num_bytes = rows[args.transports[0]][0]["bytes"]
+        memcpy_s = {threads: memcpy_seconds(num_bytes, threads) for threads in (1, 2)}
+        out += [summarise(preset, t, weight_load, rows[t], setup_s, parity_at_start, memcpy_s) | {"decode_s": decode_s} for t in args.transports]
+    return out
 
 
-def summarise(preset: str, transport: str, rows: list[dict], setup_s: float, parity_at_start: float, memcpy_s: float) -> dict:
+def summarise(preset: str, transport: str, weight_load: str, rows: list[dict], setup_s: float, parity_at_start: float,
+              memcpy_s: dict[int, float]) -> dict:  # fmt: skip
     from asyncrl.models import num_parameters
 
     def med(key: str) -> float:
@@ -168,6 +201,7 @@ def summarise(preset: str, transport: str, rows: list[dict], setup_s: float, par
     return {
         "preset": preset,
         "transport": transport,
+        "weight_load": weight_load,
         "parameters": num_parameters(preset),
         "syncs": len(rows),
         "setup_s": round(setup_s, 2),
@@ -179,8 +213,10 @@ def summarise(preset: str, transport: str, rows: list[dict], setup_s: float, par
         "total_s_median": med("total_s"),
         "total_s_min": min(r["total_s"] for r in rows),
         "bytes_per_s_median": rows[0]["bytes"] / med("total_s"),
-        "memcpy_s": memcpy_s,
-        "memcpy_ratio": memcpy_s / med("total_s"),
+        "memcpy_s": memcpy_s[2],
+        "memcpy_ratio": memcpy_s[2] / med("total_s"),
+        "memcpy_1thread_s": memcpy_s[1],
+        "memcpy_1thread_ratio": memcpy_s[1] / med("total_s"),
         "parity_at_start": parity_at_start,
         "parity_before_max": max(r["parity_before"] for r in rows),
         "parity_after_max": max(r["parity_after"] for r in rows),
@@ -189,10 +225,11 @@ def summarise(preset: str, transport: str, rows: list[dict], setup_s: float, par
 
 
 def print_table(rows: list[dict]) -> None:
-    header = ["preset", "transport", "params", "MB moved", "export_s", "load_s", "total_s", "MB/s", "÷ memcpy", "parity_before", "parity_after"]
+    header = ["preset", "load", "transport", "params", "MB moved", "export_s", "load_s", "total_s", "MB/s", "÷ memcpy", "÷ 1-thread memcpy", "parity_before", "parity_after", "decode_s"]  # fmt: skip
     table = [
         [
             r["preset"],
+            r["weight_load"],
             r["transport"],
             f"{r['parameters'] / 1e6:.2f}M",
             f"{r['bytes'] / 1e6:.1f}",
@@ -201,8 +238,10 @@ def print_table(rows: list[dict]) -> None:
             f"{r['total_s_median']:.3f}",
             f"{r['bytes_per_s_median'] / 1e6:.1f}",
             f"{r['memcpy_ratio']:.3f}",
+            f"{r['memcpy_1thread_ratio']:.3f}",
             f"{r['parity_before_max']:.1e}",
             f"{r['parity_after_max']:.1e}",
+            f"{r['decode_s']:.3f}",
         ]
         for r in rows
     ]
@@ -216,10 +255,11 @@ def print_table(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_output_options(parser, "weight_sync", "w3-0.5m only (smoke); writes weight_sync_quick.json")
-    parser.add_argument("--presets", nargs="+", default=None, choices=PRESETS)
+    parser.add_argument("--presets", nargs="+", default=None, choices=PRESETS + LARGE)
     parser.add_argument("--transports", nargs="+", default=TRANSPORTS, choices=TRANSPORTS)
+    parser.add_argument("--weight-loads", nargs="+", default=LOADS, choices=LOADS, help="rollout.weight_load of the engine")
     parser.add_argument("--syncs", type=int, default=3, help="timed syncs per size and transport")
-    parser.add_argument("--syncs-125m", type=int, default=3, help="timed syncs for w3-125m (lower it if the machine is slow)")
+    parser.add_argument("--syncs-125m", type=int, default=3, help="timed syncs for w3-125m and qwen-0.5b (lower it if the machine is slow)")
     parser.add_argument("--bucket-bytes", type=int, default=64 << 20, help="weight_sync.bucket_bytes (default 64 MiB)")
     parser.add_argument("--timeout-s", type=float, default=300.0)
     args = parser.parse_args()
@@ -234,8 +274,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="asyncrl-w3-") as tmp:
             for preset in presets:
-                syncs = args.syncs_125m if preset == "w3-125m" else args.syncs
-                rows += bench_preset(preset, Path(tmp), syncs, args.bucket_bytes, args.timeout_s, args.transports)
+                rows += bench_preset(preset, Path(tmp), args)
     finally:
         ray.shutdown()
 
@@ -249,6 +288,7 @@ def main() -> None:
             "dtype": "float32",
             "bucket_bytes": args.bucket_bytes,
             "transports": args.transports,
+            "weight_loads": args.weight_loads,
             "max_model_len": MAX_MODEL_LEN,
             "probe_tokens": PROBE_LEN,
             "probe_prompt_len": PROBE_PROMPT_LEN,

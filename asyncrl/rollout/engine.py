@@ -108,7 +108,8 @@ class Engine:
         self._kv_cache_gib = kv_cache_gib
         self._version = initial_version
         self._in_place = weight_load == "in_place"
-        """`RolloutConfig.weight_load`: copy new weights into the parameters, or run vLLM's reload."""
+        """`RolloutConfig.weight_load`: copy new weights into the parameters, or run vLLM's reload (also when the
+        model cannot load in place: off CPU, quantized)."""
         self._llm: Any = None
         self._tokenizer: Any = None
         self._update_lock = asyncio.Lock()
@@ -128,6 +129,8 @@ class Engine:
         args = vllm_compat.engine_args(self.model_dir, **self._engine_kwargs)
         self._llm = vllm_compat.create_async_llm(args)
         self._tokenizer = self._llm.tokenizer
+        if self._in_place:
+            self._in_place = await vllm_compat.prepare_in_place(self._llm)
         await vllm_compat.set_weight_version(self._llm, self._version)
         # The first request pays a one-off warm-up (~7 s on a 2-core CPU); pay it here, before serving,
         # so that request timeouts and the pool's readiness mean what they say.

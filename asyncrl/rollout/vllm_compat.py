@@ -28,6 +28,7 @@ WEIGHT_RECEIVER_QUALNAME = "asyncrl.rollout.vllm_compat.WeightReceiver"
 STAGE_BUCKET_RPC = "asyncrl_stage_weight_bucket"
 LOAD_STAGED_RPC = "asyncrl_load_staged_weights"
 LOAD_SHARED_RPC = "asyncrl_load_shared_weights"
+PREPARE_IN_PLACE_RPC = "asyncrl_prepare_in_place"
 
 
 def on_cpu() -> bool:
@@ -117,7 +118,8 @@ class WeightReceiver:
       (fused q/k/v and gate/up slices included), one copy into memory that is already there. vLLM 0.32 on CPU
       packs every linear weight for oneDNN after loading and empties `layer.weight`, so the first in-place
       load gives those layers their model-format weight back and runs them with `torch.nn.functional.linear`
-      (`_unpack_linear_layers`); a second `load_weights` into packed layers would fail. Measured: 4-10x
+      (`_unpack_linear_layers`; done at engine start, `asyncrl_prepare_in_place`, so that the kernels do not
+      change mid-run); a second `load_weights` into packed layers would fail. Measured: 4-10x
       faster syncs at 125M parameters; decode +17% for the 1M W1 model, -20% for the 125M one
       (benchmarks/RESULTS.md, W3). Off CPU (not measured here) the reload below is used.
     - `reload`: vLLM's layerwise `model_runner.reload_weights(weights_iterator=...)`, which materializes
@@ -162,15 +164,33 @@ class WeightReceiver:
         self._asyncrl_segments.check(shared)
         return len(named)
 
+    def asyncrl_prepare_in_place(self) -> bool:
+        """At engine start, with `weight_load: in_place`: unpack the linear layers and load the checkpoint into
+        them, so the engine runs the same kernels from its first token to its last. False: it reloads."""
+        from vllm.model_executor.model_loader import get_model_loader
+
+        model = self.model_runner.get_model()
+        if not _unpack_linear_layers(model):
+            return False
+        loader = get_model_loader(self.vllm_config.load_config)
+        _load_in_place(model, loader.get_all_weights(self.vllm_config.model_config, model))
+        return True
+
     def _asyncrl_load(self, named: Iterator[tuple[str, Any]], in_place: bool) -> None:
         model = self.model_runner.get_model()
-        if not (in_place and _unpack_linear_layers(model)):
+        if in_place and _unpack_linear_layers(model):
+            _load_in_place(model, named)
+        else:
             self.model_runner.reload_weights(weights_iterator=named)
-            return
-        loaded = model.load_weights(named)
-        missing = {name for name, _ in model.named_parameters()} - set(loaded or ())
-        if missing:
-            raise RuntimeError(f"in-place weight load left {len(missing)} parameters unchanged, e.g. {sorted(missing)[:3]}")
+
+
+def _load_in_place(model: Any, named: Iterator[tuple[str, Any]]) -> None:
+    """Copy checkpoint-named tensors into the parameters (`_unpack_linear_layers` done); raise naming the
+    parameters that no tensor reached, rather than serve a half-updated model."""
+    loaded = model.load_weights(named)
+    missing = {name for name, _ in model.named_parameters()} - set(loaded or ())
+    if missing:
+        raise RuntimeError(f"in-place weight load left {len(missing)} parameters unchanged, e.g. {sorted(missing)[:3]}")
 
 
 def _unpack_linear_layers(model: Any) -> bool:
@@ -227,6 +247,11 @@ def create_async_llm(args: Any) -> Any:
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
     return AsyncLLM.from_vllm_config(config, disable_log_stats=True, enable_log_requests=False)
+
+
+async def prepare_in_place(llm: Any) -> bool:
+    """Give every worker of `llm` the kernels in-place loads need, before it serves (`WeightReceiver`)."""
+    return all(await llm.collective_rpc(PREPARE_IN_PLACE_RPC))
 
 
 async def load_weights(llm: Any, payloads: list[Any], in_place: bool, timeout_s: float | None = None) -> int:
