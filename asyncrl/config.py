@@ -99,12 +99,14 @@ class RolloutConfig(Section):
     """Maximum generated tokens per trajectory."""
     max_model_len: int = Field(512, ge=16)
     """Longest prompt + response an engine serves (sizes the KV cache)."""
-    weight_load: Literal["in_place", "reload"] = "in_place"
+    weight_load: Literal["auto", "in_place", "reload"] = "auto"
     """How an engine takes a new policy version. `in_place`: each tensor is copied into the model's own
     parameters; on CPU vLLM's oneDNN-packed linear kernels are replaced by torch's `F.linear` on unpacked
-    weights (measured: syncs 4-10x faster at 125M parameters, decode +17% for the 1M W1 model and -20% for a
-    125M one; benchmarks/RESULTS.md W3). `reload`: vLLM's layerwise `reload_weights`, which re-packs every
-    linear layer. Off CPU, and for quantized models, engines always reload."""
+    weights. `reload`: vLLM's layerwise `reload_weights`, which re-packs every linear layer. Measured on CPU
+    (benchmarks/RESULTS.md, W3): in place syncs 125M parameters 2.3-3.2x faster (0.64-0.92 s -> 0.28 s) but
+    decodes 32-34% slower at 25M-125M and 7% faster at 0.5M. `auto`: in place for hidden size <= 256, where
+    the unpacked kernels decode at least as fast, else reload. Off CPU, and for quantized models, engines
+    always reload."""
     max_requests_in_flight: int = Field(256, ge=1)
     """Requests an engine keeps running at once (continuous batching)."""
     request_timeout_s: float = Field(120.0, gt=0)

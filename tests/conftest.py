@@ -47,7 +47,7 @@ def loop():
     loop.close()
 
 
-def module_engine(loop, model_dir, max_model_len: int = 512, weight_load: str = "in_place"):
+def module_engine(loop, model_dir, max_model_len: int = 512, weight_load: str = "auto"):
     """A started in-process engine on `loop` for a module fixture to yield; the fixture shuts it down."""
     from asyncrl.rollout.engine import Engine
 

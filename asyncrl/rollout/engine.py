@@ -94,7 +94,7 @@ class Engine:
         gpu_memory_utilization: float = 0.5,
         seed: int = 0,
         initial_version: int = 0,
-        weight_load: str = "in_place",
+        weight_load: str = "auto",
     ) -> None:
         self.model_dir = str(model_dir)
         self.name = name
@@ -107,9 +107,10 @@ class Engine:
         )
         self._kv_cache_gib = kv_cache_gib
         self._version = initial_version
-        self._in_place = weight_load == "in_place"
-        """`RolloutConfig.weight_load`: copy new weights into the parameters, or run vLLM's reload (also when the
-        model cannot load in place: off CPU, quantized)."""
+        self._weight_load = weight_load
+        """`RolloutConfig.weight_load` (auto / in_place / reload)."""
+        self._in_place = False
+        """Whether new weights are copied into the parameters (decided at start) or go through vLLM's reload."""
         self._llm: Any = None
         self._tokenizer: Any = None
         self._update_lock = asyncio.Lock()
@@ -129,12 +130,17 @@ class Engine:
         args = vllm_compat.engine_args(self.model_dir, **self._engine_kwargs)
         self._llm = vllm_compat.create_async_llm(args)
         self._tokenizer = self._llm.tokenizer
-        if self._in_place:
-            self._in_place = await vllm_compat.prepare_in_place(self._llm)
+        if self._weight_load != "reload":
+            self._in_place = await vllm_compat.prepare_in_place(self._llm, self._weight_load == "auto")
         await vllm_compat.set_weight_version(self._llm, self._version)
         # The first request pays a one-off warm-up (~7 s on a 2-core CPU); pay it here, before serving,
         # so that request timeouts and the pool's readiness mean what they say.
         await self.evaluate([[self._tokenizer.bos_token_id or 0]], max_tokens=2)
+
+    @property
+    def weight_load(self) -> str:
+        """How this started engine takes new weights: `in_place` or `reload` (what `auto` became)."""
+        return "in_place" if self._in_place else "reload"
 
     async def shutdown(self) -> None:
         if self._llm is not None:

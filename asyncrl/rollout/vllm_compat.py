@@ -29,6 +29,9 @@ STAGE_BUCKET_RPC = "asyncrl_stage_weight_bucket"
 LOAD_STAGED_RPC = "asyncrl_load_staged_weights"
 LOAD_SHARED_RPC = "asyncrl_load_shared_weights"
 PREPARE_IN_PLACE_RPC = "asyncrl_prepare_in_place"
+AUTO_IN_PLACE_MAX_HIDDEN = 256
+"""`weight_load: auto` loads in place up to this hidden size: unpacked `F.linear` decoded 7% faster than vLLM's
+oneDNN-packed kernels at hidden 96 and 32% slower at hidden 512 (benchmarks/weight_sync.py, decode_s)."""
 
 
 def on_cpu() -> bool:
@@ -116,15 +119,15 @@ class WeightReceiver:
     Two ways to take a version (`rollout.weight_load`):
     - `in_place`: `model.load_weights` copies each checkpoint-named tensor into the model's own parameters
       (fused q/k/v and gate/up slices included), one copy into memory that is already there. vLLM 0.32 on CPU
-      packs every linear weight for oneDNN after loading and empties `layer.weight`, so the first in-place
-      load gives those layers their model-format weight back and runs them with `torch.nn.functional.linear`
-      (`_unpack_linear_layers`; done at engine start, `asyncrl_prepare_in_place`, so that the kernels do not
-      change mid-run); a second `load_weights` into packed layers would fail. Measured: 4-10x
-      faster syncs at 125M parameters; decode +17% for the 1M W1 model, -20% for the 125M one
-      (benchmarks/RESULTS.md, W3). Off CPU (not measured here) the reload below is used.
+      packs every linear weight for oneDNN after loading and empties `layer.weight` (a second `load_weights`
+      into packed layers fails), so at engine start those layers get their model-format weight back and run
+      `torch.nn.functional.linear` (`asyncrl_prepare_in_place`; the kernels do not change mid-run).
     - `reload`: vLLM's layerwise `model_runner.reload_weights(weights_iterator=...)`, which materializes
       fresh model-format tensors, loads them, re-runs the packing and copies the result into the kernel
       tensors (it must see the whole model in one call).
+    The trade-off on CPU (benchmarks/RESULTS.md, W3): in place syncs 125M parameters 2-3x faster, but the
+    unpacked kernels decode ~1/3 slower from 25M parameters up (7% faster at 0.5M); `auto` loads in place
+    up to hidden size `AUTO_IN_PLACE_MAX_HIDDEN`. Off CPU (not measured here) engines reload.
     vLLM 0.32: tensors passed as `collective_rpc` arguments are not transported reliably between the engine
     processes; bytes are, so buckets stay safetensors bytes until they reach this class, staged one RPC each
     (bounded message size) and then loaded together.
@@ -164,12 +167,15 @@ class WeightReceiver:
         self._asyncrl_segments.check(shared)
         return len(named)
 
-    def asyncrl_prepare_in_place(self) -> bool:
-        """At engine start, with `weight_load: in_place`: unpack the linear layers and load the checkpoint into
-        them, so the engine runs the same kernels from its first token to its last. False: it reloads."""
+    def asyncrl_prepare_in_place(self, auto: bool) -> bool:
+        """At engine start: unpack the linear layers and load the checkpoint into them, so the engine runs the
+        same kernels from its first token to its last. False (nothing changed): it reloads, because the model
+        cannot load in place or (`auto`) is too wide for the unpacked kernels to pay off."""
         from vllm.model_executor.model_loader import get_model_loader
 
         model = self.model_runner.get_model()
+        if auto and self.vllm_config.model_config.get_hidden_size() > AUTO_IN_PLACE_MAX_HIDDEN:
+            return False
         if not _unpack_linear_layers(model):
             return False
         loader = get_model_loader(self.vllm_config.load_config)
@@ -249,9 +255,10 @@ def create_async_llm(args: Any) -> Any:
     return AsyncLLM.from_vllm_config(config, disable_log_stats=True, enable_log_requests=False)
 
 
-async def prepare_in_place(llm: Any) -> bool:
-    """Give every worker of `llm` the kernels in-place loads need, before it serves (`WeightReceiver`)."""
-    return all(await llm.collective_rpc(PREPARE_IN_PLACE_RPC))
+async def prepare_in_place(llm: Any, auto: bool) -> bool:
+    """Give every worker of `llm` the kernels in-place loads need, before it serves (`WeightReceiver`); False
+    when the engine will reload instead (`auto`: decided by the model's width)."""
+    return all(await llm.collective_rpc(PREPARE_IN_PLACE_RPC, args=(auto,)))
 
 
 async def load_weights(llm: Any, payloads: list[Any], in_place: bool, timeout_s: float | None = None) -> int:

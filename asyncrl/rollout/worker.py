@@ -136,7 +136,7 @@ class RolloutWorker:
                 await self.engine.start()
                 await self._start_openai()
         url = self.openai.url if self.openai is not None else None
-        return {"name": self.name, "version": self.engine.version, "pid": os.getpid(), "openai_url": url}
+        return {"name": self.name, "version": self.engine.version, "pid": os.getpid(), "openai_url": url, "weight_load": self.engine.weight_load}
 
     async def _start_openai(self) -> None:
         if self.config.openai_port == 0:

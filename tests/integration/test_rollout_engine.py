@@ -24,9 +24,10 @@ PROMPTS = [[1, 4 + i % 10, 4 + (3 * i) % 10, 14, 4 + (7 * i) % 10, 15] for i in 
 
 @pytest.fixture(scope="module")
 def engine(loop, tiny_model_dir):
-    """Updated through vLLM's reload (`rollout.weight_load: reload`); the default in-place load is what
-    test_weight_sync_shm.py and every run use."""
+    """Updated through vLLM's reload (`rollout.weight_load: reload`); the in-place load, what `auto` picks for
+    this narrow model, is covered by test_weight_sync_shm.py and every W1 run."""
     engine = module_engine(loop, tiny_model_dir, max_model_len=512, weight_load="reload")
+    assert engine.weight_load == "reload"
     yield engine
     loop.run_until_complete(engine.shutdown())
 

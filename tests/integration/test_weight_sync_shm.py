@@ -1,7 +1,7 @@
 """The shared-memory weight sync on real Ray, a real FSDP2 (gloo) learner rank and a real vLLM CPU engine
 (tiny model), all shared by the module: parity after a zero-copy sync, versions, a second sync, a joining
 worker, the object-store transport on the same pools, and no segment left in /dev/shm after shutdown. The
-engine loads in place (`rollout.weight_load` default); test_rollout_engine.py covers vLLM's reload."""
+engine loads in place (`rollout.weight_load: auto` on this narrow model); test_rollout_engine.py covers vLLM's reload."""
 
 from __future__ import annotations
 
@@ -64,7 +64,11 @@ def step_and_sync(pools, sync, version: int, seed: int) -> tuple[float, float]:
 
 
 def test_after_a_zero_copy_sync_the_engine_scores_as_the_learner(pools):
-    shm_sync = pools[2]
+    import ray
+
+    rollout, shm_sync = pools[1], pools[2]
+    # weight_load: auto loads this narrow model (hidden 64) in place: one copy into the parameters.
+    assert {ray.get(rollout.handle(n).ready.remote())["weight_load"] for n in rollout.names} == {"in_place"}
     before, after = step_and_sync(pools, shm_sync, version=1, seed=1)
     print(f"parity before {before:.2e}, after {after:.2e}")
     assert before > 1e-3  # the learner really moved (lr 1e-2)

@@ -69,6 +69,15 @@ def test_a_reader_overtaken_by_a_newer_version_in_its_slot_fails_the_check(tmp_p
         reader.tensors(old)
 
 
+def test_the_first_write_creates_both_slots_and_the_unwritten_one_holds_no_version(tmp_path):
+    writer, reader = SegmentWriter(str(tmp_path / "w")), SegmentReader()
+    writer.write(_state(1.0), version=1)  # slot 1; slot 0 is created (pages faulted in) but not written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w-0", "w-1"]
+    unwritten = SharedWeights(slot_path(str(tmp_path / "w"), 0), 0, writer.layout)  # zeros must not pass as version 0
+    with pytest.raises(RuntimeError, match="holds version -1, not 0"):
+        reader.tensors(unwritten)
+
+
 def test_segment_files_are_private_to_the_user(tmp_path):
     shared = SegmentWriter(str(tmp_path / "w")).write(_state(), version=0)
     assert os.stat(shared.path).st_mode & 0o777 == 0o600

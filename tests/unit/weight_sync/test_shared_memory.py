@@ -109,11 +109,12 @@ def test_the_segments_of_a_killed_run_are_swept_and_a_live_runs_are_kept(tmp_pat
         "SegmentWriter(segment_root(sys.argv[1])).write({'w': torch.ones(8)}, 0); os.kill(os.getpid(), 9)"
     )
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], env={**os.environ, "PYTHONPATH": os.getcwd()})
-    [dead] = list(tmp_path.iterdir())
+    dead = sorted(str(p) for p in tmp_path.iterdir())
+    assert [p[-2:] for p in dead] == ["-0", "-1"]  # the first write creates both slots
     alive = SegmentWriter(segment_root(str(tmp_path))).write({"w": torch.ones(8)}, 0)  # this process: alive
     (tmp_path / "unrelated-file").write_text("x")
-    assert sweep_orphans(str(tmp_path)) == [str(dead)]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([os.path.basename(alive.path), "unrelated-file"])
+    assert sorted(sweep_orphans(str(tmp_path))) == dead
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([os.path.basename(alive.path), os.path.basename(alive.path)[:-1] + "1", "unrelated-file"])
 
 
 def test_a_new_sync_sweeps_dead_runs_before_it_writes(tmp_path, ray_put):
