@@ -27,8 +27,9 @@ at batch 64). No start tried gained more than +0.30 in 200 plain-loop steps.
 
 What does lift (measured 2026-12-02, plain loop lr 2e-4, load 2-4): more examples seen fewer times. 20,000
 examples, stopped at the same 0.2 validation target (1,475 steps, 2.36 epochs): 0.226 -> 0.41-0.42 (20 steps),
-0.46-0.50 (40), 0.52 (100), 0.624-0.638 (200; two sampling streams), +0.40-0.41, still climbing, now the default;
-with the loop at lr 3e-4 and Adam beta2 0.99, 0.676 at 200 (+0.45). 10,000 examples (0.208 after 2.56 epochs)
+0.46-0.50 (40), 0.52 (100), 0.624-0.638 (200; two sampling streams), +0.40-0.41, then 0.710 (240),
+0.740 (320), 0.754 (360: +0.53, issue #18's plain loop from its own start reached 0.76 at 350); now the default;
+with the loop at lr 3e-4 and Adam beta2 0.99, 0.634-0.676 at 200 (+0.41-0.45). 10,000 examples (0.208 after 2.56 epochs)
 reached 0.614 (+0.41).
 
 A memorised start is the hard one to lift: an annealed, converged start (cosine to 0 over 40 epochs of 2,000,
