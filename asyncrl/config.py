@@ -42,8 +42,8 @@ class ModelConfig(Section):
     """Tiny Qwen2-architecture preset from `asyncrl.models` (used when `path` is unset)."""
     warm_start_examples: int = Field(20_000, ge=0, le=100_000)
     """Supervised warm-start examples for the built-in task (0 = start from random weights). For `add`, 20,000
-    seen ~2.4 times give a start RL lifts by +0.41 in 200 plain-loop steps, where 2,000 seen ~15 times (the
-    same held-out accuracy, reached by memorising more) gave +0.26 (issue #18; seed 0, the default: seed 1 on
+    seen ~2.4 times give a start RL lifts by +0.40 in 200 plain-loop steps, where 2,000 seen ~15 times (the
+    same validation target, reached by memorising more) gave +0.26 (issue #18; seed 0, the default: seed 1 on
     20,000 examples gained +0.20; asyncrl/models/warm_start.py)."""
     warm_start_epochs: int = Field(40, ge=0, le=1000)
     """Upper bound on epochs of the supervised warm start (it stops earlier once `warm_start_target` is met)."""
