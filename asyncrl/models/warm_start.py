@@ -25,7 +25,7 @@ steps) and 0.152 -> 0.454 (+0.30); 8 layers (2.0M parameters, 0.296) -> 0.600 at
 256 (3M, 0.282) -> 0.45 at 140; a loss on the prompt tokens too kept the start near 0 (0.012 after 20 epochs
 at batch 64). No start tried gained more than +0.30 in 200 plain-loop steps.
 
-What does lift (measured 2026-12-02, plain loop lr 2e-4, load 2-4): more examples seen fewer times. 20,000
+What does lift (measured 2026-12-02, plain loop lr 2e-4, load 2-6): more examples seen fewer times. 20,000
 examples, stopped at the same 0.2 validation target (1,475 steps, 2.36 epochs): 0.226 -> 0.41-0.42 (20 steps),
 0.46-0.50 (40), 0.52 (100), 0.624-0.638 (200; two sampling streams), +0.40-0.41, then 0.710 (240),
 0.740 (320), 0.754 (360: +0.53, issue #18's plain loop from its own start reached 0.76 at 350); now the default;
