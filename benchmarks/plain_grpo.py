@@ -4,7 +4,10 @@ asyncrl's machinery.
 No Ray, no vLLM, no replay queue: each step samples 32 prompts x 8 answers at T=1 with transformers
 `generate`, normalises rewards within each group, and takes one AdamW step (lr 2e-4, clip 1) on a
 token-mean REINFORCE loss (one update per batch, so a PPO ratio would be 1). Greedy held-out accuracy
-(asyncrl's 500 prompts) is measured every `--eval-every` steps; the clock leaves the evaluations out.
+(asyncrl's 500 prompts) is measured every `--eval-every` steps, with the mean sampled reward and the per-token
+entropy of the answers sampled at the last step (whether a plateau comes with a collapsed distribution); the
+clock leaves the evaluations out. `LoopSettings` holds the knobs issue #18 asked to vary (batch shape, Adam's
+beta2, advantages without the std division as in Dr. GRPO).
 
     python benchmarks/plain_grpo.py [--model DIR] [--steps 120] [--eval-every 10] [--out PATH]
 """
@@ -15,6 +18,7 @@ import argparse
 import itertools
 import json
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -22,57 +26,92 @@ import torch
 from asyncrl.envs.data import add_prompt_stream, heldout_add_prompts
 from asyncrl.models.warm_start import generate, greedy_accuracy, response_logits
 
-PROMPTS_PER_STEP = 32
-GROUP = 8
 MAX_TOKENS = 6  # configs/default.yaml rollout.max_tokens
 
 
-def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
-    """(r - group mean) / (group std + 1e-6): a group whose samples all score alike gets 0."""
+@dataclass(frozen=True)
+class LoopSettings:
+    """One plain-loop recipe; the defaults are the baseline every W1 comparison uses."""
+
+    lr: float = 2e-4
+    prompts_per_step: int = 32
+    group: int = 8
+    beta2: float = 0.999  # AdamW's second-moment decay
+    std_normalise: bool = True  # False: r - group mean (Dr. GRPO), so near-unanimous groups are not amplified
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step sampled: the mean reward and the mean per-token entropy (nats) of its answers."""
+
+    reward: float
+    entropy: float
+
+
+def group_advantages(rewards: torch.Tensor, group: int, std_normalise: bool = True) -> torch.Tensor:
+    """r - group mean, divided by (group std + 1e-6) unless `std_normalise` is off: a group whose samples all
+    score alike gets 0."""
     r = rewards.view(-1, group)
-    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(-1)
+    centred = r - r.mean(1, keepdim=True)
+    return (centred / (r.std(1, keepdim=True) + 1e-6) if std_normalise else centred).view(-1)
 
 
-def grpo_step(model, tokenizer, opt, prompts) -> float:
-    """Sample a group per prompt, one optimizer step; returns the batch's mean reward."""
+def grpo_step(model, tokenizer, opt, prompts, settings: LoopSettings) -> StepStats:
+    """Sample a group per prompt, one optimizer step."""
     model.eval()
-    samples = generate(model, tokenizer, [p for p in prompts for _ in range(GROUP)], sample=True, max_new_tokens=MAX_TOKENS)
+    samples = generate(model, tokenizer, [p for p in prompts for _ in range(settings.group)], sample=True, max_new_tokens=MAX_TOKENS)
     model.train()
     logp = torch.log_softmax(response_logits(model, samples), dim=-1)
     taken = logp.gather(-1, samples.sequences[:, samples.prompt_width :, None]).squeeze(-1)
     mask = samples.response_mask.float()
-    advantages = group_advantages(samples.rewards, GROUP)[:, None]
+    advantages = group_advantages(samples.rewards, settings.group, settings.std_normalise)[:, None]
     loss = -(advantages * taken * mask).sum() / mask.sum()  # token-mean over the batch
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
-    return float(samples.rewards.mean())
+    entropy = -(logp.detach().exp() * logp.detach()).sum(-1)
+    return StepStats(float(samples.rewards.mean()), float((entropy * mask).sum() / mask.sum()))
 
 
-def train(model_dir: str | Path, steps: int, eval_every: int, lr: float = 2e-4, seed: int = 0, log=print) -> list[dict]:
-    """Plain GRPO from `model_dir`; returns the evaluations (step, samples_trained,
-    wall_s: training seconds so far, evaluations left out as the TRL peer's clock does, accuracy)."""
+def train(model_dir: str | Path, steps: int, eval_every: int, settings: LoopSettings = LoopSettings(), seed: int = 0, log=print) -> list[dict]:
+    """Plain GRPO from `model_dir`; returns the evaluations (step, samples_trained, wall_s: training seconds so
+    far, evaluations left out as the TRL peer's clock does, accuracy, and the last step's reward and entropy)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=(0.9, settings.beta2), weight_decay=0.0)
     stream = add_prompt_stream(tokenizer, seed)  # the controller's stream for data.seed
     heldout = heldout_add_prompts(tokenizer)
-    evals, train_s, reward = [], 0.0, float("nan")
+    evals, train_s, stats = [], 0.0, StepStats(float("nan"), float("nan"))
     for step in range(steps + 1):
         if step % eval_every == 0 or step == steps:
             model.eval()
             accuracy = greedy_accuracy(model, tokenizer, heldout)
-            evals.append({"step": step, "samples_trained": step * PROMPTS_PER_STEP * GROUP, "wall_s": round(train_s, 2), "accuracy": accuracy})
-            log(f"step {step:4d}  reward {reward:.3f}  heldout {evals[-1]['accuracy']:.3f}  {train_s:.0f}s")
+            samples = step * settings.prompts_per_step * settings.group
+            evals.append({"step": step, "samples_trained": samples, "wall_s": round(train_s, 2), "accuracy": accuracy} | asdict(stats))
+            log(f"step {step:4d}  reward {stats.reward:.3f}  entropy {stats.entropy:.3f}  heldout {accuracy:.3f}  {train_s:.0f}s")
         if step < steps:
             start = time.perf_counter()
-            reward = grpo_step(model, tokenizer, opt, list(itertools.islice(stream, PROMPTS_PER_STEP)))
+            stats = grpo_step(model, tokenizer, opt, list(itertools.islice(stream, settings.prompts_per_step)), settings)
             train_s += time.perf_counter() - start
     return evals
+
+
+def add_loop_options(parser: argparse.ArgumentParser) -> None:
+    """The LoopSettings flags, shared with benchmarks/warm_start_lift.py."""
+    default = LoopSettings()
+    parser.add_argument("--lr", type=float, default=default.lr, help="plain-loop learning rate")
+    parser.add_argument("--prompts-per-step", type=int, default=default.prompts_per_step)
+    parser.add_argument("--group", type=int, default=default.group, help="samples per prompt")
+    parser.add_argument("--beta2", type=float, default=default.beta2, help="AdamW beta2")
+    parser.add_argument("--no-std", dest="std_normalise", action="store_false", help="advantages r - group mean (Dr. GRPO)")
+
+
+def loop_settings(args: argparse.Namespace) -> LoopSettings:
+    return LoopSettings(args.lr, args.prompts_per_step, args.group, args.beta2, args.std_normalise)
 
 
 def main() -> None:
@@ -80,7 +119,7 @@ def main() -> None:
     parser.add_argument("--model", help="model directory (default: the cached warm start of configs/default.yaml)")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--lr", type=float, default=2e-4)
+    add_loop_options(parser)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared)")
     parser.add_argument("--out", type=Path, help="write the evaluations as JSON here")
     args = parser.parse_args()
@@ -90,9 +129,10 @@ def main() -> None:
         from asyncrl.models import ensure_model
 
         args.model = ensure_model(load_config(RECIPES / "default.yaml"))
-    evals = train(args.model, args.steps, args.eval_every, args.lr)
+    settings = loop_settings(args)
+    evals = train(args.model, args.steps, args.eval_every, settings)
     if args.out:
-        args.out.write_text(json.dumps({"model": str(args.model), "lr": args.lr, "evals": evals}, indent=2))
+        args.out.write_text(json.dumps({"model": str(args.model), "settings": asdict(settings), "evals": evals}, indent=2))
 
 
 if __name__ == "__main__":

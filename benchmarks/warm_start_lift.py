@@ -2,11 +2,14 @@
 on-policy loop (benchmarks/plain_grpo.py) from it, so a variant's liftability is measured without asyncrl's
 machinery in the way.
 
-A variant differs from the default start (`add-1m`, 2,000 examples, stop at 0.2 validation accuracy, seed 0)
-in its stopping target, seed, batch size, preset or number of layers. The result JSON holds the start's
+A variant differs from the default start (`add-1m`, 20,000 examples, stop at 0.2 validation accuracy, seed 0)
+in its example count, stopping target, seed, batch size, preset or number of layers; the plain loop's flags
+(plain_grpo.LoopSettings) vary the RL side. The result JSON holds the start's
 metadata (greedy and sampled accuracy, answer entropy) and the plain loop's greedy held-out accuracy every
 `--eval-every` steps.
 
+    python benchmarks/warm_start_lift.py --label ex20k --steps 200
+    python benchmarks/warm_start_lift.py --label ex2k --examples 2000 --steps 200
     python benchmarks/warm_start_lift.py --label target0.12 --target 0.12 --steps 200
     python benchmarks/warm_start_lift.py --label deep8 --layers 8 --steps 200
     python benchmarks/warm_start_lift.py --label add-3m --preset add-3m --steps 200
@@ -21,9 +24,14 @@ import tempfile
 import common  # benchmarks/common.py: a script's own folder is on sys.path
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(add_loop_options) -> argparse.Namespace:
+    """`add_loop_options`: plain_grpo's, passed in because that module may only be imported after
+    common.set_runtime_env()."""
+    from asyncrl.config import ModelConfig
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--label", required=True, help="names the variant in the result file")
+    parser.add_argument("--examples", type=int, default=ModelConfig().warm_start_examples, help="warm-start examples")
     parser.add_argument("--target", type=float, default=0.2, help="validation accuracy that stops the warm start")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -31,7 +39,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
     parser.add_argument("--steps", type=int, default=200, help="plain-loop steps")
     parser.add_argument("--eval-every", type=int, default=20)
-    parser.add_argument("--lr", type=float, default=2e-4, help="plain-loop learning rate")
+    add_loop_options(parser)
     common.add_output_options(parser, "warm_start_lift", "20 plain-loop steps")
     return parser.parse_args()
 
@@ -47,7 +55,6 @@ def variant_preset(preset: str, layers: int | None) -> str:
 
 
 def main() -> None:
-    args = parse_args()
     common.set_runtime_env()
     import torch
 
@@ -55,13 +62,14 @@ def main() -> None:
     from asyncrl.models import build_model, num_parameters
     from asyncrl.models.warm_start import warm_start
 
+    args = parse_args(plain_grpo.add_loop_options)
     load = common.load_average()
     preset = variant_preset(args.preset, args.layers)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(preset, tmp, seed=args.seed)
-        start = warm_start(model_dir, 2000, 40, 1e-3, 999, target=args.target, seed=args.seed, batch_size=args.batch_size, report=print)
+        start = warm_start(model_dir, args.examples, 40, 1e-3, 999, target=args.target, seed=args.seed, batch_size=args.batch_size, report=print)
         torch.set_num_threads(1)
-        evals = plain_grpo.train(model_dir, 20 if args.quick else args.steps, args.eval_every, args.lr)
+        evals = plain_grpo.train(model_dir, 20 if args.quick else args.steps, args.eval_every, plain_grpo.loop_settings(args))
     gain = max(e["accuracy"] for e in evals) - evals[0]["accuracy"]
     print(f"{args.label}: start {evals[0]['accuracy']:.3f}, best {evals[0]['accuracy'] + gain:.3f} (+{gain:.3f})")
     result = {"label": args.label, "preset": preset, "parameters": num_parameters(preset), "args": vars(args) | {"out": None},

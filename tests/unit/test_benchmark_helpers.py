@@ -18,6 +18,12 @@ def test_group_advantages_normalise_within_each_group():
     assert torch.allclose(adv, torch.tensor([1.5, -0.5, -0.5, -0.5, 0.0, 0.0, 0.0, 0.0]), atol=1e-5)
 
 
+def test_group_advantages_without_std_only_centre():
+    # Dr. GRPO: group mean 0.25 -> 0.75 and -0.25; the all-equal group still gets 0.
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]), group=4, std_normalise=False)
+    assert torch.allclose(adv, torch.tensor([0.75, -0.25, -0.25, -0.25, 0.0, 0.0, 0.0, 0.0]))
+
+
 EVALS = [
     {"samples_trained": 0, "wall_s": 0.0, "accuracy": 0.3},
     {"samples_trained": 2560, "wall_s": 8.0, "accuracy": 0.52},
