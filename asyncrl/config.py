@@ -40,11 +40,11 @@ class ModelConfig(Section):
     """A Hugging Face model directory. When unset, the `preset` tiny model is built locally (and cached)."""
     preset: str = "add-1m"
     """Tiny Qwen2-architecture preset from `asyncrl.models` (used when `path` is unset)."""
-    warm_start_examples: int = Field(20_000, ge=0, le=100_000)
-    """Supervised warm-start examples for the built-in task (0 = start from random weights). For `add`, 20,000
-    seen ~2.4 times give a start RL lifts by +0.40 in 200 plain-loop steps, where 2,000 seen ~15 times (the
-    same validation target, reached by memorising more) gave +0.26 (issue #18; seed 0, the default: seed 1 on
-    20,000 examples gained +0.20; asyncrl/models/warm_start.py)."""
+    warm_start_examples: int = Field(2000, ge=0, le=100_000)
+    """Supervised warm-start examples for the built-in task (0 = start from random weights). W1 allows at most
+    2,000 (benchmarks: WORKLOADS W1). For `add`, 20,000 seen ~2.4 times gave a start RL lifts further: +0.40
+    in 200 plain-loop steps against +0.26 from 2,000 seen ~15 times (same validation target; seed 0, while
+    seed 1 on 20,000 gained +0.20): the `add_20k` recipe (issue #18, asyncrl/models/warm_start.py)."""
     warm_start_epochs: int = Field(40, ge=0, le=1000)
     """Upper bound on epochs of the supervised warm start (it stops earlier once `warm_start_target` is met)."""
     warm_start_lr: float = Field(1e-3, gt=0)
@@ -53,8 +53,9 @@ class ModelConfig(Section):
     """Stop the warm start once greedy accuracy on 200 validation prompts (disjoint from the held-out set)
     reaches this (checked every 25 steps). `add`'s learning curve is so sharp (validation 0.125 -> 0.300 within
     50 steps on 20,000 examples; 2,000 examples: held-out 0.18 -> 0.39 between epochs 14 and 17) that a fixed
-    epoch count may land anywhere on it on a CPU whose kernels round differently; a target does not. With 0.2 and 20,000 examples the check first
-    passes at 0.300 (0.226 held-out, 1,475 steps = 2.36 epochs). None = run all epochs."""
+    epoch count may land anywhere on it on a CPU whose kernels round differently; a target does not. With 0.2 the
+    check first passes at 0.315 on 2,000 examples (0.312 held-out, 14.7 epochs), at 0.300 on 20,000 (0.226
+    held-out, 2.36 epochs). None = run all epochs."""
     warm_start_tool_fraction: float = Field(0.3, ge=0, le=1)
     """`calc` task: fraction of warm-start examples that call the calculator (the rest answer in the head);
     the `calc` warm start runs `warm_start_epochs` epochs (no accuracy target)."""

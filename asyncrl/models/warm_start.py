@@ -1,9 +1,9 @@
 """Supervised warm start for W1 `add`, and transformers-only generation, sampling and greedy evaluation.
 
 The warm start stops early, so the RL run starts from a model with low but non-zero held-out accuracy
-(WORKLOADS.md W1). Loss is on answer tokens (and EOS) only. It sees 20,000 examples about 2.4 times rather
-than WORKLOADS.md's 2,000 about 15 times: at the same held-out accuracy the many-example start is the one RL
-lifts (below).
+(WORKLOADS.md W1, which allows at most 2,000 examples: the default). Loss is on answer tokens (and EOS) only.
+At the same held-out accuracy, a start that saw 20,000 examples about 2.4 times is one RL lifts much further
+than 2,000 seen about 15 times (below; the `add_20k` recipe, outside W1's rule).
 
 `add` has a sharp supervised learning curve (2,000 examples, batch 32, lr 1e-3: held-out 0.18 / 0.20 / 0.29 /
 0.39 / 0.53 after epochs 14-18; 20,000 examples: validation 0.125 -> 0.300 within 50 steps), and where an
@@ -28,7 +28,7 @@ at batch 64). No start tried gained more than +0.30 in 200 plain-loop steps.
 What does lift (measured 2026-12-02, plain loop lr 2e-4, load 2-6): more examples seen fewer times. 20,000
 examples, stopped at the same 0.2 validation target (1,475 steps, 2.36 epochs): 0.226 -> 0.41-0.42 (20 steps),
 0.46-0.50 (40), 0.52 (100), 0.624-0.638 (200; two sampling streams), +0.40-0.41, then 0.710 (240),
-0.740 (320), 0.754 (360: +0.53, issue #18's plain loop from its own start reached 0.76 at 350); now the default;
+0.740 (320), 0.754 (360: +0.53, issue #18's plain loop from its own start reached 0.76 at 350);
 with the loop at lr 3e-4 and Adam beta2 0.99, 0.634-0.676 at 200 (+0.41-0.45). 10,000 examples (0.208 after 2.56 epochs)
 reached 0.614 (+0.41). Not for every seed: seed 1 on 20,000 examples passes the target after 1.36 epochs at
 0.164 held-out (sampled reward 0.09, entropy 0.83 nats) and gains +0.20 in 200 steps.

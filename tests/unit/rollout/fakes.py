@@ -121,6 +121,7 @@ class FakeEngine:
         self.delay_s = delay_s
         self.started = False
         self.version = 0
+        self.weight_load = "in_place"
         self.num_requests_done = 0
         self.num_tokens_generated = 0
         self.running = 0
