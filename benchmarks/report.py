@@ -35,12 +35,12 @@ def fnum(value: float | None, fmt: str = ".2f") -> str:
 # One formatter per benchmark.
 
 
-def weight_sync(d: dict) -> list[str]:
+def weight_sync(d: dict, title: str = "## W3 `sync` — weight publication (`benchmarks/weight_sync.py`)") -> list[str]:
     sizes = d["sizes"]
     worst = max(s["parity_after_max"] for s in sizes)
     best = [s for s in sizes if s.get("weight_load", "reload") == "in_place" and s.get("transport") == "shared_memory"] or sizes
     lines = [
-        "## W3 `sync` — weight publication (`benchmarks/weight_sync.py`)",
+        title,
         "",
         f"Learner step done → every engine serves v+1 (1 learner rank, 1 engine, fp32; object store: buckets of "
         f"{d['config']['bucket_bytes'] >> 20} MiB; shared memory: one /dev/shm segment the engine maps; engine load "
@@ -50,7 +50,7 @@ def weight_sync(d: dict) -> list[str]:
         "",
         "**Headline:** " + "; ".join(f"{s['preset']} {s['total_s_median']:.2f} s at {s['memcpy_ratio']:.3f} of memcpy "
                                      f"({s.get('memcpy_1thread_ratio', 0):.3f} of a 1-thread memcpy)" for s in best)
-        + f" (shared memory, in place); parity after every sync ≤ {worst:.1e}.",
+        + f" (shared memory, in place); parity after every sync ≤ {worst:.1e}." + decode_speed(sizes),
         "",
     ]
     lines += table(
@@ -68,6 +68,14 @@ def weight_sync(d: dict) -> list[str]:
         ],
     )
     return lines
+
+
+def decode_speed(sizes: list[dict]) -> str:
+    """Greedy decode speed with in-place loads (unpacked kernels) over reloads (vLLM's packed ones), per size."""
+    seconds = {(s["preset"], s.get("weight_load")): s.get("decode_s") for s in sizes}
+    ratios = [f"{p} {seconds[(p, 'reload')] / seconds[(p, 'in_place')]:.2f}x" for p in dict.fromkeys(s["preset"] for s in sizes)
+              if seconds.get((p, "reload")) and seconds.get((p, "in_place"))]  # fmt: skip
+    return f" Decode speed in place ÷ reload: {', '.join(ratios)}." if ratios else ""
 
 
 def async_speedup(d: dict) -> list[str]:
@@ -373,7 +381,7 @@ def generic(name: str, d: dict) -> list[str]:
 
 FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "weight_sync": weight_sync,
-    "weight_sync_0.5b": weight_sync,
+    "weight_sync_0.5b": lambda d: weight_sync(d, "## W3 `sync` at 0.36B parameters (`benchmarks/weight_sync.py --presets qwen-0.5b`)"),
     "async_speedup": async_speedup,
     "queue_throughput": queue_throughput,
     "algo_throughput": algo_throughput,
