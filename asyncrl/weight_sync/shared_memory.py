@@ -2,14 +2,11 @@
 
 Learner rank 0 gathers the full, Hugging Face-named state and copies it into the slot of the version
 (`segment.SegmentWriter`, layout fixed at the first sync); what travels to the engines through Ray is a
-small `SharedWeights` record (path, version, layout). Each engine's vLLM worker maps the file and passes
-views of it to vLLM's layerwise `reload_weights` (`vllm_compat.WeightReceiver.asyncrl_load_shared_weights`).
-
-Why `reload_weights` and not a copy into the named parameters: vLLM 0.32 on CPU repacks every linear weight
-after loading (oneDNN / sgl kernels hold their own packed copy and `layer.weight` is emptied), and fuses
-q/k/v and gate/up; a parameter copy would not reach the kernels. The reload re-runs that packing from the
-views, which is a copy the engine needs anyway. Versions, pause/resume and parity are the engine's
-`update_weights` flow, the same as for the object store.
+small `SharedWeights` record (path, version, layout). Each engine's vLLM worker maps the file and loads from
+views of it (`vllm_compat.WeightReceiver.asyncrl_load_shared_weights`): a copy into its parameters, or vLLM's
+layerwise `reload_weights`, which re-runs the CPU kernels' weight packing (`rollout.weight_load`). Versions,
+pause/resume and parity are the engine's `update_weights` flow, the same as for the object store. Both slots
+are created, and their pages faulted in, by the first export.
 
 Only the first export is waited for: it fixes the layout, hence the record's sizes. Later ones are submitted to
 the learner ranks and the engines are handed rank 0's pending result at once (`LearnerPool.start_export_shared`),
