@@ -35,6 +35,7 @@ def parse_args(add_loop_options) -> argparse.Namespace:
     parser.add_argument("--target", type=float, default=0.2, help="validation accuracy that stops the warm start")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--dropout", type=float, default=ModelConfig().warm_start_dropout, help="warm-start attention dropout")
     parser.add_argument("--preset", default="add-1m", help="model preset (asyncrl.models.PRESETS, e.g. add-3m)")
     parser.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
     parser.add_argument("--steps", type=int, default=200, help="plain-loop steps")
@@ -67,7 +68,8 @@ def main() -> None:
     preset = variant_preset(args.preset, args.layers)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(preset, tmp, seed=args.seed)
-        start = warm_start(model_dir, args.examples, 40, 1e-3, 999, target=args.target, seed=args.seed, batch_size=args.batch_size, report=print)
+        start = warm_start(model_dir, args.examples, 40, 1e-3, 999, target=args.target, seed=args.seed, batch_size=args.batch_size,
+                           dropout=args.dropout, report=print)
         torch.set_num_threads(1)
         evals = plain_grpo.train(model_dir, 20 if args.quick else args.steps, args.eval_every, plain_grpo.loop_settings(args))
     gain = max(e["accuracy"] for e in evals) - evals[0]["accuracy"]

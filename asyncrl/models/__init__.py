@@ -133,6 +133,8 @@ def ensure_model(cfg, report: Callable[[str], None] | None = None) -> Path:
     }
     if cfg.data.task == "calc":  # keys only calc has: the `add` starts keep their cache names
         spec.update(task="calc", operands=cfg.data.operands, tool_fraction=cfg.model.warm_start_tool_fraction)
+    elif cfg.model.warm_start_dropout > 0:
+        spec["dropout"] = cfg.model.warm_start_dropout
     key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
     path = cache_root() / "models" / f"{cfg.model.preset}-{key}"
     with _file_lock(path.with_suffix(".lock")):
@@ -161,7 +163,8 @@ def _warm_start(cfg, spec: dict, model_dir: Path, report: Callable[[str], None])
 
     if cfg.data.task == "calc":
         return ws.warm_start_calc(model_dir, spec["examples"], spec["epochs"], spec["lr"], spec["operands"], cfg.seed, spec["tool_fraction"])
-    measured = ws.warm_start(model_dir, spec["examples"], spec["epochs"], spec["lr"], spec["max_operand"], target=spec["target"], seed=cfg.seed, report=report)
+    measured = ws.warm_start(model_dir, spec["examples"], spec["epochs"], spec["lr"], spec["max_operand"], target=spec["target"], seed=cfg.seed,
+                           dropout=spec.get("dropout", 0.0), report=report)
     if not measured["target_reached"]:
         import warnings
 

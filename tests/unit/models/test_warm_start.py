@@ -68,6 +68,34 @@ def test_deterministic_warm_start_is_repeatable_and_restores_the_thread_count(tm
     assert 0 <= reports[0]["sampled_reward_t1"] <= 1 and reports[0]["answer_entropy_nats"] > 0
 
 
+def test_warm_start_dropout_acts_while_training_and_is_not_saved(tmp_path):
+    """Dropout changes what the same seeded run learns, and the saved model (what the learner trains and the
+    engines serve) has none."""
+    from transformers import AutoConfig
+
+    weights, reports = [], []
+    for dropout in (0.0, 0.5):
+        path = build_model("tiny-0.3m", tmp_path / str(dropout), seed=0)
+        reports.append(warm_start(path, examples=64, epochs=1, lr=1e-3, max_operand=99, dropout=dropout))
+        weights.append(_model(path)[0].model.embed_tokens.weight)
+        assert AutoConfig.from_pretrained(path).attention_dropout == 0.0
+    assert not torch.equal(weights[0], weights[1])
+    assert [r["attention_dropout"] for r in reports] == [0.0, 0.5]
+    assert [r["dropout_off_at_step"] for r in reports] == [None, None]  # no target: nothing to fall back for
+
+
+def test_a_dropout_warm_start_that_misses_its_target_goes_on_without_dropout(tmp_path):
+    """64 examples at batch 32: 2 steps an epoch. The target (1.0) is never met, so after the epoch with dropout
+    comes one without; without dropout there is nothing to fall back from."""
+    with_dropout = warm_start(build_model("tiny-0.3m", tmp_path / "d", seed=0), examples=64, epochs=1, lr=1e-3,
+                              max_operand=99, target=1.0, dropout=0.5)
+    assert with_dropout["steps"] == 4 and with_dropout["dropout_off_at_step"] == 2
+    assert with_dropout["target_reached"] is False
+    plain = warm_start(build_model("tiny-0.3m", tmp_path / "p", seed=0), examples=64, epochs=1, lr=1e-3,
+                       max_operand=99, target=1.0)
+    assert plain["steps"] == 2 and plain["dropout_off_at_step"] is None
+
+
 def test_a_calc_example_supervises_the_model_turns_but_not_the_observation():
     from asyncrl.models.tokenizer import CALC_ALPHABET
     from asyncrl.models.warm_start import calc_example
