@@ -64,8 +64,7 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 SEND_GROUP = "weight_send"
 """The rank's Ray concurrency group for `send_collective`: engines pull while the rank trains."""
 SEND_THREADS = 32
-"""Engines served at once; more wait for a thread (their sends still complete within `weight_sync.timeout_s`
-when a send takes less than that divided by the queue's depth)."""
+"""Engines served at once; more wait for a free thread, and a wait counts against their receive's timeout."""
 
 
 def _free_port() -> int:

@@ -182,6 +182,8 @@ class CollectiveSender:
 class _Link:
     """A receiver's group and what it caches from the setup: the layout and the staging buffer's views."""
 
+    address: tuple[str, int]
+    """The sender's store: a key reused with a new learner (a restart) opens a new group."""
     group: dist.ProcessGroup
     layout: SegmentLayout
     staging: torch.Tensor
@@ -203,7 +205,9 @@ class CollectiveReceiver:
         engine opens one under a new key at its next sync)."""
         d = json.loads(wire)
         try:
-            link = self._links[d["key"]] if d["key"] in self._links else self._open(d)
+            link = self._links.get(d["key"])
+            if link is None or link.address != (d["host"], d["port"]):
+                link = self._open(d)
             header = torch.zeros(2, dtype=torch.int64, device=self.device)
             _broadcast(link.group, [header], d["timeout_s"])
             version, digest = header.tolist()
@@ -228,7 +232,7 @@ class CollectiveReceiver:
         _broadcast(group, [wire], d["timeout_s"])
         layout = SegmentLayout.from_json(json.loads(bytes(wire.cpu().numpy())))
         staging = torch.zeros(layout.size, dtype=torch.uint8, device=self.device)
-        link = self._links[d["key"]] = _Link(group, layout, staging, layout.views(staging))
+        link = self._links[d["key"]] = _Link((d["host"], d["port"]), group, layout, staging, layout.views(staging))
         return link
 
 
