@@ -47,6 +47,25 @@ def test_the_backend_follows_the_device():
     assert backend_for(torch.device("cpu")) == "gloo" and backend_for(torch.device("cuda", 0)) == "nccl"
 
 
+def test_the_nccl_branch_builds_a_two_rank_nccl_group_under_the_engines_prefix(monkeypatch):
+    """Structure only: this CPU build has no NCCL, so a stand-in records what the group is built from."""
+    import torch.distributed as dist
+
+    from asyncrl.weight_sync.group import open_group
+
+    class FakeNCCL:
+        class Options:
+            _timeout = None
+
+        def __init__(self, store, rank, size, options):
+            self.store, self.rank, self.size, self.timeout = store, rank, size, options._timeout
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    group = open_group(dist.HashStore(), "rollout-0-ab", 1, "nccl", "unused", 7.0)
+    assert (type(group), group.rank, group.size, group.timeout.total_seconds()) == (FakeNCCL, 1, 2, 7.0)
+    assert isinstance(group.store, dist.PrefixStore)
+
+
 def test_a_receiver_on_the_wrong_device_refuses_before_it_joins():
     record = CollectiveWeights(1, "127.0.0.1", 1, "nccl", 0, 0, 1 << 20, 1.0)
     with pytest.raises(RuntimeError, match="sends over nccl, this engine's weights are on cpu"):
