@@ -106,7 +106,8 @@ def _broadcast(group: dist.ProcessGroup, tensors: list[torch.Tensor], timeout_s:
 
 
 class _Readers:
-    """Many sends read the staging buffer at once; staging the next version waits until they are done."""
+    """Many sends read the staging buffer at once; staging the next version waits until they are done (a send
+    to an engine that stopped answering holds it for up to the send's timeout)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
