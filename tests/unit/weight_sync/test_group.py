@@ -99,7 +99,7 @@ def _receiver(tmp_path, wires: list[str]) -> subprocess.Popen:
 def test_two_processes_exchange_two_versions_bit_for_bit_over_gloo(tmp_path):
     sender = CollectiveSender("127.0.0.1", torch.device("cpu"), 40, 60.0)  # 40 bytes: 4 buckets
     first = sender.stage(_state(1.0), 1)
-    receiver = _receiver(tmp_path, [first.to_wire("rollout-0-a")] * 2)
+    receiver = _receiver(tmp_path, [first.to_wire("rollout-0-a")] * 2)  # the receiver reports what the header says
     assert sender.send("rollout-0-a") == 1  # opens the group, sends the layout, then version 1
     sender.stage(_state(-2.5), 2)
     assert sender.send("rollout-0-a") == 2  # the same group, the cached layout
