@@ -22,7 +22,7 @@ the learner moved) and after it (should be ~1e-6 in fp32). Syncs alternate betwe
 mode, `decode_s`: greedy decoding of 32 prompts x up to 32 tokens after the syncs, the same work in both
 modes (what the kernels each mode runs cost in generation).
 
-    python benchmarks/weight_sync.py            # all three sizes, both loads, ~18 min on 2 CPU cores (3 syncs each)
+    python benchmarks/weight_sync.py            # all three sizes, both loads, three transports, ~10 min on 2 CPU cores (3 syncs each)
     python benchmarks/weight_sync.py --transports object_store collective shared_memory --weight-loads in_place
     python benchmarks/weight_sync.py --presets qwen-0.5b --transports shared_memory --weight-loads in_place --out ...
     python benchmarks/weight_sync.py --quick    # w3-0.5m only (smoke), writes weight_sync_quick.json
