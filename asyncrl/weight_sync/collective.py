@@ -15,9 +15,10 @@ If the learner staged the next version before such an engine pulled, the engine 
 it under its number (never an older one). A failed or timed-out pull fails the engine's load, named by
 `finish`, and both sides forget that group; the engine opens a new one at its next pull.
 
-Addresses: 127.0.0.1 on a single-node cluster, else the learner node's IP (Ray's); the store's port is
-picked free by the learner. Engines may run on any node, so this is the multi-node alternative to the
-object store (`auto` does not pick it: see docs/operations.md for the measured figures). On GPU the staging
+Addresses: on a single-node cluster the groups meet in a file and gloo listens on 127.0.0.1; across nodes
+they meet in a `TCPStore` on the learner node's IP (Ray's), port picked free (`group.connect_store`). Engines
+may run on any node, so this is the multi-node alternative to the object store (`auto` does not pick it:
+docs/architecture.md, "Weight-sync transports", has the measured figures). On GPU the staging
 buffers live on the learner's and the engine's CUDA devices and the group is NCCL; that branch is written
 but has not run (no GPU here).
 """

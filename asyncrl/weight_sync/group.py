@@ -1,10 +1,13 @@
 """The collective transport's wire: one small torch.distributed group per engine, and what travels over it.
 
 Learner rank 0 (`CollectiveSender`) and the vLLM worker of ONE engine (`CollectiveReceiver`) form a group of
-world size 2 (sender rank 0), built from a `TCPStore` the sender serves and a `PrefixStore` named by a key
-the engine picks (`<engine>-<random>`): no `init_process_group`, so an engine that joins or replaces a dead
+world size 2 (sender rank 0), built from a store the sender owns and a `PrefixStore` named by a key the engine
+picks (`<engine>-<random>`): no `init_process_group`, so an engine that joins or replaces a dead
 one gets its own group and no other group is torn down. Backend: gloo when the staging buffers are on the
-CPU, NCCL when they are on CUDA (that branch is written but has not run: no GPU here).
+CPU, NCCL when they are on CUDA (that branch is written but has not run: no GPU here). The store is a
+`FileStore` when every engine is on the sender's node (127.0.0.1): torch's `TCPStore` listens on every
+interface whatever host it is given, and nothing here listens beyond loopback unless configured to. Across
+nodes it is a `TCPStore` on the learner node's address (which then accepts connections from any host).
 
 The weights travel as one staging buffer laid out like the shared-memory segment (`SegmentLayout`: every
 tensor at a 64-byte aligned offset), broadcast in byte ranges of at most `bucket_bytes` cut at tensor
@@ -25,8 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
+import tempfile
 import threading
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,11 +41,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncrl.weight_sync.segment import SegmentLayout
+from asyncrl.weight_sync.segment import SegmentLayout, process_alive
 
-__all__ = ["CollectiveReceiver", "CollectiveSender", "CollectiveWeights", "backend_for", "bucket_ranges", "open_group"]
+__all__ = ["CollectiveReceiver", "CollectiveSender", "CollectiveWeights", "backend_for", "bucket_ranges", "connect_store", "open_group"]
 
 SENDER, RECEIVER = 0, 1
+STORE_PREFIX = "asyncrl-weight-store-"
+"""Single-node store files: `<tmp>/asyncrl-weight-store-<sender pid>-<random>`."""
 
 
 @dataclass(frozen=True)
@@ -48,8 +56,9 @@ class CollectiveWeights:
 
     version: int
     host: str
-    """Address of the sender's `TCPStore`: 127.0.0.1 on a single node, else the learner node's IP."""
-    port: int
+    """The sender's address: 127.0.0.1 on a single node, else the learner node's IP."""
+    store: str
+    """Where the groups meet: `file://<path>` (single node) or `tcp://<host>:<port>` (`connect_store`)."""
     backend: str
     """`gloo` or `nccl`: the receiver must stage on the matching device."""
     num_bytes: int
@@ -61,7 +70,7 @@ class CollectiveWeights:
 
     def to_wire(self, key: str) -> str:
         """JSON for vLLM's RPC (`vllm_compat.WeightReceiver`), with the engine's group key; no actor handle."""
-        fields = ("version", "host", "port", "backend", "bucket_bytes", "timeout_s")
+        fields = ("version", "host", "store", "backend", "bucket_bytes", "timeout_s")
         return json.dumps({"key": key, **{f: getattr(self, f) for f in fields}})
 
 
@@ -136,7 +145,9 @@ class CollectiveSender:
 
     def __init__(self, host: str, device: torch.device, bucket_bytes: int, timeout_s: float):
         self.host, self.device, self.bucket_bytes, self.timeout_s = host, device, bucket_bytes, timeout_s
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+        self.store, self.address = _serve_store(host, timeout_s)
+        if self.address.startswith("file://"):
+            weakref.finalize(self, _unlink, self.address.removeprefix("file://"))
         self.layout: SegmentLayout | None = None
         self.version = -1
         self._staging: torch.Tensor | None = None
@@ -154,7 +165,7 @@ class CollectiveSender:
                 views[name].copy_(tensor)
             self.version = version
         layout = self.layout
-        return CollectiveWeights(version, self.host, self.store.port, backend_for(self.device), layout.num_bytes, len(layout.places), self.bucket_bytes, self.timeout_s)
+        return CollectiveWeights(version, self.host, self.address, backend_for(self.device), layout.num_bytes, len(layout.places), self.bucket_bytes, self.timeout_s)
 
     def send(self, key: str) -> int:
         """Broadcast the staged version to the engine of `key`; -> that version. Raises naming the key (the
@@ -183,7 +194,7 @@ class CollectiveSender:
 class _Link:
     """A receiver's group and what it caches from the setup: the layout and the staging buffer's views."""
 
-    address: tuple[str, int]
+    address: str
     """The sender's store: a key reused with a new learner (a restart) opens a new group."""
     group: dist.ProcessGroup
     layout: SegmentLayout
@@ -207,7 +218,7 @@ class CollectiveReceiver:
         d = json.loads(wire)
         try:
             link = self._links.get(d["key"])
-            if link is None or link.address != (d["host"], d["port"]):
+            if link is None or link.address != d["store"]:
                 link = self._open(d)
             header = torch.zeros(2, dtype=torch.int64, device=self.device)
             _broadcast(link.group, [header], d["timeout_s"])
@@ -219,22 +230,60 @@ class CollectiveReceiver:
             return int(version), list(link.views.items())
         except Exception as e:
             self._links.pop(d["key"], None)
-            raise RuntimeError(f"weight receive from learner {d['host']}:{d['port']} as {d['key']} failed: {type(e).__name__}: {e}") from e
+            raise RuntimeError(f"weight receive from learner {d['store']} as {d['key']} failed: {type(e).__name__}: {e}") from e
 
     def _open(self, d: dict) -> _Link:
         """Join the group of `d["key"]` and take the layout the sender sends at setup."""
         if d["backend"] != backend_for(self.device):
             raise ValueError(f"the learner sends over {d['backend']}, this engine's weights are on {self.device}")
-        store = dist.TCPStore(d["host"], d["port"], is_master=False, timeout=timedelta(seconds=d["timeout_s"]))
-        group = open_group(store, d["key"], RECEIVER, d["backend"], _local_ip_towards(d["host"], d["port"]), d["timeout_s"])
+        store, bind_host = connect_store(d["store"], d["timeout_s"])
+        group = open_group(store, d["key"], RECEIVER, d["backend"], bind_host, d["timeout_s"])
         size = torch.zeros(1, dtype=torch.int64, device=self.device)
         _broadcast(group, [size], d["timeout_s"])
         wire = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
         _broadcast(group, [wire], d["timeout_s"])
         layout = SegmentLayout.from_json(json.loads(bytes(wire.cpu().numpy())))
         staging = torch.zeros(layout.size, dtype=torch.uint8, device=self.device)
-        link = self._links[d["key"]] = _Link((d["host"], d["port"]), group, layout, staging, layout.views(staging))
+        link = self._links[d["key"]] = _Link(d["store"], group, layout, staging, layout.views(staging))
         return link
+
+
+def _serve_store(host: str, timeout_s: float) -> tuple[dist.Store, str]:
+    """The sender's store and its address (`CollectiveWeights.store`): a file on a single node, else TCP."""
+    timeout = timedelta(seconds=timeout_s)
+    if host == "127.0.0.1":
+        _sweep_stores(tempfile.gettempdir())
+        fd, path = tempfile.mkstemp(prefix=f"{STORE_PREFIX}{os.getpid()}-")
+        os.close(fd)
+        store = dist.FileStore(path, -1)
+        store.set_timeout(timeout)
+        return store, f"file://{path}"
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    return store, f"tcp://{host}:{store.port}"
+
+
+def connect_store(address: str, timeout_s: float) -> tuple[dist.Store, str]:
+    """A client of the sender's store at `address`, and the local address gloo should listen on."""
+    timeout = timedelta(seconds=timeout_s)
+    if address.startswith("file://"):
+        store = dist.FileStore(address.removeprefix("file://"), -1)
+        store.set_timeout(timeout)
+        return store, "127.0.0.1"
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timeout), _local_ip_towards(host, int(port))
+
+
+def _sweep_stores(folder: str) -> None:
+    """Remove the store files of senders that were killed (a learner actor killed at shutdown never unlinks)."""
+    for name in os.listdir(folder):
+        pid = name.removeprefix(STORE_PREFIX).split("-", 1)[0]
+        if name.startswith(STORE_PREFIX) and pid.isdigit() and not process_alive(int(pid)):
+            _unlink(os.path.join(folder, name))
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def _local_ip_towards(host: str, port: int) -> str:

@@ -216,3 +216,14 @@ class SegmentReader:
 
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether `pid` runs: files named by a killed owner's pid (segments, weight stores) are swept by the next run."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -30,7 +30,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from asyncrl.weight_sync.segment import SharedWeights, slot_path
+from asyncrl.weight_sync.segment import SharedWeights, process_alive, slot_path
 from asyncrl.weight_sync.staged import StagedSync
 
 if TYPE_CHECKING:
@@ -54,21 +54,11 @@ def sweep_orphans(shm_dir: str = SHM_DIR) -> list[str]:
     removed = []
     for entry in Path(shm_dir).iterdir():
         match = _SEGMENT_NAME.match(entry.name)
-        if match and not _alive(int(match.group(1))):
+        if match and not process_alive(int(match.group(1))):
             with contextlib.suppress(FileNotFoundError):
                 entry.unlink()
             removed.append(str(entry))
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _unlink_slots(root: str) -> None:

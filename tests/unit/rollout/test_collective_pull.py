@@ -53,7 +53,7 @@ def _engine(llm):
 
 
 def _record(sender, version=2):
-    return CollectiveWeights(version, "127.0.0.1", 1, "gloo", 72, 2, 1 << 20, 5.0, sender=InProcessHandle(sender))
+    return CollectiveWeights(version, "127.0.0.1", "file:///nonexistent", "gloo", 72, 2, 1 << 20, 5.0, sender=InProcessHandle(sender))
 
 
 def test_an_engine_pulls_over_its_group_and_serves_the_version_the_learner_sent():

@@ -18,7 +18,7 @@ class FakeLearner:
 
     def export_collective(self, version, loopback, bucket_bytes, timeout_s):
         self.calls.append(("export_collective", version, loopback, bucket_bytes, timeout_s))
-        return CollectiveWeights(version, "127.0.0.1" if loopback else "10.0.0.1", 29500, "gloo", 72, 2, bucket_bytes, timeout_s)
+        return CollectiveWeights(version, "127.0.0.1" if loopback else "10.0.0.1", "tcp://10.0.0.1:29500", "gloo", 72, 2, bucket_bytes, timeout_s)
 
     def start_export_collective(self, version, loopback, bucket_bytes, timeout_s):
         record = self.export_collective(version, loopback, bucket_bytes, timeout_s)
@@ -87,7 +87,7 @@ def test_a_failed_export_is_named_by_finish(ray_put):
 def test_the_record_on_the_wire_names_the_engines_group_and_leaves_the_actor_handle_out():
     import json
 
-    record = CollectiveWeights(3, "127.0.0.1", 29500, "gloo", 72, 2, 1 << 20, 30.0, sender=object())
+    record = CollectiveWeights(3, "127.0.0.1", "tcp://127.0.0.1:29500", "gloo", 72, 2, 1 << 20, 30.0, sender=object())
     assert json.loads(record.to_wire("rollout-2-ab12")) == {
-        "key": "rollout-2-ab12", "version": 3, "host": "127.0.0.1", "port": 29500, "backend": "gloo", "bucket_bytes": 1 << 20, "timeout_s": 30.0,
+        "key": "rollout-2-ab12", "version": 3, "host": "127.0.0.1", "store": "tcp://127.0.0.1:29500", "backend": "gloo", "bucket_bytes": 1 << 20, "timeout_s": 30.0,
     }  # fmt: skip

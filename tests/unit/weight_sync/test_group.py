@@ -2,6 +2,7 @@
 (this process sends as learner rank 0, a subprocess receives as an engine worker)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -67,7 +68,7 @@ def test_the_nccl_branch_builds_a_two_rank_nccl_group_under_the_engines_prefix(m
 
 
 def test_a_receiver_on_the_wrong_device_refuses_before_it_joins():
-    record = CollectiveWeights(1, "127.0.0.1", 1, "nccl", 0, 0, 1 << 20, 1.0)
+    record = CollectiveWeights(1, "127.0.0.1", "tcp://127.0.0.1:1", "nccl", 0, 0, 1 << 20, 1.0)
     with pytest.raises(RuntimeError, match="sends over nccl, this engine's weights are on cpu"):
         CollectiveReceiver(torch.device("cpu")).receive(record.to_wire("rollout-0-x"))
 
@@ -96,9 +97,19 @@ def _receiver(tmp_path, wires: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", RECEIVER, str(tmp_path), *wires], cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
 
 
-def test_two_processes_exchange_two_versions_bit_for_bit_over_gloo(tmp_path):
-    sender = CollectiveSender("127.0.0.1", torch.device("cpu"), 40, 60.0)  # 40 bytes: 4 buckets
+def _host_ip() -> str:
+    """An address other than 127.0.0.1 (127.0.1.1 on some hosts): the sender then serves a TCP store."""
+    import socket
+
+    return socket.gethostbyname(socket.gethostname())
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "host"])
+def test_two_processes_exchange_two_versions_bit_for_bit_over_gloo(tmp_path, host):
+    host = _host_ip() if host == "host" else host
+    sender = CollectiveSender(host, torch.device("cpu"), 40, 60.0)  # 40 bytes: 4 buckets
     first = sender.stage(_state(1.0), 1)
+    assert first.store.startswith("file://" if host == "127.0.0.1" else f"tcp://{host}:")
     receiver = _receiver(tmp_path, [first.to_wire("rollout-0-a")] * 2)  # the receiver reports what the header says
     assert sender.send("rollout-0-a") == 1  # opens the group, sends the layout, then version 1
     sender.stage(_state(-2.5), 2)
@@ -122,4 +133,28 @@ def test_a_header_whose_layout_digest_differs_from_the_setup_fails_the_receive(t
     _broadcast(sender._groups["rollout-1-b"], [torch.tensor([2, sender.layout.digest + 1])], 60.0)  # a stray header
     assert receiver.wait(60) == 0
     error = (tmp_path / "1.err").read_text()
-    assert f"127.0.0.1:{record.port} as rollout-1-b" in error and f"layout digest is {sender.layout.digest + 1}" in error
+    assert f"{record.store} as rollout-1-b" in error and f"layout digest is {sender.layout.digest + 1}" in error
+
+
+def test_a_single_node_sender_meets_its_engines_in_a_file_it_removes():
+    """No TCP store on a single node (torch's listens on every interface); the file goes with the sender."""
+    import gc
+
+    sender = CollectiveSender("127.0.0.1", torch.device("cpu"), 1 << 20, 5.0)
+    path = sender.stage(_state(), 1).store.removeprefix("file://")
+    assert os.path.exists(path)
+    del sender
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+def test_the_store_file_of_a_killed_sender_is_swept_by_the_next_one(tmp_path):
+    from asyncrl.weight_sync.group import STORE_PREFIX, _sweep_stores
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan, ours = tmp_path / f"{STORE_PREFIX}{dead.stdout.strip()}-ab", tmp_path / f"{STORE_PREFIX}{os.getpid()}-cd"
+    other = tmp_path / "unrelated-1-ef"
+    for path in (orphan, ours, other):
+        path.write_text("")
+    _sweep_stores(str(tmp_path))
+    assert not orphan.exists() and ours.exists() and other.exists()
