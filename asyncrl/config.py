@@ -368,10 +368,12 @@ class WeightSyncConfig(Section):
     """Compare engine and learner log-probs on one fixed sequence after a sync (waits for that sync)."""
     parity_probe_every: int = Field(10, ge=1)
     """Probe after the first sync and after every k-th one."""
-    transport: Literal["object_store", "shared_memory", "auto"] = "auto"
+    transport: Literal["object_store", "shared_memory", "collective", "auto"] = "auto"
     """How weights reach the engines: `object_store` (safetensors buckets through Ray; any cluster),
     `shared_memory` (one segment in /dev/shm that every engine maps: every engine must run on the learner's
-    node), `auto` (shared memory on a single-node Ray cluster, else the object store)."""
+    node), `collective` (learner rank 0 broadcasts to each engine over its own torch.distributed group, in
+    buckets of `bucket_bytes`: gloo on CPU, NCCL on GPU, unmeasured on GPU; any cluster), `auto` (shared
+    memory on a single-node Ray cluster, else the object store)."""
 
 
 class EvalConfig(Section):

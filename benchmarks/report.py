@@ -43,7 +43,8 @@ def weight_sync(d: dict, title: str = "## W3 `sync` — weight publication (`ben
         title,
         "",
         f"Learner step done → every engine serves v+1 (1 learner rank, 1 engine, fp32; object store: buckets of "
-        f"{d['config']['bucket_bytes'] >> 20} MiB; shared memory: one /dev/shm segment the engine maps; engine load "
+        f"{d['config']['bucket_bytes'] >> 20} MiB; shared memory: one /dev/shm segment the engine maps; collective: a "
+        "gloo broadcast over the engine's own process group on 127.0.0.1, in buckets of the same size; engine load "
         "`in_place`: a copy into the model's parameters, `reload`: vLLM's reload and re-pack); median of the syncs. "
         "÷ memcpy: a plain copy of the same bytes (2 threads; 1 thread, as the learner rank and the engine each "
         "copy), measured in the same run, over the sync's time.",

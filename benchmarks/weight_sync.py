@@ -3,8 +3,9 @@
 For each random-initialised Qwen2 preset (w3-0.5m, w3-25m, w3-125m; qwen-0.5b on request) and each engine
 load mode (`rollout.weight_load`: `in_place` copies into the model's parameters, `reload` runs vLLM's
 layerwise reload and re-packing): one LearnerPool rank and one RolloutPool engine (vLLM, CPU, `max_model_len`
-256) in one Ray session, and both transports on them: `object_store` (safetensors buckets through Ray,
-`ObjectStoreSync`) and `shared_memory` (one /dev/shm segment the engine maps, `SharedMemorySync`). Before
+256) in one Ray session, and every transport on them: `object_store` (safetensors buckets through Ray,
+`ObjectStoreSync`), `shared_memory` (one /dev/shm segment the engine maps, `SharedMemorySync`) and
+`collective` (a gloo broadcast over the engine's own process group on 127.0.0.1, `CollectiveSync`). Before
 every sync the learner takes a real optimizer step on a small synthetic batch (untimed), so that the engine's
 weights are really stale; then the timed part runs exactly what the controller's publish does:
 
@@ -21,7 +22,8 @@ the learner moved) and after it (should be ~1e-6 in fp32). Syncs alternate betwe
 mode, `decode_s`: greedy decoding of 32 prompts x up to 32 tokens after the syncs, the same work in both
 modes (what the kernels each mode runs cost in generation).
 
-    python benchmarks/weight_sync.py            # all three sizes, both loads, ~12 min on 2 CPU cores (3 syncs each)
+    python benchmarks/weight_sync.py            # all three sizes, both loads, three transports, ~10 min on 2 CPU cores (3 syncs each)
+    python benchmarks/weight_sync.py --transports object_store collective shared_memory --weight-loads in_place
     python benchmarks/weight_sync.py --presets qwen-0.5b --transports shared_memory --weight-loads in_place --out ...
     python benchmarks/weight_sync.py --quick    # w3-0.5m only (smoke), writes weight_sync_quick.json
 """
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import sys
 import tempfile
@@ -42,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 PRESETS = ["w3-0.5m", "w3-25m", "w3-125m"]
 LARGE = ["qwen-0.5b"]  # 0.5B parameters: on request (--presets qwen-0.5b), ~16 GB of memory
-TRANSPORTS = ["object_store", "shared_memory"]
+TRANSPORTS = ["object_store", "shared_memory", "collective"]
 LOADS = ["in_place", "reload"]  # rollout.weight_load
 MAX_MODEL_LEN = 256
 PROBE_LEN, PROBE_PROMPT_LEN = 64, 8
@@ -98,6 +101,7 @@ def pools(model_dir: Path, bucket_bytes: int, timeout_s: float, transports: list
     from asyncrl.config import EnvConfig, LearnerConfig, RolloutConfig, WeightSyncConfig
     from asyncrl.learner.pool import LearnerPool
     from asyncrl.rollout.pool import RolloutPool
+    from asyncrl.weight_sync.collective import CollectiveSync
     from asyncrl.weight_sync.object_store import ObjectStoreSync
     from asyncrl.weight_sync.shared_memory import SharedMemorySync
 
@@ -109,7 +113,7 @@ def pools(model_dir: Path, bucket_bytes: int, timeout_s: float, transports: list
             dtype="float32", max_model_len=MAX_MODEL_LEN,
         )
         rollout.start()
-        kinds = {"object_store": ObjectStoreSync, "shared_memory": SharedMemorySync}
+        kinds = {"object_store": ObjectStoreSync, "shared_memory": SharedMemorySync, "collective": functools.partial(CollectiveSync, loopback=True)}
         for t in transports:
             syncs[t] = kinds[t](learner, rollout, WeightSyncConfig(bucket_bytes=bucket_bytes, timeout_s=timeout_s, transport=t), mode="streaming")
         yield learner, rollout, syncs

@@ -26,10 +26,11 @@ from asyncrl.algo.sampling import RAW, SamplingDistribution
 from asyncrl.cluster.calls import named_get
 from asyncrl.learner.batch import TrainBatch, build_batch, loss_needs_whole_groups, split_mini_batches, split_rows
 from asyncrl.learner.export import ExportedWeights
-from asyncrl.learner.rank import LearnerWorker
+from asyncrl.learner.rank import SEND_GROUP, SEND_THREADS, LearnerWorker
 from asyncrl.learner.step import merge_metrics
 from asyncrl.models.shipping import ShippedModel, materialise, ship
 from asyncrl.types import Group, StepStats
+from asyncrl.weight_sync.group import CollectiveWeights
 from asyncrl.weight_sync.segment import SharedWeights
 
 __all__ = ["LearnerCall", "LearnerCallError", "LearnerCheckpoint", "LearnerPool", "recipe_from_config"]
@@ -121,7 +122,7 @@ class LearnerPool:
         unit = placement.bundle(config.num_cpus_per_rank, config.num_gpus_per_rank, config.resources)
         # The learner reserves its ranks before the rollout pool starts: scaling rollouts never starves it.
         self.group = placement.reserve("learner", [unit] * self.num_ranks, config.placement_strategy, placement_timeout_s)
-        actor = ray.remote(NodeLocalLearnerWorker)
+        actor = ray.remote(concurrency_groups={SEND_GROUP: SEND_THREADS})(NodeLocalLearnerWorker)
         model = ship(model_dir)
         self.workers = [
             actor.options(num_cpus=config.num_cpus_per_rank, num_gpus=config.num_gpus_per_rank, scheduling_strategy=placement.in_bundle(self.group, rank))
@@ -246,6 +247,15 @@ class LearnerPool:
         submitted after this one (the next `train_step`); `call.refs[0]` resolves to rank 0's `SharedWeights`,
         so an engine can be handed it before it is written. `finish_call` raises as `export_shared` does."""
         return self._submit("export_shared", root, version)
+
+    def export_collective(self, version: int, loopback: bool, bucket_bytes: int, timeout_s: float) -> CollectiveWeights:
+        """Gather the policy and stage it (HF names, tied lm_head explicit) on rank 0, for engines to pull over
+        their own process group (`asyncrl.weight_sync.group`); -> rank 0's record, its actor handle included."""
+        return self.finish_call(self.start_export_collective(version, loopback, bucket_bytes, timeout_s))[0]
+
+    def start_export_collective(self, version: int, loopback: bool, bucket_bytes: int, timeout_s: float) -> LearnerCall:
+        """`export_collective` without the wait, as `start_export_shared` is."""
+        return self._submit("export_collective", version, loopback, bucket_bytes, timeout_s)
 
     def finish_call(self, call: LearnerCall) -> list:
         """Every rank's result of a call started without waiting (`start_export_shared`), errors named by rank."""

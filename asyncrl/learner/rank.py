@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 import numpy as np
+import ray
 import torch
 
 from asyncrl.algo.sampling import SamplingDistribution
@@ -23,6 +24,7 @@ from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.export import ExportedWeights
 from asyncrl.learner.step import RankStep
 from asyncrl.types import StepStats
+from asyncrl.weight_sync.group import CollectiveSender, CollectiveWeights
 from asyncrl.weight_sync.segment import SegmentWriter, SharedWeights
 
 __all__ = ["LearnerWorker", "materialize_optimizer_state"]
@@ -59,6 +61,12 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             state["step"].zero_() if isinstance(state["step"], torch.Tensor) else state.update(step=0)
 
 
+SEND_GROUP = "weight_send"
+"""The rank's Ray concurrency group for `send_collective`: engines pull while the rank trains."""
+SEND_THREADS = 32
+"""Engines served at once; more wait for a free thread, and a wait counts against their receive's timeout."""
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
@@ -82,6 +90,8 @@ class LearnerWorker:
         self.step = 0
         self._segment: SegmentWriter | None = None
         """The shared-memory weight segment this rank writes (rank 0, `weight_sync.transport` shared_memory)."""
+        self._sender: CollectiveSender | None = None
+        """The staging buffer engines pull from (rank 0, `weight_sync.transport` collective)."""
 
     # ------------------------------------------------------------------ setup and collectives
 
@@ -231,6 +241,27 @@ class LearnerWorker:
         if self._segment is None or self._segment.root != root:
             self._segment = SegmentWriter(root)
         return self._segment.write(cast_state(state, self.dtype), version)
+
+    def export_collective(self, version: int, loopback: bool, bucket_bytes: int, timeout_s: float) -> CollectiveWeights | None:
+        """Rank 0 copies the HF-named weights into its staging buffer, which engines pull over their own process
+        group (`send_collective`; `weight_sync.group`). `loopback`: every engine is on this node (127.0.0.1)."""
+        from asyncrl.learner.export import cast_state
+
+        state = self._hf_state()
+        if self.rank != 0:
+            return None
+        if self._sender is None:
+            host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+            self._sender = CollectiveSender(host, self.device, bucket_bytes, timeout_s)
+        record = self._sender.stage(cast_state(state, self.dtype), version)
+        return dataclasses.replace(record, sender=ray.get_runtime_context().current_actor)
+
+    @ray.method(concurrency_group=SEND_GROUP)
+    def send_collective(self, key: str) -> int:
+        """Broadcast the staged version to the engine that asked (its group `key`); -> that version. Runs in its
+        own threads (`SEND_GROUP`), next to the rank's calls in order (the next `train_step`), and only on
+        rank 0, which `export_collective` names in its record."""
+        return self._sender.send(key)
 
     def state_snapshot(self) -> dict[str, Any] | None:
         """Full parameters (HF names) and optimizer state as numpy on rank 0, for tests and debugging."""

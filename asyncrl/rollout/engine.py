@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -114,6 +115,8 @@ class Engine:
         self._llm: Any = None
         self._tokenizer: Any = None
         self._update_lock = asyncio.Lock()
+        self._group_key = _group_key(name)
+        """This engine's process group with learner rank 0 (the collective transport); renewed after a failure."""
         self._ids = itertools.count()
         self._progress: dict[str, int] = {}
         self._running: dict[str, tuple[str, int | None]] = {}
@@ -358,9 +361,10 @@ class Engine:
     # Weights
 
     async def update_weights(self, buckets: Sequence[Any], version: int, in_flight: bool = True) -> int:
-        """Load weight buckets (safetensors bytes, or one `SharedWeights` record of the shared-memory
-        transport) and set the policy version; returns the number of tensors loaded (0 when the engine
-        already serves a newer version: versions never go back).
+        """Load weight buckets (safetensors bytes, or one `SharedWeights` / `CollectiveWeights` record) and set
+        the policy version; returns the number of tensors loaded (0 when the engine already serves a newer
+        version: versions never go back). A collective pull may bring a newer version than `version` (the
+        learner staged the next one first): the engine serves it under its own number.
 
         in_flight: running requests are frozen (not dropped) during the load and continue afterwards;
         their later tokens carry `version`. Otherwise running requests finish first. Either way no token
@@ -372,9 +376,12 @@ class Engine:
                 return 0  # a newer sync overtook this one (a joining worker gets both): the engine keeps the newer
             await vllm_compat.pause_for_update(self._llm, in_flight)
             try:
-                num_tensors = await vllm_compat.load_weights(self._llm, list(buckets), self._in_place)
+                num_tensors, version = await vllm_compat.load_weights(self._llm, list(buckets), self._in_place, version, self._group_key)
                 await vllm_compat.set_weight_version(self._llm, version)
                 self._version = version
+            except Exception:
+                self._group_key = _group_key(self.name)  # both sides dropped the group: the next pull opens another
+                raise
             finally:
                 await vllm_compat.resume_after_update(self._llm)
         return num_tensors
@@ -406,6 +413,11 @@ class Engine:
     def _require_started(self) -> None:
         if self._llm is None:
             raise RuntimeError(f"engine {self.name} is not started (call `await engine.start()`)")
+
+
+def _group_key(name: str) -> str:
+    """A fresh process-group key: a group's rendezvous keys in the learner's store are never reused."""
+    return f"{name}-{secrets.token_hex(4)}"
 
 
 def _finish_reason(reason: str | None) -> str:

@@ -7,8 +7,8 @@ Contents:
 - `configure_process_env`: environment variables that must be set before the engine process starts.
 - `engine_args`: the `AsyncEngineArgs` that give fp32 log-prob parity with the learner.
 - `create_async_llm`: the engine, with the model in the engine-core process on CPU (no busy-waiting worker).
-- `WeightReceiver`: the worker extension (`worker_extension_cls`) that loads safetensors buckets or a
-  shared-memory segment, in place or through vLLM's reload (`load_weights`).
+- `WeightReceiver`: the worker extension (`worker_extension_cls`) that loads safetensors buckets, a
+  shared-memory segment or a broadcast over a process group, in place or through vLLM's reload (`load_weights`).
 - `token_input`: a prompt of token ids in the form `AsyncLLM.generate` takes without a thread hop.
 - `version_per_token`: per-token policy versions from vLLM's weight-version spans.
 - `pause_for_update` / `resume_after_update`: in-flight (keep running requests) and draining pauses.
@@ -28,6 +28,7 @@ WEIGHT_RECEIVER_QUALNAME = "asyncrl.rollout.vllm_compat.WeightReceiver"
 STAGE_BUCKET_RPC = "asyncrl_stage_weight_bucket"
 LOAD_STAGED_RPC = "asyncrl_load_staged_weights"
 LOAD_SHARED_RPC = "asyncrl_load_shared_weights"
+RECEIVE_COLLECTIVE_RPC = "asyncrl_receive_collective"
 PREPARE_IN_PLACE_RPC = "asyncrl_prepare_in_place"
 AUTO_IN_PLACE_MAX_HIDDEN = 256
 """`weight_load: auto` loads in place up to this hidden size: unpacked `F.linear` decoded 7% faster than vLLM's
@@ -167,6 +168,19 @@ class WeightReceiver:
         self._asyncrl_segments.check(shared)
         return len(named)
 
+    def asyncrl_receive_collective(self, wire: str, in_place: bool = False) -> tuple[int, int]:
+        """Receive a version broadcast by learner rank 0 over this worker's own group (`CollectiveWeights.to_wire`;
+        the group, the layout and the staging buffer are set up by the first call) and load it from the staging
+        buffer. -> (tensors loaded, the version received: the learner's latest, which may be newer than asked).
+        One worker per engine (the group has two ranks: the learner and this worker)."""
+        from asyncrl.weight_sync.group import CollectiveReceiver
+
+        if not hasattr(self, "_asyncrl_receiver"):
+            self._asyncrl_receiver = CollectiveReceiver(self.device)
+        version, named = self._asyncrl_receiver.receive(wire)
+        self._asyncrl_load(iter(named), in_place)
+        return len(named), version
+
     def asyncrl_prepare_in_place(self, auto: bool) -> bool:
         """At engine start: unpack the linear layers and load the checkpoint into them, so the engine runs the
         same kernels from its first token to its last. False (nothing changed): it reloads, because the model
@@ -261,19 +275,35 @@ async def prepare_in_place(llm: Any, auto: bool) -> bool:
     return all(await llm.collective_rpc(PREPARE_IN_PLACE_RPC, args=(auto,)))
 
 
-async def load_weights(llm: Any, payloads: list[Any], in_place: bool, timeout_s: float | None = None) -> int:
-    """Load one published version into every worker of `llm` (an `AsyncLLM`): safetensors buckets, or one
-    `SharedWeights` record (the shared-memory transport), in place or through vLLM's reload (`WeightReceiver`).
-    Returns the tensors loaded by worker 0."""
+async def load_weights(llm: Any, payloads: list[Any], in_place: bool, version: int, group_key: str, timeout_s: float | None = None) -> tuple[int, int]:
+    """Load one published `version` into every worker of `llm` (an `AsyncLLM`): safetensors buckets, one
+    `SharedWeights` record (the shared-memory transport) or one `CollectiveWeights` record (pulled over the
+    engine's process group `group_key`), in place or through vLLM's reload (`WeightReceiver`).
+    Returns (the tensors loaded by worker 0, the version loaded: newer than `version` only when a collective
+    pull found the learner had staged the next one)."""
+    from asyncrl.weight_sync.group import CollectiveWeights
     from asyncrl.weight_sync.segment import SharedWeights
 
+    if len(payloads) == 1 and isinstance(payloads[0], CollectiveWeights):
+        return await _pull_collective(llm, payloads[0], in_place, group_key, timeout_s)
     if len(payloads) == 1 and isinstance(payloads[0], SharedWeights):
         counts = await llm.collective_rpc(LOAD_SHARED_RPC, timeout=timeout_s, args=(payloads[0].to_wire(), in_place))
     else:
         for i, data in enumerate(payloads):
             await llm.collective_rpc(STAGE_BUCKET_RPC, timeout=timeout_s, args=(data, i == 0))
         counts = await llm.collective_rpc(LOAD_STAGED_RPC, timeout=timeout_s, args=(in_place,))
-    return int(counts[0]) if counts else 0
+    return (int(counts[0]) if counts else 0), version
+
+
+async def _pull_collective(llm: Any, record: Any, in_place: bool, group_key: str, timeout_s: float | None) -> tuple[int, int]:
+    """Ask learner rank 0 to send (a call in its send threads) while the worker receives and loads."""
+    import asyncio
+
+    sent = record.sender.send_collective.remote(group_key)
+    received, _ = await asyncio.gather(llm.collective_rpc(RECEIVE_COLLECTIVE_RPC, timeout=timeout_s, args=(record.to_wire(group_key), in_place)), sent)
+    if len(received) != 1:
+        raise RuntimeError(f"the collective transport needs one worker per engine, this engine has {len(received)}")
+    return int(received[0][0]), int(received[0][1])
 
 
 async def pause_for_update(llm: Any, in_flight: bool) -> None:

@@ -17,6 +17,7 @@ This module imports only torch (learner and vLLM worker processes both use it).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import mmap
@@ -74,8 +75,30 @@ class SegmentLayout:
         """Raise naming the first tensor whose name, shape or dtype differs from the layout."""
         other = SegmentLayout.of(state)
         if other != self:
-            diff = next((f"{a} != {b}" for a, b in zip(self.places, other.places) if a != b), "a different number of tensors")
-            raise ValueError(f"weights no longer fit the shared-memory layout: {diff}")
+            raise ValueError(f"weights no longer fit the shared-memory layout: {self.difference(other)}")
+
+    def difference(self, other: SegmentLayout) -> str:
+        """The first place where `other` differs from this layout, for error messages."""
+        return next((f"{a} != {b}" for a, b in zip(self.places, other.places) if a != b), "a different number of tensors")
+
+    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A typed, shaped view of every place in `buffer` (uint8, `size` bytes or more)."""
+        return {p.name: buffer[p.offset : p.offset + p.nbytes].view(_dtype(p.dtype)).view(p.shape) for p in self.places}
+
+    def to_json(self) -> dict:
+        return {"size": self.size, "places": [[p.name, p.offset, list(p.shape), p.dtype] for p in self.places]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> SegmentLayout:
+        places = tuple(TensorPlace(name, offset, tuple(shape), dtype) for name, offset, shape, dtype in d["places"])
+        return cls(places, d["size"])
+
+    @property
+    def digest(self) -> int:
+        """A signed 64-bit hash of the layout (names, offsets, shapes, dtypes), small enough to travel with every
+        version in an int64 header (`weight_sync.group`)."""
+        wire = json.dumps(self.to_json(), separators=(",", ":")).encode()
+        return int.from_bytes(hashlib.sha256(wire).digest()[:8], "big", signed=True)
 
     @property
     def num_bytes(self) -> int:
@@ -95,14 +118,20 @@ class SharedWeights:
 
     def to_wire(self) -> str:
         """JSON: vLLM's RPC carries plain strings reliably (see `vllm_compat.WeightReceiver`)."""
-        places = [[p.name, p.offset, list(p.shape), p.dtype] for p in self.layout.places]
-        return json.dumps({"path": self.path, "version": self.version, "size": self.layout.size, "places": places})
+        return json.dumps({"path": self.path, "version": self.version, **self.layout.to_json()})
 
     @classmethod
     def from_wire(cls, wire: str) -> SharedWeights:
         d = json.loads(wire)
-        places = tuple(TensorPlace(name, offset, tuple(shape), dtype) for name, offset, shape, dtype in d["places"])
-        return cls(d["path"], d["version"], SegmentLayout(places, d["size"]))
+        return cls(d["path"], d["version"], SegmentLayout.from_json(d))
+
+    @property
+    def num_bytes(self) -> int:
+        return self.layout.num_bytes
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.layout.places)
 
 
 class _Mapping:
@@ -121,7 +150,7 @@ class _Mapping:
             os.close(fd)
         self.buffer = buffer = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.stamp = buffer[:8].view(torch.int64)
-        self.views = {p.name: buffer[p.offset : p.offset + p.nbytes].view(_dtype(p.dtype)).view(p.shape) for p in layout.places}
+        self.views = layout.views(buffer)
 
 
 class SegmentWriter:
@@ -187,3 +216,14 @@ class SegmentReader:
 
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether `pid` runs: files named by a killed owner's pid (segments, weight stores) are swept by the next run."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

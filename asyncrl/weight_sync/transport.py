@@ -12,13 +12,16 @@ if TYPE_CHECKING:
 
 __all__ = ["make_weight_sync", "resolve_transport"]
 
+Transport = Literal["object_store", "shared_memory", "collective"]
 
-def resolve_transport(choice: str, num_nodes: int) -> Literal["object_store", "shared_memory"]:
+
+def resolve_transport(choice: str, num_nodes: int) -> Transport:
     """`auto` is shared memory on a single-node cluster: there every engine, a replacement included, runs on
-    the learner's node; with more nodes an engine may land on another one, which cannot map the segment."""
+    the learner's node; with more nodes an engine may land on another one, which cannot map the segment.
+    `collective` is only ever chosen explicitly (docs/operations.md, "Weight sync")."""
     if choice == "auto":
         return "shared_memory" if num_nodes == 1 else "object_store"
-    if choice not in ("object_store", "shared_memory"):
+    if choice not in ("object_store", "shared_memory", "collective"):
         raise ValueError(f"unknown weight_sync.transport {choice!r}")
     return choice  # type: ignore[return-value]
 
@@ -26,9 +29,12 @@ def resolve_transport(choice: str, num_nodes: int) -> Literal["object_store", "s
 def make_weight_sync(learner: LearnerPool, rollout: RolloutPool, config: WeightSyncConfig, mode: Mode) -> WeightSync:
     import ray
 
+    from asyncrl.weight_sync.collective import CollectiveSync
     from asyncrl.weight_sync.object_store import ObjectStoreSync
     from asyncrl.weight_sync.shared_memory import SharedMemorySync
 
     num_nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
-    transport = SharedMemorySync if resolve_transport(config.transport, num_nodes) == "shared_memory" else ObjectStoreSync
-    return transport(learner, rollout, config, mode)
+    transport = resolve_transport(config.transport, num_nodes)
+    if transport == "collective":
+        return CollectiveSync(learner, rollout, config, mode, loopback=num_nodes == 1)
+    return (SharedMemorySync if transport == "shared_memory" else ObjectStoreSync)(learner, rollout, config, mode)

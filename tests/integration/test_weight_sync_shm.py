@@ -8,18 +8,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from asyncrl.algo.sampling import RAW
 from asyncrl.config import EnvConfig, LearnerConfig, RolloutConfig, WeightSyncConfig
-from asyncrl.testing import random_groups
+from tests.integration.weight_sync_checks import PARITY_ATOL, parity, step_and_sync
 
 pytestmark = pytest.mark.integration
-
-PARITY_ATOL = 1e-5
-PROBE = [1, 4, 9, 14, 5, 15, 7, 3, 12, 6, 11, 8, 13, 10]  # token ids of the 16-token vocabulary
-PROMPT_LEN = 4
 
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")) if p)
 
@@ -45,22 +39,6 @@ def pools(ray_cluster, tiny_model_dir):
         rollout.shutdown()
         learner.shutdown()
         sync.shutdown()
-
-
-def parity(pools, worker: str | None = None) -> float:
-    learner, rollout, _ = pools
-    engine = np.asarray(rollout.score(PROBE, PROMPT_LEN, name=worker))
-    return float(np.max(np.abs(engine - np.asarray(learner.score(PROBE, PROMPT_LEN, RAW)))))
-
-
-def step_and_sync(pools, sync, version: int, seed: int) -> tuple[float, float]:
-    """A learner step that moves the weights, then a sync of `version`: -> (parity before, parity after)."""
-    learner, rollout, _ = pools
-    learner.train_step(random_groups(seed=seed))
-    before = parity(pools)
-    result = sync.finish(sync.start(version))
-    assert result.version == version and rollout.versions() == {name: version for name in rollout.versions()}
-    return before, parity(pools)
 
 
 def test_after_a_zero_copy_sync_the_engine_scores_as_the_learner(pools):

@@ -130,6 +130,8 @@ def test_a_new_sync_sweeps_dead_runs_before_it_writes(tmp_path, ray_put):
         ("auto", 2, "object_store"),
         ("shared_memory", 1, "shared_memory"),
         ("object_store", 1, "object_store"),
+        ("collective", 1, "collective"),  # never picked by auto
+        ("collective", 2, "collective"),
     ],
 )
 def test_auto_picks_shared_memory_only_on_a_single_node(choice, nodes, expected):

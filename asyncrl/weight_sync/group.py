@@ -1,0 +1,293 @@
+"""The collective transport's wire: one small torch.distributed group per engine, and what travels over it.
+
+Learner rank 0 (`CollectiveSender`) and the vLLM worker of ONE engine (`CollectiveReceiver`) form a group of
+world size 2 (sender rank 0), built from a store the sender owns and a `PrefixStore` named by a key the engine
+picks (`<engine>-<random>`): no `init_process_group`, so an engine that joins or replaces a dead
+one gets its own group and no other group is torn down. Backend: gloo when the staging buffers are on the
+CPU, NCCL when they are on CUDA (that branch is written but has not run: no GPU here). The store is a
+`FileStore` when every engine is on the sender's node (127.0.0.1): torch's `TCPStore` listens on every
+interface whatever host it is given, and nothing here listens beyond loopback unless configured to. Across
+nodes it is a `TCPStore` on the learner node's address (which then accepts connections from any host).
+
+The weights travel as one staging buffer laid out like the shared-memory segment (`SegmentLayout`: every
+tensor at a 64-byte aligned offset), broadcast in byte ranges of at most `bucket_bytes` cut at tensor
+boundaries (`bucket_ranges`). Bytes, not typed tensors: one buffer holds every dtype and each side views
+its places as they are. Over a group, in this order:
+
+    at setup    int64 [n], then n bytes of the layout's JSON   (once per group: the receiver caches it)
+    each sync   int64 [version, layout digest], then each bucket
+
+The version in the header is the one the sender holds: an engine that asked for v while rank 0 already
+staged v + 1 (a joining engine overtaken by the next export) gets v + 1 and says so. The digest checks,
+every sync, that both sides still agree on the layout cached at setup.
+
+This module imports only torch (the learner and the vLLM worker processes both use it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import tempfile
+import threading
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.weight_sync.segment import SegmentLayout, process_alive
+
+__all__ = ["CollectiveReceiver", "CollectiveSender", "CollectiveWeights", "backend_for", "bucket_ranges", "connect_store", "open_group"]
+
+SENDER, RECEIVER = 0, 1
+STORE_PREFIX = "asyncrl-weight-store-"
+"""Single-node store files: `<tmp>/asyncrl-weight-store-<sender pid>-<random>`."""
+
+
+@dataclass(frozen=True)
+class CollectiveWeights:
+    """One version staged on learner rank 0: what reaches the engines through Ray instead of the weights."""
+
+    version: int
+    host: str
+    """The sender's address: 127.0.0.1 on a single node, else the learner node's IP."""
+    store: str
+    """Where the groups meet: `file://<path>` (single node) or `tcp://<host>:<port>` (`connect_store`)."""
+    backend: str
+    """`gloo` or `nccl`: the receiver must stage on the matching device."""
+    num_bytes: int
+    num_tensors: int
+    bucket_bytes: int
+    timeout_s: float
+    sender: Any = None
+    """Learner rank 0's actor handle (Ray): an engine asks it to send (`LearnerWorker.send_collective`)."""
+
+    def to_wire(self, key: str) -> str:
+        """JSON for vLLM's RPC (`vllm_compat.WeightReceiver`), with the engine's group key; no actor handle."""
+        fields = ("version", "host", "store", "backend", "bucket_bytes", "timeout_s")
+        return json.dumps({"key": key, **{f: getattr(self, f) for f in fields}})
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL moves CUDA tensors, gloo CPU ones."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def bucket_ranges(layout: SegmentLayout, bucket_bytes: int) -> list[tuple[int, int]]:
+    """Byte ranges [start, end) of the staging buffer, cut at tensor boundaries, each at most `bucket_bytes`
+    unless one tensor alone is larger (tensors are never split); padding between tensors travels with them."""
+    ranges: list[tuple[int, int]] = []
+    for place in layout.places:
+        end = place.offset + place.nbytes
+        if ranges and end - ranges[-1][0] <= bucket_bytes:
+            ranges[-1] = (ranges[-1][0], end)
+        else:
+            ranges.append((place.offset, end))
+    return ranges
+
+
+def open_group(store: dist.Store, key: str, rank: int, backend: str, bind_host: str, timeout_s: float) -> dist.ProcessGroup:
+    """The two-rank group named `key`; blocks until both ranks joined (at most `timeout_s`)."""
+    timeout, prefixed = timedelta(seconds=timeout_s), dist.PrefixStore(key, store)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+    return dist.ProcessGroupGloo(prefixed, rank, 2, options)
+
+
+def _broadcast(group: dist.ProcessGroup, tensors: list[torch.Tensor], timeout_s: float) -> None:
+    """Broadcast each tensor from the sender, all in flight at once, and wait for every one."""
+    options = dist.BroadcastOptions()
+    options.rootRank = SENDER
+    works = [group.broadcast([t], options) for t in tensors]
+    for work in works:
+        work.wait(timedelta(seconds=timeout_s))
+
+
+class _Readers:
+    """Many sends read the staging buffer at once; staging the next version waits until they are done (a send
+    to an engine that stopped answering holds it for up to the send's timeout)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._count = 0
+
+    def __enter__(self) -> None:
+        with self._cond:
+            self._count += 1
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._count -= 1
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Wait until no reader is in, and keep new ones out while the caller writes."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._count == 0)
+            yield
+
+
+class CollectiveSender:
+    """Learner rank 0's side: `stage` copies a version into the staging buffer (layout fixed by the first one);
+    `send(key)` broadcasts what is staged over the group `key`, which it opens when the key is new."""
+
+    def __init__(self, host: str, device: torch.device, bucket_bytes: int, timeout_s: float):
+        self.host, self.device, self.bucket_bytes, self.timeout_s = host, device, bucket_bytes, timeout_s
+        self.store, self.address = _serve_store(host, timeout_s)
+        if self.address.startswith("file://"):
+            weakref.finalize(self, _unlink, self.address.removeprefix("file://"))
+        self.layout: SegmentLayout | None = None
+        self.version = -1
+        self._staging: torch.Tensor | None = None
+        self._groups: dict[str, dist.ProcessGroup] = {}
+        self._readers = _Readers()
+
+    def stage(self, state: Mapping[str, torch.Tensor], version: int) -> CollectiveWeights:
+        if self.layout is None:
+            self.layout = SegmentLayout.of(state)
+            self._staging = torch.zeros(self.layout.size, dtype=torch.uint8, device=self.device)
+        self.layout.check(state)
+        views = self.layout.views(self._staging)
+        with self._readers.exclusive():
+            for name, tensor in state.items():
+                views[name].copy_(tensor)
+            self.version = version
+        layout = self.layout
+        return CollectiveWeights(version, self.host, self.address, backend_for(self.device), layout.num_bytes, len(layout.places), self.bucket_bytes, self.timeout_s)
+
+    def send(self, key: str) -> int:
+        """Broadcast the staged version to the engine of `key`; -> that version. Raises naming the key (the
+        engine's name) on a failure or a timeout, and forgets the group: the engine opens a new one."""
+        with self._readers:
+            try:
+                group = self._groups[key] if key in self._groups else self._open(key)
+                header = torch.tensor([self.version, self.layout.digest], dtype=torch.int64, device=self.device)
+                buckets = [self._staging[start:end] for start, end in bucket_ranges(self.layout, self.bucket_bytes)]
+                _broadcast(group, [header, *buckets], self.timeout_s)
+                return int(self.version)
+            except Exception as e:
+                self._groups.pop(key, None)
+                raise RuntimeError(f"weight send of version {self.version} to {key} failed: {type(e).__name__}: {e}") from e
+
+    def _open(self, key: str) -> dist.ProcessGroup:
+        group = open_group(self.store, key, SENDER, backend_for(self.device), self.host, self.timeout_s)
+        wire = torch.frombuffer(bytearray(json.dumps(self.layout.to_json()).encode()), dtype=torch.uint8).to(self.device)
+        _broadcast(group, [torch.tensor([wire.numel()], dtype=torch.int64, device=self.device)], self.timeout_s)
+        _broadcast(group, [wire], self.timeout_s)
+        self._groups[key] = group
+        return group
+
+
+@dataclass
+class _Link:
+    """A receiver's group and what it caches from the setup: the layout and the staging buffer's views."""
+
+    address: str
+    """The sender's store: a key reused with a new learner (a restart) opens a new group."""
+    group: dist.ProcessGroup
+    layout: SegmentLayout
+    staging: torch.Tensor
+    views: dict[str, torch.Tensor]
+
+
+class CollectiveReceiver:
+    """An engine worker's side: `receive` takes one version over the group of its key (opened on first use)
+    into a staging buffer allocated once, at the group's setup."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._links: dict[str, _Link] = {}
+
+    def receive(self, wire: str) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+        """`wire`: `CollectiveWeights.to_wire(key)`. -> (the version received, (name, view of the staging
+        buffer) of every tensor, valid until the next receive). Raises naming the learner's address on a
+        failure, a timeout or a layout digest other than the one cached at setup, and forgets the group (the
+        engine opens one under a new key at its next sync)."""
+        d = json.loads(wire)
+        try:
+            link = self._links.get(d["key"])
+            if link is None or link.address != d["store"]:
+                link = self._open(d)
+            header = torch.zeros(2, dtype=torch.int64, device=self.device)
+            _broadcast(link.group, [header], d["timeout_s"])
+            version, digest = header.tolist()
+            if digest != link.layout.digest:
+                raise ValueError(f"the learner's layout digest is {digest}, the one set up with this group {link.layout.digest}")
+            buckets = [link.staging[start:end] for start, end in bucket_ranges(link.layout, d["bucket_bytes"])]
+            _broadcast(link.group, buckets, d["timeout_s"])
+            return int(version), list(link.views.items())
+        except Exception as e:
+            self._links.pop(d["key"], None)
+            raise RuntimeError(f"weight receive from learner {d['store']} as {d['key']} failed: {type(e).__name__}: {e}") from e
+
+    def _open(self, d: dict) -> _Link:
+        """Join the group of `d["key"]` and take the layout the sender sends at setup."""
+        if d["backend"] != backend_for(self.device):
+            raise ValueError(f"the learner sends over {d['backend']}, this engine's weights are on {self.device}")
+        store, bind_host = connect_store(d["store"], d["timeout_s"])
+        group = open_group(store, d["key"], RECEIVER, d["backend"], bind_host, d["timeout_s"])
+        size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        _broadcast(group, [size], d["timeout_s"])
+        wire = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
+        _broadcast(group, [wire], d["timeout_s"])
+        layout = SegmentLayout.from_json(json.loads(bytes(wire.cpu().numpy())))
+        staging = torch.zeros(layout.size, dtype=torch.uint8, device=self.device)
+        link = self._links[d["key"]] = _Link(d["store"], group, layout, staging, layout.views(staging))
+        return link
+
+
+def _serve_store(host: str, timeout_s: float) -> tuple[dist.Store, str]:
+    """The sender's store and its address (`CollectiveWeights.store`): a file on a single node, else TCP."""
+    timeout = timedelta(seconds=timeout_s)
+    if host == "127.0.0.1":
+        _sweep_stores(tempfile.gettempdir())
+        fd, path = tempfile.mkstemp(prefix=f"{STORE_PREFIX}{os.getpid()}-")
+        os.close(fd)
+        store = dist.FileStore(path, -1)
+        store.set_timeout(timeout)
+        return store, f"file://{path}"
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    return store, f"tcp://{host}:{store.port}"
+
+
+def connect_store(address: str, timeout_s: float) -> tuple[dist.Store, str]:
+    """A client of the sender's store at `address`, and the local address gloo should listen on."""
+    timeout = timedelta(seconds=timeout_s)
+    if address.startswith("file://"):
+        store = dist.FileStore(address.removeprefix("file://"), -1)
+        store.set_timeout(timeout)
+        return store, "127.0.0.1"
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timeout), _local_ip_towards(host, int(port))
+
+
+def _sweep_stores(folder: str) -> None:
+    """Remove the store files of senders that were killed (a learner actor killed at shutdown never unlinks)."""
+    for name in os.listdir(folder):
+        pid = name.removeprefix(STORE_PREFIX).split("-", 1)[0]
+        if name.startswith(STORE_PREFIX) and pid.isdigit() and not process_alive(int(pid)):
+            _unlink(os.path.join(folder, name))
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _local_ip_towards(host: str, port: int) -> str:
+    """This machine's address on the route to `host` (127.0.0.1 for 127.0.0.1): where gloo listens."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))  # UDP: no packet is sent, the kernel only picks the route
+        return s.getsockname()[0]

@@ -1,0 +1,160 @@
+"""The collective transport's wire: bucket arithmetic, the layout's digest, and a real two-process gloo exchange
+(this process sends as learner rank 0, a subprocess receives as an engine worker)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncrl.weight_sync.group import CollectiveReceiver, CollectiveSender, CollectiveWeights, backend_for, bucket_ranges
+from asyncrl.weight_sync.segment import SegmentLayout
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _state(scale: float = 1.0) -> dict[str, torch.Tensor]:
+    return {
+        "a.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3) * scale,  # 24 bytes at 64
+        "b.bias": torch.arange(3, dtype=torch.float32) * scale,  # 12 bytes at 128
+        "c.weight": torch.ones(4, 4, dtype=torch.bfloat16) * scale,  # 32 bytes at 192
+        "d.step": torch.tensor([7], dtype=torch.int64),  # 8 bytes at 256
+    }
+
+
+def test_buckets_are_byte_ranges_cut_at_tensor_boundaries():
+    layout = SegmentLayout.of(_state())
+    # tensors end at 88, 140, 224, 264: with 100 bytes a bucket, a and b (64..140 = 76 bytes) share one,
+    # c would make it 160 bytes: a new bucket 192..264 (72 bytes) takes c and d.
+    assert bucket_ranges(layout, 100) == [(64, 140), (192, 264)]
+    assert bucket_ranges(layout, 1) == [(64, 88), (128, 140), (192, 224), (256, 264)]  # one tensor each, never split
+    assert bucket_ranges(layout, 76) == [(64, 140), (192, 264)]  # a and b fit exactly
+    assert bucket_ranges(layout, 75) == [(64, 88), (128, 140), (192, 264)]  # one byte short: b starts a bucket
+    assert bucket_ranges(layout, 1 << 20) == [(64, 264)]
+
+
+def test_the_layout_survives_its_json_and_its_digest_changes_with_any_shape():
+    layout = SegmentLayout.of(_state())
+    assert SegmentLayout.from_json(json.loads(json.dumps(layout.to_json()))) == layout
+    assert SegmentLayout.of(_state(3.0)).digest == layout.digest  # values do not count
+    assert SegmentLayout.of({**_state(), "b.bias": torch.zeros(4)}).digest != layout.digest
+    assert -(2**63) <= layout.digest < 2**63  # fits the int64 header
+
+
+def test_the_backend_follows_the_device():
+    assert backend_for(torch.device("cpu")) == "gloo" and backend_for(torch.device("cuda", 0)) == "nccl"
+
+
+def test_the_nccl_branch_builds_a_two_rank_nccl_group_under_the_engines_prefix(monkeypatch):
+    """Structure only: this CPU build has no NCCL, so a stand-in records what the group is built from."""
+    import torch.distributed as dist
+
+    from asyncrl.weight_sync.group import open_group
+
+    class FakeNCCL:
+        class Options:
+            _timeout = None
+
+        def __init__(self, store, rank, size, options):
+            self.store, self.rank, self.size, self.timeout = store, rank, size, options._timeout
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    group = open_group(dist.HashStore(), "rollout-0-ab", 1, "nccl", "unused", 7.0)
+    assert (type(group), group.rank, group.size, group.timeout.total_seconds()) == (FakeNCCL, 1, 2, 7.0)
+    assert isinstance(group.store, dist.PrefixStore)
+
+
+def test_a_receiver_on_the_wrong_device_refuses_before_it_joins():
+    record = CollectiveWeights(1, "127.0.0.1", "tcp://127.0.0.1:1", "nccl", 0, 0, 1 << 20, 1.0)
+    with pytest.raises(RuntimeError, match="sends over nccl, this engine's weights are on cpu"):
+        CollectiveReceiver(torch.device("cpu")).receive(record.to_wire("rollout-0-x"))
+
+
+def test_staging_a_state_that_no_longer_fits_names_the_tensor():
+    sender = CollectiveSender("127.0.0.1", torch.device("cpu"), 1 << 20, 5.0)
+    sender.stage(_state(), 1)
+    with pytest.raises(ValueError, match="b.bias"):
+        sender.stage({**_state(), "b.bias": torch.zeros(4)}, 2)
+
+
+RECEIVER = """
+import sys, torch
+from asyncrl.weight_sync.group import CollectiveReceiver
+receiver = CollectiveReceiver(torch.device("cpu"))
+for i, wire in enumerate(sys.argv[2:]):
+    try:
+        version, named = receiver.receive(wire)
+        torch.save({"version": version, **{n: t.clone() for n, t in named}}, f"{sys.argv[1]}/{i}.pt")
+    except Exception as e:
+        open(f"{sys.argv[1]}/{i}.err", "w").write(str(e))
+"""
+
+
+def _receiver(tmp_path, wires: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", RECEIVER, str(tmp_path), *wires], cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+
+
+def _host_ip() -> str:
+    """An address other than 127.0.0.1 (127.0.1.1 on some hosts): the sender then serves a TCP store."""
+    import socket
+
+    return socket.gethostbyname(socket.gethostname())
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "host"])
+def test_two_processes_exchange_two_versions_bit_for_bit_over_gloo(tmp_path, host):
+    host = _host_ip() if host == "host" else host
+    sender = CollectiveSender(host, torch.device("cpu"), 40, 60.0)  # 40 bytes: 4 buckets
+    first = sender.stage(_state(1.0), 1)
+    assert first.store.startswith("file://" if host == "127.0.0.1" else f"tcp://{host}:")
+    receiver = _receiver(tmp_path, [first.to_wire("rollout-0-a")] * 2)  # the receiver reports what the header says
+    assert sender.send("rollout-0-a") == 1  # opens the group, sends the layout, then version 1
+    sender.stage(_state(-2.5), 2)
+    assert sender.send("rollout-0-a") == 2  # the same group, the cached layout
+    assert receiver.wait(60) == 0
+    for i, scale in ((0, 1.0), (1, -2.5)):
+        got = torch.load(tmp_path / f"{i}.pt")
+        assert got.pop("version") == i + 1
+        assert got.keys() == _state().keys()
+        for name, tensor in _state(scale).items():
+            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+def test_a_header_whose_layout_digest_differs_from_the_setup_fails_the_receive(tmp_path):
+    from asyncrl.weight_sync.group import _broadcast
+
+    sender = CollectiveSender("127.0.0.1", torch.device("cpu"), 1 << 20, 60.0)
+    record = sender.stage(_state(), 1)
+    receiver = _receiver(tmp_path, [record.to_wire("rollout-1-b")] * 2)
+    sender.send("rollout-1-b")
+    _broadcast(sender._groups["rollout-1-b"], [torch.tensor([2, sender.layout.digest + 1])], 60.0)  # a stray header
+    assert receiver.wait(60) == 0
+    error = (tmp_path / "1.err").read_text()
+    assert f"{record.store} as rollout-1-b" in error and f"layout digest is {sender.layout.digest + 1}" in error
+
+
+def test_a_single_node_sender_meets_its_engines_in_a_file_it_removes():
+    """No TCP store on a single node (torch's listens on every interface); the file goes with the sender."""
+    import gc
+
+    sender = CollectiveSender("127.0.0.1", torch.device("cpu"), 1 << 20, 5.0)
+    path = sender.stage(_state(), 1).store.removeprefix("file://")
+    assert os.path.exists(path)
+    del sender
+    gc.collect()
+    assert not os.path.exists(path)
+
+
+def test_the_store_file_of_a_killed_sender_is_swept_by_the_next_one(tmp_path):
+    from asyncrl.weight_sync.group import STORE_PREFIX, _sweep_stores
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan, ours = tmp_path / f"{STORE_PREFIX}{dead.stdout.strip()}-ab", tmp_path / f"{STORE_PREFIX}{os.getpid()}-cd"
+    other = tmp_path / "unrelated-1-ef"
+    for path in (orphan, ours, other):
+        path.write_text("")
+    _sweep_stores(str(tmp_path))
+    assert not orphan.exists() and ours.exists() and other.exists()
