@@ -383,6 +383,7 @@ def generic(name: str, d: dict) -> list[str]:
 FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "weight_sync": weight_sync,
     "weight_sync_0.5b": lambda d: weight_sync(d, "## W3 `sync` at 0.36B parameters (`benchmarks/weight_sync.py --presets qwen-0.5b`)"),
+    "weight_sync_collective": lambda d: weight_sync(d, "## W3 `sync` over the collective transport (`benchmarks/weight_sync.py --transports object_store collective shared_memory`)"),
     "async_speedup": async_speedup,
     "queue_throughput": queue_throughput,
     "algo_throughput": algo_throughput,
@@ -394,7 +395,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "limits": limits,
     "soak": soak,
 }
-ORDER = ["learning_add", "learning_add_mb4", "learning_add_mb4_same_lr", "async_speedup", "limits", "weight_sync", "weight_sync_0.5b", "queue_throughput", "algo_throughput",
+ORDER = ["learning_add", "learning_add_mb4", "learning_add_mb4_same_lr", "async_speedup", "limits", "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "queue_throughput", "algo_throughput",
          "profile_before", "profile", "soak"]
 
 

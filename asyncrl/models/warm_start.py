@@ -13,43 +13,19 @@ which also holds on a CPU whose kernels round differently. What was measured abo
 metadata: greedy held-out accuracy, the reward of 8 samples per prompt at T=1 (~0.6x greedy here) and the
 per-token answer entropy along them, since GRPO updates only learn from groups whose samples disagree.
 
-Full epochs are not what makes a start liftable: a plain GRPO loop (benchmarks/plain_grpo.py) from 16
-full epochs (0.286 held-out) reached 0.528 after 120 steps, as it did from the early-stopped start of the
-same accuracy (0.552); see issue #18. Coverage is not what caps it either (measured 2026-12-01, plain loop
-at lr 2e-4, 100 steps): a start from another seed (0.33 greedy, pass@8 0.68 and pass@32 0.875 at T=1) reached
-0.45; batch 64 without warm-up and weight decay 0.01 (0.19, pass@32 0.71) reached 0.27 at 60 steps; label
-smoothing 0.1 (0.15, pass@32 0.61) reached 0.27 at 80. A faster RL step does not help: lr 5e-4 and 1e-3
-collapse the default start to ~0 within 20 steps. Nor is the start's accuracy or the model's shape (plain loop,
-lr 2e-4, 200 steps, measured 2026-12-01 under load 8-15): stopping at a lower target gave 0.078 -> 0.27 (80
-steps) and 0.152 -> 0.454 (+0.30); 8 layers (2.0M parameters, 0.296) -> 0.600 at 180 steps, 0.578 at 200; hidden
-256 (3M, 0.282) -> 0.45 at 140; a loss on the prompt tokens too kept the start near 0 (0.012 after 20 epochs
-at batch 64). No start tried gained more than +0.30 in 200 plain-loop steps.
+Why dropout (issue #18; every variant, its command and its curve: benchmarks/RESULTS.md, "W1 `add` — how far
+RL lifts a warm start"): a start that has memorised its examples is one RL cannot lift far. Without dropout,
+2,000 examples seen ~15 times gave a start the plain GRPO loop (benchmarks/plain_grpo.py, lr 2e-4) lifted
++0.26 in 200 steps before a plateau near 0.6, whatever changed on the RL side (advantages, batch shape, Adam
+beta2, lr; 5e-4 collapses it) or in the start (its accuracy, depth, width, full epochs, label smoothing, a loss
+on the prompt too); an annealed, converged start got worse under RL. 20,000 examples seen 2.4 times lifted
++0.40 (the `add_20k` recipe, outside W1's rule). Within 2,000, attention dropout 0.2 lifted +0.47 at 200
+steps (+0.56 at 300; asyncrl's default job +0.50 in 240), weight decay 0.1 or dropout 0.1 about +0.34.
 
-What does lift (measured 2026-12-02, plain loop lr 2e-4, load 2-6): more examples seen fewer times. 20,000
-examples, stopped at the same 0.2 validation target (1,475 steps, 2.36 epochs): 0.226 -> 0.41-0.42 (20 steps),
-0.46-0.50 (40), 0.52 (100), 0.624-0.638 (200; two sampling streams), +0.40-0.41, then 0.710 (240),
-0.740 (320), 0.754 (360: +0.53, issue #18's plain loop from its own start reached 0.76 at 350);
-with the loop at lr 3e-4 and Adam beta2 0.99, 0.634-0.676 at 200 (+0.41-0.45). 10,000 examples (0.208 after 2.56 epochs)
-reached 0.614 (+0.41). Not for every seed: seed 1 on 20,000 examples passes the target after 1.36 epochs at
-0.164 held-out (sampled reward 0.09, entropy 0.83 nats) and gains +0.20 in 200 steps.
-
-What lifts within W1's 2,000 examples (measured 2026-12-02, plain loop lr 2e-4, seed 0): regularising the
-warm start against memorising its examples. Attention dropout 0.2 reaches the 0.2 validation target after
-1,650 steps (26 epochs, against 14.7 without) at 0.202 held-out (sampled reward 0.10, entropy 0.75 nats); the
-plain loop lifts it to 0.460 (60 steps), 0.592 (120), 0.668 (200: +0.47), 0.762 (300: +0.56). Dropout 0.1: 0.256
--> 0.602 at 180 steps (+0.35); weight decay 0.1: 0.194 -> 0.536 (+0.34); dropout 0.1 with weight decay 0.1:
-0.176 -> 0.586 at 280 (+0.41). Dropout slows the supervised transition, which is its risk: with dropout 0.3, and
-with 0.2 for seed 1, 60 epochs never reached the target (validation 0.01-0.10), and a start below the target is
-one RL cannot lift. So a warm start that has not met its target within `model.warm_start_epochs` goes on without
-dropout for as many epochs again (`_train_to_target`; its metadata records the step as `dropout_off_at_step`).
-
-A memorised start is the hard one to lift: an annealed, converged start (cosine to 0 over 40 epochs of 2,000,
-batch 32; 0.418, sampled reward 0.34, entropy 0.39 nats) fell to 0.32-0.36 in 60 steps; annealing over 20
-epochs (cosine or linear, batch 32 or 64) ends before add's sharp transition (0.01-0.05, RL cannot start).
-RL-side changes from the 2,000-example start do not close the gap: advantages without the std division
-(Dr. GRPO) 0.312 -> 0.550 at 180 steps (+0.24); 64 prompts x 8 per step 0.590 at 160 (+0.28, twice the samples).
-From the 20,000-example start they change little either (200 steps): Dr. GRPO 0.644 (+0.42), beta2 0.99 alone
-0.614 (+0.39), 16 prompts x 16 samples 0.554 (+0.33).
+Dropout also delays the supervised transition (26 epochs instead of 14.7 for seed 0; for seed 1 it did not come
+within 60). A warm start that has not met its target within `model.warm_start_epochs` therefore goes on without
+dropout for as many epochs again (`_train_to_target`; the metadata records `dropout_off_at_step`): seed 1 then
+meets it and lifts +0.27, as an undropped start does.
 """
 
 from __future__ import annotations
