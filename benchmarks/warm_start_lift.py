@@ -2,14 +2,16 @@
 on-policy loop (benchmarks/plain_grpo.py) from it, so a variant's liftability is measured without asyncrl's
 machinery in the way.
 
-A variant differs from the default start (`add-1m`, 2,000 examples, stop at 0.2 validation accuracy, seed 0)
-in its example count, stopping target, seed, batch size, preset or number of layers; the plain loop's flags
+A variant differs from the default start (`add-1m`, 2,000 examples, attention dropout 0.2, stop at 0.2
+validation accuracy, seed 0) in its example count, dropout, stopping target, seed, batch size, preset or number
+of layers; the plain loop's flags
 (plain_grpo.LoopSettings) vary the RL side. The result JSON holds the start's
 metadata (greedy and sampled accuracy, answer entropy) and the plain loop's greedy held-out accuracy every
 `--eval-every` steps.
 
     python benchmarks/warm_start_lift.py --label default --steps 200
-    python benchmarks/warm_start_lift.py --label ex20k --examples 20000 --steps 200
+    python benchmarks/warm_start_lift.py --label no_dropout --dropout 0 --steps 200
+    python benchmarks/warm_start_lift.py --label ex20k --examples 20000 --dropout 0 --steps 200
     python benchmarks/warm_start_lift.py --label target0.12 --target 0.12 --steps 200
     python benchmarks/warm_start_lift.py --label deep8 --layers 8 --steps 200
     python benchmarks/warm_start_lift.py --label add-3m --preset add-3m --steps 200

@@ -4,9 +4,9 @@ What is asserted is what the system guarantees: every mode trains and publishes 
 on-policy, streaming stays within its staleness bound, samples are conserved, engines match the learner
 after every probed sync (the first and every 10th), and that `streaming` and `sao` raise greedy held-out
 accuracy (500 prompts) above the warm start. The margin (+0.05) is about 2 standard errors of the eval. From
-the deterministic warm start (0.312) streaming dips in its first ~10 steps and then climbs (0.298 at step
-10, 0.414 at 20, 0.452 at 30 in a default run); at 16 steps it gained +0.03 in one run and passed in
-another, so it runs 24. sao gained +0.13 in 24 steps (the first 10 only train the critic).
+the deterministic dropout warm start (0.202) at lr 2e-4, streaming gained +0.17 in 24 steps and sao +0.14
+(the first 10 only train the critic; 2026-12-02). From the earlier start (0.312, lr 1e-4) streaming dipped in
+its first ~10 steps and at 16 steps gained +0.03 in one run, so it runs 24.
 """
 
 import pytest

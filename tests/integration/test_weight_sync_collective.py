@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import EnvConfig, LearnerConfig, RolloutConfig, WeightSyncConfig
-from tests.integration.weight_sync_checks import PARITY_ATOL, parity, step_and_sync
+from asyncrl.config import WeightSyncConfig
+from tests.integration.weight_sync_checks import PARITY_ATOL, parity, step_and_sync, wired_pools
 
 pytestmark = pytest.mark.integration
 
@@ -20,25 +20,12 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolv
 
 @pytest.fixture(scope="module")
 def pools(ray_cluster, tiny_model_dir):
-    """(learner, rollout, collective sync), wired as the controller wires them on a single node."""
-    from asyncrl.algo.recipes import resolve_recipe
-    from asyncrl.learner.pool import LearnerPool
-    from asyncrl.rollout.pool import RolloutPool
+    """(learner, rollout, collective sync in 64 kB buckets) on a single node."""
     from asyncrl.weight_sync.collective import CollectiveSync
 
-    learner = LearnerPool(tiny_model_dir, LearnerConfig(num_ranks=1, tokens_per_microbatch=4096, lr=1e-2), resolve_recipe("grpo"))
-    rollout = RolloutPool(
-        str(tiny_model_dir), RolloutConfig(num_workers=1), EnvConfig(), queue=None, dtype="float32", max_model_len=64,
-        latest=lambda: sync.latest(),  # a joining worker pulls what the sync published last
-    )
     config = WeightSyncConfig(transport="collective", bucket_bytes=1 << 16, timeout_s=60.0)
-    sync = CollectiveSync(learner, rollout, config, "streaming", loopback=True)
-    try:
-        rollout.start()
-        yield learner, rollout, sync
-    finally:
-        rollout.shutdown()
-        learner.shutdown()
+    with wired_pools(tiny_model_dir, lambda learner, rollout: CollectiveSync(learner, rollout, config, "streaming", loopback=True)) as pools:
+        yield pools
 
 
 def test_two_syncs_over_the_engines_group_give_parity_and_the_learners_version(pools):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.config import EnvConfig, LearnerConfig, RolloutConfig, WeightSyncConfig
-from tests.integration.weight_sync_checks import PARITY_ATOL, parity, step_and_sync
+from asyncrl.config import WeightSyncConfig
+from tests.integration.weight_sync_checks import PARITY_ATOL, parity, step_and_sync, wired_pools
 
 pytestmark = pytest.mark.integration
 
@@ -20,25 +20,12 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolv
 
 @pytest.fixture(scope="module")
 def pools(ray_cluster, tiny_model_dir):
-    """(learner, rollout, shared-memory sync), wired as the controller wires them."""
-    from asyncrl.algo.recipes import resolve_recipe
-    from asyncrl.learner.pool import LearnerPool
-    from asyncrl.rollout.pool import RolloutPool
+    """(learner, rollout, shared-memory sync)."""
     from asyncrl.weight_sync.shared_memory import SharedMemorySync
 
-    learner = LearnerPool(tiny_model_dir, LearnerConfig(num_ranks=1, tokens_per_microbatch=4096, lr=1e-2), resolve_recipe("grpo"))
-    rollout = RolloutPool(
-        str(tiny_model_dir), RolloutConfig(num_workers=1), EnvConfig(), queue=None, dtype="float32", max_model_len=64,
-        latest=lambda: sync.latest(),  # a joining worker loads what the sync published last
-    )
-    sync = SharedMemorySync(learner, rollout, WeightSyncConfig(transport="shared_memory", timeout_s=60.0), "streaming")
-    try:
-        rollout.start()
-        yield learner, rollout, sync
-    finally:
-        rollout.shutdown()
-        learner.shutdown()
-        sync.shutdown()
+    config = WeightSyncConfig(transport="shared_memory", timeout_s=60.0)
+    with wired_pools(tiny_model_dir, lambda learner, rollout: SharedMemorySync(learner, rollout, config, "streaming")) as pools:
+        yield pools
 
 
 def test_after_a_zero_copy_sync_the_engine_scores_as_the_learner(pools):

@@ -5,6 +5,7 @@ import pytest
 
 from asyncrl.config import WeightSyncConfig
 from asyncrl.learner.pool import LearnerCall, LearnerCallError
+from tests.unit.weight_sync.fakes import FakeRollout
 from asyncrl.weight_sync.collective import CollectiveSync
 from asyncrl.weight_sync.group import CollectiveWeights
 
@@ -30,25 +31,6 @@ class FakeLearner:
         if self.fail_export:
             raise LearnerCallError("learner rank 0: export_collective failed: out of memory")
         return call.refs
-
-
-class FakeRollout:
-    def __init__(self):
-        self.started = []
-
-    def start_update(self, refs, version, in_flight):
-        self.started.append((list(refs), version, in_flight))
-        return {f"call-{version}": "rollout-0"}
-
-    def finish_update(self, calls, version, timeout_s):
-        pass
-
-
-@pytest.fixture
-def ray_put(monkeypatch):
-    import ray
-
-    monkeypatch.setattr(ray, "put", lambda value: value)
 
 
 def _sync(loopback=True, fail_export=False):

@@ -9,6 +9,7 @@ import torch
 
 from asyncrl.config import WeightSyncConfig
 from asyncrl.learner.pool import LearnerCall, LearnerCallError
+from tests.unit.weight_sync.fakes import FakeRollout
 from asyncrl.weight_sync.segment import SegmentWriter
 from asyncrl.weight_sync.shared_memory import SharedMemorySync, segment_root, sweep_orphans
 from asyncrl.weight_sync.transport import resolve_transport
@@ -38,26 +39,6 @@ class FakeLearner:
         if self.fail_export:
             raise LearnerCallError("learner rank 0: export_shared failed: disk full")
         return call.refs
-
-
-class FakeRollout:
-    def __init__(self):
-        self.started = []
-
-    def start_update(self, refs, version, in_flight):
-        self.started.append((list(refs), version, in_flight))
-        return {f"call-{version}": "rollout-0"}
-
-    def finish_update(self, calls, version, timeout_s):
-        pass
-
-
-@pytest.fixture
-def ray_put(monkeypatch):
-    """`ray.put` without a cluster: the record itself stands for its object ref."""
-    import ray
-
-    monkeypatch.setattr(ray, "put", lambda value: value)
 
 
 def test_the_engines_get_one_small_record_naming_the_slot_of_the_version(tmp_path, ray_put):
