@@ -64,6 +64,8 @@ def _split_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
 
 def placement(cfg) -> dict:
     """The resources each pool asks Ray for; what `check` prints before anything starts."""
+    from asyncrl.learner.policy import uses_fsdp
+
     rollout = {
         "workers": cfg.rollout.num_workers,
         "per_worker": {"CPU": cfg.rollout.num_cpus_per_worker, "GPU": cfg.rollout.num_gpus_per_worker},
@@ -73,7 +75,7 @@ def placement(cfg) -> dict:
     learner = {
         "ranks": cfg.learner.num_ranks,
         "per_rank": {"CPU": cfg.learner.num_cpus_per_rank, "GPU": cfg.learner.num_gpus_per_rank},
-        "sharding": "FSDP2 fully_shard",
+        "sharding": "FSDP2 fully_shard" if uses_fsdp(cfg.learner.num_ranks, cfg.model.dtype != "float32") else "none (one fp32 rank)",
         "backend": cfg.learner.backend if cfg.learner.backend != "auto" else ("nccl" if cfg.learner.num_gpus_per_rank else "gloo"),
         "critic": cfg.learner.critic,
     }

@@ -220,9 +220,11 @@ def _units(batch: TrainBatch, keep_groups: bool) -> list[list[int]]:
 def split_rows(batch: TrainBatch, num_ranks: int, keep_groups: bool = False) -> list[TrainBatch]:
     """Partition the rows over `num_ranks`, balancing real tokens (longest-first greedy onto the least
     loaded rank). With `keep_groups` whole groups are the unit. A rank may get zero rows; it still takes
-    part in every collective (see `dummy_microbatch`)."""
+    part in every collective (see `dummy_microbatch`). One rank takes `batch` itself."""
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1 (got {num_ranks})")
+    if num_ranks == 1:
+        return [batch]
     lengths = batch.seq_lens.tolist()
     units = sorted(_units(batch, keep_groups), key=lambda u: -sum(lengths[i] for i in u))
     load = [0] * num_ranks

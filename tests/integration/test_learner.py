@@ -173,30 +173,32 @@ def test_published_buckets_hold_every_parameter_under_hf_names_with_the_tied_hea
         assert np.array_equal(tensors[name].numpy(), value), name
 
 
-def test_checkpoint_restores_parameters_optimizer_step_version_and_extra_into_another_pool_size(pools, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("saved_by", [2, 1])
+def test_checkpoint_restores_parameters_optimizer_step_version_and_extra_into_another_pool_size(pools, tiny_model_dir, tmp_path, saved_by):
+    """Two FSDP ranks -> one rank, and one rank (a plain module: `policy.uses_fsdp`) -> two FSDP ranks."""
     from asyncrl.learner.pool import LearnerPool
 
-    _, two = pools
-    two.train_step(make_groups(seed=4))
+    source = pools[saved_by - 1]
+    source.train_step(make_groups(seed=4))
     extra = {"queue": {"pending": ["g1", "g2"]}, "counters": {"dispatched": 12, "trained": 9}}
-    two.save_checkpoint(tmp_path / "ckpt", 7, extra)
-    saved = two.state_snapshot()
+    source.save_checkpoint(tmp_path / "ckpt", 7, extra)
+    saved = source.state_snapshot()
 
-    restored = LearnerPool(tiny_model_dir, LearnerConfig(num_ranks=1, tokens_per_microbatch=64, lr=1e-2), RECIPE)
+    restored = LearnerPool(tiny_model_dir, LearnerConfig(num_ranks=3 - saved_by, tokens_per_microbatch=64, lr=1e-2), RECIPE)
     try:
         checkpoint = restored.load_checkpoint(tmp_path / "ckpt")
         assert checkpoint.extra == extra
-        assert (restored.step, checkpoint.step, checkpoint.version) == (two.step, two.step, 7)
+        assert (restored.step, checkpoint.step, checkpoint.version) == (source.step, source.step, 7)
         loaded = restored.state_snapshot()
         assert loaded["step"] == saved["step"] and loaded["lr"] == saved["lr"]
         assert max_abs_diff(saved["params"], loaded["params"]) == 0.0
         assert max_abs_diff(saved["optimizer"], loaded["optimizer"]) == 0.0
         assert any(k.endswith("/exp_avg_sq") for k in loaded["optimizer"])
-        # The restored (1-rank) pool continues like the original (2-rank) one: same loss; the weights agree
-        # up to Adam's amplification of ~1e-8 summation-order differences in tiny gradients (see above).
+        # The restored pool continues like the original one: same loss; the weights agree up to Adam's
+        # amplification of ~1e-8 summation-order differences in tiny gradients (see above).
         groups = make_groups(seed=5)
-        assert restored.train_step(groups).loss == pytest.approx(two.train_step(groups).loss, abs=1e-6)
-        assert max_abs_diff(two.state_snapshot()["params"], restored.state_snapshot()["params"]) < 1e-4
+        assert restored.train_step(groups).loss == pytest.approx(source.train_step(groups).loss, abs=1e-6)
+        assert max_abs_diff(source.state_snapshot()["params"], restored.state_snapshot()["params"]) < 1e-4
     finally:
         restored.shutdown()
 

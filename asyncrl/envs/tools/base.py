@@ -65,7 +65,8 @@ class ToolExecutor(Protocol):
 
 
 class InProcessTools:
-    """Runs the built-in calculator and rewards in the rollout worker's own process (a thread per reward).
+    """Runs the built-in calculator and rewards in the rollout worker's own process (a thread per reward, except
+    the `rewards.INLINE` ones, called directly).
 
     For unit tests and trusted built-in rewards only: nothing is sandboxed and a timed-out reward thread cannot
     be killed (it is abandoned). Runs with user code use the sandboxed tool-worker pool.
@@ -82,12 +83,15 @@ class InProcessTools:
         return ToolResult(output, seconds=time.perf_counter() - began)
 
     async def reward(self, reward: str, response: str, ground_truth: str, *, finish_reason: str, extra_info: dict[str, Any], timeout_s: float) -> float:
-        from asyncrl.envs.rewards import resolve_reward
+        from asyncrl.envs.rewards import INLINE, resolve_reward
 
         fn = resolve_reward(reward)
-        work = asyncio.to_thread(fn, response, ground_truth, finish_reason=finish_reason, extra_info=dict(extra_info))
         try:
-            value = await asyncio.wait_for(work, timeout=timeout_s)
+            if reward in INLINE:
+                value = fn(response, ground_truth, finish_reason=finish_reason, extra_info=dict(extra_info))
+            else:
+                work = asyncio.to_thread(fn, response, ground_truth, finish_reason=finish_reason, extra_info=dict(extra_info))
+                value = await asyncio.wait_for(work, timeout=timeout_s)
         except asyncio.TimeoutError:
             raise RewardError(f"timed out after {timeout_s}s") from None
         except Exception as e:

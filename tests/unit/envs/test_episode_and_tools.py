@@ -60,6 +60,35 @@ def test_reward_values_are_checked():
     assert value == 1.0
 
 
+def test_an_inline_built_in_reward_runs_on_the_event_loop_and_the_others_in_a_thread_under_their_timeout(monkeypatch):
+    import threading
+    import time
+
+    from asyncrl.envs import rewards
+
+    threads = {}
+
+    def recorder(name, seconds=0.0):
+        def reward(response, ground_truth, *, finish_reason, extra_info):
+            threads[name] = threading.get_ident()
+            time.sleep(seconds)
+            return 1.0
+
+        return reward
+
+    monkeypatch.setitem(rewards.BUILTIN, "exact_match", recorder("exact_match"))
+    monkeypatch.setitem(rewards.BUILTIN, "math_verify", recorder("math_verify", seconds=0.5))
+
+    async def score(name, timeout_s):
+        return threading.get_ident(), await InProcessTools().reward(name, "1", "1", finish_reason="stop", extra_info={}, timeout_s=timeout_s)
+
+    loop_thread, value = asyncio.run(score("exact_match", 5))
+    assert value == 1.0 and threads["exact_match"] == loop_thread  # no thread hop
+    with pytest.raises(RewardError, match="timed out after 0.1s"):
+        asyncio.run(score("math_verify", 0.1))
+    assert threads["math_verify"] != loop_thread
+
+
 def test_the_pool_client_scores_a_built_in_reward_itself_and_sends_user_rewards_to_a_worker():
     from asyncrl.envs.tools.pool import ToolClient
 
