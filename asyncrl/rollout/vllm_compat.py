@@ -216,7 +216,7 @@ def _load_in_place(model: Any, named: Iterator[tuple[str, Any]]) -> None:
 def _unpack_linear_layers(model: Any) -> bool:
     """Make `model` loadable in place (`WeightReceiver`): every CPU linear layer whose weight vLLM packed away
     gets its model-format parameter back (vLLM's own reload metadata, weight loaders unwrapped) and runs
-    `torch.nn.functional.linear` on it. Idempotent. False (nothing changed) off CPU or when a layer is not
+    `torch.nn.functional.linear` on it (`_plain_linear`). Idempotent. False (nothing changed) off CPU or when a layer is not
     an unquantized linear/embedding, whose weights need vLLM's processing after every load."""
     from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader, get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
