@@ -293,7 +293,7 @@ class AlgorithmConfig(Section):
 
 class LearnerConfig(Section):
     num_ranks: int = Field(1, ge=1, le=4096)
-    """Learner processes forming one torch.distributed group (FSDP2). Independent of the rollout pool."""
+    """Learner processes forming one torch.distributed group (FSDP2; a single fp32 rank runs unwrapped). Independent of the rollout pool."""
     prompts_per_step: int = Field(16, ge=1)
     """Prompt groups (or single trajectories in `sao`) consumed per optimizer step."""
     mini_batches: int = Field(1, ge=1)
