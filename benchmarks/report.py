@@ -392,11 +392,13 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "learning_add_mb4_same_lr": learning_add_mini_batches,
     "profile": profile,
     "profile_before": profile,
+    "profile_w1_quiet": profile,
+    "profile_w1_quiet_after": profile,
     "limits": limits,
     "soak": soak,
 }
 ORDER = ["learning_add", "learning_add_mb4", "learning_add_mb4_same_lr", "async_speedup", "limits", "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "queue_throughput", "algo_throughput",
-         "profile_before", "profile", "soak"]
+         "profile_before", "profile", "profile_w1_quiet", "profile_w1_quiet_after", "soak"]
 
 
 def render(results: Path) -> str:
