@@ -105,6 +105,16 @@ def open_group(store: dist.Store, key: str, rank: int, backend: str, bind_host: 
     return dist.ProcessGroupGloo(prefixed, rank, 2, options)
 
 
+def _shut_down(groups: dict[str, Any]) -> None:
+    """Shut down every group in `groups` (a dict of groups, or of `_Link`s) and forget them. Both sides run
+    it when they are collected or at exit (`weakref.finalize`): a gloo group still open while the interpreter
+    finalizes can abort the process ("terminate called without an active exception")."""
+    for held in list(groups.values()):
+        with contextlib.suppress(Exception):
+            getattr(held, "group", held).shutdown()
+    groups.clear()
+
+
 def _broadcast(group: dist.ProcessGroup, tensors: list[torch.Tensor], timeout_s: float) -> None:
     """Broadcast each tensor from the sender, all in flight at once, and wait for every one."""
     options = dist.BroadcastOptions()
@@ -153,6 +163,7 @@ class CollectiveSender:
         self._staging: torch.Tensor | None = None
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._readers = _Readers()
+        weakref.finalize(self, _shut_down, self._groups)
 
     def stage(self, state: Mapping[str, torch.Tensor], version: int) -> CollectiveWeights:
         if self.layout is None:
@@ -209,6 +220,7 @@ class CollectiveReceiver:
     def __init__(self, device: torch.device):
         self.device = device
         self._links: dict[str, _Link] = {}
+        weakref.finalize(self, _shut_down, self._links)
 
     def receive(self, wire: str) -> tuple[int, list[tuple[str, torch.Tensor]]]:
         """`wire`: `CollectiveWeights.to_wire(key)`. -> (the version received, (name, view of the staging
