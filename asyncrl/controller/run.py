@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import signal
@@ -10,6 +11,9 @@ import threading
 
 from asyncrl.config import Config
 from asyncrl.telemetry.sinks import Telemetry
+
+STOP_STACKS_AFTER_S = 180.0
+"""After a stop request, a run still going this much later prints every thread's stack to stderr."""
 
 
 def run(cfg: Config) -> dict:
@@ -51,9 +55,10 @@ def _run(cfg: Config, telemetry: Telemetry) -> dict:
             try:
                 controller.start()
                 summary = controller.run()
+                # Before the pools' shutdown: a part that fails to stop loses the run none of its results.
+                (cfg.run_dir() / "summary.json").write_text(json.dumps(summary, indent=2))
             finally:
                 controller.shutdown()
-        (cfg.run_dir() / "summary.json").write_text(json.dumps(summary, indent=2))
     finally:
         if started_ray:
             import ray
@@ -73,11 +78,15 @@ def _stop_requests(controller):
         if controller.stop_requested:
             raise KeyboardInterrupt(f"second {signal.Signals(signum).name}")
         controller.request_stop(f"{signal.Signals(signum).name} received")
+        # A stop takes a step, a checkpoint and the pools' shutdown: if the run is still here much later,
+        # every thread's stack goes to stderr (the job's log), naming what it waits for.
+        faulthandler.dump_traceback_later(STOP_STACKS_AFTER_S)
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:
+        faulthandler.cancel_dump_traceback_later()
         for sig, old in previous.items():
             signal.signal(sig, old)
 

@@ -67,21 +67,21 @@ def test_scale_grows_and_shrinks_a_running_job_and_stop_ends_it_with_a_checkpoin
     done = _cli(["submit", *overrides, "--address", address, "--working-dir", "", "--job-id", "asyncrl-scale", "--no-wait"], env)
     assert done.returncode == 0, done.stderr
     metrics = out / "metrics.jsonl"
-    _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 300, "three steps")
 
     def logs() -> str:
         return _cli(["logs", "asyncrl-scale", "--address", address], env).stdout
 
+    _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 300, "three steps", logs)
     up = _cli(["scale", "asyncrl-scale", "rollout=2", "--address", address], env)
     assert up.returncode == 0 and "rollout pool -> 2 workers" in up.stdout, up.stdout + up.stderr
-    _wait_for(lambda: "rollout worker rollout-1 serves version" in logs(), 300, "rollout-1 to serve")
+    _wait_for(lambda: "rollout worker rollout-1 serves version" in logs(), 300, "rollout-1 to serve", logs)
     steps_with_two = len(metrics.read_text().splitlines())
     down = _cli(["scale", "asyncrl-scale", "rollout=1", "--address", address], env)
     assert down.returncode == 0, down.stdout + down.stderr
-    _wait_for(lambda: "scaling the rollout pool 2 -> 1" in logs(), 120, "the scale-down")
-    _wait_for(lambda: len(metrics.read_text().splitlines()) >= steps_with_two + 3, 300, "three more steps")
+    _wait_for(lambda: "scaling the rollout pool 2 -> 1" in logs(), 120, "the scale-down", logs)
+    _wait_for(lambda: len(metrics.read_text().splitlines()) >= steps_with_two + 3, 300, "three more steps", logs)
     assert "stop requested" in _cli(["stop", "asyncrl-scale", "--address", address], env).stdout
-    _wait_for(lambda: (out / "summary.json").exists(), 300, "the stopped job's summary")
+    _wait_for(lambda: (out / "summary.json").exists(), 300, "the stopped job's summary", logs)
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped_early"] == "SIGTERM received"  # never restarted: one run from start to stop
@@ -97,10 +97,13 @@ def test_scale_grows_and_shrinks_a_running_job_and_stop_ends_it_with_a_checkpoin
     assert c["dispatched"] == ended
 
 
-def _wait_for(predicate, timeout_s: float, what: str) -> None:
+def _wait_for(predicate, timeout_s: float, what: str, logs=None) -> None:
+    """Poll `predicate` each second; on a timeout the message ends with the job's last log lines (`logs()`)."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        if time.monotonic() > deadline:
+            tail = "\n".join(logs().splitlines()[-200:]) if logs else ""
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}\n{tail}")
         time.sleep(1)
 
 
