@@ -25,7 +25,7 @@ modes (what the kernels each mode runs cost in generation).
     python benchmarks/weight_sync.py            # all three sizes, both loads, three transports, ~10 min on 2 CPU cores (3 syncs each)
     python benchmarks/weight_sync.py --transports object_store collective shared_memory --weight-loads in_place
     python benchmarks/weight_sync.py --presets qwen-0.5b --transports shared_memory --weight-loads in_place --out ...
-    python benchmarks/weight_sync.py --quick    # w3-0.5m only (smoke), writes weight_sync_quick.json
+    python benchmarks/weight_sync.py --quick    # smoke: w3-0.5m, in_place, 2 syncs; writes weight_sync_quick.json
 """
 
 from __future__ import annotations
@@ -258,16 +258,18 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_output_options(parser, "weight_sync", "w3-0.5m only (smoke); writes weight_sync_quick.json")
+    common.add_output_options(parser, "weight_sync", "smoke: w3-0.5m, in_place load, 2 syncs; writes weight_sync_quick.json")
     parser.add_argument("--presets", nargs="+", default=None, choices=PRESETS + LARGE)
     parser.add_argument("--transports", nargs="+", default=TRANSPORTS, choices=TRANSPORTS)
-    parser.add_argument("--weight-loads", nargs="+", default=LOADS, choices=LOADS, help="rollout.weight_load of the engine")
-    parser.add_argument("--syncs", type=int, default=3, help="timed syncs per size and transport")
+    parser.add_argument("--weight-loads", nargs="+", default=None, choices=LOADS, help="rollout.weight_load of the engine (default both; quick: in_place)")
+    parser.add_argument("--syncs", type=int, default=None, help="timed syncs per size and transport (default 3, quick 2)")
     parser.add_argument("--syncs-125m", type=int, default=3, help="timed syncs for w3-125m and qwen-0.5b (lower it if the machine is slow)")
     parser.add_argument("--bucket-bytes", type=int, default=64 << 20, help="weight_sync.bucket_bytes (default 64 MiB)")
     parser.add_argument("--timeout-s", type=float, default=300.0)
     args = parser.parse_args()
     presets = args.presets or (PRESETS[:1] if args.quick else PRESETS)
+    args.weight_loads = args.weight_loads or (LOADS[:1] if args.quick else LOADS)
+    args.syncs = args.syncs or (2 if args.quick else 3)
 
     common.set_runtime_env()
     import ray

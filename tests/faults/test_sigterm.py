@@ -1,5 +1,6 @@
-"""SIGTERM to `asyncrl run` (what a job scheduler sends, and Ctrl-C alike): the run stops within a bounded
-time, writes its summary and a checkpoint, leaves no process behind, and resumes from that checkpoint."""
+"""SIGKILL and SIGTERM to `asyncrl run`. A killed driver resumes from its last checkpoint with the same
+version and counters. SIGTERM (what a job scheduler sends, and Ctrl-C alike) stops the run within a bounded
+time; it writes its summary and a checkpoint, leaves no process behind, and resumes from that checkpoint."""
 
 from __future__ import annotations
 
@@ -35,44 +36,11 @@ def _wait(predicate, timeout_s: float, what: str):
     return value
 
 
-def test_sigterm_checkpoints_writes_the_summary_leaves_nothing_behind_and_resumes(tmp_path):
+def test_a_killed_driver_resumes_then_a_sigterm_checkpoints_leaves_nothing_behind_and_resumes_again(tmp_path):
+    """One run through both ends a scheduler gives a job (three `asyncrl run`s instead of four): SIGKILL at
+    any point, resumed from the last checkpoint; then SIGTERM, which stops at a step boundary with a summary
+    and a checkpoint; then a resume from that one."""
     marker = f"/tmp/ar-sig-{os.getpid()}"
-    env = _env(marker)
-    out = tmp_path / "run"
-    cmd = [str(BIN / "asyncrl"), "run", f"output_dir={out}", "learner.max_steps=100000", *TINY_RUN]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        metrics = out / "metrics.jsonl"
-        _wait(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 300, "two logged steps")
-        proc.send_signal(signal.SIGTERM)
-        sent = time.monotonic()
-        output, _ = proc.communicate(timeout=120)
-        print(f"exited {time.monotonic() - sent:.1f}s after SIGTERM")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, output[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["stopped_early"] == "SIGTERM received" and summary["steps"] >= 2
-    checkpoint = out / "checkpoints" / f"step-{summary['steps']:06d}"
-    assert (checkpoint / "learner_state.json").is_file()
-    deadline = time.monotonic() + 30  # Ray's processes exit shortly after the driver disconnects
-    while processes_with_env(marker) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert processes_with_env(marker) == []
-
-    resumed = subprocess.run(
-        [*cmd[:3], f"learner.max_steps={summary['steps'] + 2}", *TINY_RUN, "checkpoint.resume_from=latest"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    after = json.loads((out / "summary.json").read_text())
-    assert after["steps"] == after["final_version"] == summary["steps"] + 2
-    assert after["stopped_early"] is None
-
-
-def test_a_killed_driver_resumes_from_its_last_checkpoint_with_the_same_version_and_counters(tmp_path):
-    marker = f"/tmp/ar-kill-{os.getpid()}"
     env = _env(marker)
     out = tmp_path / "run"
     cmd = [str(BIN / "asyncrl"), "run", f"output_dir={out}", "checkpoint.every_steps=2", *TINY_RUN]
@@ -87,12 +55,44 @@ def test_a_killed_driver_resumes_from_its_last_checkpoint_with_the_same_version_
     extra = json.loads((saved / "extra.json").read_text())
     assert not (out / "summary.json").exists()
 
-    resumed = subprocess.run([*cmd, f"learner.max_steps={extra['step'] + 2}", "checkpoint.resume_from=latest"],
+    summary = _resume_then_sigterm(cmd, env, out, extra["step"] + 2)
+    assert summary["stopped_early"] == "SIGTERM received" and summary["steps"] >= extra["step"] + 2
+    assert summary["final_version"] == summary["steps"]  # the version went on from the killed run's checkpoint
+    assert summary["samples_trained"] == extra["samples_trained"] + (summary["steps"] - extra["step"]) * 4 * 2  # 4 groups of 2
+    _assert_conserved(summary["counters"])
+    assert (out / "checkpoints" / f"step-{summary['steps']:06d}" / "learner_state.json").is_file()
+    deadline = time.monotonic() + 30  # Ray's processes exit shortly after the driver disconnects
+    while processes_with_env(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_with_env(marker) == []
+
+    resumed = subprocess.run([*cmd, f"learner.max_steps={summary['steps'] + 2}", "checkpoint.resume_from=latest"],
                              env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     after = json.loads((out / "summary.json").read_text())
-    assert after["steps"] == after["final_version"] == extra["step"] + 2 == extra["version"] + 2
-    assert after["samples_trained"] == extra["samples_trained"] + 2 * 4 * 2  # 4 groups of 2 per step, none filtered
-    c = after["counters"]
+    assert after["steps"] == after["final_version"] == summary["steps"] + 2
+    assert after["samples_trained"] == summary["samples_trained"] + 2 * 4 * 2 and after["stopped_early"] is None
+    _assert_conserved(after["counters"])
+
+
+def _resume_then_sigterm(cmd: list[str], env: dict, out: Path, checkpoint_step: int) -> dict:
+    """Resume the run from its latest checkpoint, SIGTERM it once it checkpointed `checkpoint_step`; -> its summary."""
+    proc = subprocess.Popen([*cmd, "learner.max_steps=100000", "checkpoint.resume_from=latest"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait(lambda: (out / "checkpoints" / f"step-{checkpoint_step:06d}" / "learner_state.json").is_file(), 300, f"the step-{checkpoint_step} checkpoint")
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        output, _ = proc.communicate(timeout=120)
+        print(f"exited {time.monotonic() - sent:.1f}s after SIGTERM")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+def _assert_conserved(c: dict) -> None:
+    """Every dispatched trajectory ended one way or is still in flight."""
     ended = c["trained"] + c["dropped_stale"] + c["in_flight"] + sum(v for k, v in c.items() if k.startswith(("filtered:", "failed:")))
     assert c["dispatched"] == ended
