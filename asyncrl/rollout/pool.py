@@ -167,6 +167,8 @@ class RolloutPool:
         """A worker that dies (generating or loading weights) is replaced and the run goes on; False raises."""
         self._joining: dict[str, _Joining] = {}
         self._events: list[PoolEvent] = []
+        self._removed: set[str] = set()
+        """Workers stopped by `remove_worker` (names are never reused)."""
         self.placement_timeout_s = placement_timeout_s
         """A worker whose one-bundle placement group is not placed within this fails to start, naming the shortage."""
         self._groups: dict[str, Any] = {}
@@ -263,7 +265,11 @@ class RolloutPool:
     def finish_update(self, calls: dict[Any, str], version: int, timeout_s: float) -> list[str]:
         """Wait until every engine of `calls` reports `version`; raises as `update_weights` does. With
         `replace_dead`, an engine that died is not a failure of the sync: it is replaced (the replacement loads
-        the latest weights before it serves) and its name returned."""
+        the latest weights before it serves) and its name returned. An engine that `remove_worker` stopped
+        meanwhile (a scale-down while the sync was in flight) is not waited for."""
+        calls = {ref: name for ref, name in calls.items() if name not in self._removed}
+        if not calls:
+            return []
         done, waiting = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
         problems: list[str] = []
         dead: list[str] = []
@@ -308,8 +314,11 @@ class RolloutPool:
         return name
 
     def remove_worker(self, name: str, drain: bool = False) -> int:
-        """Stop a worker and hand its unfinished requests back to the queue; returns how many were re-queued."""
+        """Stop a worker and hand its unfinished requests back to the queue; returns how many were re-queued.
+        A weight sync still in flight to it no longer waits for it (`finish_update`): its engine stops
+        mid-load."""
         handle = self._workers.pop(name)
+        self._removed.add(name)
         self._run_refs.pop(name, None)
         try:
             ray.get(handle.stop.remote(drain=drain), timeout=_CONTROL_TIMEOUT_S)

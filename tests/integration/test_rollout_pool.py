@@ -173,14 +173,19 @@ def test_an_added_worker_serves_the_latest_published_weights(pool, latest, hf_mo
     assert len(results) == 8 and results[:4] == results[4:]
 
 
-def test_removing_a_worker_with_requests_in_flight_re_dispatches_them_and_none_is_lost(pool, queue):
+def test_removing_a_worker_with_requests_in_flight_re_dispatches_them_and_none_is_lost(pool, queue, latest):
     import ray
 
     ray.get(queue.add.remote(_requests("b", 24)))
     _wait_for(queue, lambda s: s["in_flight"].get("rollout-0", 0) > 0, 60, "rollout-0 to hold requests")
+    # A scale-down while a weight sync is in flight (the controller overlaps syncs with learner steps): the
+    # removed engine stops mid-load, the sync completes on the others (the same weights, so versions stay 1).
+    loading = pool.start_update(latest().refs, version=1)
     requeued = pool.remove_worker("rollout-0")
     assert requeued > 0
     assert pool.names == ["rollout-1"]
+    pool.finish_update(loading, version=1, timeout_s=60)
+    assert pool.versions() == {"rollout-1": 1}
     snap = _wait_for(queue, lambda s: s["finished"] == 24 and s["pending"] == 0, 180, "all 24 trajectories")
     assert snap["in_flight"] == {} and snap["late"] == 0
     finished = ray.get(queue.take_finished.remote())
