@@ -6,7 +6,9 @@ consumer actor drains it with `set_version_and_get_batch` and advances the polic
 does no training, so this measures the queue). Each new version is pushed to the producers (the weight sync) before
 the queue is told, so the staleness check and admission control run as in a real run. Reported: trajectories/s through
 the queue, put-to-get latency p50/p99 (measured by the queue), and batched puts (64 per call) against
-unbatched ones (1 per call; a smaller count keeps the time bounded). On a shared machine the wall-clock rate
+unbatched ones (1 per call; a smaller count keeps the time bounded). The consumer's step is 64 groups of 4 (256
+trajectories, the step of W1's default recipe); a second batched run takes steps of 16 groups, where each
+trajectory carries four times the consumer's calls and weight-sync stand-ins. On a shared machine the wall-clock rate
 is what the CPUs left over allow; the queue actor's own CPU seconds per trajectory (Ray (de)serialization
 included) give its capacity, trajectories per CPU-second, a figure the neighbours' load moves far less.
 
@@ -170,13 +172,13 @@ def _py_spy(pid: int, path: str | None):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
 
 
-def run_once(ray, args, num_trajectories: int, put_batch: int, tag: str, py_spy_out: str | None = None) -> dict:
+def run_once(ray, args, num_trajectories: int, put_batch: int, batch_groups: int, tag: str, py_spy_out: str | None = None) -> dict:
     from asyncrl.buffer import start_replay_queue
     from asyncrl.config import BufferConfig
     from asyncrl.testing import make_prompt
 
     config = BufferConfig(max_staleness=args.max_staleness, filter_zero_variance=False, log_parquet=False, capacity_groups=1024)
-    queue = start_replay_queue(config, batch_groups=args.batch_groups, name=f"w4-queue-{tag}")
+    queue = start_replay_queue(config, batch_groups=batch_groups, name=f"w4-queue-{tag}")
     producers = [
         ray.remote(Producer).options(num_cpus=0, max_concurrency=4).remote(queue.handle, f"{tag}-p{k}", put_batch, RESPONSE_TOKENS)
         for k in range(args.producers)
@@ -193,7 +195,7 @@ def run_once(ray, args, num_trajectories: int, put_batch: int, tag: str, py_spy_
     meter = CpuMeter(pids)  # before py-spy starts: its own CPU is not the benchmark's
     spy, start = _py_spy(pids["queue"][0], py_spy_out), time.perf_counter()
     runs = [p.run.remote() for p in producers]
-    result = ray.get(consumer.run.remote(args.batch_groups))
+    result = ray.get(consumer.run.remote(batch_groups))
     seconds, cpu_s = time.perf_counter() - start, meter.seconds()
     if spy is not None:
         spy.send_signal(signal.SIGINT)  # py-spy writes its output on Ctrl-C
@@ -205,10 +207,10 @@ def run_once(ray, args, num_trajectories: int, put_batch: int, tag: str, py_spy_
     queue.close()
     for actor in producers + [consumer]:
         ray.kill(actor)
-    return _row(put_batch, num_prompts * args.samples_per_prompt, seconds, cpu_s, stats, counters, result)
+    return _row(put_batch, batch_groups, num_prompts * args.samples_per_prompt, seconds, cpu_s, stats, counters, result)
 
 
-def _row(put_batch: int, trajectories: int, seconds: float, cpu_s: dict[str, float], stats: dict, counters: dict, result: dict) -> dict:
+def _row(put_batch: int, batch_groups: int, trajectories: int, seconds: float, cpu_s: dict[str, float], stats: dict, counters: dict, result: dict) -> dict:
     """One run's result. The wall limit is the rate at which the machine's cores would be busy with this
     benchmark alone: cores ÷ the CPU seconds all its processes spend per trajectory."""
     trained = counters["trained"]
@@ -216,6 +218,7 @@ def _row(put_batch: int, trajectories: int, seconds: float, cpu_s: dict[str, flo
     total_s = sum(cpu_s.values())
     return {
         "put_batch": put_batch,
+        "batch_groups": batch_groups,
         "trajectories": trajectories,
         "trained": trained,
         "dropped_stale": counters["dropped_stale"],
@@ -251,7 +254,8 @@ def main() -> None:
     parser.add_argument("--put-batch", type=int, default=64, help="trajectories per put in the batched run")
     parser.add_argument("--producers", type=int, default=4)
     parser.add_argument("--samples-per-prompt", type=int, default=4)
-    parser.add_argument("--batch-groups", type=int, default=16, help="groups per consumer step")
+    parser.add_argument("--batch-groups", type=int, default=64, help="groups per consumer step (64 x G=4: W1's 256 samples)")
+    parser.add_argument("--small-batch-groups", type=int, default=16, help="groups per step of the second batched run")
     parser.add_argument("--max-staleness", type=int, default=4)
     parser.add_argument("--py-spy", default=None, metavar="TXT",
                         help="py-spy the queue actor of the batched run into TXT (collapsed stacks)")
@@ -266,8 +270,9 @@ def main() -> None:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         rows = [
-            run_once(ray, args, batched_n, args.put_batch, "batched", py_spy_out=args.py_spy),
-            run_once(ray, args, unbatched_n, 1, "unbatched"),
+            run_once(ray, args, batched_n, args.put_batch, args.batch_groups, "batched", py_spy_out=args.py_spy),
+            run_once(ray, args, unbatched_n, 1, args.batch_groups, "unbatched"),
+            run_once(ray, args, batched_n, args.put_batch, args.small_batch_groups, "small-steps"),
         ]
     finally:
         ray.shutdown()
@@ -276,11 +281,12 @@ def main() -> None:
     print("W4 queue: replay-queue throughput "
           f"({args.producers} producers, 1 consumer, G={args.samples_per_prompt}, B={args.batch_groups} groups/step, eta={args.max_staleness})")
     print_table(rows, [
-        "put_batch", "trajectories", "seconds", "trajectories_per_s", "queue_capacity_per_cpu_s", "wall_limit_trajectories_per_s",
+        "put_batch", "batch_groups", "trajectories", "seconds", "trajectories_per_s", "queue_capacity_per_cpu_s", "wall_limit_trajectories_per_s",
         "cpu_cores_busy", "latency_p50_ms", "latency_p99_ms", "dropped_stale", "max_lag_versions", "steps",
     ])  # fmt: skip
     print("CPU µs per trajectory:")
-    print_table([{"put_batch": r["put_batch"], **r["cpu_us_per_trajectory"]} for r in rows], ["put_batch", *ROLES, "total"])
+    print_table([{"put_batch": r["put_batch"], "batch_groups": r["batch_groups"], **r["cpu_us_per_trajectory"]} for r in rows],
+                ["put_batch", "batch_groups", *ROLES, "total"])
     print(f"batched / unbatched throughput: {ratio:.1f}x")
 
     result = {
@@ -291,6 +297,7 @@ def main() -> None:
             "consumers": 1,
             "samples_per_prompt": args.samples_per_prompt,
             "batch_groups": args.batch_groups,
+            "small_batch_groups": args.small_batch_groups,
             "max_staleness": args.max_staleness,
             "prompt_tokens": PROMPT_TOKENS,
             "response_tokens": RESPONSE_TOKENS,

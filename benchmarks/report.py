@@ -180,24 +180,26 @@ def queue_throughput(d: dict) -> list[str]:
     lines = [
         "## W4 `queue` — replay queue throughput (`benchmarks/queue_throughput.py`)",
         "",
-        f"{c['producers']} producers, 1 consumer, G={c['samples_per_prompt']}, {c['batch_groups']} groups/step, "
+        f"{c['producers']} producers, 1 consumer, G={c['samples_per_prompt']}, {c['batch_groups']} groups per consumer step "
+        f"(a learner step; each is followed by a version push to every producer, the weight sync's stand-in), "
         f"η={c['max_staleness']}, staleness check on.",
         "",
         f"**Headline:** batched / unbatched puts {fx(d.get('batched_over_unbatched'), 1)}; "
-        + "; ".join(f"put batch {r['put_batch']}: {r['trajectories_per_s']:.0f} trajectories/s" for r in d["runs"]) + ".",
+        + "; ".join(f"put batch {r['put_batch']}, {_groups(r, c)} groups/step: {r['trajectories_per_s']:.0f} trajectories/s"
+                    for r in d["runs"]) + ".",
         "",
     ]
     lines += table(
-        ["put batch", "trajectories", "seconds", "trajectories/s", "queue CPU µs/traj", "queue capacity /CPU-s", "p50 ms",
+        ["put batch", "groups/step", "trajectories", "seconds", "trajectories/s", "queue CPU µs/traj", "queue capacity /CPU-s", "p50 ms",
          "p99 ms", "dropped stale", "max lag"],
         [
-            [r["put_batch"], r["trajectories"], fnum(r["seconds"], ".2f"), fnum(r["trajectories_per_s"], ".0f"),
+            [r["put_batch"], _groups(r, c), r["trajectories"], fnum(r["seconds"], ".2f"), fnum(r["trajectories_per_s"], ".0f"),
              fnum(r.get("queue_cpu_us_per_trajectory"), ".0f"), fnum(r.get("queue_capacity_per_cpu_s"), ".0f"),
              fnum(r["latency_p50_ms"]), fnum(r["latency_p99_ms"]), r["dropped_stale"], r["max_lag_versions"]]
             for r in d["runs"]
         ],
     )  # fmt: skip
-    lines += _queue_cpu(d["runs"], d.get("machine", {}).get("cpus"))
+    lines += _queue_cpu(d["runs"], c, d.get("machine", {}).get("cpus"))
     machine = d.get("machine", {})
     if "load_average_1min_start" in machine:
         # The producers, the consumer and Ray share the CPUs with the queue: wall-clock rates follow the load.
@@ -206,7 +208,12 @@ def queue_throughput(d: dict) -> list[str]:
     return lines
 
 
-def _queue_cpu(runs: list[dict], cpus: int | None) -> list[str]:
+def _groups(run: dict, config: dict) -> int:
+    """A W4 run's groups per consumer step (results from before it varied per run have it in the config only)."""
+    return run.get("batch_groups", config["batch_groups"])
+
+
+def _queue_cpu(runs: list[dict], config: dict, cpus: int | None) -> list[str]:
     """Where W4's CPU goes, per process role, and the wall rate those CPU seconds allow on the machine's cores
     (results from before the roles were measured have no such table)."""
     if not all("cpu_us_per_trajectory" in r for r in runs):
@@ -215,8 +222,8 @@ def _queue_cpu(runs: list[dict], cpus: int | None) -> list[str]:
     lines = ["", f"CPU µs per trajectory of every process of the benchmark (`ray_system`: GCS, raylet and Ray's other "
                  f"processes); wall limit = {cpus or '?'} cores ÷ total CPU seconds per trajectory.", ""]  # fmt: skip
     lines += table(
-        ["put batch", *roles, "cores busy", "wall limit traj/s", "measured traj/s"],
-        [[r["put_batch"], *(fnum(r["cpu_us_per_trajectory"][k], ".0f") for k in roles), fnum(r["cpu_cores_busy"], ".2f"),
+        ["put batch", "groups/step", *roles, "cores busy", "wall limit traj/s", "measured traj/s"],
+        [[r["put_batch"], _groups(r, config), *(fnum(r["cpu_us_per_trajectory"][k], ".0f") for k in roles), fnum(r["cpu_cores_busy"], ".2f"),
           fnum(r["wall_limit_trajectories_per_s"], ".0f"), fnum(r["trajectories_per_s"], ".0f")] for r in runs],
     )  # fmt: skip
     return lines
