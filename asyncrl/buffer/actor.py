@@ -33,6 +33,8 @@ class ReplayQueue:
         self.name = name
         self.core = ReplayQueueCore(config, batch_groups=batch_groups, clock=time.monotonic, log_dir=log_dir)
         self._changed = asyncio.Event()
+        self._requeues: dict[str, int] = {}
+        """`requeue_worker` calls per worker name: a waiting `acquire` of that worker ends when its count moves."""
 
     def __repr__(self) -> str:
         # Ray puts this in the errors of this actor's calls.
@@ -106,9 +108,11 @@ class ReplayQueue:
 
     async def acquire(self, worker: str, max_requests: int, timeout_s: float = 0.0) -> list[Request]:
         """Up to `max_requests` requests; waits up to `timeout_s` for at least one (an empty list is not an error).
-        Asking for none answers at once."""
+        Asking for none answers at once. A wait that outlives a `requeue_worker(worker)` ends empty: its caller
+        died or was removed, and work handed to it now would be held by no one."""
         deadline = time.monotonic() + timeout_s
-        while max_requests > 0:
+        requeues = self._requeues.get(worker, 0)
+        while max_requests > 0 and self._requeues.get(worker, 0) == requeues:
             requests = self.core.acquire(worker, max_requests)
             if requests or time.monotonic() >= deadline:
                 return requests
@@ -132,6 +136,7 @@ class ReplayQueue:
         return Exchange(accepted, await self.acquire(worker, max_requests, timeout_s))
 
     async def requeue_worker(self, worker: str) -> int:
+        self._requeues[worker] = self._requeues.get(worker, 0) + 1
         requeued = self.core.requeue_worker(worker)
         self._notify()
         return requeued

@@ -37,8 +37,12 @@ from asyncrl.types import PackedTrajectories, Prompt, Request, Trajectory
 
 PUT_BATCH_WINDOW_S = 0.005
 """Trajectories finishing within this window of each other travel to the queue in one `put`."""
-IDLE_POLL_S = (0.01, 0.2)
-"""Back-off range when the queue has nothing to hand out (back-pressure or empty)."""
+QUEUE_WAIT_S = 0.2
+"""How long a slot call waits inside the queue for work when none is ready (back-pressure or empty): a long
+poll, answered the moment admission opens (a new policy version, a new step's prompts), where sleeping between
+calls would leave the engine idle for the rest of the sleep. Also the pause before retrying a failed hand-in."""
+EMPTY_PAUSE_S = 0.01
+"""Pause after a slot call came back empty, so a queue that answers at once cannot be polled in a tight loop."""
 
 
 @dataclass(frozen=True)
@@ -159,7 +163,6 @@ class RolloutWorker:
         self._run_exited.clear()
         self._run_started_at = time.monotonic()
         self._flusher = asyncio.ensure_future(self._flush_loop())
-        poll_s = IDLE_POLL_S[0]
         try:
             while not self._stopping:
                 free_slots = self.config.max_requests_in_flight - len(self._in_flight)
@@ -171,10 +174,8 @@ class RolloutWorker:
                 if self._stopping:
                     break  # still charged to this worker by the queue: `requeue_worker` re-dispatches them
                 if not requests:
-                    await asyncio.sleep(poll_s)
-                    poll_s = min(poll_s * 2, IDLE_POLL_S[1])
+                    await asyncio.sleep(EMPTY_PAUSE_S)
                     continue
-                poll_s = IDLE_POLL_S[0]
                 for request in requests:
                     self._start_generation(request)
         finally:
@@ -283,16 +284,20 @@ class RolloutWorker:
             await self.queue.put.remote(PackedTrajectories(batch))
         except Exception:
             self._keep_for_next_flush(batch)
-            await asyncio.sleep(IDLE_POLL_S[1])
+            await asyncio.sleep(QUEUE_WAIT_S)
             raise
         self._trajectories_put += len(batch)
 
     async def _hand_in_and_acquire(self, max_requests: int) -> list[Request]:
         """Hand in what finished and take up to `max_requests` requests in one queue call: a finished rollout
-        frees the slot being filled, so a put and an acquire would mostly travel one right after the other."""
+        frees the slot being filled, so a put and an acquire would mostly travel one right after the other.
+        With nothing to hand out the queue holds the call up to `QUEUE_WAIT_S` (trajectories finishing
+        meanwhile go by `_flush`)."""
         batch, self._outbox = self._outbox, []
         try:
-            exchange = await self.queue.put_and_acquire.remote(PackedTrajectories(batch), self.name, max_requests)
+            exchange = await self.queue.put_and_acquire.remote(
+                PackedTrajectories(batch), self.name, max_requests, timeout_s=QUEUE_WAIT_S
+            )
         except Exception:
             self._keep_for_next_flush(batch)
             raise

@@ -81,3 +81,24 @@ def test_set_version_and_get_batch_opens_admission_for_the_version_and_hands_out
     assert (first.version, first.lags, closed) == (0, [0, 0], [])
     assert (empty.version, empty.groups) == (1, [])
     assert [r.request_id for r in opened] == ["p1#1/0/0", "p1#1/1/0"] and stats["admission_version"] == 1
+
+
+def test_a_waiting_acquire_ends_empty_when_its_worker_is_requeued_and_the_work_goes_to_another():
+    async def scenario() -> tuple:
+        queue = ReplayQueue(make_config(max_staleness=0), batch_groups=1, name="rq-requeued-waiter")
+        await queue.add_prompts(make_prompts(2), samples_per_prompt=2)
+        held = await queue.acquire("w0", 4)
+        await queue.put(answers(held))
+        await queue.get_batch(1, learner_version=0, timeout_s=1.0)
+        # w1 waits for work (admission is full); it dies and the pool requeues it before admission opens.
+        waiting = asyncio.ensure_future(queue.put_and_acquire([], "w1", 4, timeout_s=60.0))
+        await asyncio.sleep(0.01)
+        requeued = await queue.requeue_worker("w1")
+        dead = await asyncio.wait_for(waiting, timeout=5.0)
+        await queue.set_version(1)
+        return requeued, dead, await queue.acquire("w2", 4), await queue.counters()
+
+    requeued, dead, taken, counters = asyncio.run(scenario())
+    assert (requeued, dead.requests) == (0, [])  # nothing was held; nothing handed to a caller that is gone
+    assert [r.request_id for r in taken] == ["p1#1/0/0", "p1#1/1/0"]
+    assert (counters["acquired"], counters["in_flight"]) == (4, 2)

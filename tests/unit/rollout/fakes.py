@@ -10,14 +10,16 @@ from asyncrl.types import Exchange, Request, Trajectory
 
 
 class _Remote:
-    """Mimics a Ray actor method: `handle.method.remote(...)` returns an awaitable."""
+    """Mimics a Ray actor method: `handle.method.remote(...)` returns an awaitable (of a plain method or of an
+    async one, such as the real `ReplayQueue`'s)."""
 
     def __init__(self, fn):
         self._fn = fn
 
     def remote(self, *args, **kwargs):
         async def call():
-            return self._fn(*args, **kwargs)
+            result = self._fn(*args, **kwargs)
+            return await result if asyncio.iscoroutine(result) else result
 
         return call()
 
@@ -76,8 +78,9 @@ class FakeQueue:
             self.finished.append(t)
             self.finished_attempts.append(owner[1].attempt)
 
-    def put_and_acquire(self, trajectories: list[Trajectory], worker: str, max_requests: int) -> Exchange:
-        """`put` (counted in `put_calls` only when it carries trajectories), then `acquire`."""
+    def put_and_acquire(self, trajectories: list[Trajectory], worker: str, max_requests: int, timeout_s: float = 0.0) -> Exchange:
+        """`put` (counted in `put_calls` only when it carries trajectories), then `acquire`; answers at once
+        (`timeout_s` is the real queue's wait for work)."""
         finished = len(self.finished)
         if trajectories:
             self.put(trajectories)

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from asyncrl.buffer.core import ReplayQueueCore
+from asyncrl.buffer import ReplayQueue
 from asyncrl.buffer.filters import failed_state
 from asyncrl.config import BufferConfig, EnvConfig, RolloutConfig
 from asyncrl.envs.base import EnvContext, make_env
@@ -156,10 +156,11 @@ def test_a_reward_error_fails_the_episode_as_reward_error():
 
 
 def test_the_worker_hands_back_every_episode_and_the_queue_conserves_a_tool_failure():
-    queue = ReplayQueueCore(BufferConfig(filter_zero_variance=False), batch_groups=1)
+    actor = ReplayQueue(BufferConfig(filter_zero_variance=False), batch_groups=1, name="rq-episodes")  # the facade the worker calls
+    queue = actor.core
     queue.add_prompts([make_prompt(f"p{i}", enc(p), a) for i, (p, a) in enumerate([("1+2=", "3"), ("9+1=", "10"), ("4+4=", "8")])], 1)
     spec = WorkerSpec("unused", RolloutConfig(max_tokens=8, max_model_len=64), EnvConfig(name="calc", max_turns=3), tools=BrokenTools())
-    worker = RolloutWorker("rollout-0", spec, InProcessHandle(queue), engine=ScriptedEngine(calculator_user))
+    worker = RolloutWorker("rollout-0", spec, InProcessHandle(actor), engine=ScriptedEngine(calculator_user))
 
     async def serve():
         run = asyncio.ensure_future(worker.run())

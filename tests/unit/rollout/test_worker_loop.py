@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from asyncrl.config import EnvConfig, RolloutConfig
+from asyncrl.buffer import ReplayQueue
+from asyncrl.config import BufferConfig, EnvConfig, RolloutConfig
 from asyncrl.rollout.worker import RolloutWorker, WorkerSpec
 from asyncrl.testing import make_prompt, make_request
 
@@ -74,11 +75,11 @@ def test_each_finished_trajectory_rides_on_the_call_that_fills_its_slot():
 class QueueFailingOnceWithTrajectories(FakeQueue):
     """A queue restarting just when the first finished trajectory comes back with an acquire."""
 
-    def put_and_acquire(self, trajectories, worker, max_requests):
+    def put_and_acquire(self, trajectories, worker, max_requests, timeout_s=0.0):
         if trajectories and not self.finished and not getattr(self, "failed_once", False):
             self.failed_once = True
             raise ConnectionError("replay queue restarting")
-        return super().put_and_acquire(trajectories, worker, max_requests)
+        return super().put_and_acquire(trajectories, worker, max_requests, timeout_s)
 
 
 def test_trajectories_of_a_failed_hand_in_are_kept_and_handed_in_later():
@@ -162,6 +163,38 @@ def test_empty_acquire_is_back_pressure_the_worker_waits_and_serves_later_arriva
     assert len(queue.finished) == 2
     assert stats["idle_s"] > 0.05
 
+
+
+def test_a_worker_waiting_for_work_takes_it_on_the_call_already_waiting_when_admission_opens():
+    """With nothing admitted, the worker's slot call waits inside the (real, in-process) replay queue: the
+    requests of the group admitted at the next version go out on that call, not on a poll made afterwards
+    (with sleeps between polls, the engine would idle for the rest of a sleep)."""
+    config = BufferConfig(max_staleness=0, filter_zero_variance=False, log_parquet=False)
+
+    async def scenario():
+        queue = ReplayQueue(config, batch_groups=1, name="rq-long-poll")
+        await queue.add_prompts([make_prompt(f"p{k}", ground_truth="7") for k in range(2)], samples_per_prompt=2)
+        worker, _ = _worker(queue, max_in_flight=2, delay_s=0.5)  # a group fills the slots for 0.5 s
+        handle = worker.queue
+        run = asyncio.ensure_future(worker.run())
+        batch = await queue.get_batch(1, learner_version=0, timeout_s=5.0)  # p0's group: admission is full now
+        calls = handle.calls["put_and_acquire"]
+        deadline = time.monotonic() + 5
+        while handle.calls["put_and_acquire"] == calls and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)  # until a fresh call is waiting (far from its QUEUE_WAIT_S end)
+        calls = handle.calls["put_and_acquire"]
+        await queue.set_version(1)
+        while (await queue.counters())["acquired"] < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        taken_by = handle.calls["put_and_acquire"] - calls
+        await worker.stop(drain=True)
+        await run
+        return batch, taken_by, await queue.counters()
+
+    batch, new_calls, counters = asyncio.run(scenario())
+    assert batch.num_samples == 2 and counters["acquired"] == 4
+    assert new_calls == 0  # p1's members went out on the call that was waiting when version 1 came
+    assert (counters["put"], counters["in_flight"]) == (4, 2)  # p1's answers are in, its group ready
 
 def test_run_without_a_queue_is_refused():
     worker, _ = _worker(None)
