@@ -33,11 +33,6 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/asyncrl run $(CONFIG) $(ARGS)
 
-# Debian packages the tests start as real processes, each as package:binary; `system-deps` installs the
-# missing ones: a headless browser (dashboard test), a Prometheus server, bubblewrap (the tool sandbox's
-# namespaces, docs/tools.md).
-SYSTEM_PACKAGES ?= chromium:chromium prometheus:prometheus bubblewrap:bwrap
-
 test: $(STAMP) system-deps
 	$(PY) -m pytest -q -p no:cacheprovider --durations=30 tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
