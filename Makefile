@@ -33,6 +33,16 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/asyncrl run $(CONFIG) $(ARGS)
 
+# Installs the missing SYSTEM_PACKAGES with apt-get (as root, or through sudo); fails naming them otherwise.
+system-deps:
+	@missing=""; for pb in $(SYSTEM_PACKAGES); do command -v $${pb#*:} >/dev/null 2>&1 || missing="$$missing $${pb%%:*}"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then as=""; elif command -v sudo >/dev/null 2>&1; then as="sudo"; \
+	else echo "make test needs the Debian package(s)$$missing: install them as root (apt-get install$$missing)"; exit 1; fi; \
+	echo "installing$$missing (apt-get)"; \
+	$$as apt-get install -y -q --no-install-recommends $$missing >/dev/null || { $$as apt-get update -q >/dev/null && $$as apt-get install -y -q --no-install-recommends $$missing >/dev/null; }; \
+	for pb in $(SYSTEM_PACKAGES); do command -v $${pb#*:} >/dev/null 2>&1 || { echo "system-deps: $${pb%%:*} did not install $${pb#*:}"; exit 1; }; done
+
 test: $(STAMP) system-deps
 	$(PY) -m pytest -q -p no:cacheprovider --durations=30 tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
