@@ -401,11 +401,12 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "profile_before": profile,
     "profile_w1_quiet": profile,
     "profile_w1_quiet_after": profile,
+    "profile_w1_afternoon": profile,
     "limits": limits,
     "soak": soak,
 }
 ORDER = ["learning_add", "learning_add_mb4", "learning_add_mb4_same_lr", "async_speedup", "limits", "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "queue_throughput", "algo_throughput",
-         "profile_before", "profile", "profile_w1_quiet", "profile_w1_quiet_after", "soak"]
+         "profile_before", "profile", "profile_w1_quiet", "profile_w1_quiet_after", "profile_w1_afternoon", "soak"]
 
 
 def render(results: Path) -> str:
