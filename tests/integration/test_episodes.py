@@ -143,10 +143,14 @@ def test_an_in_flight_update_between_turns_labels_the_later_turns_with_the_new_v
     [
         (EpisodeLimits(2, 200, 60.0), SAMPLING, ("+",), "max_turns"),
         (EpisodeLimits(8, len(PROMPT) + 9, 60.0), SAMPLING, ("+",), "context"),
-        (EpisodeLimits(8, 200, 0.5), SamplingSpec(max_tokens=180, ignore_eos=True, stream_interval=1, timeout_s=60), (), "timeout"),
+        # 50 ms for a first turn of 180 tokens: a CPU decode step takes over 1 ms, so the episode's clock cuts the
+        # turn mid-generation on any host (at 0.5 s a warmed engine on a fast host reached the context first).
+        (EpisodeLimits(8, 200, 0.05), SamplingSpec(max_tokens=180, ignore_eos=True, stream_interval=1, timeout_s=60), (), "timeout"),
     ],
 )
 def test_limits_end_an_episode_truncated_with_their_finish_reason(loop, engine, limits, sampling, stop, finish):
     t = _episode(loop, engine, lambda: ThreeTurns(turns=100, stop=stop), limits=limits, sampling=sampling, request_id=finish)
     assert (t.finish_reason, t.truncated, t.failure) == (finish, True, None)
     assert len(PROMPT) + len(t.response_ids) <= limits.max_total_tokens and t.num_turns <= limits.max_turns
+    if finish == "timeout":
+        assert t.num_turns == 1 and len(t.response_ids) < sampling.max_tokens  # cut by the clock, not by a length
