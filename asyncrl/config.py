@@ -189,6 +189,12 @@ class ToolsConfig(Section):
     """Tool-worker actors (a tool call or reward goes to one of them; its sandboxed run is its own process)."""
     calls_per_worker: int = Field(4, ge=1, le=256)
     """Calls one tool worker runs at once (each in its own sandbox process); more wait their turn there."""
+    reward_process_calls: int = Field(1024, ge=1)
+    """Calls one sandboxed user-reward process serves (its module imported once) before a fresh one replaces it;
+    1 = every call in its own process, for a reward that executes the model's answer (docs/tools.md)."""
+    reward_batch: int = Field(32, ge=1, le=1024)
+    """User reward calls waiting for a free call slot of a tool worker go to a reward process together, up to
+    this many (each keeps its own limits)."""
     num_cpus_per_worker: float = Field(0.5, ge=0)
     """Ray CPUs reserved by each tool worker."""
     call_timeout_s: float = Field(10.0, gt=0)

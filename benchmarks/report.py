@@ -376,6 +376,29 @@ def soak(d: dict) -> list[str]:
     return lines + table(header, rows) + legend
 
 
+def agent_tool(d: dict) -> list[str]:
+    m = d.get("machine", {})
+    lines = ["## Agent tools and user rewards through the sandboxed pool (`benchmarks/agent_tool.py`)", "",
+             f"{d['sandbox']} sandbox; 1-min load average {m.get('load_average_1min_start', 0):.1f} → {m.get('load_average_1min_end', 0):.1f}.", ""]  # fmt: skip
+    lines += table(
+        ["call", "p50 ms", "p99 ms"],
+        [["calculator (warm)", d["calculator_p50_ms"], d["calculator_p99_ms"]], ["python (warm)", d["python_p50_ms"], d["python_p99_ms"]],
+         ["sandbox start", "-", d["sandbox_start_p99_ms"]]],
+    )  # fmt: skip
+    lines += ["", "Back-to-back `python` calls/s by tool workers: "
+              + ", ".join(f"{w}: {r}" for w, r in d["python_calls_per_s_by_workers"].items()) + "."]  # fmt: skip
+    runs = d.get("reward_runs")
+    if runs:
+        c = d["config"]
+        lines += ["", f"User reward `{d['reward']}` (imports sympy), {c['reward_calls_in_flight']} calls in flight on 2 workers; "
+                  f"the default ÷ a fresh process per call: **{fx(d['reward_default_over_fresh_process'], 1)}**.", ""]  # fmt: skip
+        lines += table(
+            ["tools.reward_process_calls", "tools.reward_batch", "calls/s", "÷ fresh process", "p50 ms", "p99 ms", "calls"],
+            [[r["reward_process_calls"], r["reward_batch"], r["calls_per_s"], fx(r["speedup"], 1), r["p50_ms"], r["p99_ms"], r["n"]] for r in runs],
+        )
+    return lines
+
+
 def _spread(values: list[float]) -> str:
     return "-" if not values else f"{min(values):g}" if min(values) == max(values) else f"{min(values):g}-{max(values):g}"
 
@@ -404,6 +427,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "profile_w1_afternoon": profile,
     "limits": limits,
     "soak": soak,
+    "agent_tool": agent_tool,
 }
 ORDER = ["learning_add", "learning_add_mb4", "learning_add_mb4_same_lr", "async_speedup", "limits", "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "queue_throughput", "algo_throughput",
          "profile_before", "profile", "profile_w1_quiet", "profile_w1_quiet_after", "profile_w1_afternoon", "soak"]

@@ -29,37 +29,80 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from asyncrl.envs.tools.base import ToolInfraError
 
 PYTHON_MOUNT = "/run/python"
 """Where the interpreter's installation is mounted inside a bwrap sandbox: its real prefix may sit in a folder
 the sandbox's unprivileged uid cannot enter (e.g. /root/.pyenv)."""
+ITEM_GRACE_S = 1.0
+"""How long past an item's own timeout the tool worker waits for its answer before killing the run: its timer
+inside the run normally answers `timeout` first; this catches a reward that blocks signals or swallows them."""
 READY = b"R"
 """The byte a started runner writes once it waits for its payload (its start time ends there)."""
 MEMORY_EXIT = 3
 """Exit status of a runner whose code raised MemoryError (RLIMIT_AS hit)."""
 
-# Runs inside the sandbox. Reads one JSON payload, sets the limits, then runs the program or the reward.
-# A reward's prints go to stderr; its value is the only thing written to stdout.
+# Runs inside the sandbox. Reads one JSON line (the payload), sets the limits, then runs the program or serves
+# the rewards: the user's module is imported once, then each line on stdin is a batch of calls, each run under
+# its own wall (ITIMER_REAL) and CPU (ITIMER_PROF) timers; one JSON line per call goes to stdout, the reward's
+# prints to stderr.
 RUNNER = r"""
-import json, os, resource, sys, traceback
+import ctypes, json, os, resource, signal, sys, time, traceback
+ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a kept reward process dies with its tool worker
 os.write(1, b"R")
-payload = json.loads(sys.stdin.buffer.read())
+payload = json.loads(sys.stdin.buffer.readline())
 for name, value in payload["limits"].items():
     resource.setrlimit(getattr(resource, name), (value, value))
+
+class Limit(BaseException):
+    pass
+
+def on_limit(signum, frame):
+    raise Limit("timeout" if signum == signal.SIGALRM else "cpu_time")
+
+def last_line(e):
+    return traceback.format_exception_only(type(e), e)[-1].strip()[-300:]
+
+def score(fn, item, out):
+    began = time.perf_counter()
+    signal.setitimer(signal.ITIMER_REAL, item["timeout_s"])
+    signal.setitimer(signal.ITIMER_PROF, payload["cpu_s"])
+    try:
+        value = fn(item["response"], item["ground_truth"], finish_reason=item["finish_reason"], extra_info=item["extra_info"])
+        line = {"value": float(value) if isinstance(value, (int, float)) else repr(value)}
+    except Limit as e:
+        line = {"reason": str(e)}
+    except MemoryError:
+        line = {"reason": "memory"}
+    except BaseException as e:
+        line = {"reason": "error", "detail": last_line(e)}
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.setitimer(signal.ITIMER_PROF, 0)
+    line["seconds"] = time.perf_counter() - began
+    out.write(json.dumps(line) + "\n")
+    out.flush()
+
 try:
     if payload["kind"] == "program":
         exec(compile(payload["source"], "<program>", "exec"), {"__name__": "__main__"})
     else:
         sys.path[:0] = payload["path"]
-        module, attr = payload["reward"].split(":", 1)
         out, sys.stdout = sys.stdout, sys.stderr
-        fn = getattr(__import__(module, fromlist=[attr]), attr)
-        value = fn(payload["response"], payload["ground_truth"], finish_reason=payload["finish_reason"], extra_info=payload["extra_info"])
-        sys.stdout = out
-        out.write(json.dumps({"value": float(value) if isinstance(value, (int, float)) else repr(value)}))
+        try:
+            module, attr = payload["reward"].split(":", 1)
+            fn = getattr(__import__(module, fromlist=[attr]), attr)
+        except BaseException as e:
+            out.write(json.dumps({"import_error": last_line(e)}) + "\n")
+            out.flush()
+            os._exit(0)
+        signal.signal(signal.SIGALRM, on_limit)
+        signal.signal(signal.SIGPROF, on_limit)
+        for batch in sys.stdin.buffer:  # one line per batch, until the tool worker closes stdin
+            for item in json.loads(batch):
+                score(fn, item, out)
 except MemoryError:
     os.write(2, b"MemoryError\n")
     os._exit(3)
@@ -137,6 +180,29 @@ class RunOutcome:
     truncated_bytes: int = 0
 
 
+@dataclass(frozen=True)
+class RewardItem:
+    """One call of a user reward: its arguments and its own wall-time limit."""
+
+    response: str
+    ground_truth: str
+    finish_reason: str
+    extra_info: dict[str, Any]
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class ItemOutcome:
+    """How one reward call of a batch ended: `value` (the number, or the repr of what the reward returned
+    instead) when `reason` is None; else `reason` (`timeout`, `cpu_time`, `memory`, `error`, `import_error`)
+    and the last line of what went wrong in `detail`."""
+
+    value: Any = None
+    reason: str | None = None
+    detail: str = ""
+    seconds: float = 0.0
+
+
 @functools.lru_cache(maxsize=1)
 def detect_capabilities() -> Capabilities:
     """Probe once: run a trivial command under bwrap and see whether the namespaces come up."""
@@ -211,17 +277,82 @@ class _Started:
     """The host folder of an `rlimits` run (removed after it); bwrap runs use their own tmpfs."""
 
 
+class _Tail:
+    """The last `keep` bytes of a stream, read as it comes (a long-lived process must not block on a full pipe)."""
+
+    def __init__(self, stream: asyncio.StreamReader, keep: int) -> None:
+        self.kept, self.keep = bytearray(), keep
+        self.task = asyncio.ensure_future(self._read(stream))
+
+    async def _read(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(65536):
+            self.kept = (self.kept + chunk)[-self.keep :]
+
+    async def last_line(self) -> str:
+        """The last line written so far (after the stream's end, once the process is gone)."""
+        await _after_kill(asyncio.shield(self.task), None)
+        return (self.kept.decode(errors="replace").strip().splitlines() or ["exited before answering"])[-1][-300:]
+
+
+@dataclass
+class _RewardProcess:
+    """A sandboxed process serving one reward, batch after batch."""
+
+    started: _Started
+    stderr: _Tail
+    calls: int = 0
+
+    async def score(self, items: Sequence[RewardItem]) -> tuple[list[dict[str, Any]], ItemOutcome | None]:
+        """Send one batch and read one JSON line per item, each within its item's `timeout_s` (+ grace). -> (the
+        lines read, None; or the lines read and the outcome of the item the process went down on, then killed)."""
+        process, lines, timed_out = self.started.process, [], False
+        began = time.perf_counter()
+        try:
+            process.stdin.write(json.dumps([asdict(i) for i in items]).encode() + b"\n")
+            await process.stdin.drain()
+            while len(lines) < len(items):
+                line = await asyncio.wait_for(_item_line(process.stdout), items[len(lines)].timeout_s + ITEM_GRACE_S)
+                if line is None:
+                    break  # it exited
+                lines.append(line)
+                if "import_error" in line:
+                    return lines, None
+        except asyncio.TimeoutError:
+            timed_out = True
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it is gone: its exit status says why
+        self.calls += len(lines)
+        if len(lines) == len(items):
+            return lines, None
+        await self.retire()
+        seconds = max(0.0, time.perf_counter() - began - sum(line.get("seconds", 0.0) for line in lines))
+        err = await self.stderr.last_line()
+        code = process.returncode
+        return lines, ItemOutcome(reason=_reason(code, err, timed_out) or "error", detail=err, seconds=seconds)
+
+    async def retire(self) -> None:
+        """Kill the process (its pipes close with it) and remove its work folder."""
+        _kill(self.started.process)
+        await self.started.process.wait()
+        _remove(self.started.workdir)
+
+
 @dataclass
 class Sandbox:
-    """Runs programs and rewards one process each, with one process kept started ahead. One per tool worker;
+    """Runs each program in its own process and rewards in processes kept per reward, with one process kept
+    started ahead. One per tool worker;
     `uid` is the unprivileged uid its runs use when we are root (distinct per worker, so RLIMIT_NPROC counts
     only that worker's runs)."""
 
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     uid: int = 200_000
+    reward_process_calls: int = 1024
+    """Calls one reward process serves before a fresh one replaces it (1: every call in its own process)."""
     start_seconds: list[float] = field(default_factory=list)
     """How long each started process took to be ready (the benchmark's sandbox start)."""
     _spare: asyncio.Task | None = None
+    _idle: dict[str, list[_RewardProcess]] = field(default_factory=dict)
+    """Reward processes waiting for their next batch, by reward."""
 
     @property
     def capabilities(self) -> Capabilities:
@@ -230,12 +361,34 @@ class Sandbox:
     async def run_program(self, source: str, timeout_s: float | None = None) -> RunOutcome:
         return await self._run({"kind": "program", "source": source}, timeout_s or self.limits.wall_s)
 
-    async def run_reward(self, reward: str, response: str, ground_truth: str, *, finish_reason: str, extra_info: dict[str, Any], timeout_s: float) -> RunOutcome:
-        """Call the user's `module:function` inside the sandbox; its value is the JSON on the outcome's stdout."""
+    async def run_rewards(self, reward: str, items: Sequence[RewardItem]) -> list[ItemOutcome]:
+        """Call the user's `module:function` on every item, in order, in a sandboxed process that imported the
+        module once and is kept for the next batch (up to `reward_process_calls` calls). Each item runs under
+        its own wall (`timeout_s`) and CPU (`cpu_s`) limits. An item that takes the process down (a crash, a
+        limit it swallowed) fails alone; the items after it run in a fresh process."""
+        process = self._idle.get(reward, []).pop() if self._idle.get(reward) else await self._start_reward(reward)
+        lines, failed = await process.score(items)
+        if lines and "import_error" in lines[0]:
+            await process.retire()
+            return [ItemOutcome(reason="import_error", detail=lines[0]["import_error"])] * len(items)
+        done = [ItemOutcome(line.get("value"), line.get("reason"), line.get("detail", ""), line.get("seconds", 0.0)) for line in lines]
+        if failed is None:
+            if process.calls < self.reward_process_calls:
+                self._idle.setdefault(reward, []).append(process)
+            else:
+                await process.retire()
+            return done
+        rest = items[len(done) + 1 :]
+        return done + [failed] + (await self.run_rewards(reward, rest) if rest else [])
+
+    async def _start_reward(self, reward: str) -> _RewardProcess:
+        """A process that imports `reward`'s module (its answer comes with the first batch) and then serves batches."""
         path = [_inside_path(p) for p in sys.path] if self.capabilities.method == "bwrap" else [os.path.abspath(p or ".") for p in sys.path]
-        payload = {"kind": "reward", "reward": reward, "path": path, "response": response, "ground_truth": ground_truth,
-                   "finish_reason": finish_reason, "extra_info": extra_info}  # fmt: skip
-        return await self._run(payload, timeout_s)
+        limits = {**self.limits.rlimits(), "RLIMIT_CPU": self.limits.cpu_s * self.reward_process_calls + 1}  # each call: its CPU timer
+        payload = {"kind": "rewards", "reward": reward, "path": path, "cpu_s": self.limits.cpu_s, "limits": limits}
+        started = await self._take()
+        started.process.stdin.write(json.dumps(payload).encode() + b"\n")
+        return _RewardProcess(started, _Tail(started.process.stderr, self.limits.output_bytes))
 
     def warm(self) -> None:
         """Start the first process ahead, so that even the first call finds one ready."""
@@ -243,7 +396,10 @@ class Sandbox:
             self._spare = asyncio.ensure_future(self._start())
 
     async def close(self) -> None:
-        """Stop the pre-started process (one that failed to start has nothing to stop)."""
+        """Stop the pre-started process (one that failed to start has nothing to stop) and the idle reward ones."""
+        idle, self._idle = [p for ps in self._idle.values() for p in ps], {}
+        for process in idle:
+            await process.retire()
         if self._spare is not None:
             spare, self._spare = self._spare, None
             try:
@@ -272,10 +428,7 @@ class Sandbox:
             timed_out = False
         except asyncio.TimeoutError:
             _kill(process)
-            try:
-                (out, out_cut), (err, err_cut) = await asyncio.wait_for(reading, 2.0)
-            except asyncio.TimeoutError:  # (rlimits only) a process that left the group still holds the pipes
-                (out, out_cut), (err, err_cut) = ("", 0), ("", 0)
+            (out, out_cut), (err, err_cut) = await _after_kill(reading, (("", 0), ("", 0)))
             await process.wait()
             timed_out = True
         finally:
@@ -327,6 +480,31 @@ async def _drain(stream: asyncio.StreamReader, keep: int, tail: bool = False) ->
         total += len(chunk)
         kept = (kept + chunk)[-keep:] if tail else kept + chunk[: keep - len(kept)]
     return kept.decode(errors="replace"), total - len(kept)
+
+
+async def _item_line(stdout: asyncio.StreamReader) -> dict[str, Any] | None:
+    """The next answer line of a reward run (lines that are not one are skipped); None once stdout ends."""
+    while True:
+        try:
+            raw = await stdout.readline()
+        except ValueError:  # a line past the stream's limit: not one of the runner's
+            continue
+        if not raw:
+            return None
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(line, dict) and ("value" in line or "reason" in line or "import_error" in line):
+            return line
+
+
+async def _after_kill(reading: Any, empty: Any) -> Any:
+    """What a killed run's pipes held; `empty` when a process that left the group (rlimits only) still holds them."""
+    try:
+        return await asyncio.wait_for(reading, 2.0)
+    except asyncio.TimeoutError:
+        return empty
 
 
 def _reason(code: int | None, stderr: str, timed_out: bool) -> str | None:

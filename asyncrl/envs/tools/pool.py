@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
 import random
 import time
@@ -27,7 +26,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from asyncrl.cluster.calls import named_get
 from asyncrl.config import Config, ToolsConfig
-from asyncrl.envs.sandbox import Capabilities, Sandbox, SandboxLimits
+from asyncrl.envs.sandbox import Capabilities, ItemOutcome, RewardItem, Sandbox, SandboxLimits
 from asyncrl.envs.tools.base import InProcessTools, RewardError, ToolCall, ToolInfraError, ToolResult, check_reward_value
 from asyncrl.envs.tools.python import run_python
 
@@ -78,13 +77,22 @@ class RewardOutcome:
 
 
 class ToolWorker:
-    """One tool-worker actor (plain class: the pool runs it as `ray.remote(ToolWorker)`)."""
+    """One tool-worker actor (plain class: the pool runs it as `ray.remote(ToolWorker)`).
 
-    def __init__(self, name: str, limits: SandboxLimits, uid: int, calls: int = 4) -> None:
+    User rewards run in sandboxed processes kept per reward (the module imported once, `reward_process_calls`
+    calls each). Reward calls that wait for a free call slot run together: the slot takes every waiting call of
+    the same reward, up to `reward_batch`, to its process in one message, each call under its own limits. Under
+    light load a call finds a slot free and goes alone."""
+
+    def __init__(self, name: str, limits: SandboxLimits, uid: int, calls: int = 4, reward_batch: int = 32, reward_process_calls: int = 1024) -> None:
         self.name = name
-        self.sandbox = Sandbox(limits, uid)
+        self.sandbox = Sandbox(limits, uid, reward_process_calls)
         self.tally = ToolTally()
+        self.reward_batch = min(reward_batch, reward_process_calls)
+        self.reward_runs = 0
+        """Batches the reward calls went in (fewer than the calls when batched)."""
         self._slots = asyncio.Semaphore(calls)
+        self._waiting: dict[str, list[tuple[RewardItem, asyncio.Future]]] = {}
 
     async def ready(self) -> Capabilities:
         self.sandbox.warm()
@@ -110,21 +118,42 @@ class ToolWorker:
         return result
 
     async def reward(self, reward: str, response: str, ground_truth: str, finish_reason: str, extra_info: dict[str, Any], timeout_s: float) -> RewardOutcome:
+        mine = (RewardItem(response, ground_truth, finish_reason, extra_info, timeout_s), asyncio.get_running_loop().create_future())
+        waiting = self._waiting.setdefault(reward, [])
+        waiting.append(mine)
         async with self._slots:
-            outcome = await self.sandbox.run_reward(reward, response, ground_truth, finish_reason=finish_reason, extra_info=extra_info, timeout_s=timeout_s)
-        if outcome.reason is not None:
-            tail = outcome.stderr.strip().splitlines()[-1:] or [""]
-            result = RewardOutcome(None, f"{outcome.reason} after {outcome.seconds:.1f}s {tail[0]}".strip())
-        else:
-            try:
-                result = RewardOutcome(check_reward_value(json.loads(outcome.stdout)["value"]))
-            except RewardError as e:
-                result = RewardOutcome(None, str(e))
-        self.tally.count("reward", None if result.error is None else (outcome.reason or "bad_value"))
-        return result
+            if mine in waiting:  # else an earlier slot took this call along with its own
+                waiting.remove(mine)
+                batch = [mine, *waiting[: self.reward_batch - 1]]
+                del waiting[: self.reward_batch - 1]
+                # Shielded: a cancelled caller must not cancel the calls it took along.
+                await asyncio.shield(asyncio.ensure_future(self._score(reward, batch)))
+        return await mine[1]
+
+    async def _score(self, reward: str, batch: list[tuple[RewardItem, asyncio.Future]]) -> None:
+        self.reward_runs += 1
+        try:
+            outcomes = await self.sandbox.run_rewards(reward, [item for item, _ in batch])
+        except Exception as e:  # the sandbox did not start (ToolInfraError): every call of the batch says why
+            for _, answer in batch:
+                answer.set_exception(e)
+            return
+        for (_, answer), outcome in zip(batch, outcomes):
+            result = _reward_outcome(outcome)
+            self.tally.count("reward", None if result.error is None else (outcome.reason or "bad_value"))
+            answer.set_result(result)
 
     async def shutdown(self) -> None:
         await self.sandbox.close()
+
+
+def _reward_outcome(outcome: ItemOutcome) -> RewardOutcome:
+    if outcome.reason is not None:
+        return RewardOutcome(None, f"{outcome.reason} after {outcome.seconds:.1f}s {outcome.detail}".strip())
+    try:
+        return RewardOutcome(check_reward_value(outcome.value))
+    except RewardError as e:
+        return RewardOutcome(None, str(e))
 
 
 @dataclass
@@ -318,7 +347,9 @@ class ToolPool:
 
     def _spawn(self, name: str) -> Any:
         uid = self.config.sandbox_uid_base + self.names.index(name)
-        return self._actor_cls.options(**self._actor_options(name)).remote(name, self.limits, uid, self.config.calls_per_worker)
+        return self._actor_cls.options(**self._actor_options(name)).remote(
+            name, self.limits, uid, self.config.calls_per_worker, self.config.reward_batch, self.config.reward_process_calls
+        )
 
     def _actor_options(self, name: str) -> dict[str, Any]:
         """Where a tool worker runs: its bundle of the pool's placement group (a replacement takes its

@@ -20,3 +20,40 @@ def wordy(response, ground_truth, *, finish_reason, extra_info):
 def even_index_passes(response, ground_truth, *, finish_reason, extra_info):
     """Prompts with an even `index` are always solved, the others never."""
     return 1.0 if int(extra_info["index"]) % 2 == 0 else 0.0
+
+
+def troubled(response, ground_truth, *, finish_reason, extra_info):
+    """1.0 iff the response is the ground truth, unless the response asks for trouble."""
+    import os
+
+    if response == "sleep":
+        time.sleep(60)
+    elif response == "crash":
+        os._exit(7)
+    elif response == "hog":
+        return len(bytearray(4 << 30))
+    elif response == "spin":
+        while True:
+            pass
+    elif response == "stubborn":  # swallows its timer's interrupt: only the tool worker's kill stops it
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            try:
+                time.sleep(60)
+            except BaseException:
+                pass
+    return 1.0 if response == ground_truth else 0.0
+
+
+CALLS = 0
+
+
+def counted(response, ground_truth, *, finish_reason, extra_info):
+    """How many calls this process has served, this one included ("crash" ends the process instead)."""
+    import os
+
+    global CALLS
+    CALLS += 1
+    if response == "crash":
+        os._exit(7)
+    return float(CALLS)

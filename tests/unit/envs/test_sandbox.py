@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.envs.sandbox import Sandbox, SandboxLimits, detect_capabilities
+from asyncrl.envs.sandbox import RewardItem, Sandbox, SandboxLimits, detect_capabilities
 from asyncrl.envs.tools.base import ToolCall, ToolInfraError
 from asyncrl.envs.tools.pool import ToolWorker
 from asyncrl.envs.tools.python import run_python
@@ -184,20 +184,93 @@ def test_a_reward_that_returns_text_fails_naming_it():
     assert worker.tally.errors == {"reward": {"bad_value": 1}}
 
 
-def test_a_reward_past_its_timeout_is_killed():
-    sandbox = Sandbox(LIMITS, 201_012)
+def _rewards(uid: int, reward: str, responses: list[str], timeout_s: float = 5.0, timeouts: dict[str, float] | None = None) -> list:
+    sandbox = Sandbox(LIMITS, uid)
+    items = [RewardItem(r, "7", "stop", {}, (timeouts or {}).get(r, timeout_s)) for r in responses]
 
-    async def sleepy():
+    async def run():
         try:
-            return await sandbox.run_reward("sandbox_rewards:sleepy", "1", "1", finish_reason="stop", extra_info={}, timeout_s=1.5)
+            return await sandbox.run_rewards(reward, items)
         finally:
             await sandbox.close()
 
-    outcome = asyncio.run(sleepy())
-    assert outcome.reason == "timeout" and 1.5 <= outcome.seconds < 1.5 + 5.0  # killed at its timeout, not at the 60 s sleep's end
-    assert not Path(f"/proc/{outcome.pid}").exists()
+    return asyncio.run(run())
+
+
+def test_each_reward_of_a_batch_keeps_its_own_limits_and_a_crash_fails_only_its_own_item():
+    # LIMITS: 2 CPU seconds, 512 MiB. "sleep" hits its 1.5 s timer, "spin" (5 s of wall time) its CPU timer, "hog"
+    # the address space limit; "crash" takes the process down, so the items after it run in a fresh one.
+    responses = ["7", "sleep", "7", "spin", "8", "hog", "7", "crash", "7", "8"]
+    outcomes = _rewards(201_012, "sandbox_rewards:troubled", responses, timeout_s=1.5, timeouts={"spin": 5.0})
+    assert [(o.value, o.reason) for o in outcomes] == [
+        (1.0, None), (None, "timeout"), (1.0, None), (None, "cpu_time"), (0.0, None), (None, "memory"), (1.0, None),
+        (None, "error"), (1.0, None), (0.0, None),
+    ]  # fmt: skip
+    assert 1.5 <= outcomes[1].seconds < 1.5 + 1.0 and 1.9 <= outcomes[3].seconds < 5.0
     if CAPS.uid_dropped:
         assert _all_gone(201_012)
+
+
+def test_a_reward_that_swallows_its_timer_is_killed_at_its_timeout_and_the_rest_still_run():
+    began = time.monotonic()
+    outcomes = _rewards(201_014, "sandbox_rewards:troubled", ["stubborn", "7", "8"], timeout_s=1.0)
+    assert [(o.value, o.reason) for o in outcomes] == [(None, "timeout"), (1.0, None), (0.0, None)]
+    assert time.monotonic() - began < 1.0 + 10.0  # killed at its timeout + grace, not at the 60 s loop's end
+    if CAPS.uid_dropped:
+        assert _all_gone(201_014)
+
+
+def test_a_reward_that_cannot_be_imported_fails_every_call_naming_the_module():
+    outcomes = _rewards(201_015, "no_such_reward_module:score", ["7", "7"])
+    assert [o.reason for o in outcomes] == ["import_error"] * 2 and "no_such_reward_module" in outcomes[0].detail
+
+
+def test_a_reward_process_serves_batch_after_batch_until_a_call_takes_it_down():
+    sandbox = Sandbox(LIMITS, 201_017)
+
+    async def batches():
+        try:
+            return [await sandbox.run_rewards("sandbox_rewards:counted", [RewardItem(r, "", "stop", {}, 5.0) for r in batch])
+                    for batch in (["a", "b"], ["c"], ["crash", "d"], ["e"])]  # fmt: skip
+        finally:
+            await sandbox.close()
+
+    values = [[(o.value, o.reason) for o in batch] for batch in asyncio.run(batches())]
+    # The module was imported once for a, b, c; "crash" ended that process, so d and e ran in a fresh one.
+    assert values == [[(1.0, None), (2.0, None)], [(3.0, None)], [(None, "error"), (1.0, None)], [(2.0, None)]]
+    if CAPS.uid_dropped:
+        assert _all_gone(201_017)
+
+
+def test_a_reward_process_is_replaced_after_its_calls_and_one_call_each_isolates_every_call():
+    async def batches(process_calls: int, uid: int):
+        sandbox = Sandbox(LIMITS, uid, reward_process_calls=process_calls)
+        try:
+            return [[o.value for o in await sandbox.run_rewards("sandbox_rewards:counted", [RewardItem(r, "", "stop", {}, 5.0) for r in batch])]
+                    for batch in (["a", "b"], ["c"], ["d"])]  # fmt: skip
+        finally:
+            await sandbox.close()
+
+    assert asyncio.run(batches(2, 201_018)) == [[1.0, 2.0], [1.0], [2.0]]
+    assert asyncio.run(batches(1, 201_019))[1:] == [[1.0], [1.0]]
+
+
+@pytest.mark.parametrize("batch, runs", [(32, 2), (1, 8)])
+def test_reward_calls_waiting_for_a_slot_share_one_process_and_each_gets_its_own_value(batch, runs):
+    # One call slot: the first call runs alone, the seven that queued behind it run together (batch 32) or
+    # each in its own process (batch 1).
+    worker = ToolWorker("tool-test", LIMITS, 201_016, calls=1, reward_batch=batch)
+    responses = ["12", "13"] * 4
+
+    async def rewards():
+        try:
+            return await asyncio.gather(*(worker.reward("sandbox_rewards:half", r, "12", "stop", {}, 5.0) for r in responses))
+        finally:
+            await worker.shutdown()
+
+    outcomes = asyncio.run(rewards())
+    assert [o.value for o in outcomes] == [0.5, 0.0] * 4 and worker.reward_runs == runs
+    assert worker.tally.calls == {"reward": 8} and worker.tally.errors == {}
 
 
 def test_worker_counts_calls_by_tool_and_reason():
