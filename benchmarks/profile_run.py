@@ -134,13 +134,15 @@ def wait_for_steps(run: subprocess.Popen, metrics: Path, min_steps: int, timeout
 
 
 def stop_run(run: subprocess.Popen) -> None:
-    """SIGTERM to the run's process group, SIGKILL if it has not ended a minute later (a loaded machine
-    can hold up Ray's shutdown): the figures already taken must not be lost to a slow exit. Descendants in
-    other process groups (vLLM's engine core starts its own) that outlive the run are killed too."""
+    """SIGTERM to the driver alone, which stops the run at its next step and shuts every actor down in order
+    (a learner rank killed by a group-wide signal would leave its shared-memory segments behind); SIGKILL to the
+    whole group if it has not ended a minute later (a loaded machine can hold up Ray's shutdown): the figures
+    already taken must not be lost to a slow exit. Descendants in other process groups (vLLM's engine core
+    starts its own) that outlive the run are killed too."""
     import psutil
 
     descendants = psutil.Process(run.pid).children(recursive=True)
-    os.killpg(run.pid, signal.SIGTERM)
+    run.send_signal(signal.SIGTERM)
     try:
         run.wait(timeout=60)
     except subprocess.TimeoutExpired:
