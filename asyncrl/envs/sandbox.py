@@ -1,5 +1,5 @@
-"""One piece of untrusted code (a model's Python program, a user's reward call) run in its own process, with
-limits, so that nothing it does reaches the tool worker, the engines or the machine.
+"""Untrusted code (a model's Python program, a user's reward) run in a sandboxed process with limits, so that
+nothing it does reaches the tool worker, the engines or the machine.
 
 How (see docs/tools.md):
 - with bubblewrap (`bwrap`), every run gets a read-only view of `/`, its own `/tmp` (a small tmpfs: its only
@@ -13,7 +13,9 @@ Without bwrap only the resource limits (and a uid drop when possible) hold; `det
 what this machine gives, and `asyncrl check` prints it.
 
 Start-up is kept off the call's path: each `Sandbox` keeps one process started ahead ("spare"), waiting for
-its payload on stdin; a call takes it and starts the next. Every call still runs in a fresh process.
+its payload on stdin; a call takes it and starts the next. Every program runs in a fresh process. A user
+reward's process imports its module once and is kept for `reward_process_calls` calls (batches of them, one
+JSON line each way per call), each call under its own wall and CPU timers.
 """
 
 from __future__ import annotations
