@@ -93,15 +93,18 @@ try:
     else:
         sys.path[:0] = payload["path"]
         out, sys.stdout = sys.stdout, sys.stderr
+        signal.signal(signal.SIGALRM, on_limit)
+        signal.signal(signal.SIGPROF, on_limit)
+        signal.setitimer(signal.ITIMER_REAL, payload["import_timeout_s"])
         try:
             module, attr = payload["reward"].split(":", 1)
             fn = getattr(__import__(module, fromlist=[attr]), attr)
+            signal.setitimer(signal.ITIMER_REAL, 0)
         except BaseException as e:
-            out.write(json.dumps({"import_error": last_line(e)}) + "\n")
+            error = f"importing it took over {payload['import_timeout_s']}s" if isinstance(e, Limit) else last_line(e)
+            out.write(json.dumps({"import_error": error}) + "\n")
             out.flush()
             os._exit(0)
-        signal.signal(signal.SIGALRM, on_limit)
-        signal.signal(signal.SIGPROF, on_limit)
         for batch in sys.stdin.buffer:  # one line per batch, until the tool worker closes stdin
             for item in json.loads(batch):
                 score(fn, item, out)
@@ -368,7 +371,7 @@ class Sandbox:
         module once and is kept for the next batch (up to `reward_process_calls` calls). Each item runs under
         its own wall (`timeout_s`) and CPU (`cpu_s`) limits. An item that takes the process down (a crash, a
         limit it swallowed) fails alone; the items after it run in a fresh process."""
-        process = self._idle.get(reward, []).pop() if self._idle.get(reward) else await self._start_reward(reward)
+        process = self._idle.get(reward, []).pop() if self._idle.get(reward) else await self._start_reward(reward, items[0].timeout_s)
         lines, failed = await process.score(items)
         if lines and "import_error" in lines[0]:
             await process.retire()
@@ -383,11 +386,12 @@ class Sandbox:
         rest = items[len(done) + 1 :]
         return done + [failed] + (await self.run_rewards(reward, rest) if rest else [])
 
-    async def _start_reward(self, reward: str) -> _RewardProcess:
-        """A process that imports `reward`'s module (its answer comes with the first batch) and then serves batches."""
+    async def _start_reward(self, reward: str, import_timeout_s: float) -> _RewardProcess:
+        """A process that imports `reward`'s module within `import_timeout_s` (the answer to a failed import comes
+        with the first batch) and then serves batches."""
         path = [_inside_path(p) for p in sys.path] if self.capabilities.method == "bwrap" else [os.path.abspath(p or ".") for p in sys.path]
         limits = {**self.limits.rlimits(), "RLIMIT_CPU": self.limits.cpu_s * self.reward_process_calls + 1}  # each call: its CPU timer
-        payload = {"kind": "rewards", "reward": reward, "path": path, "cpu_s": self.limits.cpu_s, "limits": limits}
+        payload = {"kind": "rewards", "reward": reward, "path": path, "cpu_s": self.limits.cpu_s, "import_timeout_s": import_timeout_s, "limits": limits}
         started = await self._take()
         started.process.stdin.write(json.dumps(payload).encode() + b"\n")
         return _RewardProcess(started, _Tail(started.process.stderr, self.limits.output_bytes))

@@ -225,6 +225,13 @@ def test_a_reward_that_cannot_be_imported_fails_every_call_naming_the_module():
     assert [o.reason for o in outcomes] == ["import_error"] * 2 and "no_such_reward_module" in outcomes[0].detail
 
 
+def test_a_reward_module_whose_import_hangs_fails_every_call_at_the_first_calls_timeout():
+    began = time.monotonic()
+    outcomes = _rewards(201_020, "sandbox_slow_import:score", ["7", "7", "7"], timeout_s=1.0)
+    assert [o.reason for o in outcomes] == ["import_error"] * 3 and "took over 1.0s" in outcomes[0].detail
+    assert time.monotonic() - began < 1.0 + 5.0  # once, not once per call
+
+
 def test_a_reward_process_serves_batch_after_batch_until_a_call_takes_it_down():
     sandbox = Sandbox(LIMITS, 201_017)
 
