@@ -1,6 +1,7 @@
 """The tool-worker pool on real Ray with real sandboxes: calls through `ToolClient` from another actor (as a
 rollout worker makes them), a tool worker SIGKILLed mid-call (the call fails promptly with `ToolInfraError`,
-the pool replaces the worker within 10 s, the next call succeeds), and the counts by tool and reason.
+its sandboxed processes, the kept reward process included, die with it, the pool replaces the worker within
+10 s, the next call succeeds), and the counts by tool and reason.
 
 Tests run in file order on one module-scoped Ray session and pool of two workers.
 """
@@ -19,6 +20,7 @@ import ray
 from asyncrl.config import ToolsConfig
 from asyncrl.envs.tools.base import RewardError, ToolCall, ToolInfraError
 from asyncrl.envs.tools.pool import ToolClient, ToolPool
+from tests.unit.envs.test_sandbox import _all_gone, _processes_of
 
 pytestmark = pytest.mark.integration
 
@@ -93,13 +95,18 @@ def test_worker_killed_mid_call_fails_the_call_and_is_replaced(pool):
     client = ToolClient((victim,), pool.client().namespace)  # every call of this caller goes to the victim
     caller = _caller(client)
     pid = ray.get(ray.get_actor(victim).pid.remote())
+    assert ray.get(caller.reward.remote("sandbox_rewards:half", "7", "7")) == 0.5  # the victim keeps a reward process
     in_flight = caller.call.remote("python", "import time\ntime.sleep(20)\nprint('done')", 15.0)
     time.sleep(1.5)  # the program is running in the victim's sandbox
+    uid = pool.config.sandbox_uid_base + pool.names.index(victim)
+    assert not pool.capabilities.uid_dropped or len(_processes_of(uid)) >= 2  # the program and the kept reward process
     os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()
     kind, reason, seconds = ray.get(in_flight, timeout=30)
     assert (kind, reason) == ("infra", "tool_worker_died")
     assert seconds < 1.5 + 5.0  # promptly, not at the call's 15 s timeout
+    if pool.capabilities.uid_dropped:  # the program, the kept reward process and the spare died with the worker
+        assert _all_gone(uid)
     events = []
     while not events and time.monotonic() - killed_at < 10.0:
         events = [e for e in pool.poll() if e.worker == victim]
