@@ -49,7 +49,7 @@ test: $(STAMP) system-deps
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit -x; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
-BENCH_SCRIPTS := algo_throughput queue_throughput weight_sync async_speedup limits learning_add agent_tool
+BENCH_SCRIPTS := algo_throughput queue_throughput weight_sync async_speedup limits learning_add agent_tool logprob_layout
 
 bench: $(STAMP)
 	@for b in $(BENCH_SCRIPTS); do test -f benchmarks/$$b.py && $(PY) benchmarks/$$b.py || exit 1; done

@@ -399,6 +399,17 @@ def agent_tool(d: dict) -> list[str]:
     return lines
 
 
+def logprob_layout(d: dict) -> list[str]:
+    c = d["config"]
+    lines = ["## Engine client CPU per request by log-prob layout (`benchmarks/logprob_layout.py`)", "",
+             f"In-process `Engine` ({c['model']}), {c['in_flight']} requests in flight, layouts alternating over {c['rounds']} rounds of "
+             f"{c['requests_per_round']} requests (the first {c['warm_rounds']} not counted); medians of this process's CPU time.", ""]  # fmt: skip
+    return lines + table(
+        ["response tokens", "flat µs/request", "dict µs/request", "dict ÷ flat"],
+        [[r["tokens"], r["flat_us_per_request"], r["dict_us_per_request"], fx(r["dict_over_flat"])] for r in d["runs"]],
+    )
+
+
 def _spread(values: list[float]) -> str:
     return "-" if not values else f"{min(values):g}" if min(values) == max(values) else f"{min(values):g}-{max(values):g}"
 
@@ -428,6 +439,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "limits": limits,
     "soak": soak,
     "agent_tool": agent_tool,
+    "logprob_layout": logprob_layout,
 }
 ORDER = ["learning_add", "learning_add_mb4", "learning_add_mb4_same_lr", "async_speedup", "limits", "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "queue_throughput", "algo_throughput",
          "profile_before", "profile", "profile_w1_quiet", "profile_w1_quiet_after", "profile_w1_afternoon", "soak"]

@@ -188,9 +188,12 @@ class Engine:
     # Generation
 
     def _sampling_params(
-        self, spec: SamplingSpec, *, logprobs: int | None = 0, prompt_logprobs: int | None = None, logprob_token_ids: list[int] | None = None
+        self, spec: SamplingSpec, *, logprobs: int | None = 0, prompt_logprobs: int | None = None, logprob_token_ids: list[int] | None = None,
+        flat: bool = False,
     ) -> Any:
-        """Fresh `SamplingParams` for exactly one request (vLLM keeps the object: never pass it twice)."""
+        """Fresh `SamplingParams` for exactly one request (vLLM keeps the object: never pass it twice). `flat`:
+        log-probs in vLLM's flat lists (`vllm_compat.sampled_logprobs` reads them) instead of a dict and a
+        `Logprob` object per token."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -215,6 +218,7 @@ class Engine:
             # object instead of deep-copying it per request (vLLM 0.32 `skip_clone`: ~80 us of the worker's
             # CPU per request on this loaded 2-core machine).
             skip_clone=True,
+            flat_logprobs=flat,
         )
 
     async def generate(
@@ -238,7 +242,7 @@ class Engine:
         async def consume() -> None:
             nonlocal spans, finish_reason
             stream = self._llm.generate(
-                vllm_compat.token_input(list(prompt.prompt_ids)), self._sampling_params(sampling, logprobs=sampling.top_logprobs), request_id
+                vllm_compat.token_input(list(prompt.prompt_ids)), self._sampling_params(sampling, logprobs=sampling.top_logprobs, flat=True), request_id
             )
             async for out in stream:
                 completion = out.outputs[0]

@@ -11,6 +11,7 @@ Contents:
   shared-memory segment or a broadcast over a process group, in place or through vLLM's reload (`load_weights`).
 - `token_input`: a prompt of token ids in the form `AsyncLLM.generate` takes without a thread hop.
 - `version_per_token`: per-token policy versions from vLLM's weight-version spans.
+- `sampled_logprobs` / `top_logprobs`: per-token log-probs from vLLM's flat (or per-position dict) layout.
 - `pause_for_update` / `resume_after_update`: in-flight (keep running requests) and draining pauses.
 """
 
@@ -359,11 +360,28 @@ def version_per_token(spans: Any, num_tokens: int, default_version: int) -> np.n
 
 
 def sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
-    """The log-prob of each sampled token from vLLM's per-position `{token_id: Logprob}` dicts (logprobs=0)."""
-    return [float(position[token].logprob) for position, token in zip(logprobs, token_ids)]
+    """The log-prob of each sampled token: from vLLM 0.32's `FlatLogprobs` (requests with `flat_logprobs=True`,
+    the sampled token first at each position: no dict and `Logprob` per token) or per-position
+    `{token_id: Logprob}` dicts."""
+    from vllm.logprobs import FlatLogprobs
+
+    if not isinstance(logprobs, FlatLogprobs):
+        return [float(position[token].logprob) for position, token in zip(logprobs, token_ids)]
+    starts = logprobs.start_indices[: len(token_ids)]
+    if [logprobs.token_ids[i] for i in starts] != list(token_ids):
+        raise RuntimeError("vLLM's FlatLogprobs no longer lists the sampled token first at each position (vllm_compat)")
+    return [logprobs.logprobs[i] for i in starts]
 
 
 def top_logprobs(logprobs: Any, k: int) -> list[dict[int, float]]:
     """The `k` most likely tokens of each position, by vLLM's rank (the sampled token is there as well, ranked
     wherever it falls: it is dropped unless it is among the `k`)."""
-    return [{int(t): float(lp.logprob) for t, lp in position.items() if lp.rank is not None and lp.rank <= k} for position in logprobs]
+    from vllm.logprobs import FlatLogprobs
+
+    if not isinstance(logprobs, FlatLogprobs):
+        return [{int(t): float(lp.logprob) for t, lp in position.items() if lp.rank is not None and lp.rank <= k} for position in logprobs]
+    ids, values, ranks = logprobs.token_ids, logprobs.logprobs, logprobs.ranks
+    return [
+        {int(ids[i]): float(values[i]) for i in range(start, end) if ranks[i] is not None and ranks[i] <= k}
+        for start, end in zip(logprobs.start_indices, logprobs.end_indices)
+    ]
