@@ -218,18 +218,22 @@ class ToolsConfig(Section):
 class BufferConfig(Section):
     max_staleness: int = Field(4, ge=0, le=1024)
     """eta: the largest policy lag (learner version minus a sample's min_version) allowed in a gradient."""
-    stale_policy: Literal["drop", "wait"] = "wait"
+    stale_policy: Literal["drop", "wait", "continue"] = "wait"
     """What happens to a sample that would outlive `max_staleness`. `wait` (default): nothing is aborted or dropped
     for staleness; the learner's next step waits until every group for which that step is the last one within the
     bound (started at admission version <= learner version - max_staleness) is ready, and trains the oldest groups
     first, so long samples are trained and the trained length distribution is the generated one. `drop`: such
     samples are aborted in flight (`abort_stale_in_flight`) or dropped at hand-out, so the learner never waits for
-    them but trains a distribution biased to short samples. Either way no trained sample has lag > `max_staleness`."""
+    them but trains a distribution biased to short samples. `continue` (partial rollouts): the sample keeps
+    generating under each new policy version (its tokens carry the version and behaviour log-prob they were
+    sampled with) and the learner never waits; at hand-out its tokens older than the bound are masked out of the
+    loss (kept as context), so long samples are trained on their newer tokens. A group with a member that has no
+    token left within the bound is dropped. Whichever policy, no trained token has lag > `max_staleness`."""
     abort_stale_in_flight: bool = True
     """Under `stale_policy: drop`, abort a running request as soon as it is certain to exceed `max_staleness` (its
     first token is more than `max_staleness` versions older than the weights its engine now serves): it ends
     `dropped_stale` with its group, and the engine's slot goes to new work instead of tokens that would be thrown
-    away. Ignored under `wait`, which aborts nothing."""
+    away. Ignored under `wait` and `continue`, which abort nothing."""
     group_timeout_s: float = Field(120.0, gt=0)
     """A group whose members are not all in within this time after its first member is a straggler."""
     straggler_policy: Literal["drop", "partial"] = "drop"

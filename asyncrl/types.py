@@ -91,9 +91,16 @@ class Trajectory:
 
     @functools.cached_property
     def min_version(self) -> int:
-        """The oldest token's version. Cached, as the arrays are never modified once the trajectory is built: the
-        queue reads it on arrival and again for the batch's lags."""
-        return int(np.minimum.reduce(self.versions)) if len(self.versions) else self.dispatch_version
+        """The oldest version among the tokens the loss trains (`loss_mask` 1): what a sample's staleness lag is
+        measured from. Versions never decrease along a trajectory and its first token is sampled, so this is the
+        first token's version unless `stale_policy: partial` masked the oldest tokens out. A trajectory without a
+        trained token falls back to every token, and one without tokens to `dispatch_version`. Cached, as the
+        arrays are never modified once the trajectory is built: the queue reads it on arrival and again for the
+        batch's lags (`TrajectoryColumns.min_versions` computes the same for many at once)."""
+        if not len(self.versions):
+            return self.dispatch_version
+        trained = self.versions[self.loss_mask != 0]
+        return int(np.minimum.reduce(trained if len(trained) else self.versions))
 
     @property
     def max_version(self) -> int:
@@ -295,15 +302,20 @@ class TrajectoryColumns:
         )
 
     def min_versions(self) -> np.ndarray:
-        """Each trajectory's `Trajectory.min_version` (its oldest token's version, `dispatch_version` without
-        tokens) from one reduction over the `versions` column."""
+        """Each trajectory's `Trajectory.min_version` (its oldest trained token's version; every token's when none
+        is trained; `dispatch_version` without tokens) from reductions over the `versions` column."""
         lengths = np.asarray(self.response_lengths, dtype=np.int64)
         out = np.fromiter((row[_DISPATCH_VERSION_AT] for row in self.scalar_rows), dtype=np.int64, count=len(lengths))
         has_tokens = lengths > 0
         if has_tokens.any():
             # reduceat over the starts of the non-empty trajectories only: each segment then runs to the next one's start
-            starts = np.cumsum(lengths) - lengths
-            out[has_tokens] = np.minimum.reduceat(self.versions, starts[has_tokens])
+            starts = (np.cumsum(lengths) - lengths)[has_tokens]
+            oldest = np.minimum.reduceat(self.versions, starts)
+            if not self.loss_mask.all():  # masked tokens do not count, unless a trajectory has no other
+                never = np.iinfo(self.versions.dtype).max
+                trained = np.minimum.reduceat(np.where(self.loss_mask != 0, self.versions, never), starts)
+                oldest = np.where(trained != never, trained, oldest)
+            out[has_tokens] = oldest
         return out
 
     def unpack(self) -> list[Trajectory]:

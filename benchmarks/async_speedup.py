@@ -228,6 +228,7 @@ def mode_row(mode: str, controller, summary: dict, conservation: dict, setup_s: 
         "learner_idle_fraction": controller.wait_s / window,
         **staleness_figures(summary["staleness_histogram"]),
         "dropped_stale": conservation.get("dropped_stale", 0),
+        "stale_tokens_masked": conservation.get("stale_tokens_masked", 0),
         "stale_aborts": sum(s.get("stale_aborts", 0) for s in stats),
         "dispatched": conservation.get("dispatched", 0),
         "conservation": conservation,
@@ -386,7 +387,7 @@ def speedup_ratios(rows: list[dict]) -> dict[str, float]:
 
 def fmt_table(rows: list[dict], limit: dict | None) -> str:
     header = ["mode", "recipe", "window_s", "samples", "tokens", "gen_len", "resp_len", "tokens/s", "vs sync", "efficiency",
-              "gen_tok/s", "rollout_idle", "learner_idle", "stale_mean", "stale_max", "dropped"]
+              "gen_tok/s", "rollout_idle", "learner_idle", "stale_mean", "stale_max", "dropped", "masked_tok"]
     sync = next((r for r in rows if r["mode"] == "sync"), None)
     table = [
         [
@@ -396,7 +397,7 @@ def fmt_table(rows: list[dict], limit: dict | None) -> str:
             f"{r['rollout_efficiency']:.2f}" if r["rollout_efficiency"] is not None else "-",
             f"{r['generated_tokens_per_s']:.0f}",
             f"{r['rollout_idle_fraction']:.2f}", f"{r['learner_idle_fraction']:.2f}",
-            f"{r['staleness_mean']:.2f}", str(r["staleness_max"]), str(r["dropped_stale"]),
+            f"{r['staleness_mean']:.2f}", str(r["staleness_max"]), str(r["dropped_stale"]), str(r["stale_tokens_masked"]),
         ]
         for r in rows
     ]
@@ -404,7 +405,7 @@ def fmt_table(rows: list[dict], limit: dict | None) -> str:
         table.append([
             "engine alone", "-", f"{limit['seconds']:.1f}", str(limit["requests"]), str(limit["tokens"]), "-",
             f"{limit['response_tokens'] / limit['requests']:.1f}", f"{limit['tokens_per_s']:.0f}", "-", "1.00",
-            f"{limit['generated_tokens_per_s']:.0f}", "-", "-", "-", "-", "-",
+            f"{limit['generated_tokens_per_s']:.0f}", "-", "-", "-", "-", "-", "-",
         ])
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
@@ -464,7 +465,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompts-per-step", type=int, default=8, help="prompt groups per step (sao: x G single prompts)")
     parser.add_argument("--samples-per-prompt", type=int, default=4, help="G of sync/streaming")
     parser.add_argument("--max-staleness", type=int, default=4, help="eta of streaming and sao")
-    parser.add_argument("--stale-policy", choices=["drop", "wait"], default=None, help="buffer.stale_policy (default: the config's)")
+    parser.add_argument("--stale-policy", choices=["drop", "wait", "continue"], default=None, help="buffer.stale_policy (default: the config's)")
     parser.add_argument("--median-tokens", type=float, default=32.0)
     parser.add_argument("--p99-tokens", type=float, default=None, help="default 512, quick 128")
     parser.add_argument("--seed", type=int, default=0)

@@ -88,14 +88,15 @@ def async_speedup(d: dict) -> list[str]:
         f"{c['model']}, {c['steps']} steps × {c['prompts_per_step']} prompts × G={c['samples_per_prompt']} per mode "
         f"(sao: G single-rollout copies of each prompt), η={c['max_staleness']}, stale policy {c.get('stale_policy', 'drop')}; per-prompt max_tokens log-normal "
         f"(median {dist['median']:g}, p99 {dist['p99']:g}, EOS ignored). Trained tokens = prompt + response tokens of "
-        "trained samples; efficiency = trained tokens/s ÷ the same requests on one engine with no learner.",
+        "trained samples (under `continue` they include the stale tokens masked out of the loss, counted in the last "
+        "column); efficiency = trained tokens/s ÷ the same requests on one engine with no learner.",
         "",
         "**Headline:** " + "; ".join(_async_headline(d["modes"], d.get("ratios", {}))) + ".",
         "",
     ]
     return lines + table(
         ["mode", "recipe", "window s", "samples", "tokens", "mean resp len generated", "mean resp len trained", "tokens/s", "vs sync", "efficiency",
-         "rollout idle", "learner idle", "staleness mean", "staleness max", "dropped stale", "of which aborted early"],
+         "rollout idle", "learner idle", "staleness mean", "staleness max", "dropped stale", "of which aborted early", "stale tokens masked"],
         _async_rows(d["modes"], d.get("engine_alone") or {}),
     )
 
@@ -121,7 +122,7 @@ def _async_rows(modes: list[dict], limit: dict) -> list[list[str]]:
             fx(m["trained_tokens_per_s"] / sync["trained_tokens_per_s"]) if sync else "-",
             fnum(m.get("rollout_efficiency")), fnum(m.get("rollout_idle_fraction")), fnum(m.get("learner_idle_fraction")),
             fnum(m.get("staleness_mean")), str(m.get("staleness_max", "-")), str(m.get("dropped_stale", "-")),
-            str(m.get("stale_aborts", "-")),
+            str(m.get("stale_aborts", "-")), str(m.get("stale_tokens_masked", "-")),
         ]
         for m in modes
     ]
@@ -129,7 +130,7 @@ def _async_rows(modes: list[dict], limit: dict) -> list[list[str]]:
         rows.append([
             "engine alone", "-", fnum(limit["seconds"], ".1f"), str(limit["requests"]), str(limit["tokens"]), "-",
             fnum(limit["response_tokens"] / limit["requests"], ".1f"), fnum(limit["tokens_per_s"], ".0f"), "-", "1.00",
-            "-", "-", "-", "-", "-", "-",
+            "-", "-", "-", "-", "-", "-", "-",
         ])
     return rows
 

@@ -35,6 +35,11 @@ Groups finish out of order (long samples), so some would exceed the bound; `conf
 - `drop`: the learner never waits; an engine aborts such a request as soon as that is certain and hands it
   in with `failure="stale: ..."` (that drops its group at once), and ready groups too old are dropped.
   Long samples are the ones that outlive eta, so the trained lengths are biased short.
+- `continue` (partial rollouts): nothing is aborted and the learner never waits; a long sample goes on under
+  each new version (engines update in flight; every token keeps its version and behaviour log-prob). At
+  hand-out its tokens older than the bound are masked out of the loss and kept as context, so lags are measured
+  over trained tokens only (`Trajectory.min_version`) and stay <= eta; a group with a member that has no token
+  left within the bound is dropped as under `drop`.
 
 Either way `ledger.response_lengths()` compares the lengths generated with those trained.
 """
@@ -49,6 +54,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from asyncrl.buffer import filters
 from asyncrl.buffer.ledger import ConservationError, Ledger, ResponseLengths
@@ -349,17 +356,20 @@ class ReplayQueueCore:
         Ready groups with lag `learner_version - min_version > max_staleness` are dropped first
         (`dropped_stale`). With `min_groups`, hands out all ready groups when at least that many are ready
         (for the end of a run). Returns None, handing out nothing, when too few are ready or, under
-        `stale_policy: wait`, while `awaited_requests` names any; under `wait` the oldest `min_version` goes
-        first. The admission version is left alone: only the controller moves it, once engines confirm a sync.
+        `stale_policy: wait`, while `awaited_requests` names any. Under `wait` and `continue` the oldest
+        `min_version` goes first; under `continue` tokens past the bound are masked first (`_mask_stale_tokens`).
+        The admission version is left alone: only the controller moves it, once engines confirm a sync.
         """
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1 (got {num_groups})")
         self.expire_stragglers()
         if self.awaited_requests(learner_version):
             return None
-        self._drop_stale(learner_version)
-        if self.config.stale_policy == "wait":
+        if self.config.stale_policy != "drop":  # the oldest first: the awaited group, or the one with most to mask
             self._ready = deque(sorted(self._ready, key=lambda g: g.min_version))
+        if self.config.stale_policy == "continue":
+            self._mask_stale_tokens(learner_version)
+        self._drop_stale(learner_version)
         if len(self._ready) >= num_groups:
             take = num_groups
         elif min_groups is not None and len(self._ready) >= min_groups:
@@ -639,6 +649,28 @@ class ReplayQueueCore:
             self._finish(g, i, TRAINED)
         self._forget_if_done(g)
         return group, waited
+
+    def _mask_stale_tokens(self, learner_version: int) -> None:
+        """`stale_policy: continue`: in each ready group too old for a step at `learner_version`, mask out of the
+        loss every member's tokens sampled more than `max_staleness` versions ago (they stay as context). A group
+        with a member that would have no trained token left stays as it is, too old: `_drop_stale` drops it whole."""
+        oldest_allowed = learner_version - self.config.max_staleness
+        for g in self._ready:
+            if g.min_version >= oldest_allowed:
+                continue
+            members = [g.members[i] for i in g.indices(READY)]
+            trained = [m.trajectory.loss_mask != 0 for m in members]
+            stale = [(m.trajectory.versions < oldest_allowed) & mask for m, mask in zip(members, trained)]
+            if any(mask.any() and not (mask & ~old).any() for mask, old in zip(trained, stale)):
+                continue
+            for m, old in zip(members, stale):
+                if old.any():
+                    t = m.trajectory
+                    m.trajectory = t.replace(loss_mask=np.where(old, 0, t.loss_mask).astype(t.loss_mask.dtype))
+                    m.min_version = m.trajectory.min_version
+                    self.ledger.count("stale_tokens_masked", int(np.count_nonzero(old)))
+                    self.ledger.count("stale_samples_masked")
+            g.min_version = min(m.min_version for m in members)
 
     def _drop_stale(self, learner_version: int) -> None:
         eta = self.config.max_staleness

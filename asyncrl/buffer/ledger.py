@@ -27,6 +27,7 @@ LATENCY_WINDOW = 100_000
 ALWAYS_COUNTED = (
     "dispatched", TRAINED, DROPPED_STALE, "acquired", "put", "stale_attempt", "requeued", "retired_prompts",
     "skipped_retired", "straggler_groups", "groups_started", "groups_consumed", "groups_dropped_stale",
+    "stale_samples_masked", "stale_tokens_masked",
 )
 """Keys `counters()` always reports (0 when nothing happened), so readers need no `.get(key, 0)`."""
 

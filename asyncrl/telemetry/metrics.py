@@ -52,6 +52,7 @@ METRICS: list[MetricSpec] = [
     MetricSpec("asyncrl_engine_policy_version", "gauge", "Policy version each rollout engine serves", ("engine",)),
     MetricSpec("asyncrl_staleness_aborted_requests_total", "counter", "Requests engines aborted because they would exceed max_staleness"),
     MetricSpec("asyncrl_staleness_dropped_groups_total", "counter", "Groups dropped as stale (samples: asyncrl_buffer_samples_total{state=\"dropped_stale\"})"),
+    MetricSpec("asyncrl_staleness_masked_tokens_total", "counter", "Tokens masked out of the loss as older than max_staleness (stale_policy continue)"),
     MetricSpec("asyncrl_staleness_admission_headroom_groups", "gauge", "Groups admission control would still start at the current version"),
     MetricSpec("asyncrl_staleness_admission_blocked", "gauge", "1 while prompts wait in the backlog because admission control holds them back"),
     # mismatch (learner vs rollout log-probs)
@@ -211,6 +212,7 @@ class RunMetrics(Sink):
             if _terminal_or_dispatched(state):
                 self._advance("asyncrl_buffer_samples_total", n, state=state)
         self._advance("asyncrl_staleness_dropped_groups_total", snapshot.counters.get("groups_dropped_stale", 0))
+        self._advance("asyncrl_staleness_masked_tokens_total", snapshot.counters.get("stale_tokens_masked", 0))
         self._advance("asyncrl_learner_trained_tokens_total", snapshot.tokens_trained)
         for engine, stats in snapshot.engines.items():
             m["asyncrl_engine_policy_version"].labels(engine=engine).set(stats.get("version", 0))

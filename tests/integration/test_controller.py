@@ -109,12 +109,14 @@ def test_resume_with_two_learner_ranks_reshards_the_checkpoint_and_continues(fir
     assert max(row["parity_max_abs_diff"] for row in history) < 1e-5  # the re-sharded weights are the same weights
 
 
-def test_wait_trains_long_samples_within_the_bound_instead_of_dropping_them(ray_cluster, tiny_model_dir, tmp_path):
-    """`buffer.stale_policy: wait` on heavy-tailed lengths: every 4th prompt generates 200 tokens, the others 4
-    (EOS ignored), so short groups overtake long ones. Nothing is aborted or dropped, no lag exceeds eta = 1,
-    and the long groups are trained: at least a tenth of the trained samples (p90) are 200 tokens long, and the
-    trained mean is not below the generated one (drop's bias; samples left ready at the end, short ones
-    first, can only lower the generated mean). At this size the learner is slower than the engine, so `drop`
+@pytest.mark.parametrize("policy", ["wait", "continue"])
+def test_wait_and_continue_train_long_samples_within_the_bound_instead_of_dropping_them(policy, ray_cluster, tiny_model_dir, tmp_path):
+    """`buffer.stale_policy: wait` and `continue` on heavy-tailed lengths: every 4th prompt generates 200 tokens,
+    the others 4 (EOS ignored), so short groups overtake long ones. Nothing is aborted or dropped, no lag exceeds
+    eta = 1, and the long groups are trained: at least a tenth of the trained samples (p90) are 200 tokens long,
+    and the trained mean is not below the generated one (drop's bias; samples left ready at the end, short ones
+    first, can only lower the generated mean). Under `continue` a long sample's tokens older than the bound
+    are masked instead (`stale_tokens_masked`; none under `wait`). At this size the learner is slower than the engine, so `drop`
     passes too (it had nothing to drop in trial runs): the policies' difference is pinned by
     tests/unit/buffer/test_buffer_stale_policy.py and measured by benchmarks/async_speedup.py."""
     from asyncrl.envs.data import write_verl_parquet
@@ -128,7 +130,7 @@ def test_wait_trains_long_samples_within_the_bound_instead_of_dropping_them(ray_
     write_verl_parquet(rows, tmp_path / "train.parquet")
     cfg = _config(tmp_path, **{
         "model.path": str(tiny_model_dir), "data.task": "parquet", "data.train_path": str(tmp_path / "train.parquet"),
-        "buffer.stale_policy": "wait", "learner.max_steps": 4, "weight_sync.parity_probe": False, "checkpoint.export_hf": False,
+        "buffer.stale_policy": policy, "learner.max_steps": 4, "weight_sync.parity_probe": False, "checkpoint.export_hf": False,
     })  # fmt: skip
     summary, conservation, _ = _run(cfg, tiny_model_dir)
     assert conservation["dropped_stale"] == 0 and sum(e.get("stale_aborts", 0) for e in summary["rollout"].values()) == 0
@@ -137,3 +139,5 @@ def test_wait_trains_long_samples_within_the_bound_instead_of_dropping_them(ray_
     assert trained["count"] == conservation["trained"] == 4 * 4 * 4
     assert trained["p90"] == trained["max"] == 200
     assert trained["mean"] >= generated["mean"]
+    if policy == "wait":
+        assert conservation["stale_tokens_masked"] == 0

@@ -23,7 +23,7 @@ def test_per_token_values_are_taken_as_given_and_dispatch_version_is_the_oldest_
     assert t.response_ids.tolist() == [7, 8] and t.loss_mask.tolist() == [1, 0]
     assert t.rollout_logprobs.tolist() == [-0.5, -2.0]
     assert t.dispatch_version == 2  # min(3, 2)
-    assert (t.min_version, t.max_version, t.reward, t.worker) == (2, 3, 1.0, "w1")
+    assert (t.min_version, t.max_version, t.reward, t.worker) == (3, 3, 1.0, "w1")  # the lag counts trained tokens only
     assert make_trajectory(0).dispatch_version == 0  # an empty response has no oldest token
 
 

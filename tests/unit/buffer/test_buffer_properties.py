@@ -16,7 +16,7 @@ from asyncrl.testing import make_answer
 
 WORKERS = ["w0", "w1", "w2"]
 """Worker slots; a lost worker is replaced by a new incarnation with a new name (`w0.1`)."""
-OPS = ["acquire", "acquire", "put", "put", "put", "late_put", "requeue", "tick", "bump", "get", "get", "add", "checkpoint"]
+OPS = ["acquire", "acquire", "put", "put", "put", "late_put", "requeue", "tick", "bump", "bump", "get", "get", "add", "checkpoint"]
 TIMEOUT_S = 10.0
 
 
@@ -27,17 +27,19 @@ TIMEOUT_S = 10.0
     eta=st.integers(0, 2),
     batch_groups=st.integers(1, 3),
     policy=st.sampled_from(["drop", "partial"]),
+    stale_policy=st.sampled_from(["drop", "wait", "continue"]),
     zero_variance=st.booleans(),
     overlong=st.booleans(),
     curriculum=st.booleans(),
 )
 def test_random_interleavings_never_hand_out_stale_samples_and_always_conserve(
-    data, group_size, eta, batch_groups, policy, zero_variance, overlong, curriculum
+    data, group_size, eta, batch_groups, policy, stale_policy, zero_variance, overlong, curriculum
 ):
     config = make_config(
         max_staleness=eta,
         group_timeout_s=TIMEOUT_S,
         straggler_policy=policy,
+        stale_policy=stale_policy,
         filter_zero_variance=zero_variance,
         filter_overlong=overlong,
         pass_rate_curriculum=curriculum,
@@ -82,10 +84,11 @@ def test_random_interleavings_never_hand_out_stale_samples_and_always_conserve(
                 answers.append(
                     make_answer(
                         r,
-                        2,
+                        3,
                         worker=worker,
                         reward=data.draw(st.sampled_from([0.0, 1.0])),
-                        versions=[first, min(first + 1, core.admission_version)],
+                        # a long sample spans versions: its oldest tokens may outlive the bound, its newest not
+                        versions=[first, min(first + 1, core.admission_version), core.admission_version],
                         finish_reason=data.draw(st.sampled_from(["stop", "stop", "length"])),
                         failure=data.draw(st.sampled_from([None, None, None, "timeout", "reward_error: x", "stale: aborted"])),
                     )
@@ -121,6 +124,8 @@ def test_random_interleavings_never_hand_out_stale_samples_and_always_conserve(
                 for t in group.trajectories:
                     lag = learner_version - t.min_version
                     assert lag <= eta, f"handed out a sample with lag {lag} > eta {eta}"
+                    trained_lags = learner_version - t.versions[t.loss_mask != 0]
+                    assert len(trained_lags) and trained_lags.max() <= eta, f"a trained token has lag > eta {eta}"
                     assert (t.group_id, t.sample_index) not in trained, "a sample was trained twice"
                     trained.add((t.group_id, t.sample_index))
                     handed_lags[lag] += 1

@@ -112,3 +112,50 @@ def test_a_wait_that_times_out_names_the_request_and_its_worker():
 
     message = asyncio.run(scenario_on_the_actor())
     assert "stale_policy wait" in message and "p0#0/0/0 (held by w-slow)" in message
+
+
+def test_continue_never_waits_and_trains_a_long_sample_on_its_tokens_within_the_bound():
+    import pickle
+
+    core, g0, g2 = scenario("continue")
+    assert core.awaited_requests(learner_version=1) == []
+    core.put([make_answer(g2, 2, versions=1)])
+    assert [g.group_id for g in core.get_batch(1, learner_version=1).groups] == [g2.group_id]  # g0 not awaited
+    core.set_version(2)
+    # g0 went on generating across two in-flight updates: 2 tokens at each of versions 0, 1 and 2.
+    core.put([make_answer(g0, 6, versions=[0, 0, 1, 1, 2, 2])])
+    step2 = core.get_batch(1, learner_version=2)
+    (t,) = step2.groups[0].trajectories
+    # At step 2 with eta 1 the oldest version allowed is 1: the two version-0 tokens leave the loss, stay as context.
+    assert t.loss_mask.tolist() == [0, 0, 1, 1, 1, 1] and len(t.response_ids) == 6
+    assert (t.min_version, step2.lags) == (1, [1])
+    assert pickle.loads(pickle.dumps(step2)).lags == [1]  # the learner's side computes the same lag
+    c = core.check_conservation()
+    assert (c["trained"], c["dropped_stale"], c["stale_samples_masked"], c["stale_tokens_masked"]) == (3, 0, 1, 2)
+    assert core.response_lengths().trained == core.response_lengths().generated  # 10 + 2 + 2 as under wait
+
+
+def test_continue_drops_a_group_when_a_member_has_no_token_left_within_the_bound():
+    core = ReplayQueueCore(make_config(max_staleness=1, stale_policy="continue"), batch_groups=1, clock=FakeClock())
+    core.add_prompts(make_prompts(1), samples_per_prompt=2)
+    a, b = core.acquire("w0", 2)
+    core.set_version(1)
+    core.set_version(2)
+    core.put([make_answer(a, 3, versions=[0, 1, 2], reward=1.0), make_answer(b, 2, versions=[0, 0], reward=0.0)])
+    assert core.get_batch(1, learner_version=2) is None  # b's every token has lag 2 > eta
+    c = core.check_conservation()
+    assert (c["trained"], c["dropped_stale"], c["stale_tokens_masked"]) == (0, 2, 0)
+
+
+def test_a_lag_is_measured_over_trained_tokens_in_a_trajectory_and_in_columns():
+    from asyncrl.testing import make_trajectory
+    from asyncrl.types import TrajectoryColumns
+
+    trajectories = [
+        make_trajectory(4, versions=[3, 3, 4, 5], loss_mask=[0, 0, 1, 1]),  # oldest trained token: 4
+        make_trajectory(3, versions=[2, 3, 3]),  # all trained: 2
+        make_trajectory(2, versions=[6, 7], loss_mask=[0, 0]),  # none trained: every token counts, 6
+        make_trajectory(0, dispatch_version=9),  # no tokens: the dispatch version
+    ]
+    assert [t.min_version for t in trajectories] == [4, 2, 6, 9]
+    assert TrajectoryColumns.pack(trajectories).min_versions().tolist() == [4, 2, 6, 9]
