@@ -79,11 +79,11 @@ def decode_speed(sizes: list[dict]) -> str:
     return f" Decode speed in place ÷ reload: {', '.join(ratios)}." if ratios else ""
 
 
-def async_speedup(d: dict) -> list[str]:
+def async_speedup(d: dict, title: str = "## W2 `tail` — async throughput under heavy-tailed lengths (`benchmarks/async_speedup.py`)") -> list[str]:
     c = d["config"]
     dist = c["length_distribution"]
     lines = [
-        "## W2 `tail` — async throughput under heavy-tailed lengths (`benchmarks/async_speedup.py`)",
+        title,
         "",
         f"{c['model']}, {c['steps']} steps × {c['prompts_per_step']} prompts × G={c['samples_per_prompt']} per mode "
         f"(sao: G single-rollout copies of each prompt), η={c['max_staleness']}, stale policy {c.get('stale_policy', 'drop')}; per-prompt max_tokens log-normal "
@@ -427,6 +427,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "weight_sync_0.5b": lambda d: weight_sync(d, "## W3 `sync` at 0.36B parameters (`benchmarks/weight_sync.py --presets qwen-0.5b`)"),
     "weight_sync_collective": lambda d: weight_sync(d, "## W3 `sync` over the collective transport (`benchmarks/weight_sync.py --transports object_store collective shared_memory`)"),
     "async_speedup": async_speedup,
+    "async_speedup_continue": lambda d: async_speedup(d, "## W2 `tail` under `stale_policy: continue` (`benchmarks/async_speedup.py --stale-policy continue`)"),
     "queue_throughput": queue_throughput,
     "algo_throughput": algo_throughput,
     "learning_add": learning_add,
@@ -442,7 +443,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "agent_tool": agent_tool,
     "logprob_layout": logprob_layout,
 }
-ORDER = ["learning_add", "learning_add_mb4", "learning_add_mb4_same_lr", "async_speedup", "limits", "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "queue_throughput", "algo_throughput",
+ORDER = ["learning_add", "learning_add_mb4", "learning_add_mb4_same_lr", "async_speedup", "async_speedup_continue", "limits", "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "queue_throughput", "algo_throughput",
          "profile_before", "profile", "profile_w1_quiet", "profile_w1_quiet_after", "profile_w1_afternoon", "soak"]
 
 

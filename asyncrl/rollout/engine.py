@@ -194,8 +194,8 @@ class Engine:
         """Fresh `SamplingParams` for exactly one request (vLLM keeps the object: never pass it twice). `flat`:
         log-probs in vLLM's flat lists (`vllm_compat.sampled_logprobs` reads them) instead of a dict and a
         `Logprob` object per token."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        # From the submodule: `from vllm import ...` runs vLLM's lazy module `__getattr__` (an import) per call.
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         return SamplingParams(
             n=1,
