@@ -93,7 +93,7 @@ class Trajectory:
     def min_version(self) -> int:
         """The oldest version among the tokens the loss trains (`loss_mask` 1): what a sample's staleness lag is
         measured from. Versions never decrease along a trajectory and its first token is sampled, so this is the
-        first token's version unless `stale_policy: partial` masked the oldest tokens out. A trajectory without a
+        first token's version unless `stale_policy: continue` masked the oldest tokens out. A trajectory without a
         trained token falls back to every token, and one without tokens to `dispatch_version`. Cached, as the
         arrays are never modified once the trajectory is built: the queue reads it on arrival and again for the
         batch's lags (`TrajectoryColumns.min_versions` computes the same for many at once)."""

@@ -102,14 +102,19 @@ def async_speedup(d: dict, title: str = "## W2 `tail` — async throughput under
 
 
 def _async_headline(modes: list[dict], ratios: dict) -> list[str]:
-    """Speedups over sync first, then each mode's rollout efficiency."""
+    """Speedups over sync first (and, where stale tokens were masked, over the tokens left in the loss), then
+    each mode's rollout efficiency."""
     head = []
+    by_mode = {m["mode"]: m for m in modes}
     for mode in ("streaming", "sao"):
         if f"{mode}_over_sync" in ratios:
             samples = ratios.get(f"{mode}_over_sync_samples_per_s")
+            m, masked = by_mode[mode], by_mode[mode].get("stale_tokens_masked", 0)
+            net = (m["tokens_trained"] - masked) / m["tokens_trained"] * ratios[f"{mode}_over_sync"] if masked else None
             head.append(f"{mode} / sync {fx(ratios[f'{mode}_over_sync'])} trained tokens/s"
+                        + (f" ({fx(net)} counting only the tokens left in the loss)" if net is not None else "")
                         + (f" ({fx(samples)} samples/s)" if samples is not None else ""))
-    return head + [f"{m['mode']} rollout efficiency {fnum(m.get('rollout_efficiency'))}" for m in modes]
+    return head + [f"{m['mode']} rollout efficiency {fnum(m['rollout_efficiency'])}" for m in modes if m.get("rollout_efficiency") is not None]
 
 
 def _async_rows(modes: list[dict], limit: dict) -> list[list[str]]:
