@@ -159,3 +159,44 @@ def test_a_lag_is_measured_over_trained_tokens_in_a_trajectory_and_in_columns():
     ]
     assert [t.min_version for t in trajectories] == [4, 2, 6, 9]
     assert TrajectoryColumns.pack(trajectories).min_versions().tolist() == [4, 2, 6, 9]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_continue_masks_exactly_the_trained_tokens_past_the_bound_or_drops_the_group(seed):
+    """Random groups of long samples spanning versions (non-decreasing, as engines produce them), some with
+    observation tokens already masked, handed out at a random learner version: every trained token is within
+    eta, exactly the stale trained tokens left the loss, and a group is dropped only if a member kept nothing."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    eta, size = int(rng.integers(0, 3)), int(rng.integers(1, 4))
+    core = ReplayQueueCore(make_config(max_staleness=eta, stale_policy="continue"), batch_groups=1, clock=FakeClock())
+    core.add_prompts(make_prompts(1), samples_per_prompt=size)
+    requests = core.acquire("w0", size)
+    top = int(rng.integers(0, 6))
+    for v in range(1, top + 1):
+        core.set_version(v)
+    answers = []
+    for k, r in enumerate(requests):
+        n = int(rng.integers(1, 9))
+        versions = np.sort(rng.integers(0, top + 1, n))
+        mask = (rng.random(n) < 0.8).astype(np.int8)
+        mask[0] = 1  # a model turn comes first
+        answers.append(make_answer(r, n, versions=versions, loss_mask=mask, reward=float(k % 2)))
+    core.put(answers)
+    learner_version = top + int(rng.integers(0, 2))
+    oldest_allowed = learner_version - eta
+    batch = core.get_batch(1, learner_version=learner_version)
+    kept_nothing = any(not (a.loss_mask.astype(bool) & (a.versions >= oldest_allowed)).any() for a in answers)
+    assert (batch is None) == kept_nothing
+    c = core.check_conservation()
+    if batch is None:
+        assert (c["dropped_stale"], c["stale_tokens_masked"]) == (size, 0)
+        return
+    for before, after in zip(answers, batch.groups[0].trajectories):
+        expected = before.loss_mask.astype(bool) & (before.versions >= oldest_allowed)
+        assert after.loss_mask.astype(bool).tolist() == expected.tolist()
+        assert after.versions.tolist() == before.versions.tolist() and after.response_ids.tolist() == before.response_ids.tolist()
+    assert max(batch.lags) <= eta
+    masked = sum(int((a.loss_mask.astype(bool) & (a.versions < oldest_allowed)).sum()) for a in answers)
+    assert (c["trained"], c["stale_tokens_masked"]) == (size, masked)
