@@ -9,9 +9,10 @@ tokens a running request produces after the update carry the new version (vLLM r
 version spans), and their KV cache of earlier tokens is the one computed by the old weights (as in
 PipelineRL). `in_flight=False` lets running requests finish before loading (the on-policy variant).
 
-One vLLM request per sample (`n=1`), even when the G samples of a group share their prompt: vLLM 0.32 runs
-`n>1` as child requests whose ids stay inside its output processor, and `abort(request_id)` of the parent ends
-every child, so one member could not be aborted (stale, timeout) or retried on its own.
+The G samples of a group, started together with the same prompt and sampling, go to vLLM as one request with
+`n = G` (the prompt is processed once); vLLM 0.32 runs it as child requests, and one member is aborted (stale,
+timeout, cancelled) by its child's internal id (`vllm_compat.child_request_id`) while its siblings go on.
+A retried member (a new attempt) comes alone and runs as a request of its own.
 """
 
 from __future__ import annotations
@@ -80,6 +81,39 @@ class EvalResult:
     versions: frozenset[int]
 
 
+@dataclass(eq=False)
+class _Member:
+    """One sample being generated (`Engine.generate`): completion `index` of a vLLM request (`_Stream`) of one or
+    more samples, and what came back for it."""
+
+    request: Request
+    top: list[dict[int, float]] | None = None
+    top_k: int = 0
+    index: int = 0
+    stream: _Stream | None = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    spans: Any = None
+    finish_reason: str = "abort"
+    error: str | None = None
+    first_version: int | None = None
+    """The engine's version when the first token came back."""
+    left: bool = False
+    """The caller was cancelled."""
+    done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One vLLM request and the members it samples (completion index i -> `members[i]`)."""
+
+    vllm_id: str
+    members: list[_Member]
+    task: asyncio.Task | None = None
+
+
+GREEDY_BELOW = 1e-5
+"""vLLM samples greedily below this temperature (and then refuses `n > 1`)."""
 WARM_UP_REQUESTS = 32
 """Requests `Engine.start` runs before serving (see `Engine._warm_up`)."""
 WARM_UP_TOKENS = 512
@@ -102,6 +136,7 @@ class Engine:
         seed: int = 0,
         initial_version: int = 0,
         weight_load: str = "auto",
+        group_requests: bool = True,
     ) -> None:
         self.model_dir = str(model_dir)
         self.name = name
@@ -116,6 +151,8 @@ class Engine:
         self._version = initial_version
         self._weight_load = weight_load
         """`RolloutConfig.weight_load` (auto / in_place / reload)."""
+        self._group_requests = group_requests
+        """Samples of one prompt and sampling asked for in one event-loop turn share a vLLM request (`_submit`)."""
         self._in_place = False
         """Whether new weights are copied into the parameters (decided at start) or go through vLLM's reload."""
         self._llm: Any = None
@@ -125,11 +162,15 @@ class Engine:
         """This engine's process group with learner rank 0 (the collective transport); renewed after a failure."""
         self._ids = itertools.count()
         self._progress: dict[str, int] = {}
-        self._running: dict[str, tuple[str, int | None]] = {}
-        """`Request.request_id` -> (vLLM request id, engine version when its first token came back or None)."""
+        self._running: dict[str, _Member] = {}
+        """`Request.request_id` -> its running sample."""
+        self._pending: dict[tuple[tuple[int, ...], SamplingSpec], list[_Member]] = {}
+        """Samples asked for in this event-loop turn, by prompt ids and sampling (`_submit`)."""
         self._abort_reasons: dict[str, str] = {}
         self.num_tokens_generated = 0
         self.num_requests_done = 0
+        self.num_vllm_requests = 0
+        """Requests sent to vLLM for samples (`generate`): one per group started together, not one per sample."""
 
     # ---------------------------------------------------------------------------------------------
     # Lifecycle
@@ -189,16 +230,16 @@ class Engine:
 
     def _sampling_params(
         self, spec: SamplingSpec, *, logprobs: int | None = 0, prompt_logprobs: int | None = None, logprob_token_ids: list[int] | None = None,
-        flat: bool = False,
+        flat: bool = False, n: int = 1,
     ) -> Any:
-        """Fresh `SamplingParams` for exactly one request (vLLM keeps the object: never pass it twice). `flat`:
-        log-probs in vLLM's flat lists (`vllm_compat.sampled_logprobs` reads them) instead of a dict and a
-        `Logprob` object per token."""
+        """Fresh `SamplingParams` for exactly one request of `n` samples (vLLM keeps the object: never pass it
+        twice). `flat`: log-probs in vLLM's flat lists (`vllm_compat.sampled_logprobs` reads them) instead of a
+        dict and a `Logprob` object per token."""
         # From the submodule: `from vllm import ...` runs vLLM's lazy module `__getattr__` (an import) per call.
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         return SamplingParams(
-            n=1,
+            n=n,
             max_tokens=spec.max_tokens,
             temperature=spec.temperature,
             top_p=spec.top_p,
@@ -225,69 +266,49 @@ class Engine:
         self, request: Request, sampling: SamplingSpec, top_logprobs: list[dict[int, float]] | None = None
     ) -> Trajectory:
         """Run one request to completion (or to its timeout) and return its trajectory. `top_logprobs`, when
-        given, receives each position's `sampling.top_logprobs` most likely tokens and their log-probs."""
+        given, receives each position's `sampling.top_logprobs` most likely tokens and their log-probs.
+
+        Requests for the same prompt ids with the same sampling made in one event-loop turn (the members of a
+        group the worker starts together) travel to vLLM as one request with `n` samples (`_submit`); each
+        still has its own timeout, stale abort and cancellation, and comes back as its own trajectory."""
         self._require_started()
         prompt: Prompt = request.prompt
-        request_id = f"{request.request_id}#{next(self._ids)}"  # unique inside vLLM even if re-dispatched here
         dispatch_version = self._version
         submitted_at = time.time()
-        token_ids: list[int] = []
-        logprobs: list[float] = []
-        spans: Any = None
-        finish_reason = "abort"
+        member = _Member(request, top=top_logprobs, top_k=sampling.top_logprobs)
         failure: str | None = None
         self._progress[request.request_id] = 0
-        self._running[request.request_id] = (request_id, None)
-
-        async def consume() -> None:
-            nonlocal spans, finish_reason
-            stream = self._llm.generate(
-                vllm_compat.token_input(list(prompt.prompt_ids)), self._sampling_params(sampling, logprobs=sampling.top_logprobs, flat=True), request_id
-            )
-            async for out in stream:
-                completion = out.outputs[0]
-                new = list(completion.token_ids)
-                if new and not token_ids:
-                    # The first token was sampled with weights no newer than those served now: an upper
-                    # bound on the trajectory's min_version (the label changes only while paused).
-                    self._running[request.request_id] = (request_id, self._version)
-                token_ids.extend(new)
-                if new:
-                    logprobs.extend(vllm_compat.sampled_logprobs(completion.logprobs, new))
-                    if top_logprobs is not None:
-                        top_logprobs.extend(vllm_compat.top_logprobs(completion.logprobs, sampling.top_logprobs))
-                self._progress[request.request_id] = len(token_ids)
-                if out.finished:
-                    spans = completion.weight_versions
-                    finish_reason = _finish_reason(completion.finish_reason)
-
-        task = asyncio.ensure_future(consume())
+        self._running[request.request_id] = member
         try:
-            await asyncio.wait_for(asyncio.shield(task), timeout=sampling.timeout_s)
+            # vLLM refuses n > 1 with greedy sampling; a seed or top log-probs belong to one sample.
+            shareable = self._group_requests and sampling.temperature >= GREEDY_BELOW and sampling.seed is None and top_logprobs is None
+            self._submit(member, prompt.prompt_ids, sampling, shareable)
+            await asyncio.wait_for(member.done.wait(), timeout=sampling.timeout_s)
         except asyncio.TimeoutError:
             failure = f"timeout: request {request.request_id} ran longer than {sampling.timeout_s}s"
-            # An external abort makes vLLM emit a final "abort" output, so `consume` ends with the partial response.
-            await self._llm.abort(request_id)
+            # An external abort makes vLLM emit a final "abort" output, so the member ends with its partial response.
+            await self._abort([member])
             try:
-                await asyncio.wait_for(task, timeout=5.0)
-            except (asyncio.TimeoutError, Exception):
-                task.cancel()
-            finish_reason = "abort"
+                await asyncio.wait_for(member.done.wait(), timeout=5.0)
+            except asyncio.TimeoutError:
+                self._leave(member)  # no final output came: stop waiting for it
+            member.finish_reason = "abort"
         except asyncio.CancelledError:
-            task.cancel()
+            self._leave(member)
             raise
-        except Exception as e:  # the engine died or rejected the request
-            failure = f"engine_error: {type(e).__name__}: {e}"
-            finish_reason = "error"
         finally:
             self._progress.pop(request.request_id, None)
             self._running.pop(request.request_id, None)
             abort_reason = self._abort_reasons.pop(request.request_id, None)
+        if member.error is not None and failure is None:  # the engine died or rejected the request
+            failure, member.finish_reason = member.error, "error"
         if abort_reason is not None and failure is None:
-            failure, finish_reason = abort_reason, "abort"
+            failure, member.finish_reason = abort_reason, "abort"
+        return self._trajectory(member, dispatch_version, submitted_at, failure)
 
-        n = len(token_ids)
-        logprobs = logprobs[:n]
+    def _trajectory(self, member: _Member, dispatch_version: int, submitted_at: float, failure: str | None) -> Trajectory:
+        request, prompt = member.request, member.request.prompt
+        n = len(member.token_ids)
         self.num_tokens_generated += n
         self.num_requests_done += 1
         return Trajectory(
@@ -295,11 +316,11 @@ class Engine:
             group_id=request.group_id,
             sample_index=request.sample_index,
             prompt_ids=np.asarray(prompt.prompt_ids, dtype=np.int32),
-            response_ids=np.asarray(token_ids, dtype=np.int32),
-            rollout_logprobs=np.asarray(logprobs, dtype=np.float32),
+            response_ids=np.asarray(member.token_ids, dtype=np.int32),
+            rollout_logprobs=np.asarray(member.logprobs[:n], dtype=np.float32),
             loss_mask=np.ones(n, dtype=np.int8),
-            versions=vllm_compat.version_per_token(spans, n, dispatch_version),
-            finish_reason=finish_reason,
+            versions=vllm_compat.version_per_token(member.spans, n, dispatch_version),
+            finish_reason=member.finish_reason,
             ground_truth=prompt.ground_truth,
             failure=failure,
             worker=self.name,
@@ -307,8 +328,97 @@ class Engine:
             dispatch_version=dispatch_version,
             submitted_at=submitted_at,
             finished_at=time.time(),
-            response_text=self.decode(token_ids),
+            response_text=self.decode(member.token_ids),
         )
+
+    # One vLLM request for the members of a group.
+
+    def _submit(self, member: _Member, prompt_ids: Sequence[int], sampling: SamplingSpec, shareable: bool) -> None:
+        """Start `member`'s generation: alone, or (`shareable`) with the other members asking for the same
+        prompt ids and sampling in this event-loop turn, as one `n`-sample request when the turn ends."""
+        if not shareable:
+            self._start_stream(prompt_ids, sampling, [member])
+            return
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._start_pending)
+        shared = sampling if sampling.timeout_s is None else dataclasses.replace(sampling, timeout_s=None)  # each member keeps its own
+        self._pending.setdefault((tuple(prompt_ids), shared), []).append(member)
+
+    def _start_pending(self) -> None:
+        pending, self._pending = self._pending, {}
+        for (prompt_ids, sampling), members in pending.items():
+            members = [m for m in members if not m.left]
+            if members:
+                self._start_stream(prompt_ids, sampling, members)
+
+    def _start_stream(self, prompt_ids: Sequence[int], sampling: SamplingSpec, members: list[_Member]) -> None:
+        stream = _Stream(f"{members[0].request.request_id}#{next(self._ids)}", members)  # unique inside vLLM
+        self.num_vllm_requests += 1
+        for index, member in enumerate(members):
+            member.index, member.stream = index, stream
+        stream.task = asyncio.ensure_future(self._consume(stream, list(prompt_ids), sampling))
+
+    async def _consume(self, stream: _Stream, prompt_ids: list[int], sampling: SamplingSpec) -> None:
+        """Route the request's outputs to its members (by completion index) until every one finished; an
+        engine that dies or rejects the request fails every member still running."""
+        try:
+            params = self._sampling_params(sampling, logprobs=sampling.top_logprobs, flat=True, n=len(stream.members))
+            async for out in self._llm.generate(vllm_compat.token_input(prompt_ids), params, stream.vllm_id):
+                for completion in out.outputs:
+                    self._receive(stream.members[completion.index], completion)
+        except Exception as e:
+            for member in stream.members:
+                if not member.done.is_set():
+                    member.error = f"engine_error: {type(e).__name__}: {e}"
+        finally:
+            for member in stream.members:
+                member.done.set()
+
+    def _receive(self, member: _Member, completion: Any) -> None:
+        rid = member.request.request_id
+        new = list(completion.token_ids)
+        if new and rid in self._progress:
+            if not member.token_ids:
+                # The first token was sampled with weights no newer than those served now: an upper bound on
+                # the trajectory's min_version (the label changes only while paused).
+                member.first_version = self._version
+            member.token_ids.extend(new)
+            member.logprobs.extend(vllm_compat.sampled_logprobs(completion.logprobs, new))
+            if member.top is not None:
+                member.top.extend(vllm_compat.top_logprobs(completion.logprobs, member.top_k))
+            self._progress[rid] = len(member.token_ids)
+        if completion.finish_reason is not None:
+            member.spans = completion.weight_versions
+            member.finish_reason = _finish_reason(completion.finish_reason)
+            member.done.set()
+
+    async def _abort(self, members: Sequence[_Member]) -> None:
+        """Abort these members' samples in vLLM (which then emits each one's final "abort" output), their
+        siblings in an `n`-sample request going on."""
+        whole, children = [], []
+        for member in members:
+            stream = member.stream
+            if stream is None or member.done.is_set():
+                continue
+            if len(stream.members) == 1:
+                whole.append(stream.vllm_id)
+            elif (child := vllm_compat.child_request_id(self._llm, stream.vllm_id, member.index)) is not None:
+                children.append(child)
+        if whole:
+            await self._llm.abort(whole)
+        if children:
+            await self._llm.abort(children, internal=True)
+
+    def _leave(self, member: _Member) -> None:
+        """`member`'s caller was cancelled: end its sample; the whole request once no member waits for it."""
+        member.left = True
+        stream = member.stream
+        if stream is None:
+            return  # still pending: `_start_pending` skips it
+        if all(m.left or m.done.is_set() for m in stream.members):
+            stream.task.cancel()  # vLLM aborts the request when its output stream is closed
+        else:
+            asyncio.ensure_future(self._abort([member]))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` without special tokens (an environment observation appended to an episode)."""
@@ -422,18 +532,17 @@ class Engine:
         """
         self._require_started()
         doomed = [
-            (rid, vllm_id, first)
-            for rid, (vllm_id, first) in self._running.items()
-            if first is not None and self._version - first > max_staleness and rid not in self._abort_reasons
+            member
+            for rid, member in self._running.items()
+            if member.first_version is not None and self._version - member.first_version > max_staleness and rid not in self._abort_reasons
         ]
-        for rid, _, first in doomed:
-            self._abort_reasons[rid] = (
-                f"{STALE_FAILURE}: first token at version {first}, engine serves {self._version}, "
+        for member in doomed:
+            self._abort_reasons[member.request.request_id] = (
+                f"{STALE_FAILURE}: first token at version {member.first_version}, engine serves {self._version}, "
                 f"max_staleness {max_staleness}"
             )
-        if doomed:
-            # An external abort makes vLLM emit a final "abort" output: `generate` returns the partial response.
-            await self._llm.abort([vllm_id for _, vllm_id, _ in doomed])
+        # An abort makes vLLM emit the sample's final "abort" output: `generate` returns the partial response.
+        await self._abort(doomed)
         return len(doomed)
 
     def _require_started(self) -> None:

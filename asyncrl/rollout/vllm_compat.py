@@ -395,3 +395,15 @@ def top_logprobs(logprobs: Any, k: int) -> list[dict[int, float]]:
         {int(ids[i]): float(values[i]) for i in range(start, end) if ranks[i] is not None and ranks[i] <= k}
         for start, end in zip(logprobs.start_indices, logprobs.end_indices)
     ]
+
+
+def child_request_id(llm: Any, request_id: str, index: int) -> str | None:
+    """vLLM's internal id of completion `index` of the `n>1` request `request_id`, to abort that one sample
+    (`llm.abort(id, internal=True)`); None once it finished. vLLM 0.32 fans an `n>1` request out into child
+    requests `"{index}_{parent internal id}"`, each listed under the external id in the output processor, and
+    `abort(request_id)` would end every child."""
+    prefix = f"{index}_"
+    for internal in llm.output_processor.external_req_ids.get(request_id, ()):
+        if internal.startswith(prefix):
+            return internal
+    return None

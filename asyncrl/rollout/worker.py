@@ -104,6 +104,7 @@ class RolloutWorker:
             gpu_memory_utilization=self.config.gpu_memory_utilization,
             seed=spec.seed,
             weight_load=self.config.weight_load,
+            group_requests=self.config.group_requests,
         )
         self.env_context = EnvContext(self.tools, spec.env.reward, spec.env.reward_timeout_s, spec.env.tool_timeout_s)
         self._make_env()  # fail at start, naming the environment, rather than on the first request
@@ -370,6 +371,7 @@ class RolloutWorker:
             "running": self._running,
             "requests_in_flight": len(self._in_flight),
             "requests_done": self.engine.num_requests_done,
+            "vllm_requests": self.engine.num_vllm_requests,
             "tokens_generated": self.engine.num_tokens_generated,
             "trajectories_put": self._trajectories_put,
             "reward_failures": self._reward_failures,

@@ -73,6 +73,8 @@ METRICS: list[MetricSpec] = [
     MetricSpec("asyncrl_pool_workers", "gauge", "Workers per pool (rollout, rollout_joining, learner)", ("pool",)),
     # throughput
     MetricSpec("asyncrl_rollout_generated_tokens_total", "counter", "Tokens the engines generated"),
+    MetricSpec("asyncrl_rollout_samples_total", "counter", "Generations the engines finished: one per sample, or per model turn of an agent episode (failed ones included)"),
+    MetricSpec("asyncrl_rollout_vllm_requests_total", "counter", "Requests the engines sent to vLLM: one per group started together (rollout.group_requests)"),
     MetricSpec("asyncrl_learner_trained_tokens_total", "counter", "Tokens the learner trained on"),
     MetricSpec("asyncrl_rollout_tokens_per_second", "gauge", "Generated tokens per second over the last telemetry.rate_window_s"),
     MetricSpec("asyncrl_learner_tokens_per_second", "gauge", "Trained tokens per second over the last telemetry.rate_window_s"),
@@ -217,6 +219,8 @@ class RunMetrics(Sink):
         for engine, stats in snapshot.engines.items():
             m["asyncrl_engine_policy_version"].labels(engine=engine).set(stats.get("version", 0))
             self._advance("asyncrl_rollout_generated_tokens_total", stats.get("tokens_generated", 0), key=engine)
+            self._advance("asyncrl_rollout_samples_total", stats.get("requests_done", 0), key=engine)
+            self._advance("asyncrl_rollout_vllm_requests_total", stats.get("vllm_requests", 0), key=engine)
             self._advance("asyncrl_staleness_aborted_requests_total", stats.get("stale_aborts", 0), key=engine)
         for pool, n in snapshot.pool_sizes.items():
             m["asyncrl_pool_workers"].labels(pool=pool).set(n)

@@ -262,6 +262,111 @@ def test_a_request_past_its_timeout_is_aborted_and_comes_back_failed_timeout(loo
     assert ok.failure is None and len(ok.response_ids) == 4
 
 
+def _group(i: int, prompt_ids, tag: str, size: int):
+    from asyncrl.testing import make_prompt, make_request
+
+    prompt = make_prompt(f"{tag}{i}", prompt_ids, "12")
+    return [make_request(prompt, sample_index=k, group_size=size) for k in range(size)]
+
+
+def test_a_group_started_together_is_one_vllm_request_and_each_member_keeps_its_own_tokens_and_logprobs(loop, engine, hf_model):
+    from asyncrl.rollout.engine import SamplingSpec
+
+    spec = SamplingSpec(max_tokens=12, temperature=0.7, ignore_eos=True)
+    groups = [_group(i, p, "g", 4) for i, p in enumerate(PROMPTS[:3])]
+    before = engine.num_vllm_requests
+
+    async def run():
+        return await asyncio.gather(*(engine.generate(r, spec) for group in groups for r in group))
+
+    trajectories = loop.run_until_complete(run())
+    assert engine.num_vllm_requests - before == 3  # one per group, not one per sample
+    assert [(t.group_id, t.sample_index) for t in trajectories] == [(r.group_id, r.sample_index) for g in groups for r in g]
+    for t in trajectories:
+        assert t.failure is None and t.finish_reason == "length" and len(t.response_ids) == 12
+        assert len(t.rollout_logprobs) == len(t.versions) == 12 and set(t.versions.tolist()) == {engine.version}
+    assert _max_parity_error(hf_model, trajectories, temperature=0.7) < PARITY_ATOL
+    for g in range(3):  # the members are independent samples, not one sample copied
+        assert len({tuple(t.response_ids.tolist()) for t in trajectories[4 * g : 4 * g + 4]}) > 1
+    # Seeded or greedy samples are not shared (vLLM refuses n > 1 when greedy): one vLLM request each.
+    for tag, alone in (("seeded", SamplingSpec(max_tokens=4, ignore_eos=True, seed=7)), ("greedy", SamplingSpec(max_tokens=4, temperature=0.0))):
+        before = engine.num_vllm_requests
+
+        async def run_alone():
+            return await asyncio.gather(*(engine.generate(r, alone) for r in _group(0, PROMPTS[0], tag, 2)))
+
+        pair = loop.run_until_complete(run_alone())
+        assert engine.num_vllm_requests - before == 2 and all(t.failure is None for t in pair), tag
+
+
+def test_one_member_of_a_group_request_is_cancelled_alone_and_the_others_carry_an_in_flight_update(loop, engine, hf_model):
+    """Member 1 of a 4-sample request is cancelled mid-generation: vLLM ends that sample only (its final
+    "abort" output comes back), while the other three run to their full length across an in-flight weight
+    update, each with its own version boundary."""
+    from asyncrl.rollout.engine import SamplingSpec
+    from asyncrl.rollout.weights import hf_named_tensors, pack_buckets
+
+    buckets = pack_buckets(hf_named_tensors(hf_model), bucket_bytes=1 << 30)  # the weights it serves already
+    v0 = engine.version
+    spec = SamplingSpec(max_tokens=300, ignore_eos=True, stream_interval=1)
+    group = _group(0, PROMPTS[5], "c", 4)
+
+    async def scenario():
+        before = engine.num_vllm_requests
+        tasks = [asyncio.ensure_future(engine.generate(r, spec)) for r in group]
+        while min(engine.progress(r.request_id) for r in group) < 20:
+            await asyncio.sleep(0.005)
+        assert engine.num_vllm_requests - before == 1
+        cancelled = engine._running[group[1].request_id]
+        tasks[1].cancel()
+        await engine.update_weights(buckets, version=v0 + 1, in_flight=True)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        return results, cancelled
+
+    results, cancelled = loop.run_until_complete(scenario())
+    assert isinstance(results[1], asyncio.CancelledError)
+    assert cancelled.finish_reason == "abort" and 20 <= len(cancelled.token_ids) < 300
+    for t in (results[0], results[2], results[3]):
+        assert t.failure is None and t.finish_reason == "length" and len(t.response_ids) == 300
+        boundary = int(np.argmax(t.versions == v0 + 1))
+        assert 20 <= boundary < 300
+        assert t.versions.tolist() == [v0] * boundary + [v0 + 1] * (300 - boundary)
+    assert not engine._llm.output_processor.request_states  # nothing left running in vLLM
+
+
+def test_the_members_of_a_group_past_their_timeout_each_come_back_failed_timeout(loop, engine):
+    from asyncrl.rollout.engine import SamplingSpec
+
+    spec = SamplingSpec(max_tokens=480, ignore_eos=True, timeout_s=0.5)
+
+    async def run():
+        return await asyncio.gather(*(engine.generate(r, spec) for r in _group(0, PROMPTS[6], "slowg", 3)))
+
+    started = time.monotonic()
+    results = loop.run_until_complete(run())
+    assert time.monotonic() - started < 0.5 + 5.0
+    for t in results:
+        assert t.failure is not None and t.failure.startswith("timeout:") and t.finish_reason == "abort"
+        assert len(t.response_ids) < 480 and len(t.rollout_logprobs) == len(t.versions) == len(t.response_ids)
+    assert not engine._llm.output_processor.request_states
+
+
+def test_a_request_vllm_rejects_fails_each_member_engine_error_and_the_engine_keeps_serving(loop, engine):
+    from asyncrl.rollout.engine import SamplingSpec
+
+    too_long = [1] + [5] * 600  # the engine's context is 512 tokens
+    spec = SamplingSpec(max_tokens=4, ignore_eos=True)
+
+    async def run():
+        return await asyncio.gather(*(engine.generate(r, spec) for r in _group(0, too_long, "long", 2) + [_request(1, PROMPTS[0], "fine")]))
+
+    *rejected, fine = loop.run_until_complete(run())
+    for t in rejected:
+        assert t.failure.startswith("engine_error: "), t.failure
+        assert t.finish_reason == "error" and len(t.response_ids) == 0
+    assert fine.failure is None and len(fine.response_ids) == 4
+
+
 def test_evaluate_is_greedy_and_matches_transformers_argmax(loop, engine, hf_model):
     results = loop.run_until_complete(engine.evaluate(PROMPTS[:3], max_tokens=6))
     assert results == loop.run_until_complete(engine.evaluate(PROMPTS[:3], max_tokens=6))

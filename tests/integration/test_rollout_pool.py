@@ -38,11 +38,13 @@ def crashing_reward(response, ground_truth, *, finish_reason, extra_info):
     return float(len(response) > 0)
 
 
-def _requests(tag: str, n: int, ground_truths=None):
+def _requests(tag: str, n: int, ground_truths=None, group_size: int = 1):
+    """`n` prompts of `group_size` samples each (sample-major within a group, as the queue hands them out)."""
     from asyncrl.testing import make_prompt, make_request
 
     ground_truths = ground_truths or ["12"] * n
-    return [make_request(make_prompt(f"{tag}{i}", [1, 4 + i % 10, 14, 5, 15], ground_truths[i])) for i in range(n)]
+    prompts = [make_prompt(f"{tag}{i}", [1, 4 + i % 10, 14, 5, 15], ground_truths[i]) for i in range(n)]
+    return [make_request(p, sample_index=k, group_size=group_size) for p in prompts for k in range(group_size)]
 
 
 def _wait_for(queue, condition, timeout_s: float, what: str) -> dict:
@@ -138,8 +140,8 @@ def test_the_pool_serves_the_queue_and_a_crashing_reward_fails_only_its_trajecto
     import ray
 
     assert pool.names == ["rollout-0"]
-    ground_truths = ["12"] * 11 + ["boom"]
-    ray.get(queue.add.remote(_requests("a", 12, ground_truths)))
+    # Two groups of 4 fill the worker's 8 slots in one hand-out; then 4 single samples, the last one crashing.
+    ray.get(queue.add.remote(_requests("g", 2, group_size=4) + _requests("a", 4, ["12"] * 3 + ["boom"])))
     pool.start_generation()
     _wait_for(queue, lambda s: s["finished"] == 12, 120, "12 trajectories")
     finished = [t for t, _ in ray.get(queue.take_finished.remote())]
@@ -152,6 +154,7 @@ def test_the_pool_serves_the_queue_and_a_crashing_reward_fails_only_its_trajecto
         assert t.versions.tolist() == [0] * MAX_TOKENS and np.all(t.rollout_logprobs <= 0)
     stats = pool.stats()["rollout-0"]
     assert stats["requests_done"] == 12 and stats["tokens_generated"] == 12 * MAX_TOKENS
+    assert stats["vllm_requests"] == 2 + 4  # each group's 4 samples went to vLLM as one request (n = 4)
     assert stats["reward_failures"] == 1 and stats["busy_s"] > 0 and stats["idle_s"] >= 0
 
 

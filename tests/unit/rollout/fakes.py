@@ -127,6 +127,7 @@ class FakeEngine:
         self.weight_load = "in_place"
         self.num_requests_done = 0
         self.num_tokens_generated = 0
+        self.num_vllm_requests = 0
         self.running = 0
         self.peak_running = 0
 
@@ -145,5 +146,6 @@ class FakeEngine:
             self.running -= 1
         n = len(self.response) + 1
         self.num_requests_done += 1
+        self.num_vllm_requests += 1
         self.num_tokens_generated += n
         return make_answer(request, n, rollout_logprobs=0.0, versions=self.version, worker=self.name, response_text=self.response)

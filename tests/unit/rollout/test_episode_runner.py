@@ -35,7 +35,7 @@ class ScriptedEngine:
     def __init__(self, policy: Callable[[str], str], delay_s: float = 0.0):
         self.policy, self.delay_s = policy, delay_s
         self.version, self.name, self.weight_load = 0, "rollout-0", "in_place"
-        self.started, self.num_requests_done, self.num_tokens_generated = True, 0, 0
+        self.started, self.num_requests_done, self.num_tokens_generated, self.num_vllm_requests = True, 0, 0, 0
         self.contexts: list[list[int]] = []
         self.samplings: list[SamplingSpec] = []
         self.on_turn: Callable[[int], None] = lambda k: None

@@ -47,12 +47,17 @@ def _snapshot(wall_s: float, engines: dict, counters: dict | None = None, queue:
 
 def test_counters_grow_by_what_the_cumulative_totals_grew_and_survive_a_replaced_engine():
     m = RunMetrics()
-    m.pool(_snapshot(1.0, {"rollout-0": {"tokens_generated": 100, "stale_aborts": 1}}, {"dropped_stale": 2, "groups_dropped_stale": 1}, tokens_trained=50))
-    m.pool(_snapshot(2.0, {"rollout-0": {"tokens_generated": 250, "stale_aborts": 1}}, {"dropped_stale": 6, "groups_dropped_stale": 3}, tokens_trained=80))
+    m.pool(_snapshot(1.0, {"rollout-0": {"tokens_generated": 100, "stale_aborts": 1, "requests_done": 16, "vllm_requests": 2}},
+                     {"dropped_stale": 2, "groups_dropped_stale": 1}, tokens_trained=50))
+    m.pool(_snapshot(2.0, {"rollout-0": {"tokens_generated": 250, "stale_aborts": 1, "requests_done": 40, "vllm_requests": 5}},
+                     {"dropped_stale": 6, "groups_dropped_stale": 3}, tokens_trained=80))
     # rollout-0 died; its replacement counts from 0 again, rollout-1 is new.
-    m.pool(_snapshot(3.0, {"rollout-2": {"tokens_generated": 30}, "rollout-1": {"tokens_generated": 20, "stale_aborts": 2}}, tokens_trained=80))
+    m.pool(_snapshot(3.0, {"rollout-2": {"tokens_generated": 30, "requests_done": 8, "vllm_requests": 8},
+                           "rollout-1": {"tokens_generated": 20, "stale_aborts": 2}}, tokens_trained=80))
     text = m.exposition().decode()
     assert _value(text, "asyncrl_rollout_generated_tokens_total") == 250 + 30 + 20
+    assert _value(text, "asyncrl_rollout_samples_total") == 40 + 8
+    assert _value(text, "asyncrl_rollout_vllm_requests_total") == 5 + 8
     assert _value(text, "asyncrl_learner_trained_tokens_total") == 80
     assert _value(text, 'asyncrl_buffer_samples_total{state="dropped_stale"}') == 6
     assert _value(text, "asyncrl_staleness_dropped_groups_total") == 3
