@@ -9,7 +9,8 @@ Measured pieces, each alone, on W2's workload (tiny-0.3m, log-normal lengths, th
           longest): what sync pays per batch, stragglers included.
   t_b     seconds of one optimizer step on batch b with `RankStep` on a plain module (no Ray, no FSDP),
           `learner.num_cpus_per_rank` = 1 torch thread, each mode's recipe.
-  V       vLLM's own tokens/s on the same requests (raw `AsyncLLM`, same sampling, FINAL_ONLY): the
+  V       vLLM's own tokens/s on the same requests (raw `AsyncLLM`, same sampling, one request of n = G per
+          group as `Engine` sends them, FINAL_ONLY): the
           overhead of `Engine` is E / V (goal >= 0.95). Both runs also give the client process's CPU per
           request (all its threads; the engine core is a child process): the rollout worker's share.
 Tokens are W2's: prompt + response tokens of the trained samples (n_b in batch b).
@@ -18,12 +19,16 @@ Model:
   straggler factor  s = sum_b g_b / (sum_b n_b / E)      (batch-at-a-time generation vs the saturated engine)
   sync limit          = sum_b n_b / sum_b (g_b + t_b)    (generate a batch, then train on it; weight sync free)
   learner rate      L = sum_b n_b / sum_b t_b
-  streaming limit     = min(E, L)                        (generation and training overlap, engine on one
-                                                          vCPU and learner on the other, each at its alone rate)
-The machine has 2 vCPUs, about one core of matmul: when both sides run at once each may get less than
-alone, so min(E, L) is optimistic; `shared_core_bound` = 1 / (1/E + 1/L) is the rate if they only
-time-share one core. W2's figures are reported as fractions of the limits (goals: sync >= 0.9, streaming
->= 0.8), as measured and load-normalised by E_w2 / E (W2 times the same engine-alone run in its session).
+  capacity          c = E_t / E + L_t / L                (E_t, L_t: both sides' rates measured while they run
+                                                          at full load at the same time for 30 s; 1 = they
+                                                          time-share one core, 2 = each has a free core)
+  streaming limit     = min(E, L, c / (1/E + 1/L))      (generation and training overlap: the best split of
+                                                          what the machine gives both, each side's share
+                                                          trading linearly against the other's)
+min(E, L), the limit if each side kept its alone rate while both run, and the shared-core bound 1 / (1/E +
+1/L) (c = 1) are reported next to it. W2's figures are reported as fractions of the limits (goals: sync
+>= 0.9, streaming >= 0.8), as measured and load-normalised by E_w2 / E (W2 times the same engine-alone run
+in its session).
 
     python benchmarks/limits.py [--w2 benchmarks/results/async_speedup.json] [--quick]   # ~2 min
 """
@@ -49,6 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 MAX_MODEL_LEN, MAX_REQUESTS_IN_FLIGHT, ROLLOUT_CPUS = w2.MAX_MODEL_LEN, w2.MAX_REQUESTS_IN_FLIGHT, w2.ROLLOUT_CPUS
 REPEATS = 2
 """Engine and vLLM-alone runs are interleaved this many times; the best of each counts (shared machine)."""
+TOGETHER_S = 30.0
+"""Seconds engine and learner run at once to measure what the machine gives both (`measure_together`)."""
 
 
 @dataclass
@@ -124,21 +131,26 @@ async def start_raw_vllm(model_dir: Path, warm_up: list):
 
 
 async def raw_generate_s(llm, jobs: list) -> float:
-    """Seconds for vLLM alone to finish `jobs` submitted at once, one final output per request, the sampled
-    tokens' log-probs included (what `Engine` asks for)."""
+    """Seconds for vLLM alone to finish `jobs` submitted at once, one request of `n` samples per group (as
+    `Engine` sends a group's samples), one final output per request, the sampled tokens' log-probs included
+    (what `Engine` asks for)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    async def one(i: int, request, spec) -> None:
+    groups: dict[str, list] = {}
+    for request, spec in jobs:
+        groups.setdefault(request.group_id, []).append((request, spec))
+
+    async def one(i: int, request, spec, n: int) -> None:
         params = SamplingParams(
-            max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
+            n=n, max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
             ignore_eos=spec.ignore_eos, logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
         )
         async for _ in llm.generate({"prompt_token_ids": list(request.prompt.prompt_ids)}, params, f"raw-{i}-{time.time_ns()}"):
             pass
 
     began = time.perf_counter()
-    await asyncio.gather(*(one(i, r, s) for i, (r, s) in enumerate(jobs)))
+    await asyncio.gather(*(one(i, *members[0], len(members)) for i, members in enumerate(groups.values())))
     return time.perf_counter() - began
 
 
@@ -161,6 +173,17 @@ def measure_engine_side(model_dir: Path, batches: list[list], weight_load: str) 
 def learner_seconds(model_dir: Path, mode: str, args, groups_per_batch: list[list], out_dir: Path) -> list[float]:
     """Seconds of each optimizer step of `mode`'s recipe on the given batches (one plain fp32 module, the
     learner's torch threads), as `LearnerWorker` steps them but without its process group."""
+    train = learner_steps(model_dir, mode, args, out_dir)
+    seconds = []
+    for b, groups in enumerate(groups_per_batch):
+        began = time.perf_counter()
+        train(groups, b)
+        seconds.append(time.perf_counter() - began)
+    return seconds
+
+
+def learner_steps(model_dir: Path, mode: str, args, out_dir: Path):
+    """`train(groups, step)`: one optimizer step of `mode`'s recipe on a plain fp32 module."""
     import torch
 
     from asyncrl.algo.sampling import SamplingDistribution
@@ -181,12 +204,67 @@ def learner_seconds(model_dir: Path, mode: str, args, groups_per_batch: list[lis
     state = TrainState(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
     sampling = SamplingDistribution(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
     step = RankStep(state, learner, recipe, sampling, torch.device("cpu"), lambda tensor, _op: tensor)
-    seconds = []
-    for b, groups in enumerate(groups_per_batch):
-        began = time.perf_counter()
-        step.train(split_mini_batches(build_batch(groups, recipe), learner.mini_batches, recipe), b)
-        seconds.append(time.perf_counter() - began)
-    return seconds
+    return lambda groups, b: step.train(split_mini_batches(build_batch(groups, recipe), learner.mini_batches, recipe), b)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Both at once: how much of the two sides' alone rates the machine gives them together.
+
+
+class EngineLoad:
+    """A warm `Engine` in a Ray actor with the rollout worker's CPU share that generates W2's requests pass
+    after pass (all at once) for a given time."""
+
+    def __init__(self, model_dir: str, jobs: list, weight_load: str) -> None:
+        self.model_dir, self.jobs, self.weight_load, self.engine = model_dir, jobs, weight_load, None
+
+    async def start(self) -> None:
+        from asyncrl.rollout.engine import Engine
+
+        self.engine = Engine(self.model_dir, name="limit", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_REQUESTS_IN_FLIGHT, seed=0, weight_load=self.weight_load)
+        await self.engine.start()
+        await engine_generate(self.engine, self.jobs)  # the first pass of these shapes is slower (cold)
+
+    async def run_for(self, seconds: float) -> tuple[int, float]:
+        """(tokens, seconds) of the passes finished within `seconds` (the other side ran all that time)."""
+        began, tokens, elapsed = time.perf_counter(), 0, 0.0
+        while True:
+            _, trajectories = await engine_generate(self.engine, self.jobs)
+            if time.perf_counter() - began > seconds:
+                return tokens, elapsed
+            tokens += sum(t.num_tokens for t in trajectories)
+            elapsed = time.perf_counter() - began
+
+    async def stop(self) -> None:
+        await self.engine.shutdown()
+
+
+def measure_together(model_dir: Path, batches: list[list], groups: list[list], args, out_dir: Path, seconds: float) -> dict:
+    """Engine and learner (streaming's recipe) at full load at the same time for `seconds`: each side's
+    tokens/s over the work it finished within that time."""
+    import ray
+
+    print(f"engine and learner together ({seconds:.0f} s) ...", flush=True)
+    train = learner_steps(model_dir, "streaming", args, out_dir)
+    batch_tokens = [sum(t.num_tokens for g in batch for t in g.trajectories) for batch in groups]
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    try:
+        load = ray.remote(num_cpus=ROLLOUT_CPUS)(EngineLoad).remote(str(model_dir), [job for batch in batches for job in batch], args.weight_load)
+        ray.get(load.start.remote())
+        engine_run = load.run_for.remote(seconds)
+        began, tokens, elapsed, b = time.perf_counter(), 0, 0.0, 0
+        while time.perf_counter() - began < seconds:
+            train(groups[b % len(groups)], b)
+            if time.perf_counter() - began <= seconds:
+                tokens, elapsed = tokens + batch_tokens[b % len(groups)], time.perf_counter() - began
+            b += 1
+        engine_tokens, engine_elapsed = ray.get(engine_run)
+        ray.get(load.stop.remote())
+    finally:
+        ray.shutdown()
+    if not engine_elapsed or not elapsed:
+        raise RuntimeError(f"together: no whole engine pass or learner step within {seconds} s")
+    return {"seconds": seconds, "engine_tokens_per_s": engine_tokens / engine_elapsed, "learner_tokens_per_s": tokens / elapsed, "learner_steps": b}
 
 
 def groups_of(trajectories: list, args) -> list[list]:
@@ -202,11 +280,13 @@ def groups_of(trajectories: list, args) -> list[list]:
 # The model.
 
 
-def limit_model(engine: EngineFigures, batch_tokens: list[int], train_s: dict[str, list[float]], requests: int) -> dict:
-    """The formulas of the module docstring; `train_s` per mode (sync, streaming); `requests` per all-at-once run."""
+def limit_model(engine: EngineFigures, batch_tokens: list[int], train_s: dict[str, list[float]], requests: int, together: dict) -> dict:
+    """The formulas of the module docstring; `train_s` per mode (sync, streaming); `requests` per all-at-once
+    run; `together`: both sides' rates measured at the same time (`measure_together`)."""
     tokens = sum(batch_tokens)
     engine_rate = tokens / min(engine.engine_s)
     learner_rate = tokens / sum(train_s["streaming"])
+    capacity = together["engine_tokens_per_s"] / engine_rate + together["learner_tokens_per_s"] / learner_rate
     return {
         "tokens": tokens,
         "engine_tokens_per_s": engine_rate,
@@ -221,6 +301,9 @@ def limit_model(engine: EngineFigures, batch_tokens: list[int], train_s: dict[st
         "streaming_limit_tokens_per_s": min(engine_rate, learner_rate),
         "streaming_bound_by": "engine" if engine_rate <= learner_rate else "learner",
         "shared_core_bound_tokens_per_s": 1.0 / (1.0 / engine_rate + 1.0 / learner_rate),
+        "together": together,
+        "concurrency_capacity": capacity,
+        "streaming_limit_measured_tokens_per_s": min(engine_rate, learner_rate, capacity / (1.0 / engine_rate + 1.0 / learner_rate)),
     }
 
 
@@ -231,7 +314,7 @@ def w2_fractions(model: dict, w2_result: dict | None) -> dict:
     learner sped up alike (a first-order correction: the fractions are only exact back to back)."""
     if w2_result is None:
         return {}
-    limits = {"sync": model["sync_limit_tokens_per_s"], "streaming": model["streaming_limit_tokens_per_s"], "sao": model["streaming_limit_tokens_per_s"]}
+    limits = {"sync": model["sync_limit_tokens_per_s"], "streaming": model["streaming_limit_measured_tokens_per_s"], "sao": model["streaming_limit_measured_tokens_per_s"]}
     speed = w2_result["engine_alone"]["tokens_per_s"] / model["engine_tokens_per_s"]
     return {
         m["mode"]: {
@@ -239,6 +322,7 @@ def w2_fractions(model: dict, w2_result: dict | None) -> dict:
             "fraction_of_limit": m["trained_tokens_per_s"] / limits[m["mode"]],
             "machine_speed_ratio": speed,
             "fraction_of_limit_load_normalised": m["trained_tokens_per_s"] / (limits[m["mode"]] * speed),
+            **({"fraction_of_min_e_l": m["trained_tokens_per_s"] / model["streaming_limit_tokens_per_s"]} if m["mode"] != "sync" else {}),
         }
         for m in w2_result["modes"]
         if m["mode"] in limits
@@ -285,8 +369,12 @@ def print_summary(model: dict, fractions: dict) -> None:
           + ", ".join(f"{m} {r:.0f}" for m, r in model["learner_tokens_per_s"].items()) + " tokens/s")
     cpu = model["client_cpu_ms_per_request"]
     print(f"client CPU per request: Engine {cpu['engine']:.3f} ms, vLLM alone {cpu['vllm_alone']:.3f} ms")
-    print(f"limits: sync {model['sync_limit_tokens_per_s']:.0f} tokens/s, streaming {model['streaming_limit_tokens_per_s']:.0f} "
-          f"({model['streaming_bound_by']}-bound; one shared core: {model['shared_core_bound_tokens_per_s']:.0f})")
+    together = model["together"]
+    print(f"together: engine {together['engine_tokens_per_s']:.0f}, learner {together['learner_tokens_per_s']:.0f} tokens/s; "
+          f"concurrency capacity {model['concurrency_capacity']:.2f} (1: one shared core, 2: two free cores)")
+    print(f"limits: sync {model['sync_limit_tokens_per_s']:.0f} tokens/s, streaming {model['streaming_limit_measured_tokens_per_s']:.0f} "
+          f"(min(E, L) {model['streaming_limit_tokens_per_s']:.0f}, {model['streaming_bound_by']}-bound; one shared core: "
+          f"{model['shared_core_bound_tokens_per_s']:.0f})")
     for mode, f in fractions.items():
         print(f"W2 {mode}: {f['trained_tokens_per_s']:.0f} tokens/s = {f['fraction_of_limit']:.2f} of its limit; "
               f"{f['fraction_of_limit_load_normalised']:.2f} load-normalised (engine alone {f['machine_speed_ratio']:.2f}x faster in W2's session)")
@@ -305,8 +393,9 @@ def main() -> None:
         groups = groups_of(engine.trajectories, args)
         print("learner alone (sync's and streaming's recipes) ...", flush=True)
         train_s = {mode: learner_seconds(model_dir, mode, args, groups, Path(tmp) / "runs") for mode in ("sync", "streaming")}
+        together = measure_together(model_dir, batches, groups, args, Path(tmp) / "runs", TOGETHER_S / (4 if args.quick else 1))
     batch_tokens = [sum(t.num_tokens for g in batch for t in g.trajectories) for batch in groups]
-    model = limit_model(engine, batch_tokens, train_s, len(engine.trajectories))
+    model = limit_model(engine, batch_tokens, train_s, len(engine.trajectories), together)
     fractions = w2_fractions(model, args.w2_result)
     print_summary(model, fractions)
     result = {

@@ -148,9 +148,10 @@ def limits(d: dict) -> list[str]:
         "",
         "Each piece measured alone on W2's requests: engine E = all requests at once on one vLLM engine with 1 CPU "
         "(Ray task, as in a run); g_b = batch b generated alone (stragglers included); t_b = one optimizer step on "
-        "batch b, plain module, 1 torch thread (no Ray, no FSDP). sync limit = Σn_b / Σ(g_b + t_b); streaming "
-        "limit = min(E, learner rate Σn_b / Σt_b), engine and learner on one vCPU each (the 2 vCPUs are about one "
-        "core of matmul: the shared-core bound 1 / (1/E + 1/L) is the pessimistic case). Tokens = prompt + response.",
+        "batch b, plain module, 1 torch thread (no Ray, no FSDP). sync limit = Σn_b / Σ(g_b + t_b). Then both at "
+        "full load at once: capacity c = E_together / E + L_together / L (1: they time-share one core; 2: each has "
+        "a core of its own); streaming limit = min(E, L, c / (1/E + 1/L)), next to min(E, L) (each side at its "
+        "alone rate) and the shared-core bound 1 / (1/E + 1/L). Tokens = prompt + response.",
         "",
         "W2 and this run are separate sessions on a shared machine: the load-normalised fraction divides by how much "
         "faster W2's own engine-alone run was than this one's (same requests), assuming the learner sped up alike. "
@@ -165,18 +166,22 @@ def limits(d: dict) -> list[str]:
         f"{m['client_cpu_ms_per_request']['engine']:.2f} ms per request (vLLM alone {m['client_cpu_ms_per_request']['vllm_alone']:.2f}).",
         "",
     ]
+    together = m.get("together")
     lines += table(
         ["engine tok/s", "vLLM alone tok/s", "engine ÷ vLLM", "straggler factor", "learner tok/s (sync / streaming recipe)",
-         "sync limit tok/s", "streaming limit tok/s", "shared-core bound tok/s"],
+         "together: engine / learner tok/s (capacity c)", "sync limit tok/s", "streaming limit tok/s", "min(E, L)", "shared-core bound tok/s"],
         [[f"{m['engine_tokens_per_s']:.0f}", f"{m['vllm_alone_tokens_per_s']:.0f}", f"{m['engine_over_vllm']:.3f}",
           f"{m['straggler_factor']:.2f}", " / ".join(f"{v:.0f}" for v in m["learner_tokens_per_s"].values()),
-          f"{m['sync_limit_tokens_per_s']:.0f}", f"{m['streaming_limit_tokens_per_s']:.0f} ({m['streaming_bound_by']}-bound)",
-          f"{m['shared_core_bound_tokens_per_s']:.0f}"]],
+          f"{together['engine_tokens_per_s']:.0f} / {together['learner_tokens_per_s']:.0f} ({m['concurrency_capacity']:.2f})" if together else "-",
+          f"{m['sync_limit_tokens_per_s']:.0f}", f"{m.get('streaming_limit_measured_tokens_per_s', m['streaming_limit_tokens_per_s']):.0f}",
+          f"{m['streaming_limit_tokens_per_s']:.0f} ({m['streaming_bound_by']}-bound)", f"{m['shared_core_bound_tokens_per_s']:.0f}"]],
     )
     lines += [""] + table(
-        ["W2 mode", "trained tok/s", "fraction of limit (as measured)", "machine speed W2 ÷ here", "fraction load-normalised", "goal"],
+        ["W2 mode", "trained tok/s", "fraction of limit (as measured)", "machine speed W2 ÷ here", "fraction load-normalised",
+         "fraction of min(E, L)", "goal"],
         [[mode, f"{f['trained_tokens_per_s']:.0f}", f"{f['fraction_of_limit']:.2f}", f"{f['machine_speed_ratio']:.2f}",
-          f"{f['fraction_of_limit_load_normalised']:.2f}", f"≥ {goals[mode]}"] for mode, f in fractions.items()],
+          f"{f['fraction_of_limit_load_normalised']:.2f}", f"{f['fraction_of_min_e_l']:.2f}" if "fraction_of_min_e_l" in f else "-",
+          f"≥ {goals[mode]}"] for mode, f in fractions.items()],
     )
     return lines
 
@@ -436,6 +441,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "queue_throughput": queue_throughput,
     "algo_throughput": algo_throughput,
     "learning_add": learning_add,
+    "learning_add_120": learning_add,
     "learning_add_mb4": learning_add_mini_batches,
     "learning_add_mb4_same_lr": learning_add_mini_batches,
     "profile": profile,
@@ -443,13 +449,18 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "profile_w1_quiet": profile,
     "profile_w1_quiet_after": profile,
     "profile_w1_afternoon": profile,
+    "profile_w1_grouped_1": profile,
+    "profile_w1_ungrouped_1": profile,
+    "profile_w1_grouped_2": profile,
+    "profile_w1_ungrouped_2": profile,
     "limits": limits,
     "soak": soak,
     "agent_tool": agent_tool,
     "logprob_layout": logprob_layout,
 }
-ORDER = ["learning_add", "learning_add_mb4", "learning_add_mb4_same_lr", "async_speedup", "async_speedup_continue", "limits", "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "queue_throughput", "algo_throughput",
-         "profile_before", "profile", "profile_w1_quiet", "profile_w1_quiet_after", "profile_w1_afternoon", "soak"]
+ORDER = ["learning_add", "learning_add_120", "learning_add_mb4", "learning_add_mb4_same_lr", "async_speedup", "async_speedup_continue", "limits", "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "queue_throughput", "algo_throughput",
+         "profile_before", "profile", "profile_w1_quiet", "profile_w1_quiet_after", "profile_w1_afternoon",
+         "profile_w1_ungrouped_1", "profile_w1_grouped_1", "profile_w1_ungrouped_2", "profile_w1_grouped_2", "soak"]
 
 
 def render(results: Path) -> str:

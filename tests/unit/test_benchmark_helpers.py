@@ -56,7 +56,9 @@ def test_limit_model_follows_its_formulas():
     # Batch by batch 1 s each: 2 s where the saturated engine needs 1 s -> straggler factor 2.
     engine = EngineFigures(engine_s=[2.0, 1.0], vllm_s=[0.9, 0.95], batch_s=[1.0, 1.0], trajectories=[],
                            engine_cpu_s=[0.3, 0.2], vllm_cpu_s=[0.1, 0.15])
-    model = limit_model(engine, [100, 300], {"sync": [0.5, 0.5], "streaming": [1.0, 1.0]}, requests=100)
+    # Both at once the engine kept 300 of its 400 tokens/s and the learner 100 of its 200: capacity 0.75 + 0.5.
+    together = {"engine_tokens_per_s": 300.0, "learner_tokens_per_s": 100.0}
+    model = limit_model(engine, [100, 300], {"sync": [0.5, 0.5], "streaming": [1.0, 1.0]}, requests=100, together=together)
     assert model["engine_tokens_per_s"] == 400.0
     assert abs(model["engine_over_vllm"] - 0.9) < 1e-12
     assert model["straggler_factor"] == 2.0
@@ -65,10 +67,16 @@ def test_limit_model_follows_its_formulas():
     assert model["learner_tokens_per_s"] == {"sync": 400.0, "streaming": 200.0}
     assert (model["streaming_limit_tokens_per_s"], model["streaming_bound_by"]) == (200.0, "learner")  # min(400, 200)
     assert abs(model["shared_core_bound_tokens_per_s"] - 400 / 3) < 1e-9  # 1 / (1/400 + 1/200)
+    assert model["concurrency_capacity"] == 1.25
+    assert abs(model["streaming_limit_measured_tokens_per_s"] - 500 / 3) < 1e-9  # 1.25 / (1/400 + 1/200), under min(E, L)
+    limit = limit_model(engine, [100, 300], {"sync": [0.5, 0.5], "streaming": [1.0, 1.0]}, requests=100,
+                        together={"engine_tokens_per_s": 400.0, "learner_tokens_per_s": 200.0})
+    assert limit["streaming_limit_measured_tokens_per_s"] == 200.0  # c = 2 would allow 266.7: min(E, L) caps it
     # W2's session timed the engine alone at 800 tokens/s: the machine was 2x faster then.
     w2 = {"engine_alone": {"tokens_per_s": 800.0},
           "modes": [{"mode": "sync", "trained_tokens_per_s": 120.0}, {"mode": "streaming", "trained_tokens_per_s": 150.0}]}
     fractions = w2_fractions(model, w2)
-    assert abs(fractions["sync"]["fraction_of_limit"] - 0.9) < 1e-9 and fractions["streaming"]["fraction_of_limit"] == 0.75
+    assert abs(fractions["sync"]["fraction_of_limit"] - 0.9) < 1e-9 and abs(fractions["streaming"]["fraction_of_limit"] - 0.9) < 1e-9  # 150 / 166.7
     assert abs(fractions["sync"]["fraction_of_limit_load_normalised"] - 0.45) < 1e-9  # 120 / (133.3 x 2)
-    assert fractions["streaming"]["fraction_of_limit_load_normalised"] == 0.375
+    assert abs(fractions["streaming"]["fraction_of_limit_load_normalised"] - 0.45) < 1e-9
+    assert fractions["streaming"]["fraction_of_min_e_l"] == 0.75 and "fraction_of_min_e_l" not in fractions["sync"]  # 150 / 200
