@@ -26,7 +26,18 @@ Model:
                                                           what the machine gives both, each side's share
                                                           trading linearly against the other's)
 min(E, L), the limit if each side kept its alone rate while both run, and the shared-core bound 1 / (1/E +
-1/L) (c = 1) are reported next to it. W2's figures are reported as fractions of the limits (goals: sync
+1/L) (c = 1) are reported next to it.
+
+The stragglers under `stale_policy: wait` (the default): a group admitted at version a must be trained by
+version a + eta, so the learner waits for its longest sample, whose pace is the engine's decode step, not its
+throughput. Measured: the decode step's seconds with n sequences running (n = 1 to all W2 lets in flight,
+(eta + 1) x prompts_per_step x G), fitted as a + b n. `wait_bound.replay_wait` replays the queue's admission
+and wait gate on W2's prompt stream with that engine and the learner's rate (both slowed as measured
+together):
+  wait limit          = min(streaming limit, replayed tokens/s)
+  model check           the same replay with eta = 0 is sync on that engine, next to the sync limit above
+W2 streaming under `wait` is reported against the wait limit; under `drop` / `continue` (the learner never
+waits) against the streaming limit. W2's figures are reported as fractions of the limits (goals: sync
 >= 0.9, streaming >= 0.8), as measured and load-normalised by E_w2 / E (W2 times the same engine-alone run
 in its session).
 
@@ -47,6 +58,7 @@ from pathlib import Path
 import common  # benchmarks/common.py: a script's own folder is on sys.path
 
 import async_speedup as w2  # W2's workload, its engine jobs and its per-mode config
+import wait_bound
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -54,6 +66,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 MAX_MODEL_LEN, MAX_REQUESTS_IN_FLIGHT, ROLLOUT_CPUS = w2.MAX_MODEL_LEN, w2.MAX_REQUESTS_IN_FLIGHT, w2.ROLLOUT_CPUS
 REPEATS = 2
 """Engine and vLLM-alone runs are interleaved this many times; the best of each counts (shared machine)."""
+STEP_TOKENS = 128
+"""Tokens each sequence decodes when the decode step's cost is measured (`measure_step_cost`)."""
 TOGETHER_S = 30.0
 """Seconds engine and learner run at once to measure what the machine gives both (`measure_together`)."""
 
@@ -70,17 +84,19 @@ class EngineFigures:
     vllm_cpu_s: list[float] = field(default_factory=list)
     """CPU seconds of the client process (every thread; the engine core is a child process, not counted)
     during each all-at-once run: the rollout worker's share of the per-request work."""
+    step_s: dict[int, float] = field(default_factory=dict)
+    """Sequences decoding at once -> seconds per decode step (best of `REPEATS`), `measure_step_cost`."""
 
 
 # ---------------------------------------------------------------------------------------------------
 # Engine side: one Ray task with the rollout worker's CPU share.
 
 
-def engine_side(model_dir: Path, batches: list[list], weight_load: str) -> EngineFigures:
-    return asyncio.run(measure_engine(model_dir, batches, weight_load))
+def engine_side(model_dir: Path, batches: list[list], weight_load: str, concurrency: list[int]) -> EngineFigures:
+    return asyncio.run(measure_engine(model_dir, batches, weight_load, concurrency))
 
 
-async def measure_engine(model_dir: Path, batches: list[list], weight_load: str) -> EngineFigures:
+async def measure_engine(model_dir: Path, batches: list[list], weight_load: str, concurrency: list[int]) -> EngineFigures:
     """All requests at once through `Engine` and through raw vLLM (interleaved), then batch by batch. With
     `weight_load: in_place` (the default) the engine runs unpacked `F.linear` layers, raw vLLM its oneDNN-packed
     ones, so E / V holds the kernels' difference too; `reload` gives both the same kernels."""
@@ -102,11 +118,26 @@ async def measure_engine(model_dir: Path, batches: list[list], weight_load: str)
             figures.engine_s.append(seconds)
         for batch in batches:
             figures.batch_s.append((await engine_generate(engine, batch))[0])
+        figures.step_s = await measure_step_cost(engine, jobs, concurrency)
     finally:
         if raw is not None:
             raw.shutdown()
         await engine.shutdown()
     return figures
+
+
+async def measure_step_cost(engine, jobs: list, concurrency: list[int]) -> dict[int, float]:
+    """Seconds per decode step with n sequences running, for each n: W2's first n requests (whole groups, so
+    a group still travels as one request of n = G), each generating `STEP_TOKENS` tokens, all at once."""
+    import dataclasses
+
+    seconds: dict[int, float] = {}
+    for _ in range(REPEATS):
+        for n in concurrency:
+            chosen = [(request, dataclasses.replace(spec, max_tokens=STEP_TOKENS, ignore_eos=True)) for request, spec in jobs[:n]]
+            elapsed, _ = await engine_generate(engine, chosen)
+            seconds[n] = min(seconds.get(n, float("inf")), elapsed / STEP_TOKENS)
+    return seconds
 
 
 async def engine_generate(engine, jobs: list) -> tuple[float, list]:
@@ -154,14 +185,14 @@ async def raw_generate_s(llm, jobs: list) -> float:
     return time.perf_counter() - began
 
 
-def measure_engine_side(model_dir: Path, batches: list[list], weight_load: str) -> EngineFigures:
+def measure_engine_side(model_dir: Path, batches: list[list], weight_load: str, concurrency: list[int]) -> EngineFigures:
     import ray
 
     print("engine side (engine, vLLM alone, batch by batch) ...", flush=True)
     task = ray.remote(num_cpus=ROLLOUT_CPUS, max_calls=1)(engine_side)
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
-        return ray.get(task.remote(model_dir, batches, weight_load))
+        return ray.get(task.remote(model_dir, batches, weight_load, concurrency))
     finally:
         ray.shutdown()
 
@@ -307,14 +338,41 @@ def limit_model(engine: EngineFigures, batch_tokens: list[int], train_s: dict[st
     }
 
 
+def wait_limit(model: dict, step_s: dict[int, float], stream: wait_bound.Stream, args) -> dict:
+    """The replay of `stale_policy: wait` (module docstring) on the measured decode step and learner rates;
+    its eta = 0 twin (sync) checks the replay against the sync limit measured batch by batch."""
+    cost = wait_bound.fit_step_cost(sorted(step_s.items()))
+    together, rates = model["together"], model["learner_tokens_per_s"]
+    common_args = {"steps": args.steps, "batch_groups": args.prompts_per_step, "step_cost": cost, "max_in_flight": MAX_REQUESTS_IN_FLIGHT}
+    streaming = wait_bound.replay_wait(
+        stream, eta=args.max_staleness, learner_rate=rates["streaming"], **common_args,
+        engine_slowdown=model["engine_tokens_per_s"] / together["engine_tokens_per_s"],
+        learner_slowdown=rates["streaming"] / together["learner_tokens_per_s"],
+    )
+    sync = wait_bound.replay_wait(stream, eta=0, learner_rate=rates["sync"], **common_args)
+    limit = min(model["streaming_limit_measured_tokens_per_s"], streaming["tokens_per_s"])
+    return {
+        "step_s": {str(n): s for n, s in sorted(step_s.items())},
+        "step_cost": {"fixed_s": cost.fixed_s, "per_sequence_s": cost.per_sequence_s},
+        "replay_streaming": streaming,
+        "replay_sync": sync,
+        "replay_sync_over_sync_limit": sync["tokens_per_s"] / model["sync_limit_tokens_per_s"],
+        "wait_limit_tokens_per_s": limit,
+        "wait_limit_over_sync_limit": limit / model["sync_limit_tokens_per_s"],
+    }
+
+
 def w2_fractions(model: dict, w2_result: dict | None) -> dict:
-    """Each W2 mode's trained tokens/s over its limit (sao, also asynchronous, against streaming's), as
-    measured, and load-normalised: W2 measured the same engine-alone run E in its own session, so
+    """Each W2 mode's trained tokens/s over its limit (sao, also asynchronous, against streaming's capacity
+    limit), as measured, and load-normalised: W2 measured the same engine-alone run E in its own session, so
     E_w2 / E_here says how much faster the shared machine was then; the normalised fraction assumes the
-    learner sped up alike (a first-order correction: the fractions are only exact back to back)."""
+    learner sped up alike (a first-order correction: the fractions are only exact back to back). Streaming
+    under `wait` is held to the wait limit (`model["wait"]`), under `drop` / `continue` to the capacity limit."""
     if w2_result is None:
         return {}
-    limits = {"sync": model["sync_limit_tokens_per_s"], "streaming": model["streaming_limit_measured_tokens_per_s"], "sao": model["streaming_limit_measured_tokens_per_s"]}
+    capacity = model["streaming_limit_measured_tokens_per_s"]
+    waits = w2_result.get("config", {}).get("stale_policy", "wait") == "wait" and "wait" in model
+    limits = {"sync": model["sync_limit_tokens_per_s"], "streaming": model["wait"]["wait_limit_tokens_per_s"] if waits else capacity, "sao": capacity}
     speed = w2_result["engine_alone"]["tokens_per_s"] / model["engine_tokens_per_s"]
     return {
         m["mode"]: {
@@ -323,6 +381,8 @@ def w2_fractions(model: dict, w2_result: dict | None) -> dict:
             "machine_speed_ratio": speed,
             "fraction_of_limit_load_normalised": m["trained_tokens_per_s"] / (limits[m["mode"]] * speed),
             **({"fraction_of_min_e_l": m["trained_tokens_per_s"] / model["streaming_limit_tokens_per_s"]} if m["mode"] != "sync" else {}),
+            **({"fraction_of_capacity_limit": m["trained_tokens_per_s"] / capacity} if m["mode"] == "streaming" else {}),
+            "limit": "wait" if m["mode"] == "streaming" and waits else ("sync" if m["mode"] == "sync" else "capacity"),
         }
         for m in w2_result["modes"]
         if m["mode"] in limits
@@ -353,14 +413,27 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def batches_of_jobs(args, model_dir: Path) -> list[list]:
+def batches_of_jobs(args, stream: list) -> list[list]:
     """W2's trained requests (the first steps x prompts_per_step prompts, G samples each), batch by batch."""
     from asyncrl.config import RolloutConfig
 
-    prompts = w2.workload(args, model_dir)[: args.steps * args.prompts_per_step]
+    prompts = stream[: args.steps * args.prompts_per_step]
     rollout = RolloutConfig(max_requests_in_flight=MAX_REQUESTS_IN_FLIGHT, max_model_len=MAX_MODEL_LEN)
     per_batch = args.prompts_per_step
     return [w2.engine_jobs(prompts[i : i + per_batch], args.samples_per_prompt, rollout) for i in range(0, len(prompts), per_batch)]
+
+
+def step_concurrency(args) -> list[int]:
+    """Sequences decoding at once at which the decode step is timed: 1 up to all W2 lets in flight."""
+    most = min(MAX_REQUESTS_IN_FLIGHT, (args.max_staleness + 1) * args.prompts_per_step * args.samples_per_prompt)
+    return sorted({1, args.samples_per_prompt, most // 4, most})
+
+
+def replay_stream(prompts: list, args) -> wait_bound.Stream:
+    """W2's whole prompt stream (what admission runs ahead into too) as the replay's groups."""
+    g = args.samples_per_prompt
+    lengths = [int(p.extra_info["max_tokens"]) for p in prompts]
+    return wait_bound.Stream(lengths, [g * (len(p.prompt_ids) + n) for p, n in zip(prompts, lengths)], g)
 
 
 def print_summary(model: dict, fractions: dict) -> None:
@@ -375,6 +448,11 @@ def print_summary(model: dict, fractions: dict) -> None:
     print(f"limits: sync {model['sync_limit_tokens_per_s']:.0f} tokens/s, streaming {model['streaming_limit_measured_tokens_per_s']:.0f} "
           f"(min(E, L) {model['streaming_limit_tokens_per_s']:.0f}, {model['streaming_bound_by']}-bound; one shared core: "
           f"{model['shared_core_bound_tokens_per_s']:.0f})")
+    wait = model["wait"]
+    print(f"decode step {1000 * wait['step_cost']['fixed_s']:.2f} ms + {1000 * wait['step_cost']['per_sequence_s']:.3f} ms per sequence; "
+          f"wait limit {wait['wait_limit_tokens_per_s']:.0f} tokens/s (replay: learner waits {wait['replay_streaming']['learner_wait_s']:.1f} s "
+          f"of {wait['replay_streaming']['seconds']:.1f}); replayed sync {wait['replay_sync']['tokens_per_s']:.0f} = "
+          f"{wait['replay_sync_over_sync_limit']:.2f} of the sync limit")
     for mode, f in fractions.items():
         print(f"W2 {mode}: {f['trained_tokens_per_s']:.0f} tokens/s = {f['fraction_of_limit']:.2f} of its limit; "
               f"{f['fraction_of_limit_load_normalised']:.2f} load-normalised (engine alone {f['machine_speed_ratio']:.2f}x faster in W2's session)")
@@ -388,14 +466,16 @@ def main() -> None:
     began, load_start = time.perf_counter(), common.load_average()
     with tempfile.TemporaryDirectory(prefix="asyncrl-limits-") as tmp:
         model_dir = build_model("tiny-0.3m", Path(tmp) / "model", seed=args.seed)
-        batches = batches_of_jobs(args, model_dir)
-        engine = measure_engine_side(model_dir, batches, args.weight_load)
+        stream = w2.workload(args, model_dir)
+        batches = batches_of_jobs(args, stream)
+        engine = measure_engine_side(model_dir, batches, args.weight_load, step_concurrency(args))
         groups = groups_of(engine.trajectories, args)
         print("learner alone (sync's and streaming's recipes) ...", flush=True)
         train_s = {mode: learner_seconds(model_dir, mode, args, groups, Path(tmp) / "runs") for mode in ("sync", "streaming")}
         together = measure_together(model_dir, batches, groups, args, Path(tmp) / "runs", TOGETHER_S / (4 if args.quick else 1))
     batch_tokens = [sum(t.num_tokens for g in batch for t in g.trajectories) for batch in groups]
     model = limit_model(engine, batch_tokens, train_s, len(engine.trajectories), together)
+    model["wait"] = wait_limit(model, engine.step_s, replay_stream(stream, args), args)
     fractions = w2_fractions(model, args.w2_result)
     print_summary(model, fractions)
     result = {

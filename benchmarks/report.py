@@ -176,14 +176,31 @@ def limits(d: dict) -> list[str]:
           f"{m['sync_limit_tokens_per_s']:.0f}", f"{m.get('streaming_limit_measured_tokens_per_s', m['streaming_limit_tokens_per_s']):.0f}",
           f"{m['streaming_limit_tokens_per_s']:.0f} ({m['streaming_bound_by']}-bound)", f"{m['shared_core_bound_tokens_per_s']:.0f}"]],
     )
+    lines += wait_limit_rows(m["wait"]) if "wait" in m else []
     lines += [""] + table(
-        ["W2 mode", "trained tok/s", "fraction of limit (as measured)", "machine speed W2 ÷ here", "fraction load-normalised",
-         "fraction of min(E, L)", "goal"],
-        [[mode, f"{f['trained_tokens_per_s']:.0f}", f"{f['fraction_of_limit']:.2f}", f"{f['machine_speed_ratio']:.2f}",
-          f"{f['fraction_of_limit_load_normalised']:.2f}", f"{f['fraction_of_min_e_l']:.2f}" if "fraction_of_min_e_l" in f else "-",
-          f"≥ {goals[mode]}"] for mode, f in fractions.items()],
+        ["W2 mode", "trained tok/s", "held to", "fraction of limit (as measured)", "machine speed W2 ÷ here", "fraction load-normalised",
+         "fraction of capacity limit", "fraction of min(E, L)", "goal"],
+        [[mode, f"{f['trained_tokens_per_s']:.0f}", f.get("limit", "-"), f"{f['fraction_of_limit']:.2f}", f"{f['machine_speed_ratio']:.2f}",
+          f"{f['fraction_of_limit_load_normalised']:.2f}", fnum(f.get("fraction_of_capacity_limit")),
+          f"{f['fraction_of_min_e_l']:.2f}" if "fraction_of_min_e_l" in f else "-", f"≥ {goals[mode]}"] for mode, f in fractions.items()],
     )
     return lines
+
+
+def wait_limit_rows(w: dict) -> list[str]:
+    """The straggler bound of `stale_policy: wait` (`benchmarks/wait_bound.py`): decode steps and the replay."""
+    replay = w["replay_streaming"]
+    return ["", "Under `stale_policy: wait` the learner waits for a group's longest sample, whose pace is the engine's decode "
+            "step. Decode step seconds with n sequences running, fitted a + b·n; the queue's admission and wait gate replayed on "
+            "that engine and the measured learner rates (`benchmarks/wait_bound.py`); the same replay with η = 0 is sync, a check "
+            "of the model against the sync limit measured batch by batch.", ""] + table(
+        ["decode step (n: ms)", "a + b·n", "replayed streaming (wait) tok/s", "replay: learner waits", "wait limit tok/s",
+         "wait limit ÷ sync limit", "replayed sync ÷ sync limit"],
+        [[", ".join(f"{n}: {1000 * s:.2f}" for n, s in w["step_s"].items()),
+          f"{1000 * w['step_cost']['fixed_s']:.2f} + {1000 * w['step_cost']['per_sequence_s']:.3f}·n ms",
+          f"{replay['tokens_per_s']:.0f}", f"{replay['learner_wait_s']:.1f} of {replay['seconds']:.1f} s",
+          f"{w['wait_limit_tokens_per_s']:.0f}", f"{w['wait_limit_over_sync_limit']:.2f}×", f"{w['replay_sync_over_sync_limit']:.2f}"]],
+    )
 
 
 def queue_throughput(d: dict) -> list[str]:
@@ -265,7 +282,7 @@ def _first_reaching(evals: list[dict], target: float, key: str) -> float | None:
 def learning_add(d: dict) -> list[str]:
     modes, target = d["modes"], d["target"]
     lines = [
-        "## W1 `add` — learning (`benchmarks/learning_add.py`)",
+        f"## W1 `add` — learning, {d['steps']} steps (`benchmarks/learning_add.py`)",
         "",
         f"{d['steps']} optimizer steps per run from the same warm start (held-out: 500 fixed prompts, greedy); "
         f"target accuracy {target}. `trl` is the peer baseline (TRL GRPOTrainer, `benchmarks/peer_trl.py`: "

@@ -80,3 +80,38 @@ def test_limit_model_follows_its_formulas():
     assert abs(fractions["sync"]["fraction_of_limit_load_normalised"] - 0.45) < 1e-9  # 120 / (133.3 x 2)
     assert abs(fractions["streaming"]["fraction_of_limit_load_normalised"] - 0.45) < 1e-9
     assert fractions["streaming"]["fraction_of_min_e_l"] == 0.75 and "fraction_of_min_e_l" not in fractions["sync"]  # 150 / 200
+
+
+def test_wait_replay_waits_for_the_straggler_as_the_queue_does():
+    from wait_bound import StepCost, Stream, fit_step_cost, replay_wait
+
+    one_s = StepCost(1.0, 0.0)  # every engine step 1 s; the learner trains 10 tokens/s
+    # eta = 0 is sync: group 0 (2 tokens) 0-2 s, trained 2-3 s; only then group 1 is admitted: 3-6 s, trained 6-7 s.
+    sync = replay_wait(Stream([2, 3], [10, 10], 1), steps=2, batch_groups=1, eta=0, step_cost=one_s, learner_rate=10.0)
+    assert sync == {"seconds": 7.0, "tokens": 20, "tokens_per_s": 20 / 7, "learner_wait_s": 5.0}
+    # eta = 1: groups 0 (4 tokens) and 1 (1 token) start at once; group 1 is done at 1 s and trained 1-2 s. At
+    # version 1 group 0 (admitted at 0 = 1 - eta) holds the learner although group 2 is ready at 3 s: it
+    # trains group 0 once it is done at 4 s, 4-5 s. The learner waited 1 s + 2 s.
+    eta1 = replay_wait(Stream([4, 1, 1], [10, 10, 10], 1), steps=2, batch_groups=1, eta=1, step_cost=one_s, learner_rate=10.0)
+    assert eta1 == {"seconds": 5.0, "tokens": 20, "tokens_per_s": 4.0, "learner_wait_s": 3.0}
+    # G = 2 at 0.5 s + 0.25 s per sequence: a step with two groups running takes 1.5 s, with one 1 s. Group 1 is
+    # done at 1.5 s (trained 1.5-2.5 s); group 0 has 2 tokens left at 2.5 s, 1 at 4 s (group 2 done beside it)
+    # and is done at 5 s, trained 5-6 s. The learner waited 1.5 s + 2.5 s.
+    two = replay_wait(Stream([4, 1, 1], [10, 10, 10], 2), steps=2, batch_groups=1, eta=1, step_cost=StepCost(0.5, 0.25), learner_rate=10.0)
+    assert (two["seconds"], two["learner_wait_s"]) == (6.0, 4.0)
+    cost = fit_step_cost([(1, 0.003), (11, 0.004), (21, 0.005)])
+    assert abs(cost.fixed_s - 0.0029) < 1e-12 and abs(cost.per_sequence_s - 0.0001) < 1e-12
+
+
+def test_streaming_under_wait_is_held_to_the_wait_limit():
+    from limits import w2_fractions
+
+    model = {"sync_limit_tokens_per_s": 100.0, "streaming_limit_measured_tokens_per_s": 400.0, "streaming_limit_tokens_per_s": 500.0,
+             "engine_tokens_per_s": 1000.0, "wait": {"wait_limit_tokens_per_s": 250.0}}
+    w2 = {"config": {"stale_policy": "wait"}, "engine_alone": {"tokens_per_s": 1000.0},
+          "modes": [{"mode": "sync", "trained_tokens_per_s": 90.0}, {"mode": "streaming", "trained_tokens_per_s": 200.0}]}
+    waited = w2_fractions(model, w2)
+    assert waited["streaming"]["fraction_of_limit"] == 0.8 and waited["streaming"]["limit"] == "wait"  # 200 / 250
+    assert waited["streaming"]["fraction_of_capacity_limit"] == 0.5 and waited["sync"]["fraction_of_limit"] == 0.9
+    w2["config"]["stale_policy"] = "continue"  # the learner never waits: the capacity limit
+    assert w2_fractions(model, w2)["streaming"]["fraction_of_limit"] == 0.5

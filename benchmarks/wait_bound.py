@@ -1,0 +1,108 @@
+"""The best throughput the `wait` stale policy allows: the replay queue's admission control and wait gate
+(asyncrl/buffer/core.py) replayed on an ideal engine and an ideal learner (used by `limits.py`).
+
+Why a replay: under `stale_policy: wait` a group admitted at version a must be trained at the latest at version
+a + eta, so the learner stops until the group's longest sample is done. How long that takes depends on how fast
+the engine decodes one sequence among the others running, not on its throughput, and the capacity limit of
+`limits.py` does not see it. With W2's heavy tail (p99 512 tokens, eta 4), it is the binding limit.
+
+The ideal machine (every figure measured by `limits.py` in the same run):
+- engine: each running sequence gains one token per engine step; a step with n sequences running takes
+  `StepCost` a + b n seconds (`Engine` decoding n sequences at once), x `engine_slowdown` while the learner
+  trains (both at full load: E / E_together). Prefill and weight updates are free; an update is confirmed the
+  moment the learner steps (admission version = learner version).
+- learner: a step on k tokens takes k / learner_rate seconds (alone), x `learner_slowdown` (L / L_together).
+- queue: group n is admitted as soon as n + 1 <= (v + eta + 1) B and the in-flight cap allows; a step at
+  learner version v starts once no group admitted at a version <= v - eta is unfinished and B groups are
+  ready, and trains the B oldest ready groups.
+A group's G samples share one length (W2: the prompt's `max_tokens`, EOS ignored): G sequences that finish
+together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds of one engine decode step with n sequences running: `fixed_s + per_sequence_s * n`."""
+
+    fixed_s: float
+    per_sequence_s: float
+
+    def __call__(self, sequences: int) -> float:
+        return self.fixed_s + self.per_sequence_s * sequences
+
+
+def fit_step_cost(points: list[tuple[int, float]]) -> StepCost:
+    """Least-squares line through (sequences running, seconds per step) points; at least two distinct n."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    sxx = sum((x - mean_x) ** 2 for x, _ in points)
+    if sxx == 0:
+        raise ValueError(f"fit_step_cost needs two different sequence counts (got {points})")
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sxx
+    return StepCost(mean_y - slope * mean_x, slope)
+
+
+@dataclass(frozen=True)
+class Stream:
+    """The prompt stream in consumption order: each group's generation length and trained tokens."""
+
+    lengths: list[int]
+    tokens: list[int]
+    group_size: int
+
+
+def replay_wait(
+    stream: Stream,
+    *,
+    steps: int,
+    batch_groups: int,
+    eta: int,
+    step_cost: StepCost,
+    learner_rate: float,
+    engine_slowdown: float = 1.0,
+    learner_slowdown: float = 1.0,
+    max_in_flight: int = 256,
+) -> dict:
+    """Replay `steps` learner steps; -> seconds from the start of generation to the last step's end, trained
+    tokens, tokens/s and the learner's total wait. eta = 0 replays `sync` (the engine idles while the
+    learner trains: nothing else is admitted)."""
+    B, G = batch_groups, stream.group_size
+    t, version, trained_tokens, wait_s = 0.0, 0, 0, 0.0
+    admitted_at: list[int] = []  # admission version of each admitted group
+    left: dict[int, int] = {}  # running group -> tokens still to generate
+    done_at: dict[int, float] = {}  # finished group -> when
+    ready: set[int] = set()  # finished, not yet trained
+    idle_since, busy = 0.0, None  # busy: (end time, tokens) of the step in progress
+    while version < steps:
+        while (n := len(admitted_at)) < len(stream.lengths) and n + 1 <= (version + eta + 1) * B and (len(left) + 1) * G <= max_in_flight:
+            admitted_at.append(version)
+            left[n] = stream.lengths[n]
+        if busy is None and not any(admitted_at[g] <= version - eta for g in left) and len(ready) >= B:
+            batch = sorted(ready)[:B]
+            ready.difference_update(batch)
+            gate = [done_at[g] for g, a in enumerate(admitted_at) if a <= version - eta]
+            start = max([idle_since, *gate, *(done_at[g] for g in batch)])
+            tokens = sum(stream.tokens[g] for g in batch)
+            wait_s += start - idle_since
+            busy = (start + tokens / learner_rate * learner_slowdown, tokens)
+        if left:
+            t += step_cost(len(left) * G) * (engine_slowdown if busy is not None else 1.0)
+            for g in list(left):
+                left[g] -= 1
+                if left[g] <= 0:
+                    del left[g]
+                    done_at[g] = t
+                    ready.add(g)
+        elif busy is not None:
+            t = max(t, busy[0])
+        else:
+            raise ValueError(f"the replay stalled at version {version}: nothing running and no step possible ({len(stream.lengths)} groups for {steps} steps of {B})")
+        if busy is not None and t >= busy[0]:
+            version, trained_tokens, idle_since = version + 1, trained_tokens + busy[1], busy[0]
+            busy = None
+    return {"seconds": idle_since, "tokens": trained_tokens, "tokens_per_s": trained_tokens / idle_since, "learner_wait_s": wait_s}
