@@ -438,6 +438,20 @@ def logprob_layout(d: dict) -> list[str]:
     )
 
 
+def client_floor(d: dict) -> list[str]:
+    c, us, mean, cores, full = d["config"], d["us_per_sample"], d["mean_us_per_sample"], d["cores_at_rate"], d["full_collections"]
+    heap = "frozen at start (`Engine.start`)" if d["freeze"] else "not frozen (`--no-freeze`: the code before)"
+    lines = [f"## Rollout worker floor at W1 — engine client CPU per sample, heap {heap} (`benchmarks/client_floor.py`)", "",
+             f"In-process, alternating rounds of {c['prompts']} prompts × G={c['group']} samples of {c['tokens']} tokens ({c['model']}, all at once, "
+             f"the first {c['warm_rounds']} not counted): `Engine.generate` against raw vLLM (one n = G request per group, one final output, "
+             "flat log-probs), this process's CPU time; cores at W1's trained rate.", ""]  # fmt: skip
+    return lines + table(
+        ["client", "median µs/sample", "mean µs/sample", f"cores at {c['rate']:.0f} samples/s (mean)", "full collections (s)"],
+        [["Engine", f"{us['engine']:.0f}", f"{mean['engine']:.0f}", f"{cores['engine']:.3f}", f"{full['count']} ({full['seconds']:.2f})"],
+         ["vLLM alone", f"{us['vllm']:.0f}", f"{mean['vllm']:.0f}", f"{cores['vllm']:.3f}", "(same process)"]],
+    )
+
+
 def _spread(values: list[float]) -> str:
     return "-" if not values else f"{min(values):g}" if min(values) == max(values) else f"{min(values):g}-{max(values):g}"
 
@@ -461,23 +475,23 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "learning_add_120": learning_add,
     "learning_add_mb4": learning_add_mini_batches,
     "learning_add_mb4_same_lr": learning_add_mini_batches,
-    "profile": profile,
-    "profile_before": profile,
-    "profile_w1_quiet": profile,
-    "profile_w1_quiet_after": profile,
-    "profile_w1_afternoon": profile,
-    "profile_w1_grouped_1": profile,
-    "profile_w1_ungrouped_1": profile,
-    "profile_w1_grouped_2": profile,
-    "profile_w1_ungrouped_2": profile,
     "limits": limits,
     "soak": soak,
     "agent_tool": agent_tool,
     "logprob_layout": logprob_layout,
+    "client_floor": client_floor,
+    "client_floor_no_freeze": client_floor,
 }
+
+
+def formatter(stem: str) -> Callable[[dict], list[str]] | None:
+    """The renderer of a result file: by name; every `profile*.json` is a `profile_run.py` result."""
+    return FORMATTERS.get(stem) or (profile if stem.startswith("profile") else None)
+
 ORDER = ["learning_add", "learning_add_120", "learning_add_mb4", "learning_add_mb4_same_lr", "async_speedup", "async_speedup_continue", "limits", "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "queue_throughput", "algo_throughput",
          "profile_before", "profile", "profile_w1_quiet", "profile_w1_quiet_after", "profile_w1_afternoon",
-         "profile_w1_ungrouped_1", "profile_w1_grouped_1", "profile_w1_ungrouped_2", "profile_w1_grouped_2", "soak"]
+         "profile_w1_ungrouped_1", "profile_w1_grouped_1", "profile_w1_ungrouped_2", "profile_w1_grouped_2",
+         "profile_w1_unfrozen_1", "profile_w1_frozen_1", "profile_w1_unfrozen_2", "profile_w1_frozen_2", "client_floor_no_freeze", "client_floor", "soak"]
 
 
 def render(results: Path) -> str:
@@ -489,7 +503,8 @@ def render(results: Path) -> str:
     for path in files:
         data = json.loads(path.read_text())
         try:
-            lines = FORMATTERS[path.stem](data) if path.stem in FORMATTERS else generic(path.stem, data)
+            render_one = formatter(path.stem)
+            lines = render_one(data) if render_one else generic(path.stem, data)
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
             lines = [f"## {path.stem}", "", f"(could not read {path.name}: {type(e).__name__}: {e})"]
         machine = data.get("machine")

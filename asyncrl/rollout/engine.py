@@ -171,6 +171,9 @@ class Engine:
         self.num_requests_done = 0
         self.num_vllm_requests = 0
         """Requests sent to vLLM for samples (`generate`): one per group started together, not one per sample."""
+        self.frozen_objects = 0
+        """Objects of this process's start-up heap taken out of the garbage collector's reach at start
+        (`vllm_compat.freeze_startup_heap`)."""
 
     # ---------------------------------------------------------------------------------------------
     # Lifecycle
@@ -184,6 +187,7 @@ class Engine:
             self._in_place = await vllm_compat.prepare_in_place(self._llm, self._weight_load == "auto")
         await vllm_compat.set_weight_version(self._llm, self._version)
         await self._warm_up()
+        self.frozen_objects = vllm_compat.freeze_startup_heap()
 
     async def _warm_up(self) -> None:
         """Pay vLLM's one-off costs here, before serving, so that request timeouts, the pool's readiness and the
@@ -212,6 +216,7 @@ class Engine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+            vllm_compat.unfreeze_heap()
 
     @property
     def version(self) -> int:

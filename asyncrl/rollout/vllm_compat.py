@@ -295,6 +295,27 @@ async def prepare_in_place(llm: Any, auto: bool) -> bool:
     return all(await llm.collective_rpc(PREPARE_IN_PLACE_RPC, args=(auto,)))
 
 
+def freeze_startup_heap() -> int:
+    """Move every object alive now out of the garbage collector's reach (`gc.freeze`), as vLLM's own server
+    does in its front-end process after start-up (its engine core freezes its own heap). A full collection
+    otherwise walks the whole start-up heap of torch, transformers and vLLM (~650k objects, 0.3-0.4 s here):
+    in a W1 rollout worker, 8 s of CPU in 75 s. Objects are still freed by reference counting;
+    `unfreeze_heap` undoes it. -> objects frozen."""
+    import gc
+
+    gc.collect()  # what is garbage now goes first; the rest is long-lived
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+def unfreeze_heap() -> None:
+    """Hand this process's frozen objects back to the collector (an engine shut down inside a longer-lived
+    process, e.g. a test, leaves no uncollectable cycles behind)."""
+    import gc
+
+    gc.unfreeze()
+
+
 async def load_weights(llm: Any, payloads: list[Any], in_place: bool, version: int, group_key: str, timeout_s: float | None = None) -> tuple[int, int]:
     """Load one published `version` into every worker of `llm` (an `AsyncLLM`): safetensors buckets, one
     `SharedWeights` record (the shared-memory transport) or one `CollectiveWeights` record (pulled over the
