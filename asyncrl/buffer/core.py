@@ -200,7 +200,8 @@ class ReplayQueueCore:
     # Rollout side: acquire requests, put trajectories, lose workers.
 
     def acquire(self, worker: str, max_requests: int) -> list[Request]:
-        """Up to `max_requests` requests: members of started groups first, then new groups while admitted."""
+        """Up to `max_requests` requests: members of started groups first, then new groups while admitted, each
+        whole (`_fits_whole`)."""
         self.expire_stragglers()
         now = self.clock()
         requests: list[Request] = []
@@ -208,7 +209,7 @@ class ReplayQueueCore:
         while len(requests) < max_requests:
             item = self._next_pending()
             if item is None:
-                if not self._start_group():
+                if not self._fits_whole(max_requests - len(requests), held) or not self._start_group():
                     break
                 continue
             g, i = item
@@ -573,6 +574,11 @@ class ReplayQueueCore:
         if len(self._ready) >= self.config.capacity_groups:
             return False
         return self.groups_ahead() + 1 <= self.admission_limit()
+
+    def _fits_whole(self, room: int, held: set) -> bool:
+        """A new group is handed out whole (its samples reach one engine together: one vLLM request of n = G),
+        so it starts only if it fits in `room`; a worker holding nothing gets it anyway (fewer slots than a group)."""
+        return not held or (bool(self._backlog) and self._backlog[0][1] <= room)
 
     def _start_group(self) -> bool:
         while self._backlog and self._pass_rate.is_retired(self._backlog[0][0].prompt_id):

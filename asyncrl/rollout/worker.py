@@ -118,6 +118,8 @@ class RolloutWorker:
         self._outbox: list[Trajectory] = []
         self._outbox_event = asyncio.Event()
         self._slot_freed = asyncio.Event()
+        self._group_size = 1
+        """The largest group seen in a hand-out (`_whole_group`)."""
         self._flusher: asyncio.Task | None = None
         # Accounting for stats(): busy = at least one generation running.
         self._run_started_at: float | None = None
@@ -167,7 +169,7 @@ class RolloutWorker:
         try:
             while not self._stopping:
                 free_slots = self.config.max_requests_in_flight - len(self._in_flight)
-                if free_slots <= 0:
+                if free_slots <= 0 or (self._in_flight and free_slots < self._whole_group()):
                     self._slot_freed.clear()
                     await self._slot_freed.wait()
                     continue
@@ -178,6 +180,7 @@ class RolloutWorker:
                     await asyncio.sleep(EMPTY_PAUSE_S)
                     continue
                 for request in requests:
+                    self._group_size = max(self._group_size, request.group_size)
                     self._start_generation(request)
         finally:
             self._running = False
@@ -220,6 +223,12 @@ class RolloutWorker:
 
     # ---------------------------------------------------------------------------------------------
     # Serving
+
+    def _whole_group(self) -> int:
+        """Free slots to wait for before asking for work while requests run: a whole group, so that the queue
+        hands out groups whole (`ReplayQueueCore.acquire`) and each reaches vLLM as one request of n = G. A
+        worker with fewer slots than a group asks for any free slot."""
+        return self._group_size if self._group_size <= self.config.max_requests_in_flight else 1
 
     def _start_generation(self, request: Request) -> None:
         if not self._in_flight and self._busy_since is None:

@@ -322,7 +322,7 @@ def test_a_restarted_worker_with_the_same_name_is_told_apart_by_the_attempt():
 
 def test_abort_outstanding_ends_every_in_flight_sample_and_stops_dispatch():
     core = started_queue(num_prompts=4, group_size=2, batch_groups=4)
-    requests = core.acquire("w0", 5)
+    requests = core.acquire("w0", 4) + core.acquire("w1", 1)  # w1 holds nothing: it gets one member of a group
     put_all(core, requests[:2])  # one ready group, one half-arrived group, one pending member
     assert core.abort_outstanding() == 5 + 1  # 5 acquired or ready + 1 never acquired
     c = core.check_conservation()
@@ -374,3 +374,12 @@ def test_get_batch_carries_each_samples_lag_and_never_moves_the_admission_versio
     assert core.stats()["staleness_mean"] == 1.5
     with pytest.raises(ValueError, match="went back from 0 to -1"):
         core.set_version(-1)
+
+
+def test_a_new_group_is_handed_out_whole_unless_the_worker_holds_nothing():
+    core = started_queue(num_prompts=6, group_size=4, batch_groups=8)
+    assert [r.group_id for r in core.acquire("w0", 6)] == ["p0#0"] * 4  # a second group would not fit in 2
+    assert core.acquire("w0", 3) == []  # holding a group, 3 slots: nothing starts
+    assert [r.group_id for r in core.acquire("w1", 2)] == ["p1#1"] * 2  # holds nothing: a part of a group
+    assert [(r.group_id, r.sample_index) for r in core.acquire("w0", 5)] == [("p1#1", 2), ("p1#1", 3)]  # started ones first
+    assert [r.group_id for r in core.acquire("w0", 8)] == ["p2#2"] * 4 + ["p3#3"] * 4

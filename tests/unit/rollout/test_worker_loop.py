@@ -72,6 +72,38 @@ def test_each_finished_trajectory_rides_on_the_call_that_fills_its_slot():
     assert worker.queue.calls["put_and_acquire"] >= 4  # the first one puts nothing; the last one gets nothing
 
 
+class RecordingQueue(FakeQueue):
+    """Records the `max_requests` of each `put_and_acquire` and how many requests the worker held then."""
+
+    def __init__(self, requests) -> None:
+        super().__init__(requests)
+        self.asks: list[tuple[int, int]] = []
+
+    def put_and_acquire(self, trajectories, worker, max_requests, timeout_s=0.0):
+        self.asks.append((max_requests, len(self.in_flight) - len(trajectories)))
+        return super().put_and_acquire(trajectories, worker, max_requests, timeout_s)
+
+
+class StaggeredEngine(FakeEngine):
+    """Sample k of a group takes (k + 1) x 5 ms: a group's slots free one at a time."""
+
+    async def generate(self, request, sampling):
+        self.delay_s = 0.005 * (request.sample_index + 1)
+        return await super().generate(request, sampling)
+
+
+def test_a_worker_with_requests_running_asks_for_work_only_with_a_whole_group_of_slots_free():
+    requests = [make_request(make_prompt(f"p{g}", [1, 4, 5], "7"), group_id=f"g{g}", sample_index=k, group_size=4) for g in range(6) for k in range(4)]
+    queue = RecordingQueue(requests)
+    engine = StaggeredEngine("rollout-0")
+    spec = WorkerSpec("unused", RolloutConfig(max_requests_in_flight=6), EnvConfig(reward="exact_match"))
+    worker = RolloutWorker("rollout-0", spec, InProcessHandle(queue), engine=engine)
+    asyncio.run(_serve_until(worker, queue, 24))
+    assert len(queue.finished) == 24 and engine.peak_running <= 6
+    assert queue.asks[0] == (6, 0)  # holding nothing: any free slots
+    assert all(max_requests >= 4 for max_requests, held in queue.asks if held)  # otherwise a whole group's worth
+
+
 class QueueFailingOnceWithTrajectories(FakeQueue):
     """A queue restarting just when the first finished trajectory comes back with an acquire."""
 
