@@ -233,6 +233,17 @@ class Request:
     attempt: int = 0
 
 
+@dataclass(frozen=True)
+class WeightLoad:
+    """A rollout worker's answer to a weight sync (`RolloutWorker.update_weights`)."""
+
+    version: int
+    """The version its engine serves now."""
+    served_at: float
+    """`time.time()` on the worker's node when the engine began serving `version`: where a sync ends
+    (`SyncResult.seconds`), whenever the controller gets round to collecting the answer."""
+
+
 @dataclass
 class Exchange:
     """What the replay queue answers a rollout worker's `put_and_acquire`: how many of the handed-in trajectories

@@ -262,21 +262,23 @@ class RolloutPool:
         refs = [b if isinstance(b, ray.ObjectRef) else ray.put(bytes(b)) for b in buckets]
         return self._start_sync(dict(self._workers), refs, version, in_flight)
 
-    def finish_update(self, calls: dict[Any, str], version: int, timeout_s: float) -> list[str]:
-        """Wait until every engine of `calls` reports `version`; raises as `update_weights` does. With
+    def finish_update(self, calls: dict[Any, str], version: int, timeout_s: float) -> float | None:
+        """Wait until every engine of `calls` reports `version`; -> when the last of them began serving it
+        (`WeightLoad.served_at`; None if no engine took part). Raises as `update_weights` does. With
         `replace_dead`, an engine that died is not a failure of the sync: it is replaced (the replacement loads
-        the latest weights before it serves) and its name returned. An engine that `remove_worker` stopped
-        meanwhile (a scale-down while the sync was in flight) is not waited for."""
+        the latest weights before it serves). An engine that `remove_worker` stopped meanwhile (a scale-down
+        while the sync was in flight) is not waited for."""
         calls = {ref: name for ref, name in calls.items() if name not in self._removed}
         if not calls:
-            return []
+            return None
         done, waiting = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
         problems: list[str] = []
         dead: list[str] = []
+        served_at: list[float] = []
         for ref in done:
             name = calls[ref]
             try:
-                reported = ray.get(ref)
+                load = ray.get(ref)
             except RayActorError as e:
                 if self.replace_dead:
                     dead.append(name)
@@ -286,8 +288,9 @@ class RolloutPool:
             except Exception as e:
                 problems.append(f"{name} failed to load version {version}: {type(e).__name__}: {e}")
                 continue
-            if reported != version:
-                problems.append(f"{name} reports version {reported} instead of {version}")
+            if load.version != version:
+                problems.append(f"{name} reports version {load.version} instead of {version}")
+            served_at.append(load.served_at)
         timed_out = [calls[ref] for ref in waiting]
         problems += [f"{name} did not confirm version {version} within {timeout_s}s" for name in timed_out]
         if problems:
@@ -295,7 +298,7 @@ class RolloutPool:
             raise error("weight sync failed: " + "; ".join(problems))
         for name in dead:
             self._replace(name)
-        return dead
+        return max(served_at, default=None)
 
     def _start_sync(self, workers: dict[str, Any], refs: list[Any], version: int, in_flight: bool) -> dict[Any, str]:
         return {handle.update_weights.remote(refs, version, in_flight): name for name, handle in workers.items()}

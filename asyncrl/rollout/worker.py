@@ -33,7 +33,7 @@ from asyncrl.envs.tools.base import InProcessTools, ToolExecutor
 from asyncrl.rollout.engine import Engine, EvalResult, SamplingSpec
 from asyncrl.rollout.episode_runner import EpisodeLimits, EpisodeRunner
 from asyncrl.rollout.openai_server import OpenAIServer, start_worker_endpoint
-from asyncrl.types import PackedTrajectories, Prompt, Request, Trajectory
+from asyncrl.types import PackedTrajectories, Prompt, Request, Trajectory, WeightLoad
 
 PUT_BATCH_WINDOW_S = 0.005
 """Trajectories finishing within this window of each other travel to the queue in one `put`."""
@@ -322,14 +322,16 @@ class RolloutWorker:
     # ---------------------------------------------------------------------------------------------
     # Weights, probes, evaluation
 
-    async def update_weights(self, bucket_refs: Sequence[Any], version: int, in_flight: bool = True) -> int:
-        """Load weights (object refs of safetensors bucket bytes, or the bytes) and report the new version."""
+    async def update_weights(self, bucket_refs: Sequence[Any], version: int, in_flight: bool = True) -> WeightLoad:
+        """Load weights (object refs of safetensors bucket bytes, or the bytes); -> the version now served and
+        when serving it began."""
         await self.ready()
         buckets = [await ref if not isinstance(ref, (bytes, bytearray, memoryview)) else ref for ref in bucket_refs]
         await self.engine.update_weights(buckets, version, in_flight=in_flight)
+        load = WeightLoad(self.engine.version, time.time())
         if in_flight and self.spec.max_staleness is not None:
             self._stale_aborts += await self.engine.abort_stale(self.spec.max_staleness)
-        return self.engine.version
+        return load
 
     async def score(self, token_ids: Sequence[int], prompt_len: int, processed: bool = False) -> np.ndarray:
         """Raw log-probs, or (`processed`) those of the distribution this worker samples from."""

@@ -86,7 +86,7 @@ METRICS: list[MetricSpec] = [
     ),
     MetricSpec(
         "asyncrl_weight_sync_seconds", "histogram",
-        "Learner step done to every engine serving the new version (with weight_sync.overlap: to the controller seeing it, an upper bound)",
+        "Export start to the last engine serving the new version (its own stamp, also with weight_sync.overlap)",
         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
     ),
     MetricSpec("asyncrl_weight_sync_bytes_total", "counter", "Bytes of weights sent to the engines"),

@@ -46,7 +46,7 @@ class PendingSync:
     calls: dict[Any, str]
     """Object ref of each engine's load call -> the worker's name."""
     began: float
-    """`time.perf_counter()` when the export began."""
+    """`time.time()` when the export began."""
     export: Any = None
     """The learner's export call when the sync did not wait for it (`LearnerCall`; None: it was waited for).
     `finish` collects it first, so that a failed export is named by learner rank."""
@@ -55,10 +55,13 @@ class PendingSync:
     def version(self) -> int:
         return self.weights.version
 
-    def confirmed(self) -> SyncResult:
-        """The record of this sync, now that every engine confirmed it."""
-        w = self.weights
-        return SyncResult(w.version, time.perf_counter() - self.began, w.num_bytes, w.num_tensors, w.num_buckets)
+    def confirmed(self, served_at: float | None) -> SyncResult:
+        """The record of this sync, now that every engine confirmed it; `served_at`: when the last engine began
+        serving it (`RolloutPool.finish_update`; None: now). Engines on other nodes stamp it with their own
+        clocks: it is kept between the export's start and now."""
+        w, now = self.weights, time.time()
+        ended = now if served_at is None else min(max(served_at, self.began), now)
+        return SyncResult(w.version, ended - self.began, w.num_bytes, w.num_tensors, w.num_buckets)
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,8 @@ class SyncResult:
 
     version: int
     seconds: float
-    """From the start of the export to the confirmation of the last engine."""
+    """From the start of the export to the moment the last engine began serving the version (not to the moment
+    the controller collected the confirmations: with `weight_sync.overlap` that is after its next step)."""
     num_bytes: int
     num_tensors: int
     num_buckets: int

@@ -29,7 +29,7 @@ class ObjectStoreSync(WeightSync):
         self._latest: PublishedWeights | None = None
 
     def start(self, version: int, in_flight: bool | None = None) -> PendingSync:
-        began = time.perf_counter()
+        began = time.time()
         return self._send(self._publish(version), began, in_flight)
 
     def _send(self, weights: PublishedWeights, began: float, in_flight: bool | None, export=None) -> PendingSync:
@@ -46,8 +46,7 @@ class ObjectStoreSync(WeightSync):
     def finish(self, pending: PendingSync) -> SyncResult:
         if pending.export is not None:
             self.learner.finish_call(pending.export)
-        self.rollout.finish_update(pending.calls, pending.version, self.config.timeout_s)
-        return pending.confirmed()
+        return pending.confirmed(self.rollout.finish_update(pending.calls, pending.version, self.config.timeout_s))
 
     def latest(self) -> PublishedWeights | None:
         return self._latest

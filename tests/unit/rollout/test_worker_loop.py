@@ -271,6 +271,8 @@ def test_an_in_flight_weight_update_aborts_requests_certain_to_exceed_the_bound(
 
     engine = UpdatingEngine("rollout-0")
     worker = RolloutWorker("rollout-0", WorkerSpec("unused", max_staleness=max_staleness), None, engine=engine)
-    assert asyncio.run(worker.update_weights([b""], 5, in_flight=in_flight)) == 5
+    before = time.time()
+    load = asyncio.run(worker.update_weights([b""], 5, in_flight=in_flight))
+    assert load.version == 5 and before <= load.served_at <= time.time()
     assert engine.abort_calls == calls
     assert asyncio.run(worker.stats())["stale_aborts"] == 3 * len(calls)

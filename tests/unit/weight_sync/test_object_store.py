@@ -1,6 +1,8 @@
 """ObjectStoreSync with hand-written fakes of the learner and rollout pools: what is exported and sent, the
 latest weights, the result record, and the overlap / parity-probe policy."""
 
+import time
+
 import pytest
 
 from asyncrl.config import WeightSyncConfig
@@ -21,17 +23,19 @@ class FakeLearner:
 class FakeRollout:
     """Records the engine-side calls; `fail` makes the wait raise as the real pool does."""
 
-    def __init__(self, fail: str | None = None):
-        self.started, self.finished, self.fail = [], [], fail
+    def __init__(self, fail: str | None = None, served_after_s: float | None = None):
+        self.started, self.finished, self.fail, self.served_after_s = [], [], fail, served_after_s
 
     def start_update(self, refs, version, in_flight):
         self.started.append((list(refs), version, in_flight))
+        self.began = time.time()
         return {f"call-{version}": "rollout-0"}
 
     def finish_update(self, calls, version, timeout_s):
         if self.fail:
             raise WeightSyncError(f"weight sync failed: {self.fail} did not confirm version {version}")
         self.finished.append((calls, version, timeout_s))
+        return None if self.served_after_s is None else self.began + self.served_after_s
 
 
 def make_sync(mode="streaming", rollout=None, **config):
@@ -56,6 +60,16 @@ def test_finish_waits_with_the_configured_timeout_and_reports_the_sizes():
     assert sync.rollout.finished == [({"call-1": "rollout-0"}, 1, 9.0)]
     assert (result.version, result.num_bytes, result.num_tensors, result.num_buckets) == (1, 1000, 7, 3)
     assert result.seconds >= 0.0
+
+
+@pytest.mark.parametrize(("served_after_s", "low", "high"), [(0.05, 0.05, 0.07), (-5.0, 0.0, 0.02), (60.0, 0.2, 0.3)])
+def test_a_syncs_seconds_end_when_the_last_engine_began_serving_not_when_the_controller_collects(served_after_s, low, high):
+    """The controller collects an overlapped sync after its next step (here 0.2 s later): the engines' own stamp
+    ends the sync, kept between the export's start and the collection (engines on other nodes have other clocks)."""
+    sync = make_sync(rollout=FakeRollout(served_after_s=served_after_s))
+    pending = sync.start(1)
+    time.sleep(0.2)
+    assert low <= sync.finish(pending).seconds <= high
 
 
 def test_a_failed_engine_fails_the_sync_naming_it_and_the_weights_stay_the_latest():
