@@ -217,7 +217,8 @@ class ToolsConfig(Section):
     heartbeat_timeout_s: float = Field(5.0, gt=0)
     """A tool worker that does not answer the pool's heartbeat within this is killed and replaced."""
     sandbox_uid_base: int = Field(200_000, ge=1000)
-    """When running as root, tool worker i's runs use uid `sandbox_uid_base + i` (no account needed)."""
+    """When running as root, tool worker i's processes run under uids `sandbox_uid_base + 64 i` to
+    `sandbox_uid_base + 64 i + 63`, one per live process (no account needed; asyncrl/envs/sandbox.py)."""
 
 
 class BufferConfig(Section):

@@ -4,8 +4,9 @@ nothing it does reaches the tool worker, the engines or the machine.
 How (see docs/tools.md):
 - with bubblewrap (`bwrap`), every run gets a read-only view of `/`, its own `/tmp` (a small tmpfs: its only
   writable place, invisible to every other run), an empty `/run`, a minimal `/dev`, and new network, PID, IPC
-  and UTS namespaces (no network at all; its processes die with it). When we are root, the program runs under
-  its own unprivileged uid (root ignores RLIMIT_NPROC and could write anywhere);
+  and UTS namespaces (no network at all; its processes die with it). When we are root, every process runs
+  under an unprivileged uid no other live process of the sandbox holds (root ignores RLIMIT_NPROC and could
+  write anywhere; a shared uid would pool RLIMIT_NPROC and let runs signal each other);
 - inside, before any user code, the runner sets RLIMIT_CPU, RLIMIT_AS, RLIMIT_NPROC and RLIMIT_FSIZE; the
   parent enforces the wall time by killing the run's whole process group;
 - stdout and stderr are read in bounded chunks: only `output_bytes` of each are kept.
@@ -45,6 +46,9 @@ READY = b"R"
 """The byte a started runner writes once it waits for its payload (its start time ends there)."""
 MEMORY_EXIT = 3
 """Exit status of a runner whose code raised MemoryError (RLIMIT_AS hit)."""
+UIDS_PER_SANDBOX = 64
+"""The uids one sandbox (one tool worker) gives its live processes, one each (`Sandbox._lease_uid`): running
+programs, kept reward processes and the spare. RLIMIT_NPROC counts per uid."""
 
 # Runs inside the sandbox. Reads one JSON line (the payload), sets the limits, then runs the program or serves
 # the rewards: the user's module is imported once, then each line on stdin is a batch of calls, each run under
@@ -278,6 +282,8 @@ def _inside_path(entry: str) -> str:
 class _Started:
     process: asyncio.subprocess.Process
     began: float
+    uid: int
+    """The uid leased to it (`Sandbox._lease_uid`), whether or not the run dropped to it."""
     workdir: str | None = None
     """The host folder of an `rlimits` run (removed after it); bwrap runs use their own tmpfs."""
 
@@ -346,8 +352,8 @@ class _RewardProcess:
 class Sandbox:
     """Runs each program in its own process and rewards in processes kept per reward, with one process kept
     started ahead. One per tool worker;
-    `uid` is the unprivileged uid its runs use when we are root (distinct per worker, so RLIMIT_NPROC counts
-    only that worker's runs)."""
+    `uid` is the first of the `UIDS_PER_SANDBOX` unprivileged uids its processes run under when we are root: one
+    per live process, so that RLIMIT_NPROC counts each run's own processes (tool workers get disjoint blocks)."""
 
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     uid: int = 200_000
@@ -358,6 +364,10 @@ class Sandbox:
     _spare: asyncio.Task | None = None
     _idle: dict[str, list[_RewardProcess]] = field(default_factory=dict)
     """Reward processes waiting for their next batch, by reward."""
+    _leased: set[int] = field(default_factory=set)
+    """Uids of the processes started and not yet ended."""
+    _next_uid: int = 0
+    """Where the round-robin search for a free uid starts (offset in the block)."""
 
     @property
     def capabilities(self) -> Capabilities:
@@ -372,17 +382,22 @@ class Sandbox:
         its own wall (`timeout_s`) and CPU (`cpu_s`) limits. An item that takes the process down (a crash, a
         limit it swallowed) fails alone; the items after it run in a fresh process."""
         process = self._idle.get(reward, []).pop() if self._idle.get(reward) else await self._start_reward(reward, items[0].timeout_s)
-        lines, failed = await process.score(items)
+        try:
+            lines, failed = await process.score(items)
+        except BaseException:  # cancelled: the process is in the middle of a batch nobody waits for
+            await asyncio.shield(self._retire(process))
+            raise
         if lines and "import_error" in lines[0]:
-            await process.retire()
+            await self._retire(process)
             return [ItemOutcome(reason="import_error", detail=lines[0]["import_error"])] * len(items)
         done = [ItemOutcome(line.get("value"), line.get("reason"), line.get("detail", ""), line.get("seconds", 0.0)) for line in lines]
         if failed is None:
             if process.calls < self.reward_process_calls:
                 self._idle.setdefault(reward, []).append(process)
             else:
-                await process.retire()
+                await self._retire(process)
             return done
+        self._leased.discard(process.started.uid)  # `score` retired it
         rest = items[len(done) + 1 :]
         return done + [failed] + (await self.run_rewards(reward, rest) if rest else [])
 
@@ -405,7 +420,7 @@ class Sandbox:
         """Stop the pre-started process (one that failed to start has nothing to stop) and the idle reward ones."""
         idle, self._idle = [p for ps in self._idle.values() for p in ps], {}
         for process in idle:
-            await process.retire()
+            await self._retire(process)
         if self._spare is not None:
             spare, self._spare = self._spare, None
             try:
@@ -415,6 +430,11 @@ class Sandbox:
             _kill(started.process)
             await started.process.wait()
             _remove(started.workdir)
+            self._leased.discard(started.uid)
+
+    async def _retire(self, process: _RewardProcess) -> None:
+        await process.retire()
+        self._leased.discard(process.started.uid)
 
     async def _run(self, payload: dict[str, Any], timeout_s: float) -> RunOutcome:
         started = await self._take()
@@ -437,8 +457,13 @@ class Sandbox:
             (out, out_cut), (err, err_cut) = await _after_kill(reading, (("", 0), ("", 0)))
             await process.wait()
             timed_out = True
+        except BaseException:  # cancelled: the run must not outlive its call (nor keep its uid)
+            _kill(process)
+            await asyncio.shield(process.wait())
+            raise
         finally:
             _remove(started.workdir)
+            self._leased.discard(started.uid)
         code = process.returncode
         return RunOutcome(out, err, code, _reason(code, err, timed_out), time.perf_counter() - began, process.pid, out_cut + err_cut)
 
@@ -450,28 +475,44 @@ class Sandbox:
 
     async def _start(self) -> _Started:
         began = time.perf_counter()
-        argv, workdir = self._command()
-        process = await asyncio.create_subprocess_exec(
-            *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir or "/",
-            env=_clean_env(workdir), start_new_session=True,
-        )  # fmt: skip
-        ready = await process.stdout.read(1)
-        if ready != READY:
-            await process.wait()
-            detail = (await process.stderr.read(2000)).decode(errors="replace").strip()
-            raise ToolInfraError("sandbox_start_failed", f"exit {process.returncode}: {detail}")
+        uid = self._lease_uid()
+        try:
+            argv, workdir = self._command(uid)
+            process = await asyncio.create_subprocess_exec(
+                *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir or "/",
+                env=_clean_env(workdir), start_new_session=True,
+            )  # fmt: skip
+            ready = await process.stdout.read(1)
+            if ready != READY:
+                await process.wait()
+                detail = (await process.stderr.read(2000)).decode(errors="replace").strip()
+                raise ToolInfraError("sandbox_start_failed", f"exit {process.returncode}: {detail}")
+        except BaseException:
+            self._leased.discard(uid)
+            raise
         self.start_seconds.append(time.perf_counter() - began)
-        return _Started(process, began, workdir)
+        return _Started(process, began, uid, workdir)
 
-    def _command(self) -> tuple[list[str], str | None]:
+    def _lease_uid(self) -> int:
+        """A uid of this sandbox's block that no live process of it holds, round robin, so that a uid is reused
+        as late as possible (an `rlimits` run can leave a process behind, which keeps its uid)."""
+        for k in range(UIDS_PER_SANDBOX):
+            offset = (self._next_uid + k) % UIDS_PER_SANDBOX
+            if self.uid + offset not in self._leased:
+                self._next_uid = offset + 1
+                self._leased.add(self.uid + offset)
+                return self.uid + offset
+        raise ToolInfraError("sandbox_busy", f"all {UIDS_PER_SANDBOX} uids from {self.uid} are held by running or kept processes")
+
+    def _command(self, uid: int) -> tuple[list[str], str | None]:
         """argv, and the host work folder of an `rlimits` run (bwrap runs use their own tmpfs)."""
         caps = self.capabilities
         root = os.geteuid() == 0
         if caps.method == "bwrap":
             interpreter = _inside_path(sys._base_executable)
-            prefix = _bwrap_prefix(shutil.which("bwrap"), self.uid if root else None, self.limits.file_bytes)
+            prefix = _bwrap_prefix(shutil.which("bwrap"), uid if root else None, self.limits.file_bytes)
             return prefix + [interpreter, "-I", "-c", RUNNER], None
-        user = self.uid if caps.uid_dropped else None
+        user = uid if caps.uid_dropped else None
         workdir = tempfile.mkdtemp(prefix="asyncrl-sandbox-")
         if user is not None:
             os.chown(workdir, user, user)  # 0700: only this run's uid enters it

@@ -26,7 +26,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from asyncrl.cluster.calls import named_get
 from asyncrl.config import Config, ToolsConfig
-from asyncrl.envs.sandbox import Capabilities, ItemOutcome, RewardItem, Sandbox, SandboxLimits
+from asyncrl.envs.sandbox import UIDS_PER_SANDBOX, Capabilities, ItemOutcome, RewardItem, Sandbox, SandboxLimits
 from asyncrl.envs.tools.base import InProcessTools, RewardError, ToolCall, ToolInfraError, ToolResult, check_reward_value
 from asyncrl.envs.tools.python import run_python
 
@@ -346,7 +346,7 @@ class ToolPool:
                 pass  # keep its last heartbeat's counts
 
     def _spawn(self, name: str) -> Any:
-        uid = self.config.sandbox_uid_base + self.names.index(name)
+        uid = self.config.sandbox_uid_base + UIDS_PER_SANDBOX * self.names.index(name)
         return self._actor_cls.options(**self._actor_options(name)).remote(
             name, self.limits, uid, self.config.calls_per_worker, self.config.reward_batch, self.config.reward_process_calls
         )

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.envs.sandbox import RewardItem, Sandbox, SandboxLimits, detect_capabilities
+from asyncrl.envs.sandbox import UIDS_PER_SANDBOX, RewardItem, Sandbox, SandboxLimits, detect_capabilities
 from asyncrl.envs.tools.base import ToolCall, ToolInfraError
 from asyncrl.envs.tools.pool import ToolWorker
 from asyncrl.envs.tools.python import run_python
@@ -24,15 +24,20 @@ LIMITS = SandboxLimits(wall_s=5.0, cpu_s=2, memory_bytes=512 << 20, processes=16
 CAPS = detect_capabilities()
 
 
+def block(k: int) -> int:
+    """The first uid of test k's sandbox: each test's uids are its own (`UIDS_PER_SANDBOX` from there)."""
+    return 201_000 + UIDS_PER_SANDBOX * k
+
+
 def _processes_of(uid: int) -> list[int]:
-    """Host pids whose real uid is `uid` (a sandboxed run's leftovers)."""
+    """Host pids whose real uid is one of the sandbox's block from `uid` (a sandboxed run's leftovers)."""
     found = []
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
             uid_line = next(line for line in status.read_text().splitlines() if line.startswith("Uid:"))
         except (OSError, StopIteration):
             continue
-        if int(uid_line.split()[1]) == uid:
+        if uid <= int(uid_line.split()[1]) < uid + UIDS_PER_SANDBOX:
             found.append(int(status.parent.name))
     return found
 
@@ -70,12 +75,12 @@ def test_capability_record_matches_the_machine():
 
 
 def test_a_program_runs_and_prints():
-    result = _run("import sys\nprint(sum(range(10)))\nprint('oops', file=sys.stderr)", uid=201_001)
+    result = _run("import sys\nprint(sum(range(10)))\nprint('oops', file=sys.stderr)", uid=block(1))
     assert (result.ok, result.error, result.output) == (True, None, "45\noops\n")
 
 
 def test_infinite_loop_is_stopped_by_a_limit():
-    result = _run("while True:\n    pass", uid=201_002, limits=SandboxLimits(wall_s=3.0, cpu_s=1))
+    result = _run("while True:\n    pass", uid=block(2), limits=SandboxLimits(wall_s=3.0, cpu_s=1))
     assert not result.ok and result.error in ("cpu_time", "timeout")
     assert result.seconds < 3.0 + 1.0
 
@@ -85,15 +90,67 @@ def test_fork_bomb_is_contained_and_leaves_no_process():
         assert os.geteuid() == 0 and not CAPS.uid_dropped  # root without a uid to drop to: RLIMIT_NPROC cannot hold
         return
     bomb = "import os, time\nwhile True:\n    if os.fork() == 0:\n        time.sleep(60)\n"
-    result = _run(bomb, uid=201_003)
+    result = _run(bomb, uid=block(3))
     assert (result.ok, result.error) == (False, "error")
     assert "BlockingIOError" in result.output or "Resource temporarily unavailable" in result.output
     if CAPS.uid_dropped:
-        assert _all_gone(201_003)  # the sleeping children died with the run
+        assert _all_gone(block(3))  # the sleeping children died with the run
+
+
+def test_a_run_gets_its_whole_process_limit_while_other_processes_of_the_sandbox_live():
+    """RLIMIT_NPROC counts per uid: with a reward process kept and the next spare started, a program may still
+    hold `processes` processes (itself and its children); were all three under one uid it could not."""
+    if not CAPS.uid_dropped:
+        pytest.skip("each run gets its own uid only when we are root (the capability record says uid_dropped)")
+    children = LIMITS.processes - 2  # with the program itself: one below the limit, two above it under one uid
+    program = (f"import os, time\npids = []\nfor _ in range({children}):\n    pid = os.fork()\n    if pid == 0:\n"
+               "        time.sleep(1)\n        os._exit(0)\n    pids.append(pid)\nfor pid in pids:\n    os.waitpid(pid, 0)\nprint('forked', len(pids))")  # fmt: skip
+
+    async def kept_reward_then_program():
+        sandbox = Sandbox(LIMITS, block(21))
+        try:
+            kept = await sandbox.run_rewards("sandbox_rewards:half", [RewardItem("7", "7", "stop", {}, 5.0)])
+            return kept, await run_python(sandbox, program, 10.0), len(sandbox._leased)
+        finally:
+            await sandbox.close()
+
+    kept, result, live = asyncio.run(kept_reward_then_program())
+    assert kept[0].value == 0.5 and live == 2  # the kept reward process and the spare
+    assert (result.ok, result.output) == (True, f"forked {children}\n"), result.output
+
+
+def test_a_cancelled_program_is_killed_and_its_uid_freed():
+    async def cancelled():
+        sandbox = Sandbox(LIMITS, block(22))
+        try:
+            call = asyncio.ensure_future(run_python(sandbox, "import time\nprint('started', flush=True)\ntime.sleep(30)", 40.0))
+            await asyncio.sleep(1.5)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            return set(sandbox._leased)
+        finally:
+            await sandbox.close()
+
+    leased = asyncio.run(cancelled())
+    assert block(22) not in leased and len(leased) == 1  # only the spare's
+    if CAPS.uid_dropped:
+        assert _all_gone(block(22))  # the sleeping program did not outlive its call
+
+
+def test_uids_are_leased_round_robin_one_per_live_process_and_run_out_with_a_clear_error():
+    sandbox = Sandbox(LIMITS, 300_000)
+    assert [sandbox._lease_uid() for _ in range(3)] == [300_000, 300_001, 300_002]
+    sandbox._leased.discard(300_000)  # its process ended
+    assert sandbox._lease_uid() == 300_003  # a freed uid is reused as late as possible
+    assert [sandbox._lease_uid() for _ in range(UIDS_PER_SANDBOX - 4)][-1] == 300_000 + UIDS_PER_SANDBOX - 1
+    assert sandbox._lease_uid() == 300_000  # the only free one
+    with pytest.raises(ToolInfraError, match=f"all {UIDS_PER_SANDBOX} uids from 300000 are held"):
+        sandbox._lease_uid()
 
 
 def test_a_4_gib_allocation_fails_as_memory():
-    result = _run("block = bytearray(4 << 30)\nprint('allocated')", uid=201_004)
+    result = _run("block = bytearray(4 << 30)\nprint('allocated')", uid=block(4))
     assert (result.ok, result.error) == (False, "memory")
     assert "allocated" not in result.output
 
@@ -101,7 +158,7 @@ def test_a_4_gib_allocation_fails_as_memory():
 def test_writing_outside_its_directory_fails(tmp_path):
     target = tmp_path / "escaped.txt"
     program = f"import os\nopen(os.path.join(os.environ['TMPDIR'], 'mine.txt'), 'w').write('ok')\nopen({str(target)!r}, 'w').write('x')"
-    result = _run(program, uid=201_005)
+    result = _run(program, uid=block(5))
     if CAPS.readonly_root or CAPS.uid_dropped:
         assert (result.ok, result.error) == (False, "error")
         assert any(e in result.output for e in ("FileNotFoundError", "PermissionError", "OSError"))
@@ -117,7 +174,7 @@ def test_loopback_listener_outside_is_unreachable():
     port = listener.getsockname()[1]
     program = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('CONNECTED')"
     try:
-        result = _run(program, uid=201_006)
+        result = _run(program, uid=block(6))
     finally:
         listener.close()
     if CAPS.network_isolated:
@@ -136,7 +193,7 @@ def test_another_sandbox_temp_dir_is_unreadable():
     )
 
     async def together():
-        first, second = Sandbox(LIMITS, 201_007), Sandbox(LIMITS, 201_008)
+        first, second = Sandbox(LIMITS, block(7)), Sandbox(LIMITS, block(8))
         try:
             return await asyncio.gather(run_python(first, writer, 5.0), run_python(second, reader, 5.0))
         finally:
@@ -152,13 +209,13 @@ def test_another_sandbox_temp_dir_is_unreadable():
 
 
 def test_output_is_truncated_to_the_configured_size():
-    result = _run("print('x' * 10_000)", uid=201_009)
+    result = _run("print('x' * 10_000)", uid=block(9))
     assert result.ok
     assert result.output.startswith("x" * 200 + "\n[output truncated: 9801 bytes not shown]")  # 10_001 printed, 200 kept
 
 
 def test_a_user_reward_runs_sandboxed_and_its_prints_are_not_its_value():
-    worker = ToolWorker("tool-test", LIMITS, 201_010)
+    worker = ToolWorker("tool-test", LIMITS, block(10))
 
     async def rewards():
         try:
@@ -171,7 +228,7 @@ def test_a_user_reward_runs_sandboxed_and_its_prints_are_not_its_value():
 
 
 def test_a_reward_that_returns_text_fails_naming_it():
-    worker = ToolWorker("tool-test", LIMITS, 201_011)
+    worker = ToolWorker("tool-test", LIMITS, block(11))
 
     async def reward():
         try:
@@ -202,39 +259,39 @@ def test_each_reward_of_a_batch_keeps_its_own_limits_and_a_crash_fails_only_its_
     # machine still reaches the CPU limit first) its CPU timer, "hog" the address space limit; "crash" takes the
     # process down, so the items after it run in a fresh one.
     responses = ["7", "sleep", "7", "spin", "8", "hog", "7", "crash", "7", "8"]
-    outcomes = _rewards(201_012, "sandbox_rewards:troubled", responses, timeout_s=1.5, timeouts={"spin": 20.0})
+    outcomes = _rewards(block(12), "sandbox_rewards:troubled", responses, timeout_s=1.5, timeouts={"spin": 20.0})
     assert [(o.value, o.reason) for o in outcomes] == [
         (1.0, None), (None, "timeout"), (1.0, None), (None, "cpu_time"), (0.0, None), (None, "memory"), (1.0, None),
         (None, "error"), (1.0, None), (0.0, None),
     ]  # fmt: skip
     assert 1.5 <= outcomes[1].seconds < 1.5 + 5.0 and 1.9 <= outcomes[3].seconds < 20.0
     if CAPS.uid_dropped:
-        assert _all_gone(201_012)
+        assert _all_gone(block(12))
 
 
 def test_a_reward_that_swallows_its_timer_is_killed_at_its_timeout_and_the_rest_still_run():
     began = time.monotonic()
-    outcomes = _rewards(201_014, "sandbox_rewards:troubled", ["stubborn", "7", "8"], timeout_s=1.0)
+    outcomes = _rewards(block(14), "sandbox_rewards:troubled", ["stubborn", "7", "8"], timeout_s=1.0)
     assert [(o.value, o.reason) for o in outcomes] == [(None, "timeout"), (1.0, None), (0.0, None)]
     assert time.monotonic() - began < 1.0 + 10.0  # killed at its timeout + grace, not at the 60 s loop's end
     if CAPS.uid_dropped:
-        assert _all_gone(201_014)
+        assert _all_gone(block(14))
 
 
 def test_a_reward_that_cannot_be_imported_fails_every_call_naming_the_module():
-    outcomes = _rewards(201_015, "no_such_reward_module:score", ["7", "7"])
+    outcomes = _rewards(block(15), "no_such_reward_module:score", ["7", "7"])
     assert [o.reason for o in outcomes] == ["import_error"] * 2 and "no_such_reward_module" in outcomes[0].detail
 
 
 def test_a_reward_module_whose_import_hangs_fails_every_call_at_the_first_calls_timeout():
     began = time.monotonic()
-    outcomes = _rewards(201_020, "sandbox_slow_import:score", ["7", "7", "7"], timeout_s=1.0)
+    outcomes = _rewards(block(20), "sandbox_slow_import:score", ["7", "7", "7"], timeout_s=1.0)
     assert [o.reason for o in outcomes] == ["import_error"] * 3 and "took over 1.0s" in outcomes[0].detail
     assert time.monotonic() - began < 1.0 + 5.0  # once, not once per call
 
 
 def test_a_reward_process_serves_batch_after_batch_until_a_call_takes_it_down():
-    sandbox = Sandbox(LIMITS, 201_017)
+    sandbox = Sandbox(LIMITS, block(17))
 
     async def batches():
         try:
@@ -247,7 +304,7 @@ def test_a_reward_process_serves_batch_after_batch_until_a_call_takes_it_down():
     # The module was imported once for a, b, c; "crash" ended that process, so d and e ran in a fresh one.
     assert values == [[(1.0, None), (2.0, None)], [(3.0, None)], [(None, "error"), (1.0, None)], [(2.0, None)]]
     if CAPS.uid_dropped:
-        assert _all_gone(201_017)
+        assert _all_gone(block(17))
 
 
 def test_a_reward_process_is_replaced_after_its_calls_and_one_call_each_isolates_every_call():
@@ -259,15 +316,15 @@ def test_a_reward_process_is_replaced_after_its_calls_and_one_call_each_isolates
         finally:
             await sandbox.close()
 
-    assert asyncio.run(batches(2, 201_018)) == [[1.0, 2.0], [1.0], [2.0]]
-    assert asyncio.run(batches(1, 201_019))[1:] == [[1.0], [1.0]]
+    assert asyncio.run(batches(2, block(18))) == [[1.0, 2.0], [1.0], [2.0]]
+    assert asyncio.run(batches(1, block(19)))[1:] == [[1.0], [1.0]]
 
 
 @pytest.mark.parametrize("batch, runs", [(32, 2), (1, 8)])
 def test_reward_calls_waiting_for_a_slot_share_one_process_and_each_gets_its_own_value(batch, runs):
     # One call slot: the first call runs alone, the seven that queued behind it run together (batch 32) or
     # each in its own process (batch 1).
-    worker = ToolWorker("tool-test", LIMITS, 201_016, calls=1, reward_batch=batch)
+    worker = ToolWorker("tool-test", LIMITS, block(16), calls=1, reward_batch=batch)
     responses = ["12", "13"] * 4
 
     async def rewards():
@@ -282,7 +339,7 @@ def test_reward_calls_waiting_for_a_slot_share_one_process_and_each_gets_its_own
 
 
 def test_worker_counts_calls_by_tool_and_reason():
-    worker = ToolWorker("tool-test", SandboxLimits(wall_s=3.0, cpu_s=1), 201_013)
+    worker = ToolWorker("tool-test", SandboxLimits(wall_s=3.0, cpu_s=1), block(13))
     calls = [ToolCall("calculator", "2 + 3"), ToolCall("calculator", "1 / 0"), ToolCall("python", "raise SystemExit(2)"), ToolCall("python", "print(1)"), ToolCall("grep", "x")]
 
     async def all_calls():
@@ -338,12 +395,12 @@ def test_a_dead_tool_worker_fails_the_trajectory_with_its_reason_not_a_zero_rewa
 class _Unstartable(Sandbox):
     """A sandbox whose process exits before its interpreter is ready (bwrap refused, interpreter missing)."""
 
-    def _command(self):
+    def _command(self, uid):
         return ["/bin/sh", "-c", "echo 'bwrap: no permission' >&2; exit 1"], None
 
 
 def test_a_sandbox_that_cannot_start_is_an_infrastructure_failure():
-    sandbox = _Unstartable(LIMITS, 201_014)
+    sandbox = _Unstartable(LIMITS, block(14))
 
     async def call():
         try:
@@ -353,7 +410,7 @@ def test_a_sandbox_that_cannot_start_is_an_infrastructure_failure():
 
     with pytest.raises(ToolInfraError, match="sandbox_start_failed: exit 1: bwrap: no permission") as failure:
         asyncio.run(call())
-    assert failure.value.reason == "sandbox_start_failed"
+    assert failure.value.reason == "sandbox_start_failed" and sandbox._leased == set()  # no uid held by a failed start
 
 
 def test_an_infrastructure_error_keeps_its_reason_across_pickling():
