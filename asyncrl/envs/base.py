@@ -16,6 +16,7 @@ Built-ins are registered by name in `BUILTIN_ENVS`; users name their own class `
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from dataclasses import dataclass, field
@@ -81,9 +82,12 @@ BUILTIN_ENVS: dict[str, str] = {
 }
 
 
+@functools.cache
 def resolve_env(name: str) -> type:
     """The environment class of a built-in name or an import path `package.module:Class`; raises ValueError
-    naming what is wrong (unknown name, import failure, not a class, missing protocol methods)."""
+    naming what is wrong (unknown name, import failure, not a class, missing protocol methods). Resolved once
+    per process: `make_env` runs once per episode (an import and four checks each time were ~4% of a W1 rollout
+    worker's CPU)."""
     path = BUILTIN_ENVS.get(name, name)
     if ":" not in path:
         raise ValueError(f"unknown environment {name!r}: use one of {', '.join(BUILTIN_ENVS)} or 'package.module:Class'")
