@@ -3,8 +3,10 @@
 Starts `asyncrl run CONFIG [overrides]`, waits for training to be under way (`--delay` seconds and
 `--min-steps` steps logged), then records each process
 (driver, ReplayQueue, RolloutWorker, vLLM engine core and its model worker, LearnerWorker) with `py-spy record --format raw`
-for `--duration` seconds, concurrently, together with its CPU share. Prints, per process, the CPU share
-and the frames with the largest inclusive and self sample fractions; writes benchmarks/results/profile.json (`--out`).
+for `--duration` seconds, concurrently, together with its CPU share. Prints, per process, the CPU share (in all
+and per thread: py-spy's samples cannot tell a thread blocked in native code from a busy one, /proc can) and
+the frames with the largest inclusive and self sample fractions, and the whole machine's busy, idle and stolen
+cores; writes benchmarks/results/profile.json (`--out`).
 Needs `py-spy` (the `bench` extra) and permission to ptrace the run's processes (root, or
 kernel.yama.ptrace_scope=0).
 
@@ -102,7 +104,7 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def sample_run(args, out: Path) -> tuple[dict[str, float], int]:
+def sample_run(args, out: Path) -> tuple[dict[str, float], dict[str, list], dict[str, float], int]:
     """Starts the run, records each of its processes with py-spy into `out/<role>.txt` once training is
     under way, and stops the run; returns the cores each process used while sampled and the samples the
     learner trained meanwhile (a loaded machine trains fewer: CPU per trained sample compares runs)."""
@@ -114,9 +116,9 @@ def sample_run(args, out: Path) -> tuple[dict[str, float], int]:
         metrics = out / "run" / "metrics.jsonl"
         wait_for_steps(run, metrics, args.min_steps)
         before = len(metrics.read_text().splitlines())
-        cores = record_processes(find_processes(run.pid), args.duration, out)
+        cores, threads, machine = record_processes(find_processes(run.pid), args.duration, out)
         lines = metrics.read_text().splitlines()[before:]
-        return cores, sum(json.loads(line).get("samples", 0) for line in lines)
+        return cores, threads, machine, sum(json.loads(line).get("samples", 0) for line in lines)
     finally:
         stop_run(run)
 
@@ -153,14 +155,17 @@ def stop_run(run: subprocess.Popen) -> None:
         proc.kill()
 
 
-def record_processes(pids: dict[str, int], duration: float, out: Path) -> dict[str, float]:
-    """py-spy on every process at once for `duration` seconds; the cores each used meanwhile."""
+def record_processes(pids: dict[str, int], duration: float, out: Path) -> tuple[dict[str, float], dict[str, list], dict[str, float]]:
+    """py-spy on every process at once for `duration` seconds; the cores each used meanwhile, in all and per
+    thread name, and the whole machine's (`machine_times`)."""
     import psutil
 
     pyspy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     procs = {role: psutil.Process(pid) for role, pid in pids.items()}
     for p in procs.values():
         p.cpu_percent(None)
+    threads_before = {role: thread_times(pid) for role, pid in pids.items()}
+    machine_before = machine_times()
     recorders = {
         role: subprocess.Popen([pyspy, "record", "--pid", str(pid), "--duration", str(int(duration)), "--format", "raw",
                                 "--nonblocking", "-o", str(out / f"{role}.txt")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -168,14 +173,51 @@ def record_processes(pids: dict[str, int], duration: float, out: Path) -> dict[s
     }
     for r in recorders.values():
         r.wait(timeout=duration + 60)
-    return {role: round(p.cpu_percent(None) / 100, 2) for role, p in procs.items()}  # cores used while sampled
+    cores = {role: round(p.cpu_percent(None) / 100, 2) for role, p in procs.items()}  # cores used while sampled
+    threads = {role: thread_cores(threads_before[role], thread_times(pid), duration) for role, pid in pids.items()}
+    machine = {k: round((v - machine_before[k]) / duration, 3) for k, v in machine_times().items()}
+    return cores, threads, machine
+
+
+def machine_times() -> dict[str, float]:
+    """The whole machine's CPU seconds so far (/proc/stat): busy (user, nice, system, irq, softirq), idle
+    (with iowait) and steal (taken by the hypervisor): cores busy in the run next to the cores there were."""
+    ticks = [int(x) / os.sysconf("SC_CLK_TCK") for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    user, nice, system, idle, iowait, irq, softirq, steal = ticks
+    return {"busy_cores": user + nice + system + irq + softirq, "idle_cores": idle + iowait, "steal_cores": steal}
+
+
+def thread_times(pid: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds so far of each of a process's threads, with the thread's name (Linux: /proc/PID/task)."""
+    times = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rpartition(")")[2].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        times[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    return times
+
+
+def thread_cores(before: dict, after: dict, duration: float) -> list:
+    """Cores per thread name over the sampling window, busiest first: which threads a process's CPU goes to
+    (Ray's core-worker threads are named, Python threads carry the process title)."""
+    by_name = collections.Counter()
+    for tid, (name, seconds) in after.items():
+        by_name[name] += seconds - before.get(tid, (name, 0.0))[1]
+    return [[name, round(s / duration, 3)] for name, s in by_name.most_common() if s > 0]
 
 
 def print_report(report: dict, top: int) -> None:
     print(f"\nprofile of {Path(report['config']).name} {' '.join(report['overrides'])} over {report['duration_s']:.0f}s (cores = CPU time / wall time)")
+    if report.get("machine_cores"):
+        print("machine: " + ", ".join(f"{k} {v:.2f}" for k, v in report["machine_cores"].items()))
     for role, r in report["processes"].items():
         per_sample = f", {r['cpu_ms_per_trained_sample']:.2f} ms CPU per trained sample" if "cpu_ms_per_trained_sample" in r else ""
         print(f"\n== {role}: {r['cpu_cores']:.2f} cores{per_sample}, {r['samples']} samples")
+        if r.get("threads"):
+            print("  threads (cores): " + ", ".join(f"{name} {c:.3f}" for name, c in r["threads"][:8]))
         for frame, f in r.get("inclusive", [])[:top]:
             print(f"  {f:6.1%}  {frame[:110]}")
         if r.get("self"):
@@ -188,13 +230,14 @@ def main() -> None:
     args = parse_args()
     out = Path(tempfile.mkdtemp(prefix="profile-"))
     load_start = common.load_average()  # the worker's CPU share depends on how busy the machine is
-    cpu, trained = sample_run(args, out)
+    cpu, threads, machine, trained = sample_run(args, out)
     report = {"config": args.config, "overrides": args.overrides, "label": args.label, "duration_s": args.duration,
-              "trained_samples_per_s": trained / args.duration, "machine": common.machine(load_start), "processes": {}}
+              "trained_samples_per_s": trained / args.duration, "machine": common.machine(load_start), "machine_cores": machine,
+              "processes": {}}
     for role, cores in cpu.items():
         raw = out / f"{role}.txt"
         per_sample = {"cpu_ms_per_trained_sample": 1000 * cores * args.duration / trained} if trained else {}
-        report["processes"][role] = {"cpu_cores": cores, **per_sample, **(summarize(raw, args.top) if raw.exists() else {"samples": 0})}
+        report["processes"][role] = {"cpu_cores": cores, **per_sample, "threads": threads[role], **(summarize(raw, args.top) if raw.exists() else {"samples": 0})}
     print_report(report, args.top)
     common.write_json(args.out, report)
 

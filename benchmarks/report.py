@@ -366,11 +366,16 @@ def profile(d: dict) -> list[str]:
     if "trained_samples_per_s" in d:
         lines += [f"The learner trained {d['trained_samples_per_s']:.0f} samples/s meanwhile; CPU ms per trained sample "
                   "compares profiles taken at different loads.", ""]
+    if "machine_cores" in d:
+        m = d["machine_cores"]
+        lines += [f"The whole machine meanwhile: {m['busy_cores']:.2f} cores busy, {m['idle_cores']:.2f} idle, "
+                  f"{m['steal_cores']:.2f} taken by the hypervisor.", ""]
     rows = []
     for role, r in d["processes"].items():
         top = "; ".join(f"{frame} {share:.0%}" for frame, share in r.get("self", [])[:3])
-        rows.append([role, f"{r['cpu_cores']:.2f}", fnum(r.get("cpu_ms_per_trained_sample")), r["samples"], top or "-"])
-    return lines + table(["process", "cores", "CPU ms / trained sample", "samples", "largest self shares"], rows)
+        threads = ", ".join(f"{name} {cores:.2f}" for name, cores in r.get("threads", [])[:3])
+        rows.append([role, f"{r['cpu_cores']:.2f}", fnum(r.get("cpu_ms_per_trained_sample")), threads or "-", r["samples"], top or "-"])
+    return lines + table(["process", "cores", "CPU ms / trained sample", "busiest threads (cores)", "samples", "largest self shares"], rows)
 
 
 def soak(d: dict) -> list[str]:
@@ -491,7 +496,7 @@ def formatter(stem: str) -> Callable[[dict], list[str]] | None:
 ORDER = ["learning_add", "learning_add_120", "learning_add_mb4", "learning_add_mb4_same_lr", "async_speedup", "async_speedup_continue", "limits", "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "queue_throughput", "algo_throughput",
          "profile_before", "profile", "profile_w1_quiet", "profile_w1_quiet_after", "profile_w1_afternoon",
          "profile_w1_ungrouped_1", "profile_w1_grouped_1", "profile_w1_ungrouped_2", "profile_w1_grouped_2",
-         "profile_w1_unfrozen_1", "profile_w1_frozen_1", "profile_w1_unfrozen_2", "profile_w1_frozen_2", "client_floor_no_freeze", "client_floor", "soak"]
+         "profile_w1_unfrozen_1", "profile_w1_frozen_1", "profile_w1_unfrozen_2", "profile_w1_frozen_2", "profile_w1_threads", "client_floor_no_freeze", "client_floor", "soak"]
 
 
 def render(results: Path) -> str:

@@ -9,6 +9,7 @@ sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from learning_add import accuracy_at, run_figures, runs  # noqa: E402
 from plain_grpo import group_advantages  # noqa: E402
+from profile_run import thread_cores, thread_times  # noqa: E402
 
 
 def test_group_advantages_normalise_within_each_group():
@@ -115,3 +116,22 @@ def test_streaming_under_wait_is_held_to_the_wait_limit():
     assert waited["streaming"]["fraction_of_capacity_limit"] == 0.5 and waited["sync"]["fraction_of_limit"] == 0.9
     w2["config"]["stale_policy"] = "continue"  # the learner never waits: the capacity limit
     assert w2_fractions(model, w2)["streaming"]["fraction_of_limit"] == 0.5
+
+
+def test_thread_cores_add_up_the_threads_of_each_name_over_the_window():
+    before = {1: ("ray::IDLE", 10.0), 2: ("worker.io", 3.0)}
+    after = {1: ("ray::IDLE", 12.0), 2: ("worker.io", 3.2), 3: ("worker.io", 0.6)}  # thread 3 started meanwhile
+    assert thread_cores(before, after, 4.0) == [["ray::IDLE", 0.5], ["worker.io", 0.2]]
+
+
+def test_thread_times_count_this_threads_cpu():
+    import os
+    import threading
+    import time
+
+    tid = threading.get_native_id()
+    before = thread_times(os.getpid())[tid][1]
+    end = time.thread_time() + 0.2
+    while time.thread_time() < end:
+        pass
+    assert thread_times(os.getpid())[tid][1] - before >= 0.15
