@@ -8,6 +8,9 @@ rollout; time to target is reported with and without the held-out evaluations (t
 its evaluations, so the ratio to the peer uses asyncrl's clock without them too). For every run it
 reports accuracy at equal trained samples, time to 0.5 and to 0.7 held-out accuracy and seconds per
 256 trained samples (the per-step cost; the plain loop's is the floor without Ray, vLLM or a queue).
+After the runs it times the learner alone (`learner_alone`: streaming's optimizer step on the batches that run
+trained, in this process with no engine running, with one and with two torch threads), the ceiling of any
+asynchronous mode whose learner has that many threads, next to the peer's whole step.
 The peer runs in a subprocess when `trl` is installed (`pip install -e .[bench]`). Writes
 benchmarks/results/learning_add.json (and a PNG plot when matplotlib is installed).
 
@@ -25,15 +28,19 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import common  # benchmarks/common.py: a script's own folder is on sys.path
 
 STEP_SAMPLES = 256  # 32 prompts x 8 samples
+LEARNER_ALONE_STEPS = 12
+"""Optimizer steps `learner_alone` times per thread count (after one warm-up step)."""
 MILESTONES = (0.5, 0.7)
 MODES = {"sync": "sync.yaml", "streaming": "default.yaml", "sao": "sao.yaml"}
 
@@ -96,6 +103,57 @@ def plain_run(steps: int, every: int, target: float) -> dict:
     }
 
 
+def learner_alone(run_dir: Path, steps: int, threads: Sequence[int] = (1, 2)) -> dict:
+    """Seconds per optimizer step of the default (streaming) recipe on the batches the run in `run_dir` trained
+    (its trajectory log's `trained` rows, 32 groups a batch), on a plain fp32 module in this process with
+    nothing else running, per torch thread count; the median over the steps after the first. Empty when the
+    run trained fewer than two batches."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+    import torch
+
+    from asyncrl.algo.sampling import SamplingDistribution
+    from asyncrl.buffer.storage import trajectories_from_arrow
+    from asyncrl.config import RECIPES, load_config
+    from asyncrl.learner.batch import build_batch, split_mini_batches
+    from asyncrl.learner.checkpoint import TrainState
+    from asyncrl.learner.policy import PolicyModel, load_causal_lm
+    from asyncrl.learner.pool import recipe_from_config
+    from asyncrl.learner.rank import materialize_optimizer_state
+    from asyncrl.learner.step import RankStep
+    from asyncrl.models import ensure_model
+    from asyncrl.types import Group
+
+    cfg = load_config(RECIPES / MODES["streaming"])
+    table = pq.read_table(next(run_dir.glob("trajectories*.parquet")))
+    trained = trajectories_from_arrow(table.filter(pc.equal(table["fate"], "trained")))
+    by_group: dict[str, list] = {}
+    for t in trained:
+        by_group.setdefault(t.group_id, []).append(t)
+    groups = [Group(g, members) for g, members in by_group.items() if len(members) == cfg.rollout.samples_per_prompt]
+    per_batch = cfg.learner.prompts_per_step
+    batches = [groups[i : i + per_batch] for i in range(0, len(groups) - per_batch + 1, per_batch)][: steps + 1]
+    if len(batches) < 2:
+        return {}
+    learner, recipe, model_dir = cfg.learner, recipe_from_config(cfg), str(ensure_model(cfg))
+    seconds = {}
+    for n in threads:
+        torch.set_num_threads(n)
+        policy = PolicyModel(load_causal_lm(model_dir))
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=learner.lr, betas=learner.betas, weight_decay=learner.weight_decay)
+        materialize_optimizer_state(optimizer)
+        state = TrainState(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
+        step = RankStep(state, learner, recipe, SamplingDistribution(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k),
+                        torch.device("cpu"), lambda tensor, _op: tensor)  # fmt: skip
+        times = []
+        for b, batch in enumerate(batches):
+            began = time.perf_counter()
+            step.train(split_mini_batches(build_batch(batch, recipe), learner.mini_batches, recipe), b)
+            times.append(time.perf_counter() - began)
+        seconds[str(n)] = statistics.median(times[1:]) * STEP_SAMPLES / (per_batch * cfg.rollout.samples_per_prompt)
+    return {"s_per_256_samples": seconds, "steps": len(batches) - 1, "threads_in_runs": int(learner.num_cpus_per_rank)}
+
+
 def runs(mini_batches: int, modes: Sequence[str] = tuple(MODES), mb_overrides: Sequence[str] = ()) -> list[tuple[str, str, list[str]]]:
     """(run name, recipe file, extra overrides): each of `modes` as shipped, then with `mini_batches`
     updates per rollout batch (and `mb_overrides`, e.g. a smaller learning rate) when that is more than 1."""
@@ -124,10 +182,14 @@ def main() -> None:
         results["plain"] = plain_run(steps, every, args.target)
     for mode, r in results.items():
         r.update(run_figures(r["evals"], "wall_s" if mode in ("trl", "plain") else "wall_s_excl_eval"))
+    alone = learner_alone(out / "streaming", LEARNER_ALONE_STEPS) if "streaming" in results else {}
     print_table(results, steps, args.target)
     print_figures(results)
+    if alone:
+        print("learner alone, s per 256 samples: " + ", ".join(f"{t} thread(s) {s:.3f}" for t, s in alone["s_per_256_samples"].items()))
     command = " ".join(["python", "benchmarks/learning_add.py", *sys.argv[1:]])
-    common.write_json(result_json, {"machine": common.machine(load_start), "command": command, "steps": steps, "target": args.target, "modes": results})
+    common.write_json(result_json, {"machine": common.machine(load_start), "command": command, "steps": steps, "target": args.target, "modes": results,
+                                    **({"learner_alone": alone} if alone else {})})  # fmt: skip
     plot(results, result_json.with_suffix(".png"))
 
 

@@ -319,7 +319,20 @@ def learning_add(d: dict) -> list[str]:
         ratios = ", ".join(f"{m} {fx(r[key] / peer)}" for m, r in modes.items() if m != "trl" and r.get(key))
         lines += ["", f"Wall-clock to reach {target} (evaluations excluded on both sides), relative to the peer (goal <= 0.5x): "
                   f"{ratios or 'no asyncrl mode reached it'}."]
-    return lines
+    return lines + _learner_alone_line(d)
+
+
+def _learner_alone_line(d: dict) -> list[str]:
+    """The learner's step alone (`learning_add.learner_alone`) next to the peer's whole step, the same session."""
+    alone = d.get("learner_alone")
+    if not alone:
+        return []
+    threads = ", ".join(f"{t} thread{'s' if t != '1' else ''} {s:.3f} s" for t, s in alone["s_per_256_samples"].items())
+    peer = d["modes"].get("trl", {}).get("s_per_256_samples")
+    peer_note = f"; the peer's whole step (generation and training, one process): {peer:.3f} s" if peer else ""
+    return ["", f"The learner alone (streaming's optimizer step on the batches that run trained, nothing else running, median of "
+                f"{alone['steps']} steps), per 256 samples: {threads}{peer_note}. The runs give the learner "
+                f"{alone['threads_in_runs']} thread: no asynchronous mode can train faster than its learner alone."]
 
 
 def _equal_samples_table(modes: dict) -> list[str]:
