@@ -37,6 +37,27 @@ def _linear_warmup(warmup_steps: int):
     return factor
 
 
+def build_train_state(cfg, model_dir: str, device: torch.device, place=lambda module: None):
+    """The policy and, with `cfg.critic` (a `LearnerConfig`), the critic: fp32 from `model_dir` on `device`, each
+    passed to `place` (a rank shards it with FSDP2) before its AdamW optimizer and linear warm-up are made."""
+    from asyncrl.learner.checkpoint import TrainState
+    from asyncrl.learner.policy import PolicyModel, ValueModel, load_causal_lm
+
+    policy = PolicyModel(load_causal_lm(model_dir, torch.float32)).to(device)
+    place(policy)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    materialize_optimizer_state(optimizer)
+    state = TrainState(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _linear_warmup(cfg.warmup_steps)))
+    if cfg.critic:
+        critic = ValueModel(load_causal_lm(model_dir, torch.float32), seed=cfg.seed).to(device)
+        place(critic)
+        critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, betas=cfg.betas)
+        materialize_optimizer_state(critic_optimizer)
+        state.critic, state.critic_optimizer = critic, critic_optimizer
+        state.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, _linear_warmup(cfg.warmup_steps))
+    return state
+
+
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create AdamW's per-parameter state now, equal to a fresh optimizer's.
 
@@ -135,25 +156,10 @@ class LearnerWorker:
         )
 
     def _train_state(self, mesh):
-        from asyncrl.learner.checkpoint import TrainState
-        from asyncrl.learner.policy import PolicyModel, ValueModel, load_causal_lm, shard
+        from asyncrl.learner.policy import shard
 
-        cfg = self.config
-        causal_lm = load_causal_lm(self.model_dir, torch.float32)
-        self.model_config = causal_lm.config
-        policy = PolicyModel(causal_lm).to(self.device)
-        shard(policy, mesh, self.dtype)
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-        materialize_optimizer_state(optimizer)
-        state = TrainState(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _linear_warmup(cfg.warmup_steps)))
-        if cfg.critic:
-            critic = ValueModel(load_causal_lm(self.model_dir, torch.float32), seed=cfg.seed).to(self.device)
-            shard(critic, mesh, self.dtype)
-            critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, betas=cfg.betas)
-            materialize_optimizer_state(critic_optimizer)
-            state.critic = critic
-            state.critic_optimizer = critic_optimizer
-            state.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, _linear_warmup(cfg.warmup_steps))
+        state = build_train_state(self.config, self.model_dir, self.device, lambda module: shard(module, mesh, self.dtype))
+        self.model_config = state.policy.causal_lm.config
         return state
 
     def _all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -64,6 +64,22 @@ class WorkerSpec:
     tools: ToolExecutor | None = None
     """Runs tools and the reward (asyncrl/envs/tools); None: in this process (`InProcessTools`)."""
 
+    def build_engine(self, name: str) -> Engine:
+        """The engine a worker named `name` serves with (not started)."""
+        rollout = self.rollout
+        return Engine(
+            self.model_dir,
+            name=name,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            max_num_seqs=rollout.max_requests_in_flight,
+            kv_cache_gib=rollout.kv_cache_gib,
+            gpu_memory_utilization=rollout.gpu_memory_utilization,
+            seed=self.seed,
+            weight_load=rollout.weight_load,
+            group_requests=rollout.group_requests,
+        )
+
 
 @dataclass(frozen=True)
 class EpisodeScore:
@@ -94,18 +110,7 @@ class RolloutWorker:
         self.tools = spec.tools or InProcessTools()
         self.queue = queue
         self.sampling = spec.sampling or SamplingSpec.from_rollout_config(self.config)
-        self.engine = engine or Engine(
-            spec.model_dir,
-            name=name,
-            dtype=spec.dtype,
-            max_model_len=spec.max_model_len,
-            max_num_seqs=self.config.max_requests_in_flight,
-            kv_cache_gib=self.config.kv_cache_gib,
-            gpu_memory_utilization=self.config.gpu_memory_utilization,
-            seed=spec.seed,
-            weight_load=self.config.weight_load,
-            group_requests=self.config.group_requests,
-        )
+        self.engine = engine or spec.build_engine(name)
         self.env_context = EnvContext(self.tools, spec.env.reward, spec.env.reward_timeout_s, spec.env.tool_timeout_s)
         self._make_env()  # fail at start, naming the environment, rather than on the first request
         self.episodes = EpisodeRunner(self.engine, self._make_env, self._limits())
