@@ -10,7 +10,10 @@ reports accuracy at equal trained samples, time to 0.5 and to 0.7 held-out accur
 256 trained samples (the per-step cost; the plain loop's is the floor without Ray, vLLM or a queue).
 After the runs it times the learner alone (`learner_alone`: streaming's optimizer step on the batches that run
 trained, in this process with no engine running, with one and with two torch threads), the ceiling of any
-asynchronous mode whose learner has that many threads, next to the peer's whole step.
+asynchronous mode whose learner has that many threads, next to the peer's whole step. Then W1's limit model on
+the same batches (`limits.w1_limit`: the engine alone, counting the groups the zero-variance filter discards as
+its work, the learner alone, both at once), with sync's and streaming's trained samples/s as fractions of their
+limits and each limit over the peer's trained samples/s.
 The peer runs in a subprocess when `trl` is installed (`pip install -e .[bench]`). Writes
 benchmarks/results/learning_add.json (and a PNG plot when matplotlib is installed).
 
@@ -103,55 +106,104 @@ def plain_run(steps: int, every: int, target: float) -> dict:
     }
 
 
-def learner_alone(run_dir: Path, steps: int, threads: Sequence[int] = (1, 2)) -> dict:
-    """Seconds per optimizer step of the default (streaming) recipe on the batches the run in `run_dir` trained
-    (its trajectory log's `trained` rows, 32 groups a batch), on a plain fp32 module in this process with
-    nothing else running, per torch thread count; the median over the steps after the first. Empty when the
-    run trained fewer than two batches."""
+def trained_batches(run_dir: Path, cfg, batches: int) -> list[list]:
+    """The first `batches` whole batches (`prompts_per_step` groups of `samples_per_prompt`) the run in `run_dir`
+    trained, from its trajectory log's `trained` rows."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
-    import torch
 
-    from asyncrl.algo.sampling import SamplingDistribution
     from asyncrl.buffer.storage import trajectories_from_arrow
-    from asyncrl.config import RECIPES, load_config
-    from asyncrl.learner.batch import build_batch, split_mini_batches
-    from asyncrl.learner.checkpoint import TrainState
-    from asyncrl.learner.policy import PolicyModel, load_causal_lm
-    from asyncrl.learner.pool import recipe_from_config
-    from asyncrl.learner.rank import materialize_optimizer_state
-    from asyncrl.learner.step import RankStep
-    from asyncrl.models import ensure_model
     from asyncrl.types import Group
 
-    cfg = load_config(RECIPES / MODES["streaming"])
     table = pq.read_table(next(run_dir.glob("trajectories*.parquet")))
-    trained = trajectories_from_arrow(table.filter(pc.equal(table["fate"], "trained")))
     by_group: dict[str, list] = {}
-    for t in trained:
+    for t in trajectories_from_arrow(table.filter(pc.equal(table["fate"], "trained"))):
         by_group.setdefault(t.group_id, []).append(t)
     groups = [Group(g, members) for g, members in by_group.items() if len(members) == cfg.rollout.samples_per_prompt]
     per_batch = cfg.learner.prompts_per_step
-    batches = [groups[i : i + per_batch] for i in range(0, len(groups) - per_batch + 1, per_batch)][: steps + 1]
-    if len(batches) < 2:
-        return {}
-    learner, recipe, model_dir = cfg.learner, recipe_from_config(cfg), str(ensure_model(cfg))
-    seconds = {}
+    return [groups[i : i + per_batch] for i in range(0, len(groups) - per_batch + 1, per_batch)][:batches]
+
+
+def learner_alone(batches: list[list], cfg, threads: Sequence[int] = (1, 2)) -> dict:
+    """Seconds of each optimizer step of `cfg`'s recipe on `batches`, on a plain fp32 module in this process
+    with nothing else running (`limits.rank_trainer`), per torch thread count; batch 0 is the warm-up. Also the
+    median of the others per 256 samples."""
+    from limits import rank_trainer
+
+    from asyncrl.models import ensure_model
+
+    model_dir, step_s = ensure_model(cfg), {}
     for n in threads:
-        torch.set_num_threads(n)
-        policy = PolicyModel(load_causal_lm(model_dir))
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=learner.lr, betas=learner.betas, weight_decay=learner.weight_decay)
-        materialize_optimizer_state(optimizer)
-        state = TrainState(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
-        step = RankStep(state, learner, recipe, SamplingDistribution(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k),
-                        torch.device("cpu"), lambda tensor, _op: tensor)  # fmt: skip
-        times = []
+        train, step_s[str(n)] = rank_trainer(cfg, model_dir, threads=n), []
         for b, batch in enumerate(batches):
             began = time.perf_counter()
-            step.train(split_mini_batches(build_batch(batch, recipe), learner.mini_batches, recipe), b)
-            times.append(time.perf_counter() - began)
-        seconds[str(n)] = statistics.median(times[1:]) * STEP_SAMPLES / (per_batch * cfg.rollout.samples_per_prompt)
-    return {"s_per_256_samples": seconds, "steps": len(batches) - 1, "threads_in_runs": int(learner.num_cpus_per_rank)}
+            train(batch, b)
+            step_s[str(n)].append(time.perf_counter() - began)
+    per_batch = sum(len(g.trajectories) for g in batches[0])
+    return {
+        "s_per_256_samples": {n: statistics.median(s[1:]) * STEP_SAMPLES / per_batch for n, s in step_s.items()},
+        "steps": len(batches) - 1,
+        "threads_in_runs": int(cfg.learner.num_cpus_per_rank),
+        "step_s": step_s,
+    }
+
+
+def alone_and_limit(out: Path, results: dict, together_s: float | None = None) -> tuple[dict, dict]:
+    """The learner alone (`learner_alone`) on the batches the streaming run in `out` trained, and W1's limit model
+    (`limits.w1_limit`) of streaming (its sync limit too) and of sao (critic included) on their own runs' batches,
+    with each mode's samples/s against its limit and each limit against the peer's samples/s. Empty when the
+    streaming run trained fewer than two batches."""
+    from asyncrl.config import RECIPES, load_config
+
+    cfg = load_config(RECIPES / MODES["streaming"])
+    batches = trained_batches(out / "streaming", cfg, LEARNER_ALONE_STEPS + 1)
+    if len(batches) < 2:
+        return {}, {}
+    alone = learner_alone(batches, cfg)
+    limit = {"streaming": mode_limit(out / "streaming", cfg, batches, alone.pop("step_s"), together_s)}
+    sao = load_config(RECIPES / MODES["sao"])
+    if "sao" in results and len(sao_batches := trained_batches(out / "sao", sao, LEARNER_ALONE_STEPS + 1)) >= 2:
+        limit["sao"] = mode_limit(out / "sao", sao, sao_batches, learner_alone(sao_batches, sao, threads=(1,))["step_s"], together_s)
+    limit["runs"] = limit_fractions(limit, results)
+    return alone, limit
+
+
+def mode_limit(run_dir: Path, cfg, batches: list[list], step_s: dict[str, list[float]], together_s: float | None) -> dict:
+    """`limits.w1_limit` of the run in `run_dir`, with the samples it generated per sample it trained."""
+    from limits import W1_TOGETHER_S, w1_limit
+
+    from asyncrl.models import ensure_model
+
+    counters = json.loads((run_dir / "summary.json").read_text())["counters"]
+    filtered = sum(v for k, v in counters.items() if k.startswith("filtered:"))
+    return w1_limit(cfg, ensure_model(cfg), batches, step_s, (counters["trained"] + filtered) / counters["trained"], together_s or W1_TOGETHER_S)
+
+
+def limit_fractions(limit: dict, results: dict) -> dict:
+    """Each run's trained samples/s (per 256 samples over its training clock) as a fraction of its mode's
+    limit (sync: the streaming model's sync limit), and each limit over the peer's samples/s."""
+    peer = STEP_SAMPLES / results["trl"]["s_per_256_samples"] if results.get("trl", {}).get("s_per_256_samples") else None
+    bounds = {"sync": ("streaming", "sync_limit_samples_per_s"), "streaming": ("streaming", "limit_samples_per_s"), "sao": ("sao", "limit_samples_per_s")}
+    rows = {} if peer is None else {"trl": {"samples_per_s": peer}}
+    for mode, (model, key) in bounds.items():
+        if (results.get(mode) or {}).get("s_per_256_samples") and model in limit:
+            rate, bound = STEP_SAMPLES / results[mode]["s_per_256_samples"], limit[model][key]
+            rows[mode] = {"samples_per_s": rate, "limit_samples_per_s": bound, "fraction_of_limit": rate / bound,
+                          **({"limit_over_peer": bound / peer, "over_peer": rate / peer} if peer else {})}  # fmt: skip
+    return rows
+
+
+def print_limit(limit: dict) -> None:
+    for mode in ("streaming", "sao"):
+        if m := limit.get(mode):
+            sync = f", sync limit {m['sync_limit_samples_per_s']:.0f}" if "sync_limit_samples_per_s" in m else ""
+            print(f"W1 {mode} limit: engine {m['engine_samples_per_s']:.0f}, learner {m['learner_samples_per_s']['1']:.0f} trained samples/s "
+                  f"alone (1 thread; {m['generated_per_trained']:.2f} generated per trained); together c = {m['concurrency_capacity']:.2f}; "
+                  f"limit {m['limit_samples_per_s']:.0f} ({m['bound_by']}-bound){sync}")
+    for mode, r in limit["runs"].items():
+        if mode != "trl":
+            peer = f", limit / trl {r['limit_over_peer']:.2f}" if "limit_over_peer" in r else ""
+            print(f"  {mode}: {r['samples_per_s']:.0f} samples/s = {r['fraction_of_limit']:.2f} of its limit{peer}")
 
 
 def runs(mini_batches: int, modes: Sequence[str] = tuple(MODES), mb_overrides: Sequence[str] = ()) -> list[tuple[str, str, list[str]]]:
@@ -182,14 +234,16 @@ def main() -> None:
         results["plain"] = plain_run(steps, every, args.target)
     for mode, r in results.items():
         r.update(run_figures(r["evals"], "wall_s" if mode in ("trl", "plain") else "wall_s_excl_eval"))
-    alone = learner_alone(out / "streaming", LEARNER_ALONE_STEPS) if "streaming" in results else {}
+    alone, limit = alone_and_limit(out, results, 5.0 if args.quick else None) if "streaming" in results else ({}, {})
     print_table(results, steps, args.target)
     print_figures(results)
+    if limit:
+        print_limit(limit)
     if alone:
         print("learner alone, s per 256 samples: " + ", ".join(f"{t} thread(s) {s:.3f}" for t, s in alone["s_per_256_samples"].items()))
     command = " ".join(["python", "benchmarks/learning_add.py", *sys.argv[1:]])
     common.write_json(result_json, {"machine": common.machine(load_start), "command": command, "steps": steps, "target": args.target, "modes": results,
-                                    **({"learner_alone": alone} if alone else {})})  # fmt: skip
+                                    **({"learner_alone": alone} if alone else {}), **({"limit": limit} if limit else {})})  # fmt: skip
     plot(results, result_json.with_suffix(".png"))
 
 

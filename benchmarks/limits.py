@@ -41,6 +41,10 @@ waits) against the streaming limit. W2's figures are reported as fractions of th
 >= 0.9, streaming >= 0.8), as measured and load-normalised by E_w2 / E (W2 times the same engine-alone run
 in its session).
 
+W1 (`add`, 6-token answers) has a limit model of its own in samples/s, built from a streaming run's trained
+batches by `benchmarks/learning_add.py` after its runs (`w1_limit`): E counts the groups the zero-variance filter
+discards as engine work, and sync's g_b generates each batch together with those groups.
+
     python benchmarks/limits.py [--w2 benchmarks/results/async_speedup.json] [--quick]   # ~2 min
 """
 
@@ -100,9 +104,7 @@ async def measure_engine(model_dir: Path, batches: list[list], weight_load: str,
     """All requests at once through `Engine` and through raw vLLM (interleaved), then batch by batch. With
     `weight_load: in_place` (the default) the engine runs unpacked `F.linear` layers, raw vLLM its oneDNN-packed
     ones, so E / V holds the kernels' difference too; `reload` gives both the same kernels."""
-    from asyncrl.rollout.engine import Engine
-
-    engine = Engine(str(model_dir), name="limit", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_REQUESTS_IN_FLIGHT, seed=0, weight_load=weight_load)
+    engine = w2_spec(model_dir, weight_load).build_engine("limit")
     await engine.start()
     jobs = [job for batch in batches for job in batch]
     figures, raw = EngineFigures([], [], [], []), None
@@ -124,6 +126,15 @@ async def measure_engine(model_dir: Path, batches: list[list], weight_load: str,
             raw.shutdown()
         await engine.shutdown()
     return figures
+
+
+def w2_spec(model_dir: Path, weight_load: str):
+    """The rollout worker's spec of W2's engines (`WorkerSpec.build_engine` builds the engine a run would)."""
+    from asyncrl.config import RolloutConfig
+    from asyncrl.rollout.worker import WorkerSpec
+
+    rollout = RolloutConfig(max_requests_in_flight=MAX_REQUESTS_IN_FLIGHT, max_model_len=MAX_MODEL_LEN, weight_load=weight_load)
+    return WorkerSpec(str(model_dir), rollout, max_model_len=MAX_MODEL_LEN)
 
 
 async def measure_step_cost(engine, jobs: list, concurrency: list[int]) -> dict[int, float]:
@@ -214,25 +225,26 @@ def learner_seconds(model_dir: Path, mode: str, args, groups_per_batch: list[lis
 
 
 def learner_steps(model_dir: Path, mode: str, args, out_dir: Path):
-    """`train(groups, step)`: one optimizer step of `mode`'s recipe on a plain fp32 module."""
+    """`train(groups, step)`: one optimizer step of `mode`'s W2 recipe (`rank_trainer`)."""
+    return rank_trainer(w2.mode_config(mode, args, out_dir, model_dir), model_dir)
+
+
+def rank_trainer(cfg, model_dir: Path, threads: int | None = None):
+    """`train(groups, step)`: one optimizer step of `cfg`'s recipe with `RankStep` on plain fp32 modules (the
+    critic's too when the recipe has one), as `LearnerWorker` steps it but without FSDP or a process group, on
+    `threads` torch threads (default: the learner's `num_cpus_per_rank`)."""
     import torch
 
     from asyncrl.algo.sampling import SamplingDistribution
     from asyncrl.learner.batch import build_batch, split_mini_batches
-    from asyncrl.learner.checkpoint import TrainState
-    from asyncrl.learner.policy import PolicyModel, load_causal_lm
     from asyncrl.learner.pool import recipe_from_config
-    from asyncrl.learner.rank import materialize_optimizer_state
+    from asyncrl.learner.rank import build_train_state
     from asyncrl.learner.step import RankStep
 
-    cfg = w2.mode_config(mode, args, out_dir, model_dir)  # W2's learner settings and recipe for `mode`
     learner, recipe = cfg.learner, recipe_from_config(cfg)
-    torch.set_num_threads(max(1, int(learner.num_cpus_per_rank)))
+    torch.set_num_threads(threads or max(1, int(learner.num_cpus_per_rank)))
     torch.manual_seed(learner.seed)
-    policy = PolicyModel(load_causal_lm(str(model_dir)))
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=learner.lr, betas=learner.betas, weight_decay=learner.weight_decay)
-    materialize_optimizer_state(optimizer)
-    state = TrainState(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
+    state = build_train_state(learner, str(model_dir), torch.device("cpu"))
     sampling = SamplingDistribution(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
     step = RankStep(state, learner, recipe, sampling, torch.device("cpu"), lambda tensor, _op: tensor)
     return lambda groups, b: step.train(split_mini_batches(build_batch(groups, recipe), learner.mini_batches, recipe), b)
@@ -243,27 +255,25 @@ def learner_steps(model_dir: Path, mode: str, args, out_dir: Path):
 
 
 class EngineLoad:
-    """A warm `Engine` in a Ray actor with the rollout worker's CPU share that generates W2's requests pass
-    after pass (all at once) for a given time."""
+    """A warm engine (built from a rollout worker's spec) in a Ray actor with the rollout worker's CPU share,
+    generating the same requests pass after pass (all at once) for a given time; it counts tokens or samples."""
 
-    def __init__(self, model_dir: str, jobs: list, weight_load: str) -> None:
-        self.model_dir, self.jobs, self.weight_load, self.engine = model_dir, jobs, weight_load, None
+    def __init__(self, spec, jobs: list, unit: str = "tokens") -> None:
+        self.spec, self.jobs, self.unit, self.engine = spec, jobs, unit, None
 
     async def start(self) -> None:
-        from asyncrl.rollout.engine import Engine
-
-        self.engine = Engine(self.model_dir, name="limit", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_REQUESTS_IN_FLIGHT, seed=0, weight_load=self.weight_load)
+        self.engine = self.spec.build_engine("limit")
         await self.engine.start()
         await engine_generate(self.engine, self.jobs)  # the first pass of these shapes is slower (cold)
 
     async def run_for(self, seconds: float) -> tuple[int, float]:
-        """(tokens, seconds) of the passes finished within `seconds` (the other side ran all that time)."""
-        began, tokens, elapsed = time.perf_counter(), 0, 0.0
+        """(tokens or samples, seconds) of the passes finished within `seconds` (the other side ran all that time)."""
+        began, done, elapsed = time.perf_counter(), 0, 0.0
         while True:
             _, trajectories = await engine_generate(self.engine, self.jobs)
             if time.perf_counter() - began > seconds:
-                return tokens, elapsed
-            tokens += sum(t.num_tokens for t in trajectories)
+                return done, elapsed
+            done += len(trajectories) if self.unit == "samples" else sum(t.num_tokens for t in trajectories)
             elapsed = time.perf_counter() - began
 
     async def stop(self) -> None:
@@ -271,31 +281,45 @@ class EngineLoad:
 
 
 def measure_together(model_dir: Path, batches: list[list], groups: list[list], args, out_dir: Path, seconds: float) -> dict:
-    """Engine and learner (streaming's recipe) at full load at the same time for `seconds`: each side's
-    tokens/s over the work it finished within that time."""
-    import ray
-
+    """W2's engine and learner (streaming's recipe) at full load at the same time for `seconds`."""
     print(f"engine and learner together ({seconds:.0f} s) ...", flush=True)
     train = learner_steps(model_dir, "streaming", args, out_dir)
     batch_tokens = [sum(t.num_tokens for g in batch for t in g.trajectories) for batch in groups]
+    jobs = [job for batch in batches for job in batch]
+    return together(w2_spec(model_dir, args.weight_load), jobs, ROLLOUT_CPUS, train, groups, batch_tokens, seconds, "tokens")
+
+
+def together(spec, jobs: list, engine_cpus: float, train, groups: list[list], batch_units: list[int], seconds: float, unit: str) -> dict:
+    """An engine built from `spec` generating `jobs` (with `engine_cpus` Ray CPUs) and `train` stepping through
+    `groups` (batch b holds `batch_units[b]` tokens or samples, `unit`) in this process, both at full load at
+    the same time for `seconds`: each side's rate over the work it finished within that time."""
+    import ray
+
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
-        load = ray.remote(num_cpus=ROLLOUT_CPUS)(EngineLoad).remote(str(model_dir), [job for batch in batches for job in batch], args.weight_load)
+        load = ray.remote(num_cpus=engine_cpus)(EngineLoad).remote(spec, jobs, unit)
         ray.get(load.start.remote())
         engine_run = load.run_for.remote(seconds)
-        began, tokens, elapsed, b = time.perf_counter(), 0, 0.0, 0
+        began, done, elapsed, b = time.perf_counter(), 0, 0.0, 0
         while time.perf_counter() - began < seconds:
             train(groups[b % len(groups)], b)
             if time.perf_counter() - began <= seconds:
-                tokens, elapsed = tokens + batch_tokens[b % len(groups)], time.perf_counter() - began
+                done, elapsed = done + batch_units[b % len(groups)], time.perf_counter() - began
             b += 1
-        engine_tokens, engine_elapsed = ray.get(engine_run)
+        engine_done, engine_elapsed = ray.get(engine_run)
         ray.get(load.stop.remote())
     finally:
         ray.shutdown()
     if not engine_elapsed or not elapsed:
         raise RuntimeError(f"together: no whole engine pass or learner step within {seconds} s")
-    return {"seconds": seconds, "engine_tokens_per_s": engine_tokens / engine_elapsed, "learner_tokens_per_s": tokens / elapsed, "learner_steps": b}
+    return {"seconds": seconds, f"engine_{unit}_per_s": engine_done / engine_elapsed, f"learner_{unit}_per_s": done / elapsed, "learner_steps": b}
+
+
+def singles(groups: list) -> list:
+    """The same samples as groups of one (sao's batches: one rollout per prompt)."""
+    from asyncrl.types import Group
+
+    return [Group(f"{g.group_id}/{i}", [t]) for g in groups for i, t in enumerate(g.trajectories)]
 
 
 def groups_of(trajectories: list, args) -> list[list]:
@@ -308,13 +332,113 @@ def groups_of(trajectories: list, args) -> list[list]:
 
 
 # ---------------------------------------------------------------------------------------------------
+# W1: the limit of the batches a streaming `add` run trained (called by learning_add.py after its runs).
+
+W1_TOGETHER_S = 20.0
+
+
+def w1_limit(cfg, model_dir: Path, batches: list[list], step_s: dict[str, list[float]], generated_per_trained: float,
+             together_s: float = W1_TOGETHER_S) -> dict:
+    """W1's limit model: the same formulas as W2's in trained samples/s, on `batches` (lists of `Group`s a run of
+    `cfg` trained; batch 0 is the warm-up). `step_s[threads]`: the learner's seconds per batch alone
+    (`rank_trainer`) with 1 thread (an asynchronous mode's learner) and, for the sync limit, 2 (sync's: its
+    engine and learner take turns).
+    `generated_per_trained`: samples the run generated per sample it trained (groups the zero-variance filter
+    discards are generated too). E: the engine alone on every request at once, in a Ray task with the rollout
+    worker's CPUs, over `generated_per_trained`; g_b: batch b generated alone with as many more groups as the
+    filter discards (the best sync can do: every group it needs started at once)."""
+    import ray
+
+    from asyncrl.rollout.worker import WorkerSpec
+
+    if __name__ != "__main__":  # imported by learning_add.py: Ray's workers cannot import this script's module
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    spec = WorkerSpec(str(model_dir), cfg.rollout, cfg.env, dtype=cfg.model.dtype, max_model_len=cfg.rollout.max_model_len, seed=cfg.seed)
+    groups = [g for batch in batches for g in batch]
+    per_sync_batch = round(len(batches[0]) * generated_per_trained)
+    sync_batches = [[groups[(b * len(batches[0]) + k) % len(groups)] for k in range(per_sync_batch)] for b in range(len(batches))] if "2" in step_s else []
+    print("W1 limit: engine alone ...", flush=True)
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    try:
+        task = ray.remote(num_cpus=cfg.rollout.num_cpus_per_worker, max_calls=1)(w1_engine_side)
+        engine = ray.get(task.remote(spec, w1_jobs(groups, cfg.rollout), [w1_jobs(batch, cfg.rollout) for batch in sync_batches]))
+    finally:
+        ray.shutdown()
+    print(f"W1 limit: engine and learner together ({together_s:.0f} s) ...", flush=True)
+    sizes = [sum(len(g.trajectories) for g in batch) for batch in batches]
+    train = rank_trainer(cfg, model_dir, threads=1)
+    both = together(spec, w1_jobs(groups, cfg.rollout), cfg.rollout.num_cpus_per_worker, train, batches, sizes, together_s, "samples")
+    return w1_model(engine, sizes, step_s, both, generated_per_trained)
+
+
+def w1_jobs(groups: list, rollout) -> list:
+    """(request, sampling) of every sample of `groups`, the prompt as the run sent it, sampled as it was."""
+    from asyncrl.rollout.engine import SamplingSpec
+    from asyncrl.testing import make_request
+    from asyncrl.types import Prompt
+
+    spec = SamplingSpec.from_rollout_config(rollout)
+    jobs = []
+    for g in groups:
+        first = g.trajectories[0]
+        prompt = Prompt(first.prompt_id, [int(i) for i in first.prompt_ids], "")
+        jobs += [(make_request(prompt, group_id=g.group_id, sample_index=k, group_size=len(g.trajectories)), spec) for k in range(len(g.trajectories))]
+    return jobs
+
+
+def w1_engine_side(spec, jobs: list, sync_batches: list[list]) -> dict:
+    """Seconds for all `jobs` at once (`REPEATS` passes; the first is cold) and for each of `sync_batches` alone."""
+
+    async def measure() -> dict:
+        engine = spec.build_engine("limit")
+        await engine.start()
+        try:
+            engine_s = [(await engine_generate(engine, jobs))[0] for _ in range(REPEATS)]
+            return {"engine_s": engine_s, "generated": len(jobs), "batch_s": [(await engine_generate(engine, batch))[0] for batch in sync_batches]}
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(measure())
+
+
+def w1_model(engine: dict, sizes: list[int], step_s: dict[str, list[float]], both: dict, generated_per_trained: float) -> dict:
+    """E, L (1 learner thread), capacity c and the asynchronous limit min(E, L, c / (1/E + 1/L)) in trained
+    samples/s, and with 2-thread steps in `step_s` the sync limit; batch 0 (the learner's warm-up) is left out of
+    the learner's sums."""
+    samples = sum(sizes[1:])
+    generated_rate = engine["generated"] / min(engine["engine_s"])
+    engine_rate = generated_rate / generated_per_trained
+    learner_rate = samples / sum(step_s["1"][1:])
+    capacity = both["engine_samples_per_s"] / generated_rate + both["learner_samples_per_s"] / learner_rate
+    return {
+        "samples": samples,
+        "generated_per_trained": generated_per_trained,
+        "engine_generated_samples_per_s": generated_rate,
+        "engine_samples_per_s": engine_rate,
+        "learner_samples_per_s": {threads: samples / sum(s[1:]) for threads, s in step_s.items()},
+        "together": both,
+        "concurrency_capacity": capacity,
+        "min_e_l_samples_per_s": min(engine_rate, learner_rate),
+        "shared_core_bound_samples_per_s": 1.0 / (1.0 / engine_rate + 1.0 / learner_rate),
+        "capacity_bound_samples_per_s": capacity / (1.0 / engine_rate + 1.0 / learner_rate),
+        "limit_samples_per_s": min(engine_rate, learner_rate, capacity / (1.0 / engine_rate + 1.0 / learner_rate)),
+        "bound_by": "engine" if engine_rate <= learner_rate else "learner",
+        **({"sync_limit_samples_per_s": samples / (sum(engine["batch_s"][1:]) + sum(step_s["2"][1:]))} if "2" in step_s else {}),
+        "measured": {"engine_s": engine["engine_s"], "sync_batch_s": engine["batch_s"], "step_s": step_s, "batch_samples": sizes},
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
 # The model.
 
 
 def limit_model(engine: EngineFigures, batch_tokens: list[int], train_s: dict[str, list[float]], requests: int, together: dict) -> dict:
-    """The formulas of the module docstring; `train_s` per mode (sync, streaming); `requests` per all-at-once
-    run; `together`: both sides' rates measured at the same time (`measure_together`)."""
+    """The formulas of the module docstring; `train_s` per mode (sync, streaming, and sao: its learner steps a
+    critic too); `requests` per all-at-once run; `together`: both sides' rates measured at the same time
+    (`measure_together`, streaming's learner). sao's limit is streaming's formula with sao's learner rate and the
+    same capacity c."""
     tokens = sum(batch_tokens)
+    rates = {mode: tokens / sum(s) for mode, s in train_s.items()}
     engine_rate = tokens / min(engine.engine_s)
     learner_rate = tokens / sum(train_s["streaming"])
     capacity = together["engine_tokens_per_s"] / engine_rate + together["learner_tokens_per_s"] / learner_rate
@@ -327,7 +451,7 @@ def limit_model(engine: EngineFigures, batch_tokens: list[int], train_s: dict[st
         "straggler_factor": sum(engine.batch_s) / (tokens / engine_rate),
         "gen_batch_s_mean": sum(engine.batch_s) / len(engine.batch_s),
         "train_batch_s_mean": {mode: sum(s) / len(s) for mode, s in train_s.items()},
-        "learner_tokens_per_s": {mode: tokens / sum(s) for mode, s in train_s.items()},
+        "learner_tokens_per_s": rates,
         "sync_limit_tokens_per_s": tokens / (sum(engine.batch_s) + sum(train_s["sync"])),
         "streaming_limit_tokens_per_s": min(engine_rate, learner_rate),
         "streaming_bound_by": "engine" if engine_rate <= learner_rate else "learner",
@@ -335,6 +459,7 @@ def limit_model(engine: EngineFigures, batch_tokens: list[int], train_s: dict[st
         "together": together,
         "concurrency_capacity": capacity,
         "streaming_limit_measured_tokens_per_s": min(engine_rate, learner_rate, capacity / (1.0 / engine_rate + 1.0 / learner_rate)),
+        **({"sao_limit_tokens_per_s": min(engine_rate, sao, capacity / (1.0 / engine_rate + 1.0 / sao))} if (sao := rates.get("sao")) else {}),
     }
 
 
@@ -363,8 +488,8 @@ def wait_limit(model: dict, step_s: dict[int, float], stream: wait_bound.Stream,
 
 
 def w2_fractions(model: dict, w2_result: dict | None) -> dict:
-    """Each W2 mode's trained tokens/s over its limit (sao, also asynchronous, against streaming's capacity
-    limit), as measured, and load-normalised: W2 measured the same engine-alone run E in its own session, so
+    """Each W2 mode's trained tokens/s over its limit (sao against its own, its critic's cost included), as
+    measured, and load-normalised: W2 measured the same engine-alone run E in its own session, so
     E_w2 / E_here says how much faster the shared machine was then; the normalised fraction assumes the
     learner sped up alike (a first-order correction: the fractions are only exact back to back). Streaming
     under `wait` is held to the wait limit (`model["wait"]`), under `drop` / `continue` to the capacity limit."""
@@ -372,7 +497,8 @@ def w2_fractions(model: dict, w2_result: dict | None) -> dict:
         return {}
     capacity = model["streaming_limit_measured_tokens_per_s"]
     waits = w2_result.get("config", {}).get("stale_policy", "wait") == "wait" and "wait" in model
-    limits = {"sync": model["sync_limit_tokens_per_s"], "streaming": model["wait"]["wait_limit_tokens_per_s"] if waits else capacity, "sao": capacity}
+    limits = {"sync": model["sync_limit_tokens_per_s"], "streaming": model["wait"]["wait_limit_tokens_per_s"] if waits else capacity,
+              "sao": model.get("sao_limit_tokens_per_s", capacity)}
     speed = w2_result["engine_alone"]["tokens_per_s"] / model["engine_tokens_per_s"]
     return {
         m["mode"]: {
@@ -382,7 +508,7 @@ def w2_fractions(model: dict, w2_result: dict | None) -> dict:
             "fraction_of_limit_load_normalised": m["trained_tokens_per_s"] / (limits[m["mode"]] * speed),
             **({"fraction_of_min_e_l": m["trained_tokens_per_s"] / model["streaming_limit_tokens_per_s"]} if m["mode"] != "sync" else {}),
             **({"fraction_of_capacity_limit": m["trained_tokens_per_s"] / capacity} if m["mode"] == "streaming" else {}),
-            "limit": "wait" if m["mode"] == "streaming" and waits else ("sync" if m["mode"] == "sync" else "capacity"),
+            "limit": "wait" if m["mode"] == "streaming" and waits else ("capacity" if m["mode"] == "streaming" else m["mode"]),
         }
         for m in w2_result["modes"]
         if m["mode"] in limits
@@ -470,8 +596,9 @@ def main() -> None:
         batches = batches_of_jobs(args, stream)
         engine = measure_engine_side(model_dir, batches, args.weight_load, step_concurrency(args))
         groups = groups_of(engine.trajectories, args)
-        print("learner alone (sync's and streaming's recipes) ...", flush=True)
+        print("learner alone (sync's, streaming's and sao's recipes) ...", flush=True)
         train_s = {mode: learner_seconds(model_dir, mode, args, groups, Path(tmp) / "runs") for mode in ("sync", "streaming")}
+        train_s["sao"] = learner_seconds(model_dir, "sao", args, [singles(batch) for batch in groups], Path(tmp) / "runs")
         together = measure_together(model_dir, batches, groups, args, Path(tmp) / "runs", TOGETHER_S / (4 if args.quick else 1))
     batch_tokens = [sum(t.num_tokens for g in batch for t in g.trajectories) for batch in groups]
     model = limit_model(engine, batch_tokens, train_s, len(engine.trajectories), together)

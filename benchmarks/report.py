@@ -151,7 +151,8 @@ def limits(d: dict) -> list[str]:
         "batch b, plain module, 1 torch thread (no Ray, no FSDP). sync limit = Σn_b / Σ(g_b + t_b). Then both at "
         "full load at once: capacity c = E_together / E + L_together / L (1: they time-share one core; 2: each has "
         "a core of its own); streaming limit = min(E, L, c / (1/E + 1/L)), next to min(E, L) (each side at its "
-        "alone rate) and the shared-core bound 1 / (1/E + 1/L). Tokens = prompt + response.",
+        "alone rate) and the shared-core bound 1 / (1/E + 1/L); sao limit = the same with sao's learner rate (its "
+        "critic's forward and backward included) and streaming's c. Tokens = prompt + response.",
         "",
         "W2 and this run are separate sessions on a shared machine: the load-normalised fraction divides by how much "
         "faster W2's own engine-alone run was than this one's (same requests), assuming the learner sped up alike. "
@@ -168,12 +169,13 @@ def limits(d: dict) -> list[str]:
     ]
     together = m.get("together")
     lines += table(
-        ["engine tok/s", "vLLM alone tok/s", "engine ÷ vLLM", "straggler factor", "learner tok/s (sync / streaming recipe)",
-         "together: engine / learner tok/s (capacity c)", "sync limit tok/s", "streaming limit tok/s", "min(E, L)", "shared-core bound tok/s"],
+        ["engine tok/s", "vLLM alone tok/s", "engine ÷ vLLM", "straggler factor", "learner tok/s (" + " / ".join(m["learner_tokens_per_s"]) + " recipe)",
+         "together: engine / learner tok/s (capacity c)", "sync limit tok/s", "streaming limit tok/s", "sao limit tok/s", "min(E, L)", "shared-core bound tok/s"],
         [[f"{m['engine_tokens_per_s']:.0f}", f"{m['vllm_alone_tokens_per_s']:.0f}", f"{m['engine_over_vllm']:.3f}",
           f"{m['straggler_factor']:.2f}", " / ".join(f"{v:.0f}" for v in m["learner_tokens_per_s"].values()),
           f"{together['engine_tokens_per_s']:.0f} / {together['learner_tokens_per_s']:.0f} ({m['concurrency_capacity']:.2f})" if together else "-",
           f"{m['sync_limit_tokens_per_s']:.0f}", f"{m.get('streaming_limit_measured_tokens_per_s', m['streaming_limit_tokens_per_s']):.0f}",
+          fnum(m.get("sao_limit_tokens_per_s"), ".0f"),
           f"{m['streaming_limit_tokens_per_s']:.0f} ({m['streaming_bound_by']}-bound)", f"{m['shared_core_bound_tokens_per_s']:.0f}"]],
     )
     lines += wait_limit_rows(m["wait"]) if "wait" in m else []
@@ -319,7 +321,7 @@ def learning_add(d: dict) -> list[str]:
         ratios = ", ".join(f"{m} {fx(r[key] / peer)}" for m, r in modes.items() if m != "trl" and r.get(key))
         lines += ["", f"Wall-clock to reach {target} (evaluations excluded on both sides), relative to the peer (goal <= 0.5x): "
                   f"{ratios or 'no asyncrl mode reached it'}."]
-    return lines + _learner_alone_line(d)
+    return lines + _learner_alone_line(d) + _w1_limit_table(d)
 
 
 def _learner_alone_line(d: dict) -> list[str]:
@@ -333,6 +335,26 @@ def _learner_alone_line(d: dict) -> list[str]:
     return ["", f"The learner alone (streaming's optimizer step on the batches that run trained, nothing else running, median of "
                 f"{alone['steps']} steps), per 256 samples: {threads}{peer_note}. The runs give the learner "
                 f"{alone['threads_in_runs']} thread: no asynchronous mode can train faster than its learner alone."]
+
+
+def _w1_limit_table(d: dict) -> list[str]:
+    """W1's limit model (`limits.w1_limit`, the same session) and each mode's trained samples/s against it."""
+    limit = d.get("limit")
+    if not limit:
+        return []
+    lines = [""]
+    for mode in ("streaming", "sao"):
+        if m := limit.get(mode):
+            learner = ", ".join(f"{v:.0f} ({t} thread{'s' if t != '1' else ''})" for t, v in m["learner_samples_per_s"].items())
+            sync = f"; sync limit {m['sync_limit_samples_per_s']:.0f} (each batch generated at once with the groups the filter discards, then trained on 2 threads)" if "sync_limit_samples_per_s" in m else ""
+            lines.append(f"W1 limit model of {mode} (`limits.w1_limit`, on its run's batches): engine alone {m['engine_generated_samples_per_s']:.0f} "
+                         f"generated samples/s = {m['engine_samples_per_s']:.0f} trained ({m['generated_per_trained']:.2f} generated per trained); "
+                         f"learner alone {learner} trained samples/s; both at once c = {m['concurrency_capacity']:.2f}; limit min(E, L, c / (1/E + 1/L)) = "
+                         f"{m['limit_samples_per_s']:.0f} ({m['bound_by']}-bound){sync}.")  # fmt: skip
+    rows = [[mode, f"{r['samples_per_s']:.0f}", f"{r['limit_samples_per_s']:.0f}", f"{r['fraction_of_limit']:.2f}",
+             fx(r["limit_over_peer"]) if "limit_over_peer" in r else "-", fx(r["over_peer"]) if "over_peer" in r else "-"]
+            for mode, r in limit["runs"].items() if mode != "trl"]  # fmt: skip
+    return [*lines, "", *table(["mode", "trained samples/s", "its limit", "fraction of limit", "limit ÷ peer", "run ÷ peer"], rows)]
 
 
 def _equal_samples_table(modes: dict) -> list[str]:

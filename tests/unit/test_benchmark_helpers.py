@@ -59,28 +59,64 @@ def test_limit_model_follows_its_formulas():
                            engine_cpu_s=[0.3, 0.2], vllm_cpu_s=[0.1, 0.15])
     # Both at once the engine kept 300 of its 400 tokens/s and the learner 100 of its 200: capacity 0.75 + 0.5.
     together = {"engine_tokens_per_s": 300.0, "learner_tokens_per_s": 100.0}
-    model = limit_model(engine, [100, 300], {"sync": [0.5, 0.5], "streaming": [1.0, 1.0]}, requests=100, together=together)
+    # sao's learner (critic too): 3 s for the 400 tokens -> 133.3 tokens/s.
+    model = limit_model(engine, [100, 300], {"sync": [0.5, 0.5], "streaming": [1.0, 1.0], "sao": [1.5, 1.5]}, requests=100, together=together)
     assert model["engine_tokens_per_s"] == 400.0
     assert abs(model["engine_over_vllm"] - 0.9) < 1e-12
     assert model["straggler_factor"] == 2.0
     assert model["client_cpu_ms_per_request"] == {"engine": 2.0, "vllm_alone": 1.0}  # best run's CPU s / 100 requests
     assert abs(model["sync_limit_tokens_per_s"] - 400 / 3) < 1e-9  # 400 tokens / (2 s generating + 1 s training)
-    assert model["learner_tokens_per_s"] == {"sync": 400.0, "streaming": 200.0}
+    assert model["learner_tokens_per_s"] == {"sync": 400.0, "streaming": 200.0, "sao": 400 / 3}
     assert (model["streaming_limit_tokens_per_s"], model["streaming_bound_by"]) == (200.0, "learner")  # min(400, 200)
     assert abs(model["shared_core_bound_tokens_per_s"] - 400 / 3) < 1e-9  # 1 / (1/400 + 1/200)
     assert model["concurrency_capacity"] == 1.25
     assert abs(model["streaming_limit_measured_tokens_per_s"] - 500 / 3) < 1e-9  # 1.25 / (1/400 + 1/200), under min(E, L)
+    assert abs(model["sao_limit_tokens_per_s"] - 125.0) < 1e-9  # 1.25 / (1/400 + 3/400), under sao's 133.3
     limit = limit_model(engine, [100, 300], {"sync": [0.5, 0.5], "streaming": [1.0, 1.0]}, requests=100,
                         together={"engine_tokens_per_s": 400.0, "learner_tokens_per_s": 200.0})
     assert limit["streaming_limit_measured_tokens_per_s"] == 200.0  # c = 2 would allow 266.7: min(E, L) caps it
     # W2's session timed the engine alone at 800 tokens/s: the machine was 2x faster then.
     w2 = {"engine_alone": {"tokens_per_s": 800.0},
-          "modes": [{"mode": "sync", "trained_tokens_per_s": 120.0}, {"mode": "streaming", "trained_tokens_per_s": 150.0}]}
+          "modes": [{"mode": "sync", "trained_tokens_per_s": 120.0}, {"mode": "streaming", "trained_tokens_per_s": 150.0},
+                    {"mode": "sao", "trained_tokens_per_s": 100.0}]}
     fractions = w2_fractions(model, w2)
     assert abs(fractions["sync"]["fraction_of_limit"] - 0.9) < 1e-9 and abs(fractions["streaming"]["fraction_of_limit"] - 0.9) < 1e-9  # 150 / 166.7
     assert abs(fractions["sync"]["fraction_of_limit_load_normalised"] - 0.45) < 1e-9  # 120 / (133.3 x 2)
     assert abs(fractions["streaming"]["fraction_of_limit_load_normalised"] - 0.45) < 1e-9
     assert fractions["streaming"]["fraction_of_min_e_l"] == 0.75 and "fraction_of_min_e_l" not in fractions["sync"]  # 150 / 200
+    assert (fractions["sao"]["fraction_of_limit"], fractions["sao"]["limit"]) == (0.8, "sao")  # 100 / 125, its own limit
+
+
+def test_w1_limit_model_counts_the_filtered_groups_as_engine_work_and_leaves_the_warm_up_step_out():
+    from learning_add import limit_fractions
+    from limits import w1_model
+
+    # 3 batches of 100 trained samples; batch 0 is the learner's warm-up. The run generated 1.5 samples per
+    # trained one (a third filtered). Engine: 450 generated samples in 0.5 s at best -> 900/s -> E = 600 trained/s.
+    engine = {"engine_s": [0.9, 0.5], "generated": 450, "batch_s": [9.0, 0.2, 0.3]}
+    # Learner: 1 thread 0.25 s per batch after the warm-up -> L = 400/s; 2 threads 0.15 s -> 666.7/s.
+    step_s = {"1": [5.0, 0.25, 0.25], "2": [5.0, 0.15, 0.15]}
+    # Together the engine kept 450 of its 900 generated/s and the learner 300 of its 400: c = 0.5 + 0.75.
+    both = {"engine_samples_per_s": 450.0, "learner_samples_per_s": 300.0}
+    model = w1_model(engine, [100, 100, 100], step_s, both, generated_per_trained=1.5)
+    assert model["engine_generated_samples_per_s"] == 900.0 and model["engine_samples_per_s"] == 600.0
+    assert model["learner_samples_per_s"] == {"1": 400.0, "2": 200 / 0.3}
+    assert model["concurrency_capacity"] == 1.25
+    assert abs(model["capacity_bound_samples_per_s"] - 300.0) < 1e-9  # 1.25 / (1/600 + 1/400)
+    assert (model["limit_samples_per_s"], model["bound_by"]) == (model["capacity_bound_samples_per_s"], "learner")
+    assert abs(model["sync_limit_samples_per_s"] - 200 / 0.8) < 1e-9  # 200 samples / (0.2 + 0.3 generating + 2 x 0.15 training)
+    # Runs: streaming 256 samples in 1.28 s = 200/s, sync 125/s; the peer 1.024 s = 250/s. sao's model: no sync limit.
+    sao = w1_model(engine, [100, 100, 100], {"1": step_s["1"]}, both, generated_per_trained=1.0)
+    assert sao["engine_samples_per_s"] == 900.0 and "sync_limit_samples_per_s" not in sao
+    results = {"streaming": {"s_per_256_samples": 1.28}, "sync": {"s_per_256_samples": 2.048}, "trl": {"s_per_256_samples": 1.024},
+               "sao": {"s_per_256_samples": 2.56}}
+    rows = limit_fractions({"streaming": model, "sao": sao}, results)
+    assert abs(rows["streaming"]["fraction_of_limit"] - 200 / 300) < 1e-9 and abs(rows["streaming"]["limit_over_peer"] - 1.2) < 1e-9
+    assert abs(rows["sync"]["fraction_of_limit"] - 0.5) < 1e-9 and abs(rows["sync"]["over_peer"] - 0.5) < 1e-9  # 125 / 250
+    # sao: c / (1/900 + 1/400) = 346.15 trained samples/s; the run 100/s.
+    assert abs(rows["sao"]["limit_samples_per_s"] - 1.25 / (1 / 900 + 1 / 400)) < 1e-9 and abs(rows["sao"]["samples_per_s"] - 100.0) < 1e-9
+    assert "fraction_of_limit" not in rows["trl"] and limit_fractions({"streaming": model}, {"streaming": results["streaming"]}).keys() == {"streaming"}
+    assert limit_fractions({"streaming": model}, {"streaming": results["streaming"]})["streaming"].keys() == {"samples_per_s", "limit_samples_per_s", "fraction_of_limit"}
 
 
 def test_wait_replay_waits_for_the_straggler_as_the_queue_does():
