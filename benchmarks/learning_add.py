@@ -10,10 +10,11 @@ reports accuracy at equal trained samples, time to 0.5 and to 0.7 held-out accur
 256 trained samples (the per-step cost; the plain loop's is the floor without Ray, vLLM or a queue).
 After the runs it times the learner alone (`learner_alone`: streaming's optimizer step on the batches that run
 trained, in this process with no engine running, with one and with two torch threads), the ceiling of any
-asynchronous mode whose learner has that many threads, next to the peer's whole step. Then W1's limit model on
-the same batches (`limits.w1_limit`: the engine alone, counting the groups the zero-variance filter discards as
-its work, the learner alone, both at once), with sync's and streaming's trained samples/s as fractions of their
-limits and each limit over the peer's trained samples/s.
+asynchronous mode whose learner has that many threads, next to the peer's whole step. Then W1's limit model
+(`limits.w1_limit`: the engine alone, counting the groups the zero-variance filter discards as its work, the
+learner alone, both at once) on the batches streaming trained (its sync limit too) and on those sao trained (its
+critic included), with each mode's trained samples/s as a fraction of its limit and each limit over the peer's
+trained samples/s.
 The peer runs in a subprocess when `trl` is installed (`pip install -e .[bench]`). Writes
 benchmarks/results/learning_add.json (and a PNG plot when matplotlib is installed).
 
@@ -194,6 +195,7 @@ def limit_fractions(limit: dict, results: dict) -> dict:
 
 
 def print_limit(limit: dict) -> None:
+    """Each limit model's pieces, then each run against its limit and the limit against the peer."""
     for mode in ("streaming", "sao"):
         if m := limit.get(mode):
             sync = f", sync limit {m['sync_limit_samples_per_s']:.0f}" if "sync_limit_samples_per_s" in m else ""
