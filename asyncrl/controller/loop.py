@@ -133,6 +133,7 @@ class Controller:
         self.probe = self.eval_set[0] if self.eval_set else next(train_stream(cfg, self.tokenizer))
         self.telemetry.phase("starting the replay queue")
         self.queue = start_replay_queue(cfg.buffer, batch_groups=cfg.learner.prompts_per_step, name=f"replay_queue-{self.out.name}", log_dir=self.out)
+        # The ranks load the model while the engines start (the longest part); `wait_ready` joins them below.
         self.telemetry.phase(f"starting the learner ({cfg.learner.num_ranks} rank(s))")
         self.learner = LearnerPool.from_config(cfg, self.model_dir)
         self._start_tools()
@@ -143,6 +144,8 @@ class Controller:
         self.sync = make_weight_sync(self.learner, self.rollout, cfg.weight_sync, cfg.mode)
         self.rollout.start()
         self.telemetry.phase("engines ready")
+        self.learner.wait_ready()
+        self.telemetry.phase("learner ready")
         if os.environ.get(JOB_ENV):  # submitted as a Ray job: `asyncrl scale` reaches this run's control actor
             self.control = ControlClient.start(os.environ[JOB_ENV])
         if cfg.checkpoint.resume_from:

@@ -23,7 +23,6 @@ import numpy as np
 
 from asyncrl.algo.metrics import lag_mismatch_figures
 from asyncrl.algo.sampling import RAW, SamplingDistribution
-from asyncrl.cluster.calls import named_get
 from asyncrl.learner.batch import TrainBatch, build_batch, loss_needs_whole_groups, split_mini_batches, split_rows
 from asyncrl.learner.export import ExportedWeights
 from asyncrl.learner.rank import SEND_GROUP, SEND_THREADS, LearnerWorker
@@ -129,8 +128,11 @@ class LearnerPool:
             .remote(rank, self.num_ranks, str(model_dir), config, recipe, sampling, dtype, model=model)
             for rank in range(self.num_ranks)
         ]
-        addr, port = named_get(self.workers[0].master_address.remote(), init_timeout_s, "learner rank 0: master_address")
-        self._call("setup", addr, port, init_timeout_s, timeout_s=init_timeout_s + 60)
+        # Ray resolves rank 0's address before each rank's `setup` runs. Nothing waits here: the ranks load
+        # the model while the caller goes on (the run starts its engines); the first call waits (`_submit`).
+        address = self.workers[0].master_address.remote()
+        self._setup: LearnerCall | None = self._submit_now("setup", address, init_timeout_s)
+        self._setup_timeout_s = init_timeout_s + 60
 
     @classmethod
     def from_config(cls, cfg, model_dir: str | os.PathLike) -> LearnerPool:
@@ -143,9 +145,20 @@ class LearnerPool:
         `learner.call_timeout_s`) in all; a failure or a timeout names the rank and the call."""
         return self._collect(self._submit(method, *args, per_rank=per_rank), timeout_s)
 
+    def wait_ready(self) -> None:
+        """Wait until every rank has set up (joined the group, loaded the model); a failure or a timeout names
+        the rank. Every call on the ranks waits for this first."""
+        if self._setup is not None:
+            call, self._setup = self._setup, None
+            self._collect(call, self._setup_timeout_s)
+
     def _submit(self, method: str, *args, per_rank: Sequence[tuple] | None = None) -> LearnerCall:
-        """Start `method` on every rank without waiting. Each rank runs its calls in submission order, so a
-        call submitted later (the next `train_step`) runs after this one on every rank."""
+        """Start `method` on every rank without waiting, once they are set up. Each rank runs its calls in
+        submission order, so a call submitted later (the next `train_step`) runs after this one on every rank."""
+        self.wait_ready()
+        return self._submit_now(method, *args, per_rank=per_rank)
+
+    def _submit_now(self, method: str, *args, per_rank: Sequence[tuple] | None = None) -> LearnerCall:
         refs = [getattr(w, method).remote(*(per_rank[r] if per_rank is not None else args)) for r, w in enumerate(self.workers)]
         return LearnerCall(method, refs, time.monotonic())
 
@@ -195,6 +208,7 @@ class LearnerPool:
         return self.finish_step(self._start_batch(batch))
 
     def _start_batch(self, batch: TrainBatch) -> LearnerCall:
+        self.wait_ready()
         began = time.monotonic()  # `learner_step_s` and the call's timeout count the split too
         keep_groups = loss_needs_whole_groups(self.recipe)
         parts = split_mini_batches(batch, self.config.mini_batches, self.recipe)
@@ -290,7 +304,8 @@ class LearnerPool:
         from asyncrl.cluster import placement
 
         try:
-            self._call("shutdown", timeout_s=30)
+            if self._setup is None:  # ranks still setting up have nothing to flush: they are killed
+                self._call("shutdown", timeout_s=30)
         finally:
             for w in self.workers:
                 ray.kill(w)

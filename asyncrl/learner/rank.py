@@ -126,11 +126,12 @@ class LearnerWorker:
 
         return ray.util.get_node_ip_address(), _free_port()
 
-    def setup(self, master_addr: str, master_port: int, timeout_s: float) -> None:
-        """Join the process group, load and shard the policy (+ critic), build the optimizers."""
+    def setup(self, master: tuple[str, int], timeout_s: float) -> None:
+        """Join the process group at rank 0's `master_address`, load and shard the policy (+ critic), build
+        the optimizers."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        self._init_process_group(master_addr, master_port, timeout_s)
+        self._init_process_group(*master, timeout_s)
         mesh = init_device_mesh(self.device.type, (self.num_ranks,))
         torch.manual_seed(self.config.seed)
         self.state = self._train_state(mesh)

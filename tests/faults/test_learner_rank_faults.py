@@ -46,3 +46,14 @@ def test_a_hung_rank_times_out_naming_the_rank_and_the_call(ray_cluster, tiny_mo
     finally:
         os.kill(pids[0], signal.SIGKILL)
         ray_cluster.kill(pool.workers[1])
+
+
+def test_a_rank_that_cannot_set_up_is_named_when_the_pool_is_first_waited_for(ray_cluster, tmp_path):
+    # The ranks set up in the background (a run starts its engines meanwhile): the pool is built at once,
+    # and the failure surfaces at the first wait, naming the rank and the call.
+    pool = LearnerPool(tmp_path / "no-such-model", LearnerConfig(num_ranks=2, call_timeout_s=60), resolve_recipe("grpo"))
+    try:
+        with pytest.raises(LearnerCallError, match=r"(?s)learner rank [01]: setup failed: .*no-such-model"):
+            pool.wait_ready()
+    finally:
+        pool.shutdown()

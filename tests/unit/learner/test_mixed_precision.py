@@ -29,7 +29,7 @@ def rank(tiny_model_dir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     worker = LearnerWorker(0, 1, str(tiny_model_dir), LearnerConfig(lr=LR, grad_clip=1e9), resolve_recipe("grpo"), RAW, "bfloat16")
-    worker.setup("127.0.0.1", port, 60.0)
+    worker.setup(("127.0.0.1", port), 60.0)
     yield worker
     worker.shutdown()
 
