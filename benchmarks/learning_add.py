@@ -10,7 +10,8 @@ reports accuracy at equal trained samples, time to 0.5 and to 0.7 held-out accur
 256 trained samples (the per-step cost; the plain loop's is the floor without Ray, vLLM or a queue).
 After the runs it times the learner alone (`learner_alone`: streaming's optimizer step on the batches that run
 trained, in this process with no engine running, with one and with two torch threads), the ceiling of any
-asynchronous mode whose learner has that many threads, next to the peer's whole step. Then W1's limit model
+asynchronous mode whose learner has that many threads, next to the peer's whole step; and sync's own recipe on
+the same batches with two threads (the sync limit's learner). Then W1's limit model
 (`limits.w1_limit`: the engine alone, counting the groups the zero-variance filter discards as its work, the
 learner alone, both at once) on the batches streaming trained (its sync limit too) and on those sao trained (its
 critic included), with each mode's trained samples/s as a fraction of its limit and each limit over the peer's
@@ -161,7 +162,11 @@ def alone_and_limit(out: Path, results: dict, together_s: float | None = None) -
     if len(batches) < 2:
         return {}, {}
     alone = learner_alone(batches, cfg)
-    limit = {"streaming": mode_limit(out / "streaming", cfg, batches, alone.pop("step_s"), together_s)}
+    # The sync limit trains sync's own recipe (GRPO's PPO surrogate) on 2 threads, on the same batches.
+    sync = learner_alone(batches, load_config(RECIPES / MODES["sync"]), threads=(2,))
+    alone["sync_recipe_s_per_256_samples"] = sync["s_per_256_samples"]
+    step_s = {"1": alone.pop("step_s")["1"], "2": sync["step_s"]["2"]}
+    limit = {"streaming": mode_limit(out / "streaming", cfg, batches, step_s, together_s)}
     sao = load_config(RECIPES / MODES["sao"])
     if "sao" in results and len(sao_batches := trained_batches(out / "sao", sao, LEARNER_ALONE_STEPS + 1)) >= 2:
         limit["sao"] = mode_limit(out / "sao", sao, sao_batches, learner_alone(sao_batches, sao, threads=(1,))["step_s"], together_s)

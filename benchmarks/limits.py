@@ -341,8 +341,8 @@ def w1_limit(cfg, model_dir: Path, batches: list[list], step_s: dict[str, list[f
              together_s: float = W1_TOGETHER_S) -> dict:
     """W1's limit model: the same formulas as W2's in trained samples/s, on `batches` (lists of `Group`s a run of
     `cfg` trained; batch 0 is the warm-up). `step_s[threads]`: the learner's seconds per batch alone
-    (`rank_trainer`) with 1 thread (an asynchronous mode's learner) and, for the sync limit, 2 (sync's: its
-    engine and learner take turns).
+    (`rank_trainer`) with 1 thread (an asynchronous mode's learner) and, for the sync limit, 2: sync's own
+    recipe on the same batches (its engine and learner take turns).
     `generated_per_trained`: samples the run generated per sample it trained (groups the zero-variance filter
     discards are generated too). E: the engine alone on every request at once, in a Ray task with the rollout
     worker's CPUs, over `generated_per_trained`; g_b: batch b generated alone with as many more groups as the

@@ -332,9 +332,11 @@ def _learner_alone_line(d: dict) -> list[str]:
     threads = ", ".join(f"{t} thread{'s' if t != '1' else ''} {s:.3f} s" for t, s in alone["s_per_256_samples"].items())
     peer = d["modes"].get("trl", {}).get("s_per_256_samples")
     peer_note = f"; the peer's whole step (generation and training, one process): {peer:.3f} s" if peer else ""
+    sync = alone.get("sync_recipe_s_per_256_samples", {}).get("2")
+    sync_note = f" Sync's own recipe (GRPO) on the same batches, 2 threads: {sync:.3f} s (the sync limit's learner)." if sync else ""
     return ["", f"The learner alone (streaming's optimizer step on the batches that run trained, nothing else running, median of "
                 f"{alone['steps']} steps), per 256 samples: {threads}{peer_note}. The runs give the learner "
-                f"{alone['threads_in_runs']} thread: no asynchronous mode can train faster than its learner alone."]
+                f"{alone['threads_in_runs']} thread: no asynchronous mode can train faster than its learner alone.{sync_note}"]
 
 
 def _w1_limit_table(d: dict) -> list[str]:
@@ -345,7 +347,9 @@ def _w1_limit_table(d: dict) -> list[str]:
     lines = [""]
     for mode in ("streaming", "sao"):
         if m := limit.get(mode):
-            learner = ", ".join(f"{v:.0f} ({t} thread{'s' if t != '1' else ''})" for t, v in m["learner_samples_per_s"].items())
+            # The 2-thread figure is sync's recipe where the run timed it (older results: streaming's).
+            recipe = {"2": ", sync's recipe"} if "sync_recipe_s_per_256_samples" in d.get("learner_alone", {}) else {}
+            learner = ", ".join(f"{v:.0f} ({t} thread{'s' if t != '1' else ''}{recipe.get(t, '')})" for t, v in m["learner_samples_per_s"].items())
             sync = f"; sync limit {m['sync_limit_samples_per_s']:.0f} (each batch generated at once with the groups the filter discards, then trained on 2 threads)" if "sync_limit_samples_per_s" in m else ""
             lines.append(f"W1 limit model of {mode} (`limits.w1_limit`, on its run's batches): engine alone {m['engine_generated_samples_per_s']:.0f} "
                          f"generated samples/s = {m['engine_samples_per_s']:.0f} trained ({m['generated_per_trained']:.2f} generated per trained); "
