@@ -66,19 +66,22 @@ def test_scale_grows_and_shrinks_a_running_job_and_stop_ends_it_with_a_checkpoin
     overrides = [f"output_dir={out}", "learner.max_steps=100000", *TINY_RUN]
     done = _cli(["submit", *overrides, "--address", address, "--working-dir", "", "--job-id", "asyncrl-scale", "--no-wait"], env)
     assert done.returncode == 0, done.stderr
-    metrics = out / "metrics.jsonl"
+    metrics, events = out / "metrics.jsonl", out / "events.jsonl"
 
-    def logs() -> str:
+    def logs() -> str:  # read through the Jobs API only on a timeout: each call starts a process (~1 s of CPU)
         return _cli(["logs", "asyncrl-scale", "--address", address], env).stdout
+
+    def noted(text: str) -> bool:
+        return events.exists() and text in events.read_text()
 
     _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 300, "three steps", logs)
     up = _cli(["scale", "asyncrl-scale", "rollout=2", "--address", address], env)
     assert up.returncode == 0 and "rollout pool -> 2 workers" in up.stdout, up.stdout + up.stderr
-    _wait_for(lambda: "rollout worker rollout-1 serves version" in logs(), 300, "rollout-1 to serve", logs)
+    _wait_for(lambda: noted("rollout worker rollout-1 serves version"), 300, "rollout-1 to serve", logs)
     steps_with_two = len(metrics.read_text().splitlines())
     down = _cli(["scale", "asyncrl-scale", "rollout=1", "--address", address], env)
     assert down.returncode == 0, down.stdout + down.stderr
-    _wait_for(lambda: "scaling the rollout pool 2 -> 1" in logs(), 120, "the scale-down", logs)
+    _wait_for(lambda: noted("scaling the rollout pool 2 -> 1"), 120, "the scale-down", logs)
     _wait_for(lambda: len(metrics.read_text().splitlines()) >= steps_with_two + 3, 300, "three more steps", logs)
     assert "stop requested" in _cli(["stop", "asyncrl-scale", "--address", address], env).stdout
     _wait_for(lambda: (out / "summary.json").exists(), 300, "the stopped job's summary", logs)
