@@ -171,3 +171,26 @@ def test_thread_times_count_this_threads_cpu():
     while time.thread_time() < end:
         pass
     assert thread_times(os.getpid())[tid][1] - before >= 0.15
+
+
+def _w2_row(mode: str, tokens_per_s: float, samples_per_s: float) -> dict:
+    keys = ("window_s", "generated_mean_response_tokens", "mean_response_tokens", "generated_tokens_per_s",
+            "rollout_idle_fraction", "learner_idle_fraction", "staleness_mean")
+    return {"mode": mode, "recipe": mode, "samples_trained": 64, "tokens_trained": 640, "rollout_efficiency": None,
+            "trained_tokens_per_s": tokens_per_s, "trained_samples_per_s": samples_per_s, "staleness_max": 1,
+            "dropped_stale": 0, "stale_tokens_masked": 0, **dict.fromkeys(keys, 1.0)}
+
+
+def test_w2_speedups_and_table_take_sync_as_the_reference():
+    # The test suite smoke-runs async_speedup.py with streaming alone; its sync-relative figures are pinned here.
+    from async_speedup import fmt_table, speedup_ratios
+
+    rows = [_w2_row("sync", 1000.0, 10.0), _w2_row("streaming", 2500.0, 20.0), _w2_row("sao", 500.0, 4.0)]
+    assert speedup_ratios(rows) == {
+        "streaming_over_sync": 2.5, "streaming_over_sync_samples_per_s": 2.0,
+        "sao_over_sync": 0.5, "sao_over_sync_samples_per_s": 0.4,
+    }
+    assert speedup_ratios(rows[1:]) == {}
+    vs_sync = [line.split()[8] for line in fmt_table(rows, None).splitlines()[1:]]
+    assert vs_sync == ["1.00x", "2.50x", "0.50x"]
+    assert [line.split()[8] for line in fmt_table(rows[1:], None).splitlines()[1:]] == ["-", "-"]
