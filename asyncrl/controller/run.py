@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import importlib
 import json
 import os
 import signal
@@ -48,7 +49,8 @@ def _run(cfg: Config, telemetry: Telemetry) -> dict:
     telemetry.phase("resolving the model")
     model_dir = ensure_model(cfg, report=telemetry.phase)
     telemetry.phase(f"connecting to Ray at {os.environ['RAY_ADDRESS']}" if os.environ.get("RAY_ADDRESS") else "starting a local Ray")
-    started_ray = _init_ray(cfg)
+    with _importing(Controller.START_IMPORTS):
+        started_ray = _init_ray(cfg)
     controller = Controller(cfg, model_dir, telemetry)
     try:
         with _stop_requests(controller):
@@ -89,6 +91,24 @@ def _stop_requests(controller):
         faulthandler.cancel_dump_traceback_later()
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def _importing(names: tuple[tuple[str, str], ...]):
+    """Import each (module, name) in a thread while the body runs (transformers loads a name's module on first
+    access). A name that fails to import here fails again, with its own error, where it is used."""
+
+    def load() -> None:
+        for module, name in names:
+            with contextlib.suppress(Exception):
+                getattr(importlib.import_module(module), name)
+
+    thread = threading.Thread(target=load, name="asyncrl-imports", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
 
 
 def _init_ray(cfg: Config) -> bool:
