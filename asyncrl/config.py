@@ -108,7 +108,8 @@ class RolloutConfig(Section):
     max_tokens: int = Field(8, ge=1)
     """Maximum generated tokens per trajectory."""
     max_model_len: int = Field(512, ge=16)
-    """Longest prompt + response an engine serves (sizes the KV cache)."""
+    """Longest prompt + response an engine serves (sizes the KV cache). Each engine's start-up warm-up decodes up
+    to it (at most 512 tokens): short prompts start faster with a smaller one (6.7 s against 2.3 s at 64, tiny model)."""
     weight_load: Literal["auto", "in_place", "reload"] = "auto"
     """How an engine takes a new policy version. `in_place`: each tensor is copied into the model's own
     parameters; on CPU vLLM's oneDNN-packed linear kernels are replaced by torch's `F.linear` on unpacked

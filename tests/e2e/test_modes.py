@@ -14,6 +14,7 @@ streaming dipped in its first ~10 steps and at 16 steps gained +0.03 in one run,
 import pytest
 
 from asyncrl.config import RECIPES, load_config
+from asyncrl.testing import SHORT_CONTEXT
 
 pytestmark = pytest.mark.e2e
 
@@ -31,7 +32,7 @@ def out(tmp_path_factory):
 def runs(ray_cluster, out):
     from asyncrl.controller.run import run
 
-    overrides = ["eval.every_steps=0", "telemetry.progress=false", "checkpoint.export_hf=false"]
+    overrides = ["eval.every_steps=0", "telemetry.progress=false", "checkpoint.export_hf=false", f"rollout.max_model_len={SHORT_CONTEXT}"]
     return {
         mode: run(load_config(RECIPES / FILES[mode], [f"output_dir={out / mode}", f"learner.max_steps={STEPS[mode]}", *overrides]))
         for mode in STEPS

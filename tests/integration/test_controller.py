@@ -10,6 +10,7 @@ import json
 import pytest
 
 from asyncrl.config import load_config
+from asyncrl.testing import SHORT_CONTEXT
 
 pytestmark = pytest.mark.integration
 
@@ -23,6 +24,7 @@ def _config(tmp_path, **extra):
         "model.warm_start_examples": 0,
         "rollout.samples_per_prompt": 4,
         "rollout.max_tokens": 6,
+        "rollout.max_model_len": SHORT_CONTEXT,
         "buffer.max_staleness": 1,
         "buffer.filter_zero_variance": False,
         "algorithm.preset": "grpo",
@@ -130,7 +132,7 @@ def test_wait_and_continue_train_long_samples_within_the_bound_instead_of_droppi
     write_verl_parquet(rows, tmp_path / "train.parquet")
     cfg = _config(tmp_path, **{
         "model.path": str(tiny_model_dir), "data.task": "parquet", "data.train_path": str(tmp_path / "train.parquet"),
-        "buffer.stale_policy": policy, "learner.max_steps": 4, "weight_sync.parity_probe": False, "checkpoint.export_hf": False,
+        "buffer.stale_policy": policy, "learner.max_steps": 4, "rollout.max_model_len": 256, "weight_sync.parity_probe": False, "checkpoint.export_hf": False,
     })  # fmt: skip
     summary, conservation, _ = _run(cfg, tiny_model_dir)
     assert conservation["dropped_stale"] == 0 and sum(e.get("stale_aborts", 0) for e in summary["rollout"].values()) == 0

@@ -18,6 +18,7 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.telemetry.dashboard import Dashboard
+from asyncrl.testing import SHORT_CONTEXT
 
 pytestmark = pytest.mark.integration
 
@@ -34,6 +35,7 @@ def _config(out: Path, model_dir: Path):
         "model.warm_start_examples": 0,
         "rollout.samples_per_prompt": 4,
         "rollout.max_tokens": 6,
+        "rollout.max_model_len": SHORT_CONTEXT,
         "buffer.max_staleness": 1,
         "buffer.filter_zero_variance": False,
         "algorithm.preset": "grpo",

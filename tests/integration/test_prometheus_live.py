@@ -23,6 +23,7 @@ import pytest
 
 from asyncrl.config import AlarmRule, load_config
 from asyncrl.learner.checkpoint import STATE_FILE
+from asyncrl.testing import SHORT_CONTEXT
 
 pytestmark = pytest.mark.integration
 
@@ -93,6 +94,7 @@ def _config(tmp: Path, model_dir: Path, metrics_port: int):
         "model.warm_start_examples": 0,
         "rollout.samples_per_prompt": 4,
         "rollout.max_tokens": 6,
+        "rollout.max_model_len": SHORT_CONTEXT,
         "buffer.max_staleness": 2,
         "buffer.filter_zero_variance": False,
         "algorithm.preset": "grpo",
