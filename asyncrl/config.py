@@ -218,8 +218,10 @@ class ToolsConfig(Section):
     heartbeat_timeout_s: float = Field(5.0, gt=0)
     """A tool worker that does not answer the pool's heartbeat within this is killed and replaced."""
     sandbox_uid_base: int = Field(200_000, ge=1000)
-    """When running as root, tool worker i's processes run under uids `sandbox_uid_base + 64 i` to
-    `sandbox_uid_base + 64 i + 63`, one per live process (no account needed; asyncrl/envs/sandbox.py)."""
+    """When running as root, each tool worker leases the first free block of 64 uids from here on its machine
+    (a lock file per block in /tmp/asyncrl-sandbox-uids, released when the worker dies; a block that a live
+    process still runs under is skipped) and gives each live process one of them (no account needed;
+    asyncrl/envs/sandbox.py). Runs that share a machine never share a uid."""
 
 
 class BufferConfig(Section):

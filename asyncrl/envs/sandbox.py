@@ -22,16 +22,19 @@ JSON line each way per call), each call under its own wall and CPU timers.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import functools
 import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 from asyncrl.envs.tools.base import ToolInfraError
@@ -49,6 +52,10 @@ MEMORY_EXIT = 3
 UIDS_PER_SANDBOX = 64
 """The uids one sandbox (one tool worker) gives its live processes, one each (`Sandbox._lease_uid`): running
 programs, kept reward processes and the spare. RLIMIT_NPROC counts per uid."""
+UID_LOCKS = Path(tempfile.gettempdir()) / "asyncrl-sandbox-uids"
+"""One lock file per leased block of uids on this machine (`lease_uid_block`)."""
+UID_BLOCKS = 1024
+"""How many blocks from `tools.sandbox_uid_base` a tool worker tries before it gives up."""
 
 # Runs inside the sandbox. Reads one JSON line (the payload), sets the limits, then runs the program or serves
 # the rewards: the user's module is imported once, then each line on stdin is a batch of calls, each run under
@@ -239,6 +246,43 @@ def _nobody_can_run_python() -> bool:
 def _parents(path: str) -> list[str]:
     parts = os.path.realpath(path).split(os.sep)
     return [os.sep.join(parts[:i]) or os.sep for i in range(1, len(parts))]
+
+
+def lease_uid_block(base: int, locks: Path = UID_LOCKS, blocks: int = UID_BLOCKS) -> tuple[int, int | None]:
+    """The first block of `UIDS_PER_SANDBOX` uids from `base` that no other sandbox on this machine holds and no
+    live process runs under, and the open lock file that holds it (`flock`: released when its process exits,
+    however it dies). Runs that share a machine (two jobs on one node, two test files) never share a uid, so
+    they neither pool RLIMIT_NPROC nor can signal each other's processes. Without root no uid is dropped to,
+    so there is nothing to lease: `(base, None)`."""
+    if os.geteuid() != 0:
+        return base, None
+    locks.mkdir(mode=0o700, exist_ok=True)
+    info = os.lstat(locks)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o022:
+        raise ToolInfraError("sandbox_uids", f"{locks} must be a directory owned by root and writable only by it")
+    live = _live_uids()
+    for first in range(base, base + UIDS_PER_SANDBOX * blocks, UIDS_PER_SANDBOX):
+        if live.intersection(range(first, first + UIDS_PER_SANDBOX)):
+            continue  # a process left behind (an `rlimits` run) still holds a uid of it
+        fd = os.open(locks / str(first), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return first, fd
+    raise ToolInfraError("sandbox_busy", f"no free block of {UIDS_PER_SANDBOX} uids among {blocks} from {base} (locks in {locks})")
+
+
+def _live_uids() -> set[int]:
+    """The real uids of this machine's live processes (this PID namespace's)."""
+    uids = set()
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            uids.add(int(next(line for line in status.read_text().splitlines() if line.startswith("Uid:")).split()[1]))
+        except (OSError, StopIteration, ValueError):
+            continue
+    return uids
 
 
 def _bwrap_prefix(bwrap: str, uid: int | None, tmp_bytes: int) -> list[str]:

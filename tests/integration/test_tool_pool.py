@@ -18,7 +18,6 @@ import pytest
 import ray
 
 from asyncrl.config import ToolsConfig
-from asyncrl.envs.sandbox import UIDS_PER_SANDBOX
 from asyncrl.envs.tools.base import RewardError, ToolCall, ToolInfraError
 from asyncrl.envs.tools.pool import ToolClient, ToolPool
 from asyncrl.testing import SHORT_CONTEXT
@@ -100,7 +99,7 @@ def test_worker_killed_mid_call_fails_the_call_and_is_replaced(pool):
     assert ray.get(caller.reward.remote("sandbox_rewards:half", "7", "7")) == 0.5  # the victim keeps a reward process
     in_flight = caller.call.remote("python", "import time\ntime.sleep(20)\nprint('done')", 15.0)
     time.sleep(1.5)  # the program is running in the victim's sandbox
-    uid = pool.config.sandbox_uid_base + UIDS_PER_SANDBOX * pool.names.index(victim)  # its block of uids
+    uid = ray.get(ray.get_actor(victim).sandbox_uid.remote())  # the first of its leased block of uids
     assert not pool.capabilities.uid_dropped or len(_processes_of(uid)) >= 2  # the program and the kept reward process
     os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()

@@ -26,7 +26,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from asyncrl.cluster.calls import named_get
 from asyncrl.config import Config, ToolsConfig
-from asyncrl.envs.sandbox import UIDS_PER_SANDBOX, Capabilities, ItemOutcome, RewardItem, Sandbox, SandboxLimits
+from asyncrl.envs.sandbox import Capabilities, ItemOutcome, RewardItem, Sandbox, SandboxLimits, lease_uid_block
 from asyncrl.envs.tools.base import InProcessTools, RewardError, ToolCall, ToolInfraError, ToolResult, check_reward_value
 from asyncrl.envs.tools.python import run_python
 
@@ -84,8 +84,9 @@ class ToolWorker:
     the same reward, up to `reward_batch`, to its process in one message, each call under its own limits. Under
     light load a call finds a slot free and goes alone."""
 
-    def __init__(self, name: str, limits: SandboxLimits, uid: int, calls: int = 4, reward_batch: int = 32, reward_process_calls: int = 1024) -> None:
+    def __init__(self, name: str, limits: SandboxLimits, uid_base: int, calls: int = 4, reward_batch: int = 32, reward_process_calls: int = 1024) -> None:
         self.name = name
+        uid, self._uid_lock = lease_uid_block(uid_base)  # held until this process exits
         self.sandbox = Sandbox(limits, uid, reward_process_calls)
         self.tally = ToolTally()
         self.reward_batch = min(reward_batch, reward_process_calls)
@@ -104,6 +105,10 @@ class ToolWorker:
 
     async def pid(self) -> int:
         return os.getpid()
+
+    async def sandbox_uid(self) -> int:
+        """The first uid of the block this worker leased (`lease_uid_block`)."""
+        return self.sandbox.uid
 
     async def start_seconds(self) -> list[float]:
         return list(self.sandbox.start_seconds)
@@ -254,14 +259,22 @@ class ToolPool:
         self._actor_cls = ray.remote(ToolWorker)
 
     def start(self) -> None:
-        """Start every worker and wait until each answers (the sandbox capabilities come from the first). The
-        workers get a placement group of their own (SPREAD), apart from the engines and the learner."""
+        """Start every worker and wait until each answers (`launch`, then `wait_ready`)."""
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start every worker without waiting for it: a run starts its engines meanwhile. The workers get a
+        placement group of their own (SPREAD), apart from the engines and the learner."""
         from asyncrl.cluster import placement
 
         cpus = self.config.num_cpus_per_worker
         self._pg = placement.reserve("tools", [placement.bundle(cpus, 0)] * len(self.names), "SPREAD", self.placement_timeout_s)
         for name in self.names:
             self._slots[name] = _Slot(self._spawn(name))
+
+    def wait_ready(self) -> None:
+        """Wait until every launched worker answers; the sandbox capabilities come from the first."""
         answers = named_get([slot.handle.ready.remote() for slot in self._slots.values()], _START_TIMEOUT_S, f"tool workers {', '.join(self._slots)}: ready")
         self.capabilities = answers[0]
         for slot in self._slots.values():
@@ -346,9 +359,8 @@ class ToolPool:
                 pass  # keep its last heartbeat's counts
 
     def _spawn(self, name: str) -> Any:
-        uid = self.config.sandbox_uid_base + UIDS_PER_SANDBOX * self.names.index(name)
         return self._actor_cls.options(**self._actor_options(name)).remote(
-            name, self.limits, uid, self.config.calls_per_worker, self.config.reward_batch, self.config.reward_process_calls
+            name, self.limits, self.config.sandbox_uid_base, self.config.calls_per_worker, self.config.reward_batch, self.config.reward_process_calls
         )
 
     def _actor_options(self, name: str) -> dict[str, Any]:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from asyncrl.envs.sandbox import UIDS_PER_SANDBOX, RewardItem, Sandbox, SandboxLimits, detect_capabilities
+from asyncrl.envs.sandbox import UIDS_PER_SANDBOX, RewardItem, Sandbox, SandboxLimits, detect_capabilities, lease_uid_block
 from asyncrl.envs.tools.base import ToolCall, ToolInfraError
 from asyncrl.envs.tools.pool import ToolWorker
 from asyncrl.envs.tools.python import run_python
@@ -147,6 +149,42 @@ def test_uids_are_leased_round_robin_one_per_live_process_and_run_out_with_a_cle
     assert sandbox._lease_uid() == 300_000  # the only free one
     with pytest.raises(ToolInfraError, match=f"all {UIDS_PER_SANDBOX} uids from 300000 are held"):
         sandbox._lease_uid()
+
+
+HOLDER = "import sys, time\nfrom pathlib import Path\nfrom asyncrl.envs.sandbox import lease_uid_block\nprint(lease_uid_block(310_000, Path(sys.argv[1]))[0], flush=True)\ntime.sleep(60)"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="uids are leased only as root (there is no uid drop otherwise)")
+def test_a_uid_block_is_leased_once_per_machine_skips_live_uids_and_is_freed_when_its_holder_is_killed(tmp_path):
+    locks, base, size = tmp_path / "locks", 310_000, UIDS_PER_SANDBOX
+    first, first_lock = lease_uid_block(base, locks)
+    second, _ = lease_uid_block(base, locks)
+    assert (first, second) == (base, base + size)  # the first block is held
+    os.close(first_lock)  # its worker ended, but a process it left behind still runs under one of its uids
+    squatter = subprocess.Popen(["setpriv", f"--reuid={base + 5}", f"--regid={base + 5}", "--clear-groups", "sleep", "30"])
+    try:
+        deadline = time.monotonic() + 5
+        while not _processes_of(base + 5) and time.monotonic() < deadline:  # the squatter runs under its uid
+            time.sleep(0.05)
+        assert lease_uid_block(base, locks)[0] == base + 2 * size
+    finally:
+        squatter.kill()
+        squatter.wait()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(locks)], stdout=subprocess.PIPE, text=True)
+    assert int(holder.stdout.readline()) == base  # free again once the squatter is gone; another process holds it
+    assert lease_uid_block(base, locks)[0] == base + 3 * size
+    holder.kill()
+    holder.wait()
+    assert lease_uid_block(base, locks)[0] == base  # SIGKILL released the holder's lock
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="uids are leased only as root (there is no uid drop otherwise)")
+def test_a_lock_folder_others_can_write_is_refused_naming_it(tmp_path):
+    locks = tmp_path / "locks"
+    locks.mkdir(mode=0o777)
+    locks.chmod(0o777)
+    with pytest.raises(ToolInfraError, match=f"sandbox_uids: {locks} must be a directory owned by root and writable only by it"):
+        lease_uid_block(310_000, locks)
 
 
 def test_a_4_gib_allocation_fails_as_memory():
