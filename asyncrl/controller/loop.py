@@ -151,6 +151,7 @@ class Controller:
         self.sync = make_weight_sync(self.learner, self.rollout, cfg.weight_sync, cfg.mode)
         self.rollout.start()
         self.telemetry.phase("engines ready")
+        self._tools_ready()
         self.learner.wait_ready()
         self.telemetry.phase("learner ready")
         if os.environ.get(JOB_ENV):  # submitted as a Ray job: `asyncrl scale` reaches this run's control actor
@@ -161,14 +162,21 @@ class Controller:
         self.rollout.start_generation()
 
     def _start_tools(self) -> None:
-        """Start the tool workers before the engines that call them, and say once what isolation they get."""
+        """Launch the tool workers; they start while the engines do (`_tools_ready` waits for them)."""
         from asyncrl.envs.tools.pool import ToolPool, needs_tool_pool
 
         if not needs_tool_pool(self.cfg):
             return
         self.telemetry.phase(f"starting the tool pool ({self.cfg.tools.num_workers} sandboxed worker(s))")
         self.tools = ToolPool(self.cfg.tools, prefix=f"tool-{self.out.name}", placement_timeout_s=self.cfg.cluster.placement_timeout_s)
-        self.tools.start()
+        self.tools.launch()
+
+    def _tools_ready(self) -> None:
+        """Wait for the tool workers before any trajectory calls them, and say once what isolation they get."""
+        if self.tools is None:
+            return
+        self.tools.wait_ready()
+        self.telemetry.phase("tool pool ready")
         self.telemetry.note(str(self.tools.capabilities))
 
     def shutdown(self) -> None:
