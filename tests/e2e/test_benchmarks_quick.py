@@ -1,6 +1,7 @@
 """Smoke check of the benchmark scripts (`--quick`): each runs, prints its table and writes JSON whose
-headline figures are finite and positive. The W1 script's machinery is covered by test_modes.py; W2's runs
-streaming alone (each mode is a whole run, ~50 s here: the modes themselves are covered by test_modes.py, the
+figures are finite; `CHECKS` adds, per script, figures that can be recomputed from the same JSON (the limit
+model's arithmetic, ratios against their parts) or that must hold (parity, every call answered). The W1
+script's machinery is covered by test_modes.py; W2's runs streaming alone (each mode is a whole run, ~50 s here: the modes themselves are covered by test_modes.py, the
 sync-relative figures by tests/unit/test_benchmark_helpers.py)."""
 
 import json
@@ -37,12 +38,59 @@ def _numbers(obj):
         yield obj
 
 
-@pytest.mark.parametrize("name", ["algo_throughput", "queue_throughput", "weight_sync", "async_speedup", "peer_trl"])
+QUICK = ["algo_throughput", "queue_throughput", "weight_sync", "async_speedup", "peer_trl", "limits", "logprob_layout",
+         "client_floor", "agent_tool"]
+
+
+@pytest.mark.parametrize("name", QUICK)
 def test_benchmark_quick_run_writes_finite_results(name):
     result = _run(name)
     values = list(_numbers(result))
     assert values and all(math.isfinite(v) for v in values)
-    if name == "weight_sync":
-        assert all(r["parity_after_max"] < 1e-4 < r["parity_before_max"] for r in result["sizes"])
-    if name == "peer_trl":  # same warm start as asyncrl's runs; 4 steps x 256 samples
-        assert 0.15 < result["start_accuracy"] < 0.6 and result["samples_trained"] == 4 * 256
+    CHECKS.get(name, lambda r: None)(result)
+
+
+def _weight_sync(result):
+    assert all(r["parity_after_max"] < 1e-4 < r["parity_before_max"] for r in result["sizes"])
+
+
+def _peer_trl(result):  # same warm start as asyncrl's runs; 4 steps x 256 samples
+    assert 0.15 < result["start_accuracy"] < 0.6 and result["samples_trained"] == 4 * 256
+
+
+def _limits(result):
+    """The limit model's arithmetic, from the measured rates it reports: streaming's limit is
+    min(E, L, c / (1/E + 1/L)), and every W2 mode gets a positive fraction of its limit."""
+    m = result["model"]
+    e, l, c = m["engine_tokens_per_s"], m["learner_tokens_per_s"]["streaming"], m["concurrency_capacity"]
+    assert m["streaming_limit_tokens_per_s"] == pytest.approx(min(e, l))
+    assert m["streaming_limit_measured_tokens_per_s"] == pytest.approx(min(e, l, c / (1 / e + 1 / l)))
+    assert m["shared_core_bound_tokens_per_s"] <= min(e, l)
+    assert 0 < c <= 2.5 and m["straggler_factor"] >= 1
+    assert {mode: f["fraction_of_limit"] > 0 for mode, f in result["w2_fraction_of_limit"].items()} == dict.fromkeys(
+        ("sync", "streaming", "sao"), True)
+
+
+def _logprob_layout(result):
+    assert [r["tokens"] for r in result["runs"]] == [128, 6]
+    assert all(r["dict_over_flat"] == pytest.approx(r["dict_us_per_request"] / r["flat_us_per_request"], rel=0.01)
+               for r in result["runs"])
+
+
+def _client_floor(result):
+    """`Engine` freezes the start-up heap; the ratio is the two clients' mean CPU per sample."""
+    assert result["freeze"] and result["frozen_objects"] > 10_000
+    mean = result["mean_us_per_sample"]
+    assert result["engine_over_vllm"] == pytest.approx(mean["engine"] / mean["vllm"], rel=0.01)
+
+
+def _agent_tool(result):
+    """Every warm call of each tool answered; the reward pool's warm process beats a fresh one per call."""
+    one_worker = result["runs"][0]
+    assert one_worker["workers"] == 1
+    assert [one_worker[tool]["n"] for tool in ("calculator", "python")] == [result["config"]["warm_calls"]] * 2
+    assert result["reward_default_over_fresh_process"] > 1
+
+
+CHECKS = {"weight_sync": _weight_sync, "peer_trl": _peer_trl, "limits": _limits, "logprob_layout": _logprob_layout,
+          "client_floor": _client_floor, "agent_tool": _agent_tool}
