@@ -341,6 +341,12 @@ class LearnerConfig(Section):
     """AdamW betas."""
     warmup_steps: int = Field(0, ge=0)
     """Linear learning-rate warm-up steps (learner steps: the schedule advances once per rollout batch)."""
+    lr_decay: Literal["constant", "linear", "cosine"] = "constant"
+    """The learning rate after the warm-up, over the rest of `max_steps`: `constant`, or down from `lr` to
+    `min_lr_ratio` x `lr` in a straight line (`linear`) or along a half cosine (`cosine`), reached after the
+    last step. The critic's learning rate follows the same shape."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Where `linear` and `cosine` decay end, as a fraction of `lr` (and of `critic_lr`)."""
     grad_clip: float = Field(1.0, gt=0)
     """Max global gradient norm."""
     critic: bool = False
@@ -369,6 +375,13 @@ class LearnerConfig(Section):
     run stops with an error naming the rank and the call (a dead or hung rank never hangs the run)."""
     seed: int = 0
     """Seed of model init noise and micro-batch order."""
+
+    @model_validator(mode="after")
+    def _decay_needs_steps_after_warmup(self) -> LearnerConfig:
+        if self.lr_decay != "constant" and self.max_steps <= self.warmup_steps:
+            raise ValueError(f"lr_decay = {self.lr_decay!r} decays over the steps after the warm-up: max_steps "
+                             f"({self.max_steps}) must exceed warmup_steps ({self.warmup_steps})")
+        return self
 
 
 class WeightSyncConfig(Section):

@@ -9,9 +9,10 @@ buckets (`export.py`) or in a shared-memory segment (`weight_sync.segment`), che
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -27,19 +28,30 @@ from asyncrl.types import StepStats
 from asyncrl.weight_sync.group import CollectiveSender, CollectiveWeights
 from asyncrl.weight_sync.segment import SegmentWriter, SharedWeights
 
-__all__ = ["LearnerWorker", "materialize_optimizer_state"]
+__all__ = ["LearnerWorker", "lr_factor", "materialize_optimizer_state"]
 
 
-def _linear_warmup(warmup_steps: int):
+def lr_factor(cfg) -> Callable[[int], float]:
+    """The learning-rate multiplier of update `step` (0 = the first) for a `LearnerConfig`: a linear warm-up
+    over `warmup_steps`, then `lr_decay` from 1 to `min_lr_ratio`, which it reaches after `max_steps` updates."""
+    warmup, total, floor = cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio
+
     def factor(step: int) -> float:
-        return min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+        if step < warmup:
+            return (step + 1) / warmup
+        if cfg.lr_decay == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / (total - warmup))
+        shape = 1.0 - progress if cfg.lr_decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return floor + (1.0 - floor) * shape
 
     return factor
 
 
 def build_train_state(cfg, model_dir: str, device: torch.device, place=lambda module: None):
     """The policy and, with `cfg.critic` (a `LearnerConfig`), the critic: fp32 from `model_dir` on `device`, each
-    passed to `place` (a rank shards it with FSDP2) before its AdamW optimizer and linear warm-up are made."""
+    passed to `place` (a rank shards it with FSDP2) before its AdamW optimizer and learning-rate schedule
+    (`lr_factor`) are made."""
     from asyncrl.learner.checkpoint import TrainState
     from asyncrl.learner.policy import PolicyModel, ValueModel, load_causal_lm
 
@@ -47,14 +59,14 @@ def build_train_state(cfg, model_dir: str, device: torch.device, place=lambda mo
     place(policy)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     materialize_optimizer_state(optimizer)
-    state = TrainState(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _linear_warmup(cfg.warmup_steps)))
+    state = TrainState(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg)))
     if cfg.critic:
         critic = ValueModel(load_causal_lm(model_dir, torch.float32), seed=cfg.seed).to(device)
         place(critic)
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, betas=cfg.betas)
         materialize_optimizer_state(critic_optimizer)
         state.critic, state.critic_optimizer = critic, critic_optimizer
-        state.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, _linear_warmup(cfg.warmup_steps))
+        state.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lr_factor(cfg))
     return state
 
 

@@ -97,6 +97,8 @@ NOT_UTF8 = pa.table({
 CASES = [
     Case("wrong type", _overrides("learner.lr=abc"), "learner.lr: Input should be a valid number"),
     Case("negative learning rate", _overrides("learner.lr=-1"), "learner.lr: Input should be greater than 0"),
+    Case("learning-rate decay with no steps after the warm-up", _overrides("learner.lr_decay=cosine", "learner.warmup_steps=300"),
+         "learner: Value error, lr_decay = 'cosine' decays over the steps after the warm-up: max_steps (240) must exceed warmup_steps (300)"),
     Case("top_p above 1", _overrides("rollout.top_p=1.5"), "rollout.top_p: Input should be less than or equal to 1"),
     Case("list where a number goes", _overrides("learner.max_steps=[1, 2]"), "learner.max_steps: Input should be a valid integer"),
     Case("unknown key", _overrides("learner.lrr=3"), "unknown key 'learner.lrr' (did you mean 'lr'?)"),
