@@ -187,15 +187,22 @@ def mode_limit(run_dir: Path, cfg, batches: list[list], step_s: dict[str, list[f
 
 def limit_fractions(limit: dict, results: dict) -> dict:
     """Each run's trained samples/s (per 256 samples over its training clock) as a fraction of its mode's
-    limit (sync: the streaming model's sync limit), and each limit over the peer's samples/s."""
-    peer = STEP_SAMPLES / results["trl"]["s_per_256_samples"] if results.get("trl", {}).get("s_per_256_samples") else None
+    limit (sync: the streaming model's sync limit), and each limit over the peer's samples/s; with the peer's
+    `informative_fraction`, also over the peer's samples/s that had a non-zero advantage (`*_informative`)."""
+    trl = results.get("trl") or {}
+    peer = STEP_SAMPLES / trl["s_per_256_samples"] if trl.get("s_per_256_samples") else None
     bounds = {"sync": ("streaming", "sync_limit_samples_per_s"), "streaming": ("streaming", "limit_samples_per_s"), "sao": ("sao", "limit_samples_per_s")}
     rows = {} if peer is None else {"trl": {"samples_per_s": peer}}
+    informative = peer * trl["informative_fraction"] if peer and trl.get("informative_fraction") else None
+    if informative:
+        rows["trl"]["informative_samples_per_s"] = informative
     for mode, (model, key) in bounds.items():
         if (results.get(mode) or {}).get("s_per_256_samples") and model in limit:
             rate, bound = STEP_SAMPLES / results[mode]["s_per_256_samples"], limit[model][key]
             rows[mode] = {"samples_per_s": rate, "limit_samples_per_s": bound, "fraction_of_limit": rate / bound,
-                          **({"limit_over_peer": bound / peer, "over_peer": rate / peer} if peer else {})}  # fmt: skip
+                          **({"limit_over_peer": bound / peer, "over_peer": rate / peer} if peer else {}),
+                          **({"limit_over_peer_informative": bound / informative, "over_peer_informative": rate / informative}
+                             if informative else {})}  # fmt: skip
     return rows
 
 
@@ -209,7 +216,9 @@ def print_limit(limit: dict) -> None:
                   f"limit {m['limit_samples_per_s']:.0f} ({m['bound_by']}-bound){sync}")
     for mode, r in limit["runs"].items():
         if mode != "trl":
-            peer = f", limit / trl {r['limit_over_peer']:.2f}" if "limit_over_peer" in r else ""
+            peer = f", limit / trl {r['limit_over_peer']:.2f}, run / trl {r['over_peer']:.2f}" if "limit_over_peer" in r else ""
+            if "over_peer_informative" in r:
+                peer += f" (trl's samples with a non-zero advantage: {r['limit_over_peer_informative']:.2f}, {r['over_peer_informative']:.2f})"
             print(f"  {mode}: {r['samples_per_s']:.0f} samples/s = {r['fraction_of_limit']:.2f} of its limit{peer}")
 
 
@@ -312,7 +321,17 @@ def trl_run(out: Path, steps: int, every: int, target: float) -> dict:
     result = {k: peer[k] for k in ("start_accuracy", "final_accuracy", "wall_clock_s", "samples_trained", "time_to_target_s", "evals")}
     result["time_to_target_excl_eval_s"] = peer["time_to_target_s"]  # its clock excludes evaluations
     result["settings"] = peer["settings"]
+    result["informative_fraction"] = informative_fraction(peer["steps"])
     return result
+
+
+def informative_fraction(steps: list[dict]) -> float | None:
+    """The share of the peer's trained samples whose advantage is not zero: TRL trains every group, and a group
+    whose rewards are all equal (`frac_reward_zero_std`, logged every step) has zero advantage and, with no KL
+    term, adds nothing to the gradient. asyncrl's group modes filter those groups out before the learner, so
+    only this share of TRL's samples compares with what asyncrl counts as trained."""
+    logged = [s["frac_reward_zero_std"] for s in steps if s.get("frac_reward_zero_std") is not None]
+    return 1.0 - sum(logged) / len(logged) if logged else None
 
 
 def print_table(results: dict, steps: int, target: float) -> None:

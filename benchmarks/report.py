@@ -355,10 +355,16 @@ def _w1_limit_table(d: dict) -> list[str]:
                          f"generated samples/s = {m['engine_samples_per_s']:.0f} trained ({m['generated_per_trained']:.2f} generated per trained); "
                          f"learner alone {learner} trained samples/s; both at once c = {m['concurrency_capacity']:.2f}; limit min(E, L, c / (1/E + 1/L)) = "
                          f"{m['limit_samples_per_s']:.0f} ({m['bound_by']}-bound){sync}.")  # fmt: skip
-    rows = [[mode, f"{r['samples_per_s']:.0f}", f"{r['limit_samples_per_s']:.0f}", f"{r['fraction_of_limit']:.2f}",
-             fx(r["limit_over_peer"]) if "limit_over_peer" in r else "-", fx(r["over_peer"]) if "over_peer" in r else "-"]
+    keys = ("limit_over_peer", "over_peer", "limit_over_peer_informative", "over_peer_informative")
+    rows = [[mode, f"{r['samples_per_s']:.0f}", f"{r['limit_samples_per_s']:.0f}", f"{r['fraction_of_limit']:.2f}", *(fx(r.get(k)) for k in keys)]
             for mode, r in limit["runs"].items() if mode != "trl"]  # fmt: skip
-    return [*lines, "", *table(["mode", "trained samples/s", "its limit", "fraction of limit", "limit ÷ peer", "run ÷ peer"], rows)]
+    peer = limit["runs"].get("trl", {})
+    if "informative_samples_per_s" in peer:
+        lines += ["", f"The peer trains every group; {peer['informative_samples_per_s']:.0f} of its {peer['samples_per_s']:.0f} samples/s "
+                      "had a non-zero advantage (its groups with all rewards equal left out, as asyncrl's filter leaves them out "
+                      "before its learner): the `informative` columns divide by that."]
+    header = ["mode", "trained samples/s", "its limit", "fraction of limit", "limit ÷ peer", "run ÷ peer", "limit ÷ peer informative", "run ÷ peer informative"]
+    return [*lines, "", *table(header, rows)]
 
 
 def _equal_samples_table(modes: dict) -> list[str]:

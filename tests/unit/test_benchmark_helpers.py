@@ -117,6 +117,18 @@ def test_w1_limit_model_counts_the_filtered_groups_as_engine_work_and_leaves_the
     assert abs(rows["sao"]["limit_samples_per_s"] - 1.25 / (1 / 900 + 1 / 400)) < 1e-9 and abs(rows["sao"]["samples_per_s"] - 100.0) < 1e-9
     assert "fraction_of_limit" not in rows["trl"] and limit_fractions({"streaming": model}, {"streaming": results["streaming"]}).keys() == {"streaming"}
     assert limit_fractions({"streaming": model}, {"streaming": results["streaming"]})["streaming"].keys() == {"samples_per_s", "limit_samples_per_s", "fraction_of_limit"}
+    # The peer's groups were all-equal (zero advantage) on 36% of its samples: 250 x 0.64 = 160 informative samples/s.
+    results["trl"]["informative_fraction"] = 0.64
+    rows = limit_fractions({"streaming": model}, results)
+    assert abs(rows["trl"]["informative_samples_per_s"] - 160.0) < 1e-9
+    assert abs(rows["streaming"]["over_peer_informative"] - 1.25) < 1e-9 and abs(rows["streaming"]["limit_over_peer_informative"] - 300 / 160) < 1e-9
+
+
+def test_the_peers_informative_fraction_is_one_minus_its_mean_zero_std_share():
+    from learning_add import informative_fraction
+
+    steps = [{"step": 1, "frac_reward_zero_std": 0.5}, {"step": 2, "frac_reward_zero_std": 0.25}, {"step": 3}]
+    assert informative_fraction(steps) == 1 - 0.375 and informative_fraction([{"step": 1}]) is None
 
 
 def test_wait_replay_waits_for_the_straggler_as_the_queue_does():
