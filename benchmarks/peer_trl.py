@@ -75,14 +75,25 @@ def grpo_args(cfg, steps: int) -> dict:
     prompts_per_step x G completions, no KL, no data shuffling."""
     group = cfg.rollout.samples_per_prompt
     return dict(
-        max_steps=steps, num_generations=group, learning_rate=cfg.learner.lr,
-        lr_scheduler_type="constant" if cfg.learner.warmup_steps == 0 else "constant_with_warmup",
+        max_steps=steps, num_generations=group, learning_rate=cfg.learner.lr, **lr_schedule(cfg.learner),
         warmup_steps=cfg.learner.warmup_steps, adam_beta1=cfg.learner.betas[0], adam_beta2=cfg.learner.betas[1],
         weight_decay=cfg.learner.weight_decay, max_grad_norm=cfg.learner.grad_clip, temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, max_completion_length=cfg.rollout.max_tokens, loss_type=LOSS_TYPE,
         scale_rewards=SCALE_REWARDS, beta=0.0, num_iterations=1, steps_per_generation=1, gradient_accumulation_steps=1,
         per_device_train_batch_size=cfg.learner.prompts_per_step * group, shuffle_dataset=False, seed=0,
     )  # fmt: skip
+
+
+def lr_schedule(learner) -> dict:
+    """transformers' scheduler for the recipe's `learner.lr_decay` (the same shape after the warm-up)."""
+    if learner.lr_decay == "constant":
+        return {"lr_scheduler_type": "constant" if learner.warmup_steps == 0 else "constant_with_warmup"}
+    if learner.lr_decay == "cosine":
+        return {"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": learner.min_lr_ratio}}
+    if learner.min_lr_ratio == 0:
+        return {"lr_scheduler_type": "linear"}
+    raise ValueError(f"learner.lr_decay = 'linear' with learner.min_lr_ratio = {learner.min_lr_ratio}: transformers has no such "
+                     "schedule for the peer; use min_lr_ratio 0 or cosine")
 
 
 def run_settings(grpo: dict, cfg, model_dir, every: int, eval_prompts: int) -> dict:

@@ -3,6 +3,7 @@
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -206,3 +207,33 @@ def test_w2_speedups_and_table_take_sync_as_the_reference():
     vs_sync = [line.split()[8] for line in fmt_table(rows, None).splitlines()[1:]]
     assert vs_sync == ["1.00x", "2.50x", "0.50x"]
     assert [line.split()[8] for line in fmt_table(rows[1:], None).splitlines()[1:]] == ["-", "-"]
+
+
+@pytest.mark.parametrize("decay", [{"lr_decay": "cosine", "min_lr_ratio": 0.1}, {"lr_decay": "linear"}, {}])
+def test_the_peer_steps_at_asyncrls_learning_rates(decay):
+    from peer_trl import lr_schedule
+    from transformers import get_scheduler
+
+    from asyncrl.config import LearnerConfig
+    from asyncrl.learner.rank import lr_factor
+
+    cfg = LearnerConfig(max_steps=10, **decay)
+    schedule = lr_schedule(cfg)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = get_scheduler(schedule["lr_scheduler_type"], optimizer, num_warmup_steps=0, num_training_steps=10,
+                              scheduler_specific_kwargs=schedule.get("lr_scheduler_kwargs"))
+    peer = []
+    for _ in range(10):
+        peer.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert peer == pytest.approx([lr_factor(cfg)(k) for k in range(10)])
+
+
+def test_a_schedule_the_peer_cannot_mirror_is_refused():
+    from peer_trl import lr_schedule
+
+    from asyncrl.config import LearnerConfig
+
+    with pytest.raises(ValueError, match="min_lr_ratio = 0.2"):
+        lr_schedule(LearnerConfig(lr_decay="linear", min_lr_ratio=0.2, max_steps=10))
