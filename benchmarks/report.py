@@ -523,6 +523,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "algo_throughput": algo_throughput,
     "learning_add": learning_add,
     "learning_add_120": learning_add,
+    "learning_add_informative": learning_add,
     "learning_add_mb4": learning_add_mini_batches,
     "learning_add_mb4_same_lr": learning_add_mini_batches,
     "limits": limits,
@@ -538,7 +539,7 @@ def formatter(stem: str) -> Callable[[dict], list[str]] | None:
     """The renderer of a result file: by name; every `profile*.json` is a `profile_run.py` result."""
     return FORMATTERS.get(stem) or (profile if stem.startswith("profile") else None)
 
-ORDER = ["learning_add", "learning_add_120", "learning_add_mb4", "learning_add_mb4_same_lr", "async_speedup", "async_speedup_continue", "limits", "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "queue_throughput", "algo_throughput",
+ORDER = ["learning_add", "learning_add_120", "learning_add_informative", "learning_add_mb4", "learning_add_mb4_same_lr", "async_speedup", "async_speedup_continue", "limits", "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "queue_throughput", "algo_throughput",
          "profile_before", "profile", "profile_w1_quiet", "profile_w1_quiet_after", "profile_w1_afternoon",
          "profile_w1_ungrouped_1", "profile_w1_grouped_1", "profile_w1_ungrouped_2", "profile_w1_grouped_2",
          "profile_w1_unfrozen_1", "profile_w1_frozen_1", "profile_w1_unfrozen_2", "profile_w1_frozen_2", "profile_w1_threads", "client_floor_no_freeze", "client_floor", "soak"]
