@@ -238,7 +238,7 @@ def rank_trainer(cfg, model_dir: Path, threads: int | None = None):
     from asyncrl.algo.sampling import SamplingDistribution
     from asyncrl.learner.batch import build_batch, split_mini_batches
     from asyncrl.learner.pool import recipe_from_config
-    from asyncrl.learner.rank import build_train_state
+    from asyncrl.learner.state import build_train_state
     from asyncrl.learner.step import RankStep
 
     learner, recipe = cfg.learner, recipe_from_config(cfg)

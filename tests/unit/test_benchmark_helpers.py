@@ -215,7 +215,7 @@ def test_the_peer_steps_at_asyncrls_learning_rates(decay):
     from transformers import get_scheduler
 
     from asyncrl.config import LearnerConfig
-    from asyncrl.learner.rank import lr_factor
+    from asyncrl.learner.state import lr_factor
 
     cfg = LearnerConfig(max_steps=10, **decay)
     schedule = lr_schedule(cfg)

@@ -8,7 +8,7 @@ import torch
 from pydantic import ValidationError
 
 from asyncrl.config import LearnerConfig
-from asyncrl.learner.rank import lr_factor
+from asyncrl.learner.state import lr_factor
 
 
 def _factors(n: int, **kw) -> list[float]:

@@ -119,7 +119,7 @@ def test_a_state_dict_before_the_first_step_does_not_change_that_step():
     `materialize_optimizer_state` the first real step is still the fresh-AdamW step lr * g / (|g| + eps)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from asyncrl.learner.rank import materialize_optimizer_state
+    from asyncrl.learner.state import materialize_optimizer_state
 
     def first_step(snapshot_first: bool) -> torch.Tensor:
         weight = torch.nn.Parameter(torch.tensor([1.0, 2.0]))

@@ -1,0 +1,78 @@
+"""A rank's train state, built: the policy (and the critic) in fp32, its AdamW optimizer and learning-rate schedule.
+
+Ray-free (torch only), so that a learner step can run without an actor: `LearnerWorker` builds its state here and
+shards it with FSDP2; `benchmarks/limits.py` and the GPU tests (tests/gpu) build it on plain modules or one device.
+The state's checkpointing is `checkpoint.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["build_train_state", "lr_factor", "materialize_optimizer_state"]
+
+
+def lr_factor(cfg) -> Callable[[int], float]:
+    """The learning-rate multiplier of update `step` (0 = the first) for a `LearnerConfig`: a linear warm-up
+    over `warmup_steps`, then `lr_decay` from 1 to `min_lr_ratio`, which it reaches after `max_steps` updates."""
+    warmup, total, floor = cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if cfg.lr_decay == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / (total - warmup))
+        shape = 1.0 - progress if cfg.lr_decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return floor + (1.0 - floor) * shape
+
+    return factor
+
+
+def build_train_state(cfg, model_dir: str, device: torch.device, place=lambda module: None):
+    """The policy and, with `cfg.critic` (a `LearnerConfig`), the critic: fp32 from `model_dir` on `device`, each
+    passed to `place` (a rank shards it with FSDP2) before its AdamW optimizer and learning-rate schedule
+    (`lr_factor`) are made."""
+    from asyncrl.learner.checkpoint import TrainState
+    from asyncrl.learner.policy import PolicyModel, ValueModel, load_causal_lm
+
+    policy = PolicyModel(load_causal_lm(model_dir, torch.float32)).to(device)
+    place(policy)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    materialize_optimizer_state(optimizer)
+    state = TrainState(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg)))
+    if cfg.critic:
+        critic = ValueModel(load_causal_lm(model_dir, torch.float32), seed=cfg.seed).to(device)
+        place(critic)
+        critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, betas=cfg.betas)
+        materialize_optimizer_state(critic_optimizer)
+        state.critic, state.critic_optimizer = critic, critic_optimizer
+        state.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lr_factor(cfg))
+    return state
+
+
+def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create AdamW's per-parameter state now, equal to a fresh optimizer's.
+
+    torch.distributed.checkpoint's `get_state_dict` creates a missing optimizer state lazily by stepping
+    once with zero gradients and lr = 0; that step still counts (`step` = 1), so a checkpoint or snapshot
+    taken before the first real step would change the bias correction of that step (its update becomes
+    0.74 lr instead of lr). Doing the same zero step here and rewinding `step` to 0 leaves zero moments at
+    step 0, which is exactly a fresh AdamW, and makes later state-dict calls side-effect free.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    for state in optimizer.state.values():
+        if "step" in state:
+            state["step"].zero_() if isinstance(state["step"], torch.Tensor) else state.update(step=0)
