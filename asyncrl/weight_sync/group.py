@@ -4,7 +4,8 @@ Learner rank 0 (`CollectiveSender`) and the vLLM worker of ONE engine (`Collecti
 world size 2 (sender rank 0), built from a store the sender owns and a `PrefixStore` named by a key the engine
 picks (`<engine>-<random>`): no `init_process_group`, so an engine that joins or replaces a dead
 one gets its own group and no other group is torn down. Backend: gloo when the staging buffers are on the
-CPU, NCCL when they are on CUDA (that branch is written but has not run: no GPU here). The store is a
+CPU, NCCL when they are on CUDA (run on one H200 with the two ranks as two NCCL hosts: benchmarks/RESULTS.md,
+"GPU checks"; NCCL refuses two ranks on one GPU, so an engine on the learner's GPU refuses first). The store is a
 `FileStore` when every engine is on the sender's node (127.0.0.1): torch's `TCPStore` listens on every
 interface whatever host it is given, and nothing here listens beyond loopback unless configured to. Across
 nodes it is a `TCPStore` on the learner node's address (which then accepts connections from any host).
@@ -12,7 +13,11 @@ nodes it is a `TCPStore` on the learner node's address (which then accepts conne
 The weights travel as one staging buffer laid out like the shared-memory segment (`SegmentLayout`: every
 tensor at a 64-byte aligned offset), broadcast in byte ranges of at most `bucket_bytes` cut at tensor
 boundaries (`bucket_ranges`). Bytes, not typed tensors: one buffer holds every dtype and each side views
-its places as they are. Over a group, in this order:
+its places as they are. Before a group is built, the engine writes to the store that it joins, or that it
+refuses and why (its device does not match the backend, or it is on the learner's GPU); the sender waits for
+that at most its timeout (`await_receiver`), because NCCL's set-up, once entered, waits for the other rank
+without one. (An engine that dies between its word and the set-up can still hold the sender there.) Over a
+group, in this order:
 
     at setup    int64 [n], then n bytes of the layout's JSON   (once per group: the receiver caches it)
     each sync   int64 [version, layout digest], then each bucket
@@ -32,6 +37,7 @@ import os
 import socket
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -43,9 +49,11 @@ import torch.distributed as dist
 
 from asyncrl.weight_sync.segment import SegmentLayout, process_alive
 
-__all__ = ["CollectiveReceiver", "CollectiveSender", "CollectiveWeights", "backend_for", "bucket_ranges", "connect_store", "open_group"]
+__all__ = ["CollectiveReceiver", "CollectiveSender", "CollectiveWeights", "await_receiver", "backend_for", "bucket_ranges", "connect_store", "gpu_identity", "open_group"]
 
 SENDER, RECEIVER = 0, 1
+JOIN, JOINING, REFUSED = "join", "joining", "refused"
+"""The join handshake's keys in the sender's store, under `<group key>/join/` (`await_receiver`)."""
 STORE_PREFIX = "asyncrl-weight-store-"
 """Single-node store files: `<tmp>/asyncrl-weight-store-<sender pid>-<random>`."""
 
@@ -67,16 +75,41 @@ class CollectiveWeights:
     timeout_s: float
     sender: Any = None
     """Learner rank 0's actor handle (Ray): an engine asks it to send (`LearnerWorker.send_collective`)."""
+    gpu: str = ""
+    """The sender's `gpu_identity` ('' on CPU): an engine on the same GPU refuses before it joins."""
 
     def to_wire(self, key: str) -> str:
         """JSON for vLLM's RPC (`vllm_compat.WeightReceiver`), with the engine's group key; no actor handle."""
-        fields = ("version", "host", "store", "backend", "bucket_bytes", "timeout_s")
+        fields = ("version", "host", "store", "backend", "bucket_bytes", "timeout_s", "gpu")
         return json.dumps({"key": key, **{f: getattr(self, f) for f in fields}})
 
 
 def backend_for(device: torch.device) -> str:
     """NCCL moves CUDA tensors, gloo CPU ones."""
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def gpu_identity(device: torch.device) -> str:
+    """What NCCL compares when it refuses two ranks of one group on one GPU ("Duplicate GPU detected"): the GPU
+    (its UUID, the same in every process whatever its index there: Ray renumbers each actor's GPUs from 0) on the
+    host NCCL sees, which is `NCCL_HOSTID` when set. '' on CPU."""
+    if device.type != "cuda":
+        return ""
+    uuid, host = str(torch.cuda.get_device_properties(device).uuid), os.environ.get("NCCL_HOSTID")
+    return f"{uuid}@{host}" if host else uuid
+
+
+def await_receiver(store: dist.Store, key: str, timeout_s: float) -> None:
+    """The sender's half of the join handshake: return once the engine of `key` says it joins (its checks passed),
+    raise with its reason if it refused, or once `timeout_s` passed. NCCL's communicator set-up has no timeout: a
+    sender that entered it for an engine that never comes would wait for ever, holding the staging buffer."""
+    handshake, deadline = dist.PrefixStore(f"{key}/{JOIN}", store), time.monotonic() + timeout_s
+    while not handshake.check([JOINING]):
+        if handshake.check([REFUSED]):
+            raise RuntimeError(f"the engine refused to join: {handshake.get(REFUSED).decode()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the engine did not join within {timeout_s:g} s")
+        time.sleep(0.01)
 
 
 def bucket_ranges(layout: SegmentLayout, bucket_bytes: int) -> list[tuple[int, int]]:
@@ -155,6 +188,7 @@ class CollectiveSender:
 
     def __init__(self, host: str, device: torch.device, bucket_bytes: int, timeout_s: float):
         self.host, self.device, self.bucket_bytes, self.timeout_s = host, device, bucket_bytes, timeout_s
+        self.gpu = gpu_identity(device)
         self.store, self.address = _serve_store(host, timeout_s)
         if self.address.startswith("file://"):
             weakref.finalize(self, _unlink, self.address.removeprefix("file://"))
@@ -176,7 +210,9 @@ class CollectiveSender:
                 views[name].copy_(tensor)
             self.version = version
         layout = self.layout
-        return CollectiveWeights(version, self.host, self.address, backend_for(self.device), layout.num_bytes, len(layout.places), self.bucket_bytes, self.timeout_s)
+        return CollectiveWeights(
+            version, self.host, self.address, backend_for(self.device), layout.num_bytes, len(layout.places), self.bucket_bytes, self.timeout_s, gpu=self.gpu
+        )
 
     def send(self, key: str) -> int:
         """Broadcast the staged version to the engine of `key`; -> that version. Raises naming the key (the
@@ -193,6 +229,7 @@ class CollectiveSender:
                 raise RuntimeError(f"weight send of version {self.version} to {key} failed: {type(e).__name__}: {e}") from e
 
     def _open(self, key: str) -> dist.ProcessGroup:
+        await_receiver(self.store, key, self.timeout_s)
         group = open_group(self.store, key, SENDER, backend_for(self.device), self.host, self.timeout_s)
         wire = torch.frombuffer(bytearray(json.dumps(self.layout.to_json()).encode()), dtype=torch.uint8).to(self.device)
         _broadcast(group, [torch.tensor([wire.numel()], dtype=torch.int64, device=self.device)], self.timeout_s)
@@ -245,10 +282,14 @@ class CollectiveReceiver:
             raise RuntimeError(f"weight receive from learner {d['store']} as {d['key']} failed: {type(e).__name__}: {e}") from e
 
     def _open(self, d: dict) -> _Link:
-        """Join the group of `d["key"]` and take the layout the sender sends at setup."""
-        if d["backend"] != backend_for(self.device):
-            raise ValueError(f"the learner sends over {d['backend']}, this engine's weights are on {self.device}")
+        """Join the group of `d["key"]` and take the layout the sender sends at setup. The sender learns through its
+        store whether this side joins or refuses, and why (`await_receiver`)."""
         store, bind_host = connect_store(d["store"], d["timeout_s"])
+        handshake, refusal = dist.PrefixStore(f"{d['key']}/{JOIN}", store), self._refusal(d)
+        if refusal:
+            handshake.set(REFUSED, refusal)
+            raise ValueError(refusal)
+        handshake.set(JOINING, "1")
         group = open_group(store, d["key"], RECEIVER, d["backend"], bind_host, d["timeout_s"])
         size = torch.zeros(1, dtype=torch.int64, device=self.device)
         _broadcast(group, [size], d["timeout_s"])
@@ -258,6 +299,17 @@ class CollectiveReceiver:
         staging = torch.zeros(layout.size, dtype=torch.uint8, device=self.device)
         link = self._links[d["key"]] = _Link(d["store"], group, layout, staging, layout.views(staging))
         return link
+
+    def _refusal(self, d: dict) -> str:
+        """Why this side cannot join the sender of `d` ('' when it can)."""
+        if d["backend"] != backend_for(self.device):
+            return f"the learner sends over {d['backend']}, this engine's weights are on {self.device}"
+        if d.get("gpu") and d["gpu"] == gpu_identity(self.device):
+            return (
+                f"this engine's weights are on the learner's GPU ({d['gpu']}): NCCL cannot connect two ranks on one GPU; "
+                "give the engines GPUs of their own, or set weight_sync.transport to object_store or shared_memory"
+            )
+        return ""
 
 
 def _serve_store(host: str, timeout_s: float) -> tuple[dist.Store, str]:

@@ -72,4 +72,5 @@ def test_the_record_on_the_wire_names_the_engines_group_and_leaves_the_actor_han
     record = CollectiveWeights(3, "127.0.0.1", "tcp://127.0.0.1:29500", "gloo", 72, 2, 1 << 20, 30.0, sender=object())
     assert json.loads(record.to_wire("rollout-2-ab12")) == {
         "key": "rollout-2-ab12", "version": 3, "host": "127.0.0.1", "store": "tcp://127.0.0.1:29500", "backend": "gloo", "bucket_bytes": 1 << 20, "timeout_s": 30.0,
+        "gpu": "",
     }  # fmt: skip

@@ -1,16 +1,18 @@
 """The collective transport's wire: bucket arithmetic, the layout's digest, and a real two-process gloo exchange
 (this process sends as learner rank 0, a subprocess receives as an engine worker)."""
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from asyncrl.weight_sync.group import CollectiveReceiver, CollectiveSender, CollectiveWeights, backend_for, bucket_ranges
+from asyncrl.weight_sync.group import CollectiveReceiver, CollectiveSender, backend_for, bucket_ranges
 from asyncrl.weight_sync.segment import SegmentLayout
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -67,10 +69,57 @@ def test_the_nccl_branch_builds_a_two_rank_nccl_group_under_the_engines_prefix(m
     assert isinstance(group.store, dist.PrefixStore)
 
 
-def test_a_receiver_on_the_wrong_device_refuses_before_it_joins():
-    record = CollectiveWeights(1, "127.0.0.1", "tcp://127.0.0.1:1", "nccl", 0, 0, 1 << 20, 1.0)
+def test_a_receiver_on_the_wrong_device_refuses_through_the_senders_store():
+    sender = CollectiveSender("127.0.0.1", torch.device("cpu"), 1 << 20, 5.0)
+    record = dataclasses.replace(sender.stage(_state(), 1), backend="nccl")
     with pytest.raises(RuntimeError, match="sends over nccl, this engine's weights are on cpu"):
         CollectiveReceiver(torch.device("cpu")).receive(record.to_wire("rollout-0-x"))
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="to rollout-0-x failed: RuntimeError: the engine refused to join: the learner sends over nccl"):
+        sender.send("rollout-0-x")
+    assert time.monotonic() - began < 1.0  # told, not timed out
+
+
+def test_a_sender_whose_engine_never_joins_fails_after_its_timeout_naming_it():
+    sender = CollectiveSender("127.0.0.1", torch.device("cpu"), 1 << 20, 0.3)
+    sender.stage(_state(), 1)
+    with pytest.raises(RuntimeError, match=r"version 1 to rollout-9-z failed: TimeoutError: the engine did not join within 0.3 s"):
+        sender.send("rollout-9-z")
+
+
+def test_an_engine_on_the_learners_gpu_refuses_before_it_joins(monkeypatch):
+    """NCCL refuses two ranks on one GPU ("Duplicate GPU detected", seen on an H200: benchmarks/RESULTS.md) with an
+    error that names neither side's role, after the sender entered a set-up that has no timeout. The receiver
+    compares GPU identities first; a stand-in gives this CPU build's devices one."""
+    from asyncrl.weight_sync import group
+
+    sender = CollectiveSender("127.0.0.1", torch.device("cpu"), 1 << 20, 5.0)
+    monkeypatch.setattr(group, "backend_for", lambda device: "nccl")
+    monkeypatch.setattr(group, "gpu_identity", lambda device: "GPU-1234")
+    record = dataclasses.replace(sender.stage(_state(), 1), gpu="GPU-1234")
+    assert json.loads(record.to_wire("rollout-0-x"))["gpu"] == "GPU-1234"
+    with pytest.raises(RuntimeError, match=r"on the learner's GPU \(GPU-1234\).*weight_sync.transport"):
+        CollectiveReceiver(torch.device("cpu")).receive(record.to_wire("rollout-0-x"))
+    with pytest.raises(RuntimeError, match=r"refused to join: this engine's weights are on the learner's GPU"):
+        sender.send("rollout-0-x")
+
+
+def test_the_gpu_identity_is_the_one_nccl_compares(monkeypatch):
+    """NCCL's host is NCCL_HOSTID when set: processes with different ones may share a GPU (tests/gpu does)."""
+    from asyncrl.weight_sync.group import gpu_identity
+
+    class Properties:
+        uuid = "44e51268-0f85"
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties)
+    monkeypatch.delenv("NCCL_HOSTID", raising=False)
+    assert gpu_identity(torch.device("cuda", 0)) == "44e51268-0f85" and gpu_identity(torch.device("cpu")) == ""
+    monkeypatch.setenv("NCCL_HOSTID", "node-b")
+    assert gpu_identity(torch.device("cuda", 0)) == "44e51268-0f85@node-b"
+
+
+def test_a_cpu_sender_names_no_gpu():
+    assert CollectiveSender("127.0.0.1", torch.device("cpu"), 1 << 20, 5.0).stage(_state(), 1).gpu == ""
 
 
 def test_staging_a_state_that_no_longer_fits_names_the_tensor():
