@@ -502,6 +502,21 @@ def client_floor(d: dict) -> list[str]:
     )
 
 
+def weight_sync_gpu(d: dict) -> list[str]:
+    m = d["machine"]
+    where = f"{m.get('gpu', m['device'])}, torch {m['torch']}" + (f", NCCL {m['nccl']}" if "nccl" in m else "")
+    title = ("## W3 wire on a GPU — collective transport over NCCL, and the IPC limit (`benchmarks/weight_sync_gpu.py`)" if "gpu" in m
+             else "## W3 wire on the CPU — gloo and shared memory (`benchmarks/weight_sync_gpu.py --device cpu`)")  # fmt: skip
+    lines = [title, "",
+             f"Two processes (learner rank 0 and an engine's worker, no Ray or vLLM) on {where}, {m['date']}; {d['versions']} syncs per row, "
+             "the first (set-up) apart, the others' median. vs copy: one device copy of the same bytes ÷ the sync (a sync copies at least twice).", ""]  # fmt: skip
+    rows = [[r["transport"], r["size"], r["dtype"], f"{r['bytes'] / 1e6:.1f}", fnum(r["first_total_s"], ".4f"), fnum(r["total_s"], ".4f"),
+             f"{r['stage_s']:.4f} + {r['load_s']:.4f}", f"{r['bytes_per_s'] / 1e9:.2f}", fnum(r["vs_copy"], ".3f"), f"{r['parity']:.0e}"]
+            for r in d["rows"] if "error" not in r]  # fmt: skip
+    lines += table(["transport", "size", "dtype", "MB", "first sync s", "sync s", "stage + load s", "GB/s", "vs copy", "parity"], rows)
+    return lines + [f"\n{r['transport']} ({r['size']}) did not run: {r['error']}" for r in d["rows"] if "error" in r]
+
+
 def _spread(values: list[float]) -> str:
     return "-" if not values else f"{min(values):g}" if min(values) == max(values) else f"{min(values):g}-{max(values):g}"
 
@@ -516,6 +531,8 @@ def generic(name: str, d: dict) -> list[str]:
 FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "weight_sync": weight_sync,
     "weight_sync_0.5b": lambda d: weight_sync(d, "## W3 `sync` at 0.36B parameters (`benchmarks/weight_sync.py --presets qwen-0.5b`)"),
+    "weight_sync_gpu": weight_sync_gpu,
+    "weight_sync_gpu_cpu": weight_sync_gpu,
     "weight_sync_collective": lambda d: weight_sync(d, "## W3 `sync` over the collective transport (`benchmarks/weight_sync.py --transports object_store collective shared_memory`)"),
     "async_speedup": async_speedup,
     "async_speedup_continue": lambda d: async_speedup(d, "## W2 `tail` under `stale_policy: continue` (`benchmarks/async_speedup.py --stale-policy continue`)"),
@@ -539,7 +556,7 @@ def formatter(stem: str) -> Callable[[dict], list[str]] | None:
     """The renderer of a result file: by name; every `profile*.json` is a `profile_run.py` result."""
     return FORMATTERS.get(stem) or (profile if stem.startswith("profile") else None)
 
-ORDER = ["learning_add", "learning_add_120", "learning_add_informative", "learning_add_mb4", "learning_add_mb4_same_lr", "async_speedup", "async_speedup_continue", "limits", "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "queue_throughput", "algo_throughput",
+ORDER = ["learning_add", "learning_add_120", "learning_add_informative", "learning_add_mb4", "learning_add_mb4_same_lr", "async_speedup", "async_speedup_continue", "limits", "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "weight_sync_gpu", "queue_throughput", "algo_throughput",
          "profile_before", "profile", "profile_w1_quiet", "profile_w1_quiet_after", "profile_w1_afternoon",
          "profile_w1_ungrouped_1", "profile_w1_grouped_1", "profile_w1_ungrouped_2", "profile_w1_grouped_2",
          "profile_w1_unfrozen_1", "profile_w1_frozen_1", "profile_w1_unfrozen_2", "profile_w1_frozen_2", "profile_w1_threads", "client_floor_no_freeze", "client_floor", "soak"]

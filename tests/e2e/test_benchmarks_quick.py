@@ -16,7 +16,8 @@ pytestmark = pytest.mark.e2e
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-EXTRA_ARGS = {"async_speedup": ["--modes", "streaming"]}
+EXTRA_ARGS = {"async_speedup": ["--modes", "streaming"], "weight_sync_gpu": ["--device", "cpu"]}
+RESULT_NAMES = {"weight_sync_gpu": "weight_sync_gpu_cpu"}  # a CPU run of the GPU wire benchmark never overwrites a GPU result
 
 
 def _run(name: str) -> dict:
@@ -24,7 +25,7 @@ def _run(name: str) -> dict:
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip(), f"{name} printed no table"
-    return json.loads((BENCH / "results" / f"{name}_quick.json").read_text())
+    return json.loads((BENCH / "results" / f"{RESULT_NAMES.get(name, name)}_quick.json").read_text())
 
 
 def _numbers(obj):
@@ -39,7 +40,7 @@ def _numbers(obj):
 
 
 QUICK = ["algo_throughput", "queue_throughput", "weight_sync", "async_speedup", "peer_trl", "limits", "logprob_layout",
-         "client_floor", "agent_tool"]
+         "client_floor", "agent_tool", "weight_sync_gpu"]
 
 
 @pytest.mark.parametrize("name", QUICK)
@@ -48,6 +49,11 @@ def test_benchmark_quick_run_writes_finite_results(name):
     values = list(_numbers(result))
     assert values and all(math.isfinite(v) for v in values)
     CHECKS.get(name, lambda r: None)(result)
+
+
+def _weight_sync_gpu(result):  # the CPU wire: both transports, every size, every byte arrived
+    assert {(r["transport"], r["size"]) for r in result["rows"]} == {(t, s) for t in ("gloo", "ipc") for s in ("w3-0.5m", "w3-25m")}
+    assert all("error" not in r and r["parity"] == 0.0 and r["total_s"] >= r["stage_s"] for r in result["rows"])
 
 
 def _weight_sync(result):
@@ -93,4 +99,5 @@ def _agent_tool(result):
 
 
 CHECKS = {"weight_sync": _weight_sync, "peer_trl": _peer_trl, "limits": _limits, "logprob_layout": _logprob_layout,
-          "client_floor": _client_floor, "agent_tool": _agent_tool}
+          "client_floor": _client_floor, "agent_tool": _agent_tool,
+          "weight_sync_gpu": _weight_sync_gpu}
