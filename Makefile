@@ -17,7 +17,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 # namespaces, docs/tools.md).
 SYSTEM_PACKAGES ?= chromium:chromium prometheus:prometheus bubblewrap:bwrap
 
-.PHONY: install run test test-fast bench bench-quick clean system-deps
+.PHONY: install run test test-fast test-gpu bench bench-quick clean system-deps
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,11 @@ test: $(STAMP) system-deps
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit -x; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+
+# On a machine with a CUDA GPU (install with EXTRAS=gpu,test,bench): the learner step and the NCCL weight wire
+# on the GPU (tests/gpu; `make test` collects them too and skips them without a GPU).
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -rs tests/gpu
 
 BENCH_SCRIPTS := algo_throughput queue_throughput weight_sync async_speedup limits learning_add agent_tool logprob_layout
 
