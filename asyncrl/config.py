@@ -404,8 +404,8 @@ class WeightSyncConfig(Section):
     """How weights reach the engines: `object_store` (safetensors buckets through Ray; any cluster),
     `shared_memory` (one segment in /dev/shm that every engine maps: every engine must run on the learner's
     node), `collective` (learner rank 0 broadcasts to each engine over its own torch.distributed group, in
-    buckets of `bucket_bytes`: gloo on CPU, NCCL on GPU, unmeasured on GPU; any cluster), `auto` (shared
-    memory on a single-node Ray cluster, else the object store)."""
+    buckets of `bucket_bytes`: gloo on CPU, NCCL on GPU, where every engine needs a GPU the learner's rank 0
+    does not use; any cluster), `auto` (shared memory on a single-node Ray cluster, else the object store)."""
 
 
 class EvalConfig(Section):

@@ -19,8 +19,9 @@ Addresses: on a single-node cluster the groups meet in a file and gloo listens o
 they meet in a `TCPStore` on the learner node's IP (Ray's), port picked free (`group.connect_store`). Engines
 may run on any node, so this is the multi-node alternative to the object store (`auto` does not pick it:
 docs/architecture.md, "Weight-sync transports", has the measured figures). On GPU the staging
-buffers live on the learner's and the engine's CUDA devices and the group is NCCL; that branch is written
-but has not run (no GPU here).
+buffers live on the learner's and the engine's CUDA devices and the group is NCCL: the wire ran on one H200,
+without Ray or vLLM (benchmarks/RESULTS.md, "W3 wire on a GPU"); an engine on the learner's own GPU refuses,
+as NCCL would, but with a reason that names the transport.
 """
 
 from __future__ import annotations
