@@ -16,7 +16,8 @@ boundaries (`bucket_ranges`). Bytes, not typed tensors: one buffer holds every d
 its places as they are. Before a group is built, the engine writes to the store that it joins, or that it
 refuses and why (its device does not match the backend, or it is on the learner's GPU); the sender waits for
 that at most its timeout (`await_receiver`), because NCCL's set-up, once entered, waits for the other rank
-without one. (An engine that dies between its word and the set-up can still hold the sender there.) Over a
+without one. An engine that dies between its word and the set-up can still hold a send there: the next
+version's stage then fails after `SEND_WAIT_FACTOR` send timeouts, naming that engine (`_Readers`). Over a
 group, in this order:
 
     at setup    int64 [n], then n bytes of the layout's JSON   (once per group: the receiver caches it)
@@ -31,6 +32,7 @@ This module imports only torch (the learner and the vLLM worker processes both u
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -54,6 +56,9 @@ __all__ = ["CollectiveReceiver", "CollectiveSender", "CollectiveWeights", "await
 SENDER, RECEIVER = 0, 1
 JOIN, JOINING, REFUSED = "join", "joining", "refused"
 """The join handshake's keys in the sender's store, under `<group key>/join/` (`await_receiver`)."""
+SEND_WAIT_FACTOR = 3
+"""Staging a version waits for the sends still reading the last one at most this many send timeouts (a send
+waits for the engine's word, the group's set-up and the broadcasts, each within one timeout)."""
 STORE_PREFIX = "asyncrl-weight-store-"
 """Single-node store files: `<tmp>/asyncrl-weight-store-<sender pid>-<random>`."""
 
@@ -158,27 +163,33 @@ def _broadcast(group: dist.ProcessGroup, tensors: list[torch.Tensor], timeout_s:
 
 
 class _Readers:
-    """Many sends read the staging buffer at once; staging the next version waits until they are done (a send
-    to an engine that stopped answering holds it for up to the send's timeout)."""
+    """Many sends read the staging buffer at once; staging the next version waits until they are done. A send ends
+    within its timeouts; one that does not (an engine that died inside NCCL's set-up, which has none) makes the
+    stage fail after `wait_s`, naming the engines still being sent to, rather than hold the learner for ever."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._count = 0
-
-    def __enter__(self) -> None:
-        with self._cond:
-            self._count += 1
-
-    def __exit__(self, *exc) -> None:
-        with self._cond:
-            self._count -= 1
-            self._cond.notify_all()
+        self._keys: collections.Counter[str] = collections.Counter()
 
     @contextlib.contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """Wait until no reader is in, and keep new ones out while the caller writes."""
+    def reading(self, key: str) -> Iterator[None]:
         with self._cond:
-            self._cond.wait_for(lambda: self._count == 0)
+            self._keys[key] += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._keys[key] -= 1
+                if not self._keys[key]:
+                    del self._keys[key]
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self, wait_s: float) -> Iterator[None]:
+        """Wait until no reader is in (at most `wait_s`), and keep new ones out while the caller writes."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._keys, timeout=wait_s):
+                raise TimeoutError(f"sends to {', '.join(sorted(self._keys))} still read the staging buffer after {wait_s:g} s")
             yield
 
 
@@ -205,10 +216,13 @@ class CollectiveSender:
             self._staging = torch.zeros(self.layout.size, dtype=torch.uint8, device=self.device)
         self.layout.check(state)
         views = self.layout.views(self._staging)
-        with self._readers.exclusive():
-            for name, tensor in state.items():
-                views[name].copy_(tensor)
-            self.version = version
+        try:
+            with self._readers.exclusive(SEND_WAIT_FACTOR * self.timeout_s):
+                for name, tensor in state.items():
+                    views[name].copy_(tensor)
+                self.version = version
+        except TimeoutError as e:
+            raise TimeoutError(f"staging version {version}: {e}") from None
         layout = self.layout
         return CollectiveWeights(
             version, self.host, self.address, backend_for(self.device), layout.num_bytes, len(layout.places), self.bucket_bytes, self.timeout_s, gpu=self.gpu
@@ -217,7 +231,7 @@ class CollectiveSender:
     def send(self, key: str) -> int:
         """Broadcast the staged version to the engine of `key`; -> that version. Raises naming the key (the
         engine's name) on a failure or a timeout, and forgets the group: the engine opens a new one."""
-        with self._readers:
+        with self._readers.reading(key):
             try:
                 group = self._groups[key] if key in self._groups else self._open(key)
                 header = torch.tensor([self.version, self.layout.digest], dtype=torch.int64, device=self.device)

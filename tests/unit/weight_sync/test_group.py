@@ -87,6 +87,18 @@ def test_a_sender_whose_engine_never_joins_fails_after_its_timeout_naming_it():
         sender.send("rollout-9-z")
 
 
+def test_a_send_that_never_ends_fails_the_next_stage_naming_the_engine():
+    """A send ends within its timeouts, except one inside NCCL's set-up (which has none): the next version's stage
+    must then fail naming the engine, not wait for ever for the staging buffer."""
+    sender = CollectiveSender("127.0.0.1", torch.device("cpu"), 1 << 20, 0.1)
+    sender.stage(_state(), 1)
+    with sender._readers.reading("rollout-3-c"):  # a send stuck where no timeout reaches it
+        with pytest.raises(TimeoutError, match=r"staging version 2: sends to rollout-3-c still read the staging buffer after 0.3 s"):
+            sender.stage(_state(2.0), 2)
+        assert sender.version == 1
+    assert sender.stage(_state(2.0), 2).version == 2  # once it ends, staging goes on
+
+
 def test_an_engine_on_the_learners_gpu_refuses_before_it_joins(monkeypatch):
     """NCCL refuses two ranks on one GPU ("Duplicate GPU detected", seen on an H200: benchmarks/RESULTS.md) with an
     error that names neither side's role, after the sender entered a set-up that has no timeout. The receiver
