@@ -65,23 +65,23 @@ def shapes_of(size: str) -> tuple[list[tuple[str, tuple[int, ...]]], str]:
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()], dtype
 
 
-def state_for(shapes, dtype: str, version: int, device):
-    """Version `version`'s tensors: the same values on both sides, from one generator seeded by the version."""
+def values(shapes, dtype: str, version: int, device):
+    """(name, tensor) of version `version`, one at a time: the same values on both sides, from one generator
+    seeded by the version."""
     import torch
 
     gen = torch.Generator(device=device).manual_seed(version)
-    return {name: torch.randn(shape, generator=gen, device=device).to(getattr(torch, dtype)) for name, shape in shapes}
+    for name, shape in shapes:
+        yield name, torch.randn(shape, generator=gen, device=device).to(getattr(torch, dtype))
+
+
+def state_for(shapes, dtype: str, version: int, device):
+    return dict(values(shapes, dtype, version, device))
 
 
 def parity_error(params, shapes, dtype: str, version: int, device) -> float:
     """max |parameter - its value in `version`|, one tensor at a time (a 7B state twice would not fit beside)."""
-    import torch
-
-    gen, worst = torch.Generator(device=device).manual_seed(version), 0.0
-    for name, shape in shapes:
-        expected = torch.randn(shape, generator=gen, device=device).to(getattr(torch, dtype))
-        worst = max(worst, float((params[name].float() - expected.float()).abs().max()))
-    return worst
+    return max(float((params[name].float() - expected.float()).abs().max()) for name, expected in values(shapes, dtype, version, device))
 
 
 def synchronize(device) -> None:
