@@ -582,7 +582,26 @@ class Config(Section):
             )
         if self.data.task == "parquet" and not self.data.train_path:
             raise ValueError("data.task 'parquet' needs data.train_path")
+        self._collective_placement()
         return self
+
+    def _collective_placement(self) -> None:
+        """`weight_sync.transport: collective` joins learner rank 0 and each engine in a group of their own: gloo
+        between CPUs, NCCL between GPUs, so both sides need the same kind of device; and NCCL refuses two ranks on
+        one GPU, so the learner rank needs whole GPUs (with a share, Ray can put an engine on rank 0's GPU)."""
+        if self.weight_sync.transport != "collective":
+            return
+        learner_gpus, engine_gpus = self.learner.num_gpus_per_rank, self.rollout.num_gpus_per_worker
+        if (learner_gpus > 0) != (engine_gpus > 0):
+            raise ValueError(
+                "weight_sync.transport 'collective' connects the learner and the engines over gloo (CPU to CPU) or NCCL (GPU to GPU): "
+                f"learner.num_gpus_per_rank ({learner_gpus:g}) and rollout.num_gpus_per_worker ({engine_gpus:g}) must both be 0 or both be > 0"
+            )
+        if learner_gpus % 1:
+            raise ValueError(
+                f"weight_sync.transport 'collective' on GPUs needs whole GPUs per learner rank: learner.num_gpus_per_rank is {learner_gpus:g}, so an "
+                "engine can share rank 0's GPU, where NCCL refuses two ranks; use a whole number, or transport shared_memory or object_store"
+            )
 
     def run_dir(self) -> Path:
         """The run's folder: `output_dir`, under `storage.uri` when one is set."""
