@@ -483,7 +483,11 @@ class CheckpointConfig(Section):
     resume_from: str | None = None
     """A checkpoint folder to resume from, or `latest` for the newest in the output folder."""
     export_hf: bool = True
-    """Export the final policy as a Hugging Face safetensors folder."""
+    """Export the final policy as a Hugging Face safetensors folder (`final_model/`)."""
+    export_best: bool = False
+    """Also keep the best policy the run evaluated: each held-out evaluation that beats every earlier one
+    exports it to `best_model/` (replacing it whole; `best_model/asyncrl_eval.json` names the evaluation).
+    `summary.json`'s `best_eval` names the best evaluation either way."""
 
 
 class ClusterConfig(Section):

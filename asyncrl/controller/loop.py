@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from asyncrl.cluster.control import JOB_ENV, ControlClient, LocalControl
 from asyncrl.config import Config
+from asyncrl.controller.best import BestPolicy
 from asyncrl.controller.faults import (
     NonFiniteError,
     kill_oldest_worker,
@@ -111,6 +112,10 @@ class Controller:
         self._started = time.perf_counter()
         self.eval_s = 0.0
         """Seconds spent in held-out evaluations (the loop waits for them)."""
+        self.best = BestPolicy(self.out, cfg.checkpoint.export_best)
+        self._learner_at_version = True
+        """Whether the learner's weights are those of `self.version` (not trained past it): the best policy can
+        only be exported then."""
 
     # ------------------------------------------------------------------------------------------------
     # Building the pools
@@ -215,6 +220,7 @@ class Controller:
             poison_batch(batch, self.step + 1 in cfg.faults.nan_reward_at_steps)
             step = self.learner.start_step(batch.groups, lags=batch.lags)
             self.step += 1
+            self._learner_at_version = False
             self._upkeep()  # while the learner trains: its Ray calls leave the step's critical path
             stats = self.learner.finish_step(step)
             self._check_finite(stats, batch)
@@ -347,6 +353,7 @@ class Controller:
         a sync whose parity is probed is waited for at once, before the learner's weights move again."""
         self._finish_sync()  # at most one sync in flight: engines take versions in order
         self.version += 1
+        self._learner_at_version = True
         self._pending_sync = (self.sync.start(self.version), self.history[-1])
         self._inject_faults()  # a listed step kills an engine while it loads these weights
         probe = self.sync.probes(self.version)
@@ -416,7 +423,8 @@ class Controller:
         """Held-out evaluation of the policy the engines serve. Single-turn tasks: `eval.samples` completions per
         prompt at `eval.temperature` (greedy by default); the engines report the versions every request ran under,
         and an evaluation that straddled a version change is run once more (then recorded with `straddled: true`).
-        Multi-turn environments: one greedy episode per prompt, tools and all."""
+        Multi-turn environments: one greedy episode per prompt, tools and all. A new best is recorded (and with
+        `checkpoint.export_best` exported: `controller.best`), its seconds counted with the evaluation's."""
         if not self.eval_set:
             return
         self._finish_sync()  # every engine serves `self.version`
@@ -433,7 +441,10 @@ class Controller:
             "eval_s": round(time.perf_counter() - began, 2),
             **fields,
         }
-        self.eval_s += record["eval_s"]
+        exporting = time.perf_counter()
+        if self.best.offer(record, self.learner.export_hf if self._learner_at_version else None) and self.best.record["exported"]:
+            record["best_export_s"] = round(time.perf_counter() - exporting, 2)
+        self.eval_s += time.perf_counter() - began
         self.evals.append(record)
         self.telemetry.eval(record)
 
@@ -518,6 +529,7 @@ class Controller:
             "tokens_trained": self.tokens_trained,
             "prompts_drawn": self.prompts_drawn,
             "queue": queue_state,
+            "best_eval": self.best.state_dict(),
         }
         self.learner.save_checkpoint(folder, self.version, extra)
         if self.cfg.checkpoint.export_hf:
@@ -537,6 +549,7 @@ class Controller:
         self.step, self.version = restored.step, restored.version
         self.samples_trained, self.tokens_trained = extra["samples_trained"], extra["tokens_trained"]
         self.queue.load_state_dict(extra["queue"])
+        self.best.load_state_dict(extra.get("best_eval"))  # checkpoints from before it have none
         # The prompt stream is deterministic: skip what the checkpointed run already drew.
         for _ in range(extra["prompts_drawn"]):
             next(self.prompts)
@@ -554,6 +567,7 @@ class Controller:
             "algorithm": self.cfg.algorithm.resolved_names(),
             "start_accuracy": self.evals[0]["accuracy"] if self.evals else None,
             "final_accuracy": self.evals[-1]["accuracy"] if self.evals else None,
+            "best_eval": self.best.record,
             "wall_clock_s": round(wall_s, 2),
             "steps": self.step,
             "stopped_early": self.stop_requested,

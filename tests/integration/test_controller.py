@@ -1,11 +1,12 @@
 """The controller with real pools (Ray, one vLLM CPU engine, one FSDP2 rank) on the tiny model.
 
-Covers: engine/learner parity after every weight sync, the staleness bound, conservation, and
-checkpoint -> stop -> resume continuing at the same version with the same counters, also with the learner
-pool resized (1 -> 2 ranks).
+Covers: engine/learner parity after every weight sync, the staleness bound, conservation, the best evaluated
+policy kept in best_model/, and checkpoint -> stop -> resume continuing at the same version with the same
+counters, also with the learner pool resized (1 -> 2 ranks).
 """
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -55,7 +56,9 @@ def _run(cfg, model_dir):
 @pytest.fixture(scope="module")
 def first_run(ray_cluster, tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("controller")
-    cfg = _config(tmp, **{"model.path": str(tiny_model_dir)})
+    # The random tiny model earns no reward, so its advantages are 0: weight decay moves its weights every step,
+    # so that best_model/ can tell the steps apart.
+    cfg = _config(tmp, **{"model.path": str(tiny_model_dir), "eval.every_steps": 1, "checkpoint.export_best": True, "learner.weight_decay": 0.01})
     return cfg, _run(cfg, tiny_model_dir)
 
 
@@ -77,6 +80,31 @@ def test_no_trained_sample_exceeds_the_staleness_bound_and_counters_add_up(first
     assert conservation["dispatched"] == conservation["trained"] + conservation.get("dropped_stale", 0) + failed + conservation["in_flight"]
 
 
+def _weights(folder) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(folder) / "model.safetensors"))
+
+
+def test_the_best_evaluated_policy_is_kept_in_best_model(first_run, tiny_model_dir):
+    """Evaluations at steps 0..3; the first with the highest accuracy is the best, and best_model/ holds the policy
+    it evaluated: the initial weights at step 0, the final ones at step 3, neither in between."""
+    import torch
+
+    cfg, (summary, _, _) = first_run
+    evals = summary["evals"]
+    assert [e["step"] for e in evals] == [0, 1, 2, 3]
+    best = max(evals, key=lambda e: e["accuracy"])  # max keeps the first of equal ones
+    assert summary["best_eval"] == {"step": best["step"], "version": best["version"], "samples_trained": best["samples_trained"],
+                                    "accuracy": best["accuracy"], "exported": True}  # fmt: skip
+    out = Path(cfg.output_dir)
+    assert json.loads((out / "best_model" / "asyncrl_eval.json").read_text())["step"] == best["step"]
+    kept, initial, final = _weights(out / "best_model"), _weights(tiny_model_dir), _weights(out / "final_model")
+    assert kept.keys() == final.keys()
+    same = {name: all(torch.equal(kept[k], other[k]) for k in kept) for name, other in (("initial", initial), ("final", final))}
+    assert same == {"initial": best["step"] == 0, "final": best["step"] == 3}
+
+
 def test_resume_continues_at_the_same_version_with_the_same_counters(first_run, tiny_model_dir):
     cfg, (summary, _, _) = first_run
     out = cfg.output_dir
@@ -88,6 +116,7 @@ def test_resume_continues_at_the_same_version_with_the_same_counters(first_run, 
     assert [row["step"] for row in history] == [4, 5]
     assert history[0]["version"] == 3  # the first resumed step trains at the checkpointed version
     assert resumed["final_version"] == 5
+    assert resumed["best_eval"]["accuracy"] >= summary["best_eval"]["accuracy"]  # the record came with the checkpoint
     assert conservation["trained"] == summary["samples_trained"] + 2 * 4 * 4
     lags = [int(k) for k in resumed["staleness_histogram"]]
     assert max(lags) <= cfg.buffer.max_staleness

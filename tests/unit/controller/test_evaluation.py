@@ -23,12 +23,38 @@ class FakeRollout:
         return [EvalResult(texts, ("stop",) * len(texts), served) for texts in self.texts]
 
 
+class FakeLearner:
+    """Records the folders `export_hf` was asked for, and writes one file there."""
+
+    def __init__(self):
+        self.exports = []
+
+    def export_hf(self, folder):
+        self.exports.append(folder)
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+
+
 def _controller(tmp_path, rollout: FakeRollout, *overrides: str) -> Controller:
     controller = Controller(load_config(None, [f"output_dir={tmp_path}", "telemetry.progress=false", "rollout.max_tokens=8", *overrides]), tmp_path)
     controller.eval_set = [make_prompt("a", ground_truth="12"), make_prompt("b", ground_truth="7")]
     controller.rollout = rollout
+    controller.learner = FakeLearner()
     controller.version = 3
     return controller
+
+
+def test_a_new_best_is_exported_only_while_the_learner_holds_the_evaluated_weights(tmp_path):
+    rollout = FakeRollout([("12",), ("8",)], [frozenset({3})])
+    controller = _controller(tmp_path, rollout, "checkpoint.export_best=true")
+    controller._evaluate(0.0)
+    assert controller.learner.exports == [tmp_path / "best_model.partial"] and (tmp_path / "best_model" / "config.json").is_file()
+    assert "best_export_s" in controller.evals[-1] and controller.best.record["accuracy"] == 0.5
+    rollout.texts = [("12",), ("7",)]  # better, but the learner has trained past the version the engines serve
+    controller._learner_at_version = False
+    controller._evaluate(0.0)
+    assert len(controller.learner.exports) == 1 and controller.best.record == {**controller.best.record, "accuracy": 1.0, "exported": False}
+    assert "best_export_s" not in controller.evals[-1]
 
 
 def test_k_samples_give_mean_at_k_and_pass_at_k(tmp_path):
