@@ -267,11 +267,12 @@ class EngineLoad:
         await engine_generate(self.engine, self.jobs)  # the first pass of these shapes is slower (cold)
 
     async def run_for(self, seconds: float) -> tuple[int, float]:
-        """(tokens or samples, seconds) of the passes finished within `seconds` (the other side ran all that time)."""
+        """(tokens or samples, seconds) of the passes finished within `seconds` (the other side ran all that time);
+        on a machine so busy that none did, of the first pass (`together` keeps the other side going that long)."""
         began, done, elapsed = time.perf_counter(), 0, 0.0
         while True:
             _, trajectories = await engine_generate(self.engine, self.jobs)
-            if time.perf_counter() - began > seconds:
+            if time.perf_counter() - began > seconds and done:
                 return done, elapsed
             done += len(trajectories) if self.unit == "samples" else sum(t.num_tokens for t in trajectories)
             elapsed = time.perf_counter() - began
@@ -292,7 +293,9 @@ def measure_together(model_dir: Path, batches: list[list], groups: list[list], a
 def together(spec, jobs: list, engine_cpus: float, train, groups: list[list], batch_units: list[int], seconds: float, unit: str) -> dict:
     """An engine built from `spec` generating `jobs` (with `engine_cpus` Ray CPUs) and `train` stepping through
     `groups` (batch b holds `batch_units[b]` tokens or samples, `unit`) in this process, both at full load at
-    the same time for `seconds`: each side's rate over the work it finished within that time."""
+    the same time for `seconds`: each side's rate over the work it finished within that time (at least its first
+    pass or step: a busy machine can make the first outlast a short window, and the other side goes on till both
+    have one)."""
     import ray
 
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
@@ -301,9 +304,9 @@ def together(spec, jobs: list, engine_cpus: float, train, groups: list[list], ba
         ray.get(load.start.remote())
         engine_run = load.run_for.remote(seconds)
         began, done, elapsed, b = time.perf_counter(), 0, 0.0, 0
-        while time.perf_counter() - began < seconds:
+        while time.perf_counter() - began < seconds or not done or not ray.wait([engine_run], timeout=0)[0]:
             train(groups[b % len(groups)], b)
-            if time.perf_counter() - began <= seconds:
+            if time.perf_counter() - began <= seconds or not done:
                 done, elapsed = done + batch_units[b % len(groups)], time.perf_counter() - began
             b += 1
         engine_done, engine_elapsed = ray.get(engine_run)
