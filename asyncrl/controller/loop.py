@@ -432,19 +432,13 @@ class Controller:
 
         began = time.perf_counter()
         fields = self._evaluate_episodes() if is_multi_turn(self.cfg.env.name) else self._evaluate_answers()
-        record = {
-            "version": self.version,
-            "step": self.step,
-            "samples_trained": self.samples_trained,
-            "wall_s": round(time.perf_counter() - start, 2),
-            "wall_s_excl_eval": round(began - start - self.eval_s, 2),
-            "eval_s": round(time.perf_counter() - began, 2),
-            **fields,
-        }
+        record = {"version": self.version, "step": self.step, "samples_trained": self.samples_trained, **fields}
         exporting = time.perf_counter()
         if self.best.offer(record, self.learner.export_hf if self._learner_at_version else None) and self.best.record["exported"]:
             record["best_export_s"] = round(time.perf_counter() - exporting, 2)
-        self.eval_s += time.perf_counter() - began
+        ended = time.perf_counter()
+        record |= {"wall_s": round(ended - start, 2), "wall_s_excl_eval": round(began - start - self.eval_s, 2), "eval_s": round(ended - began, 2)}
+        self.eval_s += ended - began
         self.evals.append(record)
         self.telemetry.eval(record)
 
