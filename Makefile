@@ -65,7 +65,7 @@ BENCH_SCRIPTS := algo_throughput queue_throughput weight_sync async_speedup limi
 bench: $(STAMP)
 	@for b in $(BENCH_SCRIPTS); do test -f benchmarks/$$b.py && $(PY) benchmarks/$$b.py || exit 1; done
 	$(PY) benchmarks/soak.py  # 20 minutes of faults; not in bench-quick nor in test
-	$(PY) benchmarks/report.py
+	$(PY) benchmarks/report.py > benchmarks/RESULTS.md  # results/*.json and notes/*.md (benchmarks/README.md)
 
 bench-quick: $(STAMP)
 	@for b in $(BENCH_SCRIPTS); do test -f benchmarks/$$b.py && $(PY) benchmarks/$$b.py --quick || exit 1; done

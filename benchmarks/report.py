@@ -1,10 +1,15 @@
-"""Markdown results of every benchmark, from `benchmarks/results/*.json` (smoke runs `*_quick.json` skipped).
+"""benchmarks/RESULTS.md, generated: `python benchmarks/report.py > benchmarks/RESULTS.md`.
 
-One section per benchmark with its headline ratio first (ratios hold on a shared, noisy machine; absolute
-times drift). Paste the output into a README or a report.
+The document is `LAYOUT`, section by section. A section named after a result file renders
+`results/<name>.json` with its formatter (one per benchmark, headline ratio first: ratios hold on a shared,
+noisy machine; absolute times drift), then `notes/<name>.md`, the hand-written reading of that run (when and
+how it ran, what it means); a note whose first line is `## ...` gives the section that title. A name with no
+result file is `notes/<name>.md` alone: a whole hand-written section. Result files no section names are listed
+at the end. `tests/unit/test_benchmark_report.py` fails when RESULTS.md is not this script's output, so a new
+result or note lands with the regenerated document.
 
-    python benchmarks/report.py                   # print to stdout
-    python benchmarks/report.py --results DIR     # another results folder
+    python benchmarks/report.py                   # print RESULTS.md to stdout
+    python benchmarks/report.py --results DIR     # every result file of another folder, no notes (smoke runs `*_quick.json` skipped)
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+NOTES = Path(__file__).resolve().parent / "notes"
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -514,7 +520,35 @@ def weight_sync_gpu(d: dict) -> list[str]:
              f"{r['stage_s']:.4f} + {r['load_s']:.4f}", f"{r['bytes_per_s'] / 1e9:.2f}", fnum(r["vs_copy"], ".3f"), f"{r['parity']:.0e}"]
             for r in d["rows"] if "error" not in r]  # fmt: skip
     lines += table(["transport", "size", "dtype", "MB", "first sync s", "sync s", "stage + load s", "GB/s", "vs copy", "parity"], rows)
-    return lines + [f"\n{r['transport']} ({r['size']}) did not run: {r['error']}" for r in d["rows"] if "error" in r]
+    for r in d["rows"]:
+        if "error" in r:
+            lines += ["", f"{r['transport']} ({r['size']}) did not run: {r['error']}"]
+    return lines
+
+
+def agent_learning(d: dict) -> list[str]:
+    lines = ["## `calc` agent task — learning with a calculator tool (`benchmarks/agent_learning.py`)", "",
+             f"{d['steps']} steps per recipe from the same warm start, one after the other in one Ray session; held-out: greedy "
+             "episodes on 200 fixed problems; train s and episodes/s leave the evaluations out.", ""]  # fmt: skip
+    lines += table(
+        ["recipe", "success", "tool-call rate", "train s", "episodes", "episodes/s", "curve (train s, success)"],
+        [[name, f"{r['start_success']:.3f} → {r['final_success']:.3f}", f"{r['start_tool_call_rate']:.3f} → {r['final_tool_call_rate']:.3f}",
+          f"{r['train_wall_s_excl_eval']:.0f}", r["episodes_trained"], f"{r['episodes_per_s']:.1f}",
+          ", ".join(f"({s:.0f}, {a:.3f})" for s, a, _ in r["curve"])] for name, r in d["recipes"].items()],
+    )  # fmt: skip
+    return lines
+
+
+def openai_endpoint(d: dict) -> list[str]:
+    lines = ["## Agent endpoint — the OpenAI-compatible server over the engine (`benchmarks/openai_endpoint.py`)", "",
+             f"{d['rounds']} chat calls through the real `openai` client, {d['calls_per_episode']} per episode, {d['max_tokens']} tokens each "
+             f"(prompts up to {d['prompt_tokens_max']} tokens); each against the same request sent to the engine directly with the same seed "
+             "(same tokens). Overhead: the endpoint's time outside the engine's own call.", ""]  # fmt: skip
+    return lines + table(
+        ["endpoint ms (median)", "engine direct ms (median)", "endpoint − direct ms (median)", "overhead ms (median)", "overhead ms (p90)", "token drift"],
+        [[f"{d['endpoint_ms_median']:.1f}", f"{d['direct_ms_median']:.1f}", f"{d['endpoint_minus_direct_ms_median']:.1f}",
+          f"{d['overhead_ms_median']:.1f}", f"{d['overhead_ms_p90']:.1f}", d["drift"]]],
+    )  # fmt: skip
 
 
 def _spread(values: list[float]) -> str:
@@ -544,6 +578,9 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "learning_add_mb4": learning_add_mini_batches,
     "learning_add_mb4_same_lr": learning_add_mini_batches,
     "limits": limits,
+    "limits_busy": limits,
+    "agent_learning": agent_learning,
+    "openai_endpoint": openai_endpoint,
     "soak": soak,
     "agent_tool": agent_tool,
     "logprob_layout": logprob_layout,
@@ -556,39 +593,85 @@ def formatter(stem: str) -> Callable[[dict], list[str]] | None:
     """The renderer of a result file: by name; every `profile*.json` is a `profile_run.py` result."""
     return FORMATTERS.get(stem) or (profile if stem.startswith("profile") else None)
 
-ORDER = ["learning_add", "learning_add_120", "learning_add_informative", "learning_add_mb4", "learning_add_mb4_same_lr", "async_speedup", "async_speedup_continue", "limits", "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "weight_sync_gpu", "queue_throughput", "algo_throughput",
-         "profile_before", "profile", "profile_w1_quiet", "profile_w1_quiet_after", "profile_w1_afternoon",
-         "profile_w1_ungrouped_1", "profile_w1_grouped_1", "profile_w1_ungrouped_2", "profile_w1_grouped_2",
-         "profile_w1_unfrozen_1", "profile_w1_frozen_1", "profile_w1_unfrozen_2", "profile_w1_frozen_2", "profile_w1_threads", "client_floor_no_freeze", "client_floor", "soak"]
+LAYOUT = [
+    "learning_add", "learning_add_120", "learning_add_informative", "learning_add_mb4", "learning_add_mb4_same_lr", "lr_decay", "warm_start_lift",
+    "async_speedup", "async_speedup_continue", "limits", "limits_busy",
+    "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "weight_sync_gpu",
+    "queue_throughput", "algo_throughput",
+    "profile_before", "profile", "profile_w1_quiet", "profile_w1_quiet_after", "profile_w1_afternoon",
+    "profile_w1_ungrouped_1", "profile_w1_grouped_1", "profile_w1_ungrouped_2", "profile_w1_grouped_2",
+    "profile_w1_unfrozen_1", "profile_w1_frozen_1", "profile_w1_unfrozen_2", "profile_w1_frozen_2",
+    "profile_w1_whole_groups_1", "profile_w1_split_groups_1", "profile_w1_whole_groups_2", "profile_w1_split_groups_2", "profile_w1_threads",
+    "rollout_overhead", "client_floor_no_freeze", "client_floor", "logprob_layout",
+    "agent_learning", "agent_tool", "openai_endpoint", "soak",
+]  # fmt: skip
+"""The sections of RESULTS.md in order (module docstring)."""
 
 
-def render(results: Path) -> str:
-    files = sorted(p for p in results.glob("*.json") if not p.stem.endswith("_quick"))
-    files.sort(key=lambda p: (ORDER.index(p.stem) if p.stem in ORDER else len(ORDER), p.stem))
+def result_section(path: Path) -> list[str]:
+    """One result file as markdown: its formatter's lines (or every scalar), then the machine and the source."""
+    data = json.loads(path.read_text())
+    try:
+        render_one = formatter(path.stem)
+        lines = render_one(data) if render_one else generic(path.stem, data)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        lines = [f"## {path.stem}", "", f"(could not read {path.name}: {type(e).__name__}: {e})"]
+    machine = data.get("machine")
+    if isinstance(machine, dict):
+        return lines + ["", f"_Machine: {machine.get('cpus', '?')} CPUs, {machine.get('platform', '')}; source `{path.name}`._"]
+    return lines + ["", f"_Source `{path.name}`._"]
+
+
+def read_note(notes: Path, name: str) -> tuple[str | None, list[str]]:
+    """(title or None, body lines) of `notes/<name>.md`; (None, []) when there is none."""
+    path = notes / f"{name}.md"
+    if not path.exists():
+        return None, []
+    lines = path.read_text().rstrip().splitlines()
+    title = lines.pop(0) if lines and lines[0].startswith("## ") else None
+    while lines and not lines[0].strip():
+        lines.pop(0)
+    return title, lines
+
+
+def layout_section(results: Path, notes: Path, name: str) -> list[str]:
+    path = results / f"{name}.json"
+    title, body = read_note(notes, name)
+    if path.exists():
+        lines = result_section(path)
+        lines[0] = title or lines[0]
+        return lines + ([""] + body if body else [])
+    if title is None:
+        raise ValueError(f"report.py LAYOUT names {name!r}: there is no {path} and no {notes / (name + '.md')} starting with a '## ' title")
+    return [title, ""] + body
+
+
+def result_files(results: Path) -> list[Path]:
+    return sorted(p for p in results.glob("*.json") if not p.stem.endswith("_quick"))
+
+
+def render(results: Path = RESULTS, notes: Path | None = NOTES, layout: list[str] | None = LAYOUT) -> str:
+    """RESULTS.md from `layout` with `notes`; with `layout` None, every result file of `results` alone."""
     sections = ["# asyncrl benchmark results", ""]
-    if not files:
-        sections.append(f"No results in {results} (run `make bench`).")
-    for path in files:
-        data = json.loads(path.read_text())
-        try:
-            render_one = formatter(path.stem)
-            lines = render_one(data) if render_one else generic(path.stem, data)
-        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-            lines = [f"## {path.stem}", "", f"(could not read {path.name}: {type(e).__name__}: {e})"]
-        machine = data.get("machine")
-        if isinstance(machine, dict):
-            lines += ["", f"_Machine: {machine.get('cpus', '?')} CPUs, {machine.get('platform', '')}; source `{path.name}`._"]
-        else:
-            lines += ["", f"_Source `{path.name}`._"]
+    if layout is None:
+        parts = [result_section(p) for p in result_files(results)] or [[f"No results in {results} (run `make bench`)."]]
+    else:
+        parts = [layout_section(results, notes or NOTES, name) for name in layout]
+    for lines in parts:
         sections += lines + [""]
+    text = "\n".join(sections)
+    unnamed = [p.name for p in result_files(results) if f"`{p.name}`" not in text]
+    if layout is not None and unnamed:
+        sections += ["## Other result files", "", "Runs no section above reads (raw JSON in `benchmarks/results/`): "
+                     + ", ".join(f"`{n}`" for n in unnamed) + ".", ""]  # fmt: skip
     return "\n".join(sections).rstrip() + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--results", type=Path, default=None, help="another results folder: every file in it, without the notes")
     args = parser.parse_args()
-    print(render(args.results), end="")
+    print(render() if args.results is None else render(args.results, None, None), end="")
 
 
 if __name__ == "__main__":
