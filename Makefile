@@ -12,12 +12,13 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-# Debian packages the tests start as real processes, each as package:binary; `system-deps` installs the
-# missing ones: a headless browser (dashboard test), a Prometheus server, bubblewrap (the tool sandbox's
-# namespaces, docs/tools.md).
-SYSTEM_PACKAGES ?= chromium:chromium prometheus:prometheus bubblewrap:bwrap
+# Debian packages, each as package:binary, installed when missing. `make run` needs a C++ compiler (the W1 recipes
+# compile the learner's layers with torch.compile, `learner.compile`); `make test` also starts a headless browser
+# (dashboard test), a Prometheus server and bubblewrap (the tool sandbox's namespaces, docs/tools.md).
+RUN_PACKAGES ?= g++:g++
+SYSTEM_PACKAGES ?= $(RUN_PACKAGES) chromium:chromium prometheus:prometheus bubblewrap:bwrap
 
-.PHONY: install run test test-fast test-gpu bench bench-quick clean system-deps
+.PHONY: install run test test-fast test-gpu bench bench-quick clean system-deps run-deps
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,18 +31,25 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-run: $(STAMP)
+run: $(STAMP) run-deps
 	$(VENV)/bin/asyncrl run $(CONFIG) $(ARGS)
 
-# Installs the missing SYSTEM_PACKAGES with apt-get (as root, or through sudo); fails naming them otherwise.
-system-deps:
-	@missing=""; for pb in $(SYSTEM_PACKAGES); do command -v $${pb#*:} >/dev/null 2>&1 || missing="$$missing $${pb%%:*}"; done; \
+# Installs the missing packages of $(1) with apt-get (as root, or through sudo); fails naming them otherwise.
+define install_missing
+	@missing=""; for pb in $(1); do command -v $${pb#*:} >/dev/null 2>&1 || missing="$$missing $${pb%%:*}"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ]; then as=""; elif command -v sudo >/dev/null 2>&1; then as="sudo"; \
-	else echo "make test needs the Debian package(s)$$missing: install them as root (apt-get install$$missing)"; exit 1; fi; \
+	else echo "make $@ needs the Debian package(s)$$missing: install them as root (apt-get install$$missing)"; exit 1; fi; \
 	echo "installing$$missing (apt-get)"; \
 	$$as apt-get install -y -q --no-install-recommends $$missing >/dev/null || { $$as apt-get update -q >/dev/null && $$as apt-get install -y -q --no-install-recommends $$missing >/dev/null; }; \
-	for pb in $(SYSTEM_PACKAGES); do command -v $${pb#*:} >/dev/null 2>&1 || { echo "system-deps: $${pb%%:*} did not install $${pb#*:}"; exit 1; }; done
+	for pb in $(1); do command -v $${pb#*:} >/dev/null 2>&1 || { echo "$@: $${pb%%:*} did not install $${pb#*:}"; exit 1; }; done
+endef
+
+system-deps:
+	$(call install_missing,$(SYSTEM_PACKAGES))
+
+run-deps:
+	$(call install_missing,$(RUN_PACKAGES))
 
 # Test files run TEST_WORKERS at a time (pytest-xdist), each file whole on one worker: its tests share the file's
 # Ray session, engines and clusters (module fixtures). Files go out in collection order, so the long e2e, fault and

@@ -329,6 +329,13 @@ class LearnerConfig(Section):
     over its loss tokens, measured before its update) exceeds this; None = never stop early."""
     tokens_per_microbatch: int = Field(4096, ge=1)
     """Token budget of one micro-batch (sequences are packed up to it)."""
+    compile: bool = False
+    """`torch.compile` the decoder layers of the policy (and the critic) for the passes with gradients, with dynamic
+    shapes (one graph for every batch size and length); passes without gradients (pi_old, the parity probe) stay
+    eager. The graphs are built during set-up, before the first rollout: ~10-40 s on a 2-vCPU host for a Qwen2
+    layer (two ranks compile at once), more for larger models. In fp32 the gradients match the eager ones to
+    float rounding, with FSDP2 too. Needs a C++ compiler where the learner runs (inductor); benchmarks/RESULTS.md
+    has W1's step with and without it."""
     max_steps: int = Field(100, ge=0)
     """Learner steps of the run (one per rollout batch, whatever `mini_batches` and `epochs`)."""
     max_wall_s: float = Field(0.0, ge=0)

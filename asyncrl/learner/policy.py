@@ -18,13 +18,15 @@ no multiply/divide rounding enters (exact for any dp_size, not only powers of tw
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from asyncrl.algo.sampling import SamplingDistribution, token_logprobs
 
-__all__ = ["HF_PREFIX", "PolicyModel", "ValueModel", "hf_name", "load_causal_lm", "shard", "uses_fsdp"]
+__all__ = ["HF_PREFIX", "PolicyModel", "ValueModel", "compile_layers", "hf_name", "load_causal_lm", "shard", "uses_fsdp"]
 
 # Parameter names inside PolicyModel are the Hugging Face names behind this prefix.
 HF_PREFIX = "causal_lm."
@@ -138,3 +140,16 @@ def shard(module: PolicyModel | ValueModel, mesh, compute_dtype: torch.dtype = t
         if isinstance(sub, FSDPModule):
             sub.set_gradient_divide_factor(1.0)
             sub.set_force_sum_reduction_for_comms(True)
+
+
+def compile_layers(module: PolicyModel | ValueModel) -> None:
+    """`learner.compile`: `torch.compile` every decoder layer's forward, with dynamic shapes (one graph for every
+    batch size and length), for the passes that build a graph; the passes without gradients (pi_old, the parity
+    probe, scoring) run the layers as they are, so they compile nothing. The layers stay the same modules: their
+    parameter names, optimizer, checkpoints and exports are unchanged."""
+    for layer in module.decoder_layers:
+        layer.forward = functools.partial(_compiled_when_training, torch.compile(layer.forward, dynamic=True), layer.forward)
+
+
+def _compiled_when_training(compiled, eager, *args, **kwargs):
+    return (compiled if torch.is_grad_enabled() else eager)(*args, **kwargs)

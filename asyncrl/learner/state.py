@@ -8,11 +8,13 @@ The state's checkpointing is `checkpoint.py`.
 from __future__ import annotations
 
 import math
+import os
+import shutil
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["build_train_state", "lr_factor", "materialize_optimizer_state"]
+__all__ = ["build_train_state", "compile_now", "lr_factor", "materialize_optimizer_state"]
 
 
 def lr_factor(cfg) -> Callable[[int], float]:
@@ -34,19 +36,23 @@ def lr_factor(cfg) -> Callable[[int], float]:
 
 def build_train_state(cfg, model_dir: str, device: torch.device, place=lambda module: None):
     """The policy and, with `cfg.critic` (a `LearnerConfig`), the critic: fp32 from `model_dir` on `device`, each
-    passed to `place` (a rank shards it with FSDP2) before its AdamW optimizer and learning-rate schedule
-    (`lr_factor`) are made."""
+    passed to `place` (a rank shards it with FSDP2) and, with `cfg.compile`, compiled (`compile_now`), before its
+    AdamW optimizer and learning-rate schedule (`lr_factor`) are made."""
     from asyncrl.learner.checkpoint import TrainState
     from asyncrl.learner.policy import PolicyModel, ValueModel, load_causal_lm
 
     policy = PolicyModel(load_causal_lm(model_dir, torch.float32)).to(device)
     place(policy)
+    if cfg.compile:
+        compile_now(policy, device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     materialize_optimizer_state(optimizer)
     state = TrainState(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg)))
     if cfg.critic:
         critic = ValueModel(load_causal_lm(model_dir, torch.float32), seed=cfg.seed).to(device)
         place(critic)
+        if cfg.compile:
+            compile_now(critic, device)
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, betas=cfg.betas)
         materialize_optimizer_state(critic_optimizer)
         state.critic, state.critic_optimizer = critic, critic_optimizer
@@ -76,3 +82,35 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     for state in optimizer.state.values():
         if "step" in state:
             state["step"].zero_() if isinstance(state["step"], torch.Tensor) else state.update(step=0)
+
+
+def compile_now(module, device: torch.device) -> None:
+    """Compile `module`'s decoder layers (`policy.compile_layers`) and build their graphs at once, during set-up
+    rather than in the first steps: a forward and backward of a batch with padding and of one without (the
+    attention mask takes two paths), under the random state as it was (dropout draws nothing the run sees), the
+    gradients dropped."""
+    from asyncrl.algo.sampling import RAW
+    from asyncrl.learner.policy import PolicyModel, compile_layers
+
+    _require_cxx()
+    compile_layers(module)
+    ids = torch.zeros(4, 8, dtype=torch.long, device=device)
+    positions = torch.arange(8, device=device).expand(4, 8)
+    padded = torch.ones_like(ids)
+    padded[0, -2:] = 0
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda"):
+        for mask in (padded, torch.ones_like(ids)):
+            out = module(ids, mask, positions, RAW) if isinstance(module, PolicyModel) else module(ids, mask, positions)
+            torch.where(torch.isfinite(out), out, 0.0).sum().backward()
+    module.zero_grad(set_to_none=True)
+
+
+def _require_cxx() -> None:
+    """torch's inductor builds the compiled kernels with a C++ compiler: name what is missing before it fails deep."""
+    candidates = [c for c in (os.environ.get("CXX"), "g++", "clang++", "c++") if c]
+    if not any(shutil.which(c) for c in candidates):
+        raise RuntimeError(
+            f"learner.compile needs a C++ compiler where the learner runs (torch.compile builds its kernels with one): none of "
+            f"{', '.join(candidates)} is on PATH here; install one (apt-get install g++) or set learner.compile=false"
+        )
