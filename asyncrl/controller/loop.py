@@ -236,6 +236,7 @@ class Controller:
         self._log_steps()
         if not self.stop_requested and (not self.evals or self.evals[-1]["version"] != self.version):
             self._evaluate(start)
+        self._record_pool_events()  # e.g. a replacement the last evaluation waited for joined meanwhile
         self._checkpoint()
         return self._summary(time.perf_counter() - start)
 
@@ -291,14 +292,18 @@ class Controller:
         """Rollout pool upkeep without waiting: dead workers are replaced (their requests re-dispatched) and
         started ones join once they serve the latest weights; each event is logged and kept for the summary."""
         self._scale()
+        self._record_pool_events()
+        if time.perf_counter() - self._last_snapshot >= self.cfg.telemetry.pool_every_s:
+            self.telemetry.pool(self._snapshot())
+
+    def _record_pool_events(self) -> None:
+        """The pools' events since the last call (deaths, replacements, joins), logged and kept for the summary."""
         for event in self.rollout.poll():
             self.telemetry.note(str(event))
             self._pool_event(**asdict(event))
         for tool_event in self.tools.poll() if self.tools else ():
             self.telemetry.note(str(tool_event))
             self._pool_event(worker=tool_event.worker, kind=f"tool_{tool_event.kind}", detail=tool_event.detail)
-        if time.perf_counter() - self._last_snapshot >= self.cfg.telemetry.pool_every_s:
-            self.telemetry.pool(self._snapshot())
 
     def _snapshot(self) -> PoolSnapshot:
         """The queue's and engines' state now, for the live views (`telemetry.pool_every_s`)."""
