@@ -42,7 +42,7 @@ def test_a_hung_rank_times_out_naming_the_rank_and_the_call(ray_cluster, tiny_mo
         started = time.monotonic()
         with pytest.raises(LearnerCallError, match=r"learner rank 0: train_step did not answer within 5(\.0)?s"):
             pool.train_step(make_groups())
-        assert time.monotonic() - started < 5 + 3
+        assert time.monotonic() - started < 5 + 10  # at its own 5 s, with room for a busy machine; not at the default
     finally:
         os.kill(pids[0], signal.SIGKILL)
         ray_cluster.kill(pool.workers[1])

@@ -129,7 +129,7 @@ def test_the_page_plots_the_running_job_and_its_scale_control_reaches_the_contro
 
     page.fill("#scale-n", "2")
     page.click("#scale button")
-    page.wait_for_function("document.getElementById('scale-result').textContent.includes('asked for 2')", timeout=20_000)
+    page.wait_for_function("document.getElementById('scale-result').textContent.includes('asked for 2')", timeout=60_000)
     page.wait_for_function("document.getElementById('notes').textContent.includes('scaling the rollout pool 1 -> 2')", timeout=120_000)
     assert [e["kind"] for e in controller.pool_events if e["kind"] == "scaled_up"] == ["scaled_up"]
 
@@ -157,7 +157,7 @@ def test_asyncrl_dash_on_the_finished_run_serves_the_same_rows(live_run, browser
         assert [r["data"] for r in finished["records"] if r["kind"] == "eval"] == [r["data"] for r in live["records"] if r["kind"] == "eval"]
         page = browser.new_page()
         page.goto(url)
-        state = _wait_for(page, lambda s: s["reward"]["valued"] and s["staleness"]["valued"], timeout_s=30)
+        state = _wait_for(page, lambda s: s["reward"]["valued"] and s["staleness"]["valued"], timeout_s=60)
         assert state["reward"]["valued"] and state["staleness"]["valued"] and state["queue"]["valued"]
         assert page.is_hidden("#scale")  # a finished run offers no scale control
         page.close()

@@ -105,7 +105,7 @@ def test_worker_killed_mid_call_fails_the_call_and_is_replaced(pool):
     killed_at = time.monotonic()
     kind, reason, seconds = ray.get(in_flight, timeout=30)
     assert (kind, reason) == ("infra", "tool_worker_died")
-    assert seconds < 1.5 + 5.0  # promptly, not at the call's 15 s timeout
+    assert seconds < 12.0  # promptly (the kill came 1.5 s in), not at the call's 15 s timeout
     if pool.capabilities.uid_dropped:  # the program, the kept reward process and the spare died with the worker
         assert _all_gone(uid)
     events = []
