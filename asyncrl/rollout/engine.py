@@ -472,29 +472,30 @@ class Engine:
     async def evaluate(
         self, prompts: Sequence[Prompt | Sequence[int]], max_tokens: int, temperature: float = 0.0, samples: int = 1
     ) -> list[EvalResult]:
-        """`samples` completions per prompt at `temperature` (0 = greedy), one `EvalResult` per prompt, in order."""
+        """`samples` completions per prompt at `temperature` (0 = greedy), one `EvalResult` per prompt, in order;
+        a prompt's samples go to vLLM as one request of `n = samples` (its prompt is prefilled once). Greedy
+        samples are one completion, repeated (vLLM takes no `n` > 1 at temperature 0)."""
         self._require_started()
         spec = SamplingSpec(max_tokens=max_tokens, temperature=temperature)
-
-        async def one(ids: Sequence[int]) -> tuple[str, str, set[int]]:
-            params = self._sampling_params(spec, logprobs=None)
-            dispatch_version = self._version
-            tokens: list[int] = []
-            reason, spans = "abort", None
-            async for out in self._llm.generate(vllm_compat.token_input(list(ids)), params, f"eval#{next(self._ids)}"):
-                tokens.extend(out.outputs[0].token_ids)
-                if out.finished:
-                    reason, spans = _finish_reason(out.outputs[0].finish_reason), out.outputs[0].weight_versions
-            versions = {dispatch_version, *vllm_compat.version_per_token(spans, len(tokens), dispatch_version).tolist()}
-            return self.decode(tokens), reason, versions
+        n = samples if temperature > 0 else 1
 
         async def of_prompt(p: Prompt | Sequence[int]) -> EvalResult:
-            runs = await asyncio.gather(*(one(p.prompt_ids if isinstance(p, Prompt) else p) for _ in range(samples)))
-            return EvalResult(
-                texts=tuple(text for text, _, _ in runs),
-                finish_reasons=tuple(reason for _, reason, _ in runs),
-                versions=frozenset(v for _, _, versions in runs for v in versions),
-            )
+            ids = p.prompt_ids if isinstance(p, Prompt) else p
+            params = self._sampling_params(spec, logprobs=None, n=n)
+            dispatch_version = self._version
+            tokens: list[list[int]] = [[] for _ in range(n)]
+            reasons, spans = ["abort"] * n, [None] * n
+            async for out in self._llm.generate(vllm_compat.token_input(list(ids)), params, f"eval#{next(self._ids)}"):
+                for completion in out.outputs:
+                    tokens[completion.index].extend(completion.token_ids)
+                    if completion.finish_reason is not None:
+                        reasons[completion.index] = _finish_reason(completion.finish_reason)
+                        spans[completion.index] = completion.weight_versions
+            versions = {dispatch_version}
+            for sample, sample_spans in zip(tokens, spans):
+                versions.update(vllm_compat.version_per_token(sample_spans, len(sample), dispatch_version).tolist())
+            texts = [self.decode(t) for t in tokens] * (samples // n)
+            return EvalResult(texts=tuple(texts), finish_reasons=tuple(reasons * (samples // n)), versions=frozenset(versions))
 
         return list(await asyncio.gather(*(of_prompt(p) for p in prompts)))
 

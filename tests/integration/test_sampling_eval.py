@@ -105,6 +105,8 @@ def test_sampled_evaluation_gives_k_completions_per_prompt(loop, engine):
     results = loop.run_until_complete(engine.evaluate(PROMPTS[:4], max_tokens=6, temperature=1.0, samples=4))
     assert [len(r.texts) for r in results] == [4, 4, 4, 4] and all(len(r.finish_reasons) == 4 for r in results)
     assert len({text for r in results for text in r.texts}) > 4  # sampled, not four copies of greedy
+    greedy = loop.run_until_complete(engine.evaluate(PROMPTS[:2], max_tokens=6, samples=3))  # vLLM takes no n > 1 here
+    assert [r.texts for r in greedy] == [r.texts * 3 for r in loop.run_until_complete(engine.evaluate(PROMPTS[:2], max_tokens=6))]
 
 
 def test_an_evaluation_across_a_weight_update_reports_both_versions(loop, engine, learner):
