@@ -429,6 +429,17 @@ def profile(d: dict) -> list[str]:
     return lines + table(["process", "cores", "CPU ms / trained sample", "busiest threads (cores)", "samples", "largest self shares"], rows)
 
 
+def staleness_w1(d: dict) -> list[str]:
+    lines = ["## W1 `add` — the staleness bound `buffer.max_staleness` (η), streaming", "", f"{d['workload']}; `{d['command']}`.", ""]
+    rows = []
+    for name, r in sorted(d["runs"].items(), key=lambda kv: (kv[1]["max_staleness"], kv[1]["code"] != "main", kv[1]["finished_utc"])):
+        at = dict((step, acc) for step, acc in r["heldout"])
+        rows.append([name, r["code"], r["max_staleness"], r["finished_utc"], fnum(r["median_s_per_step"], ".3f"), fnum(r["learner_wait_s_mean"], ".3f"),
+                     fnum(r["staleness_mean"]), f"{fnum(at.get(60), '.3f')} / {fnum(r['final'], '.3f')}", r["samples_to_0.5"] or "-", fnum(r["s_to_0.5_excl_eval"], ".1f")])
+    return lines + table(["run", "code", "η", "ended (UTC)", "median s per step", "learner wait s (mean)", "staleness mean",
+                          "held-out at step 60 / 120", "samples to 0.5", "s to 0.5 without evals"], rows)
+
+
 def soak(d: dict) -> list[str]:
     m = d["machine"]
     lines = [
@@ -583,6 +594,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "agent_learning": agent_learning,
     "openai_endpoint": openai_endpoint,
     "soak": soak,
+    "staleness_w1": staleness_w1,
     "agent_tool": agent_tool,
     "logprob_layout": logprob_layout,
     "client_floor": client_floor,
@@ -595,7 +607,7 @@ def formatter(stem: str) -> Callable[[dict], list[str]] | None:
     return FORMATTERS.get(stem) or (profile if stem.startswith("profile") else None)
 
 LAYOUT = [
-    "learning_add", "learning_add_120", "learning_add_informative", "learning_add_compile", "learner_compile", "learning_add_mb4", "learning_add_mb4_same_lr", "lr_decay", "warm_start_lift",
+    "learning_add", "learning_add_120", "learning_add_informative", "learning_add_compile", "learner_compile", "learning_add_mb4", "learning_add_mb4_same_lr", "lr_decay", "staleness_w1", "warm_start_lift",
     "async_speedup", "async_speedup_continue", "limits", "limits_busy",
     "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "weight_sync_gpu",
     "queue_throughput", "algo_throughput",
