@@ -1,8 +1,10 @@
 """Smoke check of the benchmark scripts (`--quick`): each runs, prints its table and writes JSON whose
-figures are finite; `CHECKS` adds, per script, figures that can be recomputed from the same JSON (the limit
-model's arithmetic, ratios against their parts) or that must hold (parity, every call answered). The W1
-script's machinery is covered by test_modes.py; W2's runs streaming alone (each mode is a whole run, ~50 s here: the modes themselves are covered by test_modes.py, the
-sync-relative figures by tests/unit/test_benchmark_helpers.py)."""
+figures are finite; `CHECKS` adds, per script, figures that can be recomputed from the same JSON (ratios against
+their parts) or that must hold (parity, every call answered). The W1 script's machinery is covered by
+test_modes.py; W2's runs streaming alone (each mode is a whole run, ~50 s here: the modes themselves are covered
+by test_modes.py, the sync-relative figures by tests/unit/test_benchmark_helpers.py). `limits.py` is left to
+`make bench-quick`: its three engines and four learners took 190 s of a loaded suite, and its model's arithmetic
+(the limits, the wait replay, W2's fractions) has unit tests in tests/unit/test_benchmark_helpers.py."""
 
 import json
 import math
@@ -39,7 +41,7 @@ def _numbers(obj):
         yield obj
 
 
-QUICK = ["algo_throughput", "queue_throughput", "weight_sync", "async_speedup", "peer_trl", "limits", "logprob_layout",
+QUICK = ["algo_throughput", "queue_throughput", "weight_sync", "async_speedup", "peer_trl", "logprob_layout",
          "client_floor", "agent_tool", "weight_sync_gpu"]
 
 
@@ -64,19 +66,6 @@ def _peer_trl(result):  # same warm start as asyncrl's runs; 4 steps x 256 sampl
     assert 0.15 < result["start_accuracy"] < 0.6 and result["samples_trained"] == 4 * 256
 
 
-def _limits(result):
-    """The limit model's arithmetic, from the measured rates it reports: streaming's limit is
-    min(E, L, c / (1/E + 1/L)), and every W2 mode gets a positive fraction of its limit."""
-    m = result["model"]
-    e, l, c = m["engine_tokens_per_s"], m["learner_tokens_per_s"]["streaming"], m["concurrency_capacity"]
-    assert m["streaming_limit_tokens_per_s"] == pytest.approx(min(e, l))
-    assert m["streaming_limit_measured_tokens_per_s"] == pytest.approx(min(e, l, c / (1 / e + 1 / l)))
-    assert m["shared_core_bound_tokens_per_s"] <= min(e, l)
-    assert 0 < c <= 2.5 and m["straggler_factor"] >= 1
-    assert {mode: f["fraction_of_limit"] > 0 for mode, f in result["w2_fraction_of_limit"].items()} == dict.fromkeys(
-        ("sync", "streaming", "sao"), True)
-
-
 def _logprob_layout(result):
     assert [r["tokens"] for r in result["runs"]] == [128, 6]
     assert all(r["dict_over_flat"] == pytest.approx(r["dict_us_per_request"] / r["flat_us_per_request"], rel=0.01)
@@ -98,6 +87,6 @@ def _agent_tool(result):
     assert result["reward_default_over_fresh_process"] > 1
 
 
-CHECKS = {"weight_sync": _weight_sync, "peer_trl": _peer_trl, "limits": _limits, "logprob_layout": _logprob_layout,
+CHECKS = {"weight_sync": _weight_sync, "peer_trl": _peer_trl, "logprob_layout": _logprob_layout,
           "client_floor": _client_floor, "agent_tool": _agent_tool,
           "weight_sync_gpu": _weight_sync_gpu}
