@@ -129,10 +129,12 @@ engine's warm-up decodes up to this length: 2.3 s against 6.7 s at the default 5
 TINY_RUN = [
     "model.preset=tiny-0.3m", "model.warm_start_examples=0", "buffer.filter_zero_variance=false", "eval.every_steps=0",
     "data.eval_prompts=8", "learner.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_requests_in_flight=16",
-    f"rollout.max_model_len={SHORT_CONTEXT}",
+    f"rollout.max_model_len={SHORT_CONTEXT}", "learner.compile=false",
 ]
 """Overrides for a short real run on the random tiny model (4 groups of 2 per step, all trained: a random
-model earns no reward, so zero-variance filtering would discard every group)."""
+model earns no reward, so zero-variance filtering would discard every group). Eager learner: compiling took
+7-12 s of a 3-step run's 33-47 s (2026-12-04); tests/integration/test_controller.py's runs keep the recipe's
+compiled layers, on one rank and two."""
 
 
 def free_port() -> int:

@@ -47,6 +47,7 @@ def _config(out: Path, model_dir: Path):
         "telemetry.pool_every_s": 0.5,
         "checkpoint.every_steps": 0,
         "checkpoint.export_hf": False,
+        "learner.compile": False,
     }
     return load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
 

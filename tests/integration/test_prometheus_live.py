@@ -110,6 +110,7 @@ def _config(tmp: Path, model_dir: Path, metrics_port: int):
         "telemetry.pool_every_s": 0.5,
         "telemetry.rate_window_s": 5,
         "telemetry.alarms": {"ess_fraction_below": {"threshold": 1.01}},
+        "learner.compile": False,
     }
     return load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
 

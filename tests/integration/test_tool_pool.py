@@ -143,7 +143,7 @@ def test_a_run_with_a_user_reward_scores_every_trajectory_in_the_tool_pool(pool,
         "output_dir": str(tmp_path / "run"), "model.path": str(tiny_model_dir), "rollout.samples_per_prompt": 2,
         "rollout.max_tokens": 4, "rollout.max_model_len": SHORT_CONTEXT, "buffer.filter_zero_variance": False, "algorithm.preset": "grpo", "learner.prompts_per_step": 2,
         "learner.max_steps": 2, "data.eval_prompts": 4, "eval.every_steps": 0, "telemetry.progress": False,
-        "checkpoint.export_hf": False, "env.reward": "sandbox_rewards:half", "tools.num_workers": 1,
+        "checkpoint.export_hf": False, "env.reward": "sandbox_rewards:half", "tools.num_workers": 1, "learner.compile": False,
     }  # fmt: skip
     controller = Controller(load_config(None, [f"{k}={v}" for k, v in overrides.items()]), tiny_model_dir)
     try:
