@@ -3,10 +3,9 @@
 The warm start calls the calculator on some prompts and copies its result unreliably; the held-out eval runs
 greedy episodes (tools and all) on 200 fixed-seed problems. A short run must raise held-out success above the
 start by GAIN and make the model call the tool more often than the start did. Measured (benchmarks/
-agent_learning.py): success 0.055 -> 0.80 (step 10) -> 0.895 (step 20), tool-call rate 0.155 -> 0.92 -> 1.0;
-past step 20 success fell back (0.745 at 30, 0.60 at 40), so the recipe stops at 20. The test stops at 10: the
-gain it asserts is a tenth of step 10's (this test alone, 2026-12-04: 0.005 -> 0.90, tool calls 0.005 -> 0.995),
-and steps 10-20 cost ~60 s of a loaded suite.
+agent_learning.py, 2026-12-04): success 0.005 -> 0.865 (step 20) -> 0.895 (step 40), tool-call rate 0.005 -> 1.0
+by step 10. The test stops at 10: the gain it asserts is a tenth of step 10's (this test alone, 2026-12-04: 0.005 ->
+0.90, tool calls 0.005 -> 0.995), and steps 10-20 cost ~60 s of a loaded suite.
 """
 
 import pytest
