@@ -169,6 +169,11 @@ class RolloutPool:
         self._events: list[PoolEvent] = []
         self._removed: set[str] = set()
         """Workers stopped by `remove_worker` (names are never reused)."""
+        self._last_stats: dict[str, dict[str, Any]] = {}
+        """Each serving worker's latest `stats()` answer."""
+        self.retired: dict[str, dict[str, Any]] = {}
+        """The last counters each worker reported before it died or was removed: a run's totals (tokens
+        generated, busy seconds, ...) are these plus the serving workers' (`PoolSnapshot.engine_total`)."""
         self.placement_timeout_s = placement_timeout_s
         """A worker whose one-bundle placement group is not placed within this fails to start, naming the shortage."""
         self._groups: dict[str, Any] = {}
@@ -325,6 +330,7 @@ class RolloutPool:
         self._run_refs.pop(name, None)
         try:
             ray.get(handle.stop.remote(drain=drain), timeout=_CONTROL_TIMEOUT_S)
+            self._last_stats[name] = ray.get(handle.stats.remote(), timeout=_CONTROL_TIMEOUT_S)
             ray.get(handle.shutdown.remote(), timeout=_CONTROL_TIMEOUT_S)
         except (RayActorError, GetTimeoutError):
             pass  # dead or stuck: killed below, its requests re-queued all the same
@@ -478,6 +484,9 @@ class RolloutPool:
             self._release(name)
 
     def _release(self, name: str) -> None:
+        """A worker left the pool (died or removed): free its placement group and retire its counters."""
+        if name in self._last_stats:
+            self.retired[name] = self._last_stats.pop(name)
         group = self._groups.pop(name, None)
         if group is not None:
             placement.release(group)
@@ -550,13 +559,14 @@ class RolloutPool:
         return self.names
 
     def stats(self, timeout_s: float = _CONTROL_TIMEOUT_S) -> dict[str, dict[str, Any]]:
-        """Per-worker counters (tokens generated, requests done, busy/idle seconds); dead workers are absent."""
+        """Per serving worker, its counters (tokens generated, requests done, busy/idle seconds); a worker that
+        does not answer within `timeout_s` (busy loading weights, say) keeps its last answer, so the run's
+        totals never step back. Workers that died or were removed are in `retired`."""
         calls = {h.stats.remote(): name for name, h in self._workers.items()}
         done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
-        out: dict[str, dict[str, Any]] = {}
         for ref in done:
             try:
-                out[calls[ref]] = ray.get(ref)
+                self._last_stats[calls[ref]] = ray.get(ref)
             except RayActorError:
                 continue
-        return out
+        return {name: self._last_stats[name] for name in self._workers if name in self._last_stats}

@@ -139,6 +139,8 @@ class RunMetrics(Sink):
         self.registry = CollectorRegistry()
         self.m = {spec.name: _build(spec, self.registry) for spec in METRICS}
         self._totals: dict[tuple[str, str], float] = {}
+        self._engines: set[str] = set()
+        """Engines with a version gauge; one that left the pool (died, removed) loses it."""
         if port:
             start_http_server(port, addr=host, registry=self.registry)
 
@@ -216,6 +218,9 @@ class RunMetrics(Sink):
         self._advance("asyncrl_staleness_dropped_groups_total", snapshot.counters.get("groups_dropped_stale", 0))
         self._advance("asyncrl_staleness_masked_tokens_total", snapshot.counters.get("stale_tokens_masked", 0))
         self._advance("asyncrl_learner_trained_tokens_total", snapshot.tokens_trained)
+        for engine in self._engines - snapshot.engines.keys():
+            m["asyncrl_engine_policy_version"].remove(engine)
+        self._engines = set(snapshot.engines)
         for engine, stats in snapshot.engines.items():
             m["asyncrl_engine_policy_version"].labels(engine=engine).set(stats.get("version", 0))
             self._advance("asyncrl_rollout_generated_tokens_total", stats.get("tokens_generated", 0), key=engine)

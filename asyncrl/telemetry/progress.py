@@ -28,16 +28,20 @@ class ProgressState:
     accuracy: float | None = None
     tokens_trained: int = 0
     generated_per_s: float | None = None
+    steps_before: int | None = None
+    """The steps a resumed run had done before this process (its first row's step - 1)."""
 
     def trained_per_s(self) -> float | None:
         wall = self.row["wall_s"] if self.row else 0.0
         return self.tokens_trained / wall if wall > 0 else None
 
     def eta_s(self) -> float | None:
-        """Steps left times the mean step time so far (the run's pace is steady once engines are warm)."""
-        if not self.row or not self.max_steps or self.row["step"] <= 0:
+        """Steps left times the mean step time of this process so far (the run's pace is steady once engines are
+        warm; a resumed run's earlier steps took none of this process's time)."""
+        done = self.row["step"] - (self.steps_before or 0) if self.row else 0
+        if not self.max_steps or done <= 0:
             return None
-        return max(0, self.max_steps - self.row["step"]) * self.row["wall_s"] / self.row["step"]
+        return max(0, self.max_steps - self.row["step"]) * self.row["wall_s"] / done
 
 
 def _duration(seconds: float | None) -> str:
@@ -85,6 +89,8 @@ class Progress(Sink):
 
     def step(self, row: dict) -> None:
         self.state.row = row
+        if self.state.steps_before is None:
+            self.state.steps_before = row["step"] - 1
         self.state.tokens_trained += row.get("tokens", 0)
         if self.view is None and row["step"] % self.every_steps == 0:
             self._print(step_text(self.state))

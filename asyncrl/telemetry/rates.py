@@ -30,15 +30,14 @@ class _Point:
 
 
 def _point(snapshot: PoolSnapshot) -> _Point:
-    engines = snapshot.engines.values()
     counters = snapshot.counters
     finished = sum(n for state, n in counters.items() if state in ("trained", "dropped_stale") or state.startswith(("filtered:", "failed:")))
     return _Point(
         wall_s=snapshot.wall_s,
-        generated=sum(e.get("tokens_generated", 0) for e in engines),
+        generated=snapshot.engine_total("tokens_generated"),
         trained=snapshot.tokens_trained,
-        rollout_busy_s=sum(e.get("busy_s", 0.0) for e in engines),
-        rollout_idle_s=sum(e.get("idle_s", 0.0) for e in engines),
+        rollout_busy_s=snapshot.engine_total("busy_s"),
+        rollout_idle_s=snapshot.engine_total("idle_s"),
         learner_wait_s=snapshot.learner_wait_s,
         dropped_stale=counters.get("dropped_stale", 0),
         finished=finished,

@@ -32,14 +32,12 @@ def pool_point(snapshot: PoolSnapshot) -> dict[str, Any]:
     snapshot's counters are cumulative); `queue/*`, `pool/*` and `engine_version/*` keep every numeric key, so
     figures other engineers add to the snapshot show up without a change here."""
     wall = snapshot.wall_s
-    engines = snapshot.engines.values()
-    busy = sum(e.get("busy_s", 0.0) for e in engines)
-    idle = sum(e.get("idle_s", 0.0) for e in engines)
+    busy, idle = snapshot.engine_total("busy_s"), snapshot.engine_total("idle_s")
     learner_idle = min(1.0, snapshot.learner_wait_s / wall) if wall > 0 else None
     point: dict[str, Any] = {
         "wall_s": round(wall, 3),
         "version": snapshot.version,
-        "rollout_tokens_per_s": sum(e.get("tokens_generated", 0) for e in engines) / wall if wall > 0 else None,
+        "rollout_tokens_per_s": snapshot.engine_total("tokens_generated") / wall if wall > 0 else None,
         "learner_tokens_per_s": snapshot.tokens_trained / wall if wall > 0 else None,
         "rollout_busy_fraction": busy / (busy + idle) if busy + idle > 0 else None,
         "learner_idle_fraction": learner_idle,

@@ -59,13 +59,20 @@ class PoolSnapshot:
     queue: dict[str, float]
     """The queue's level figures (`ReplayQueue.stats()`: ready, backlog, in-flight groups, ...)."""
     engines: dict[str, dict[str, Any]]
-    """Per rollout worker: `RolloutWorker.stats()` (version, tokens generated, busy/idle seconds, ...)."""
+    """Per serving rollout worker: `RolloutWorker.stats()` (version, tokens generated, busy/idle seconds, ...)."""
     tokens_trained: int = 0
     learner_wait_s: float = 0.0
     pool_sizes: dict[str, int] = field(default_factory=dict)
     """Live and joining workers per pool, e.g. {"rollout": 2, "rollout_joining": 1, "learner": 1}."""
     live: LiveRates | None = None
     """Throughput and idle fractions over the last `telemetry.rate_window_s` (None: not measured)."""
+    retired: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per rollout worker that died or was removed: the last `stats()` it reported (`RolloutPool.retired`)."""
+
+    def engine_total(self, key: str) -> float:
+        """A rollout worker counter (`tokens_generated`, `busy_s`, ...) summed over every worker of the run so far,
+        serving or retired: it never steps back when an engine dies and its replacement counts from zero."""
+        return sum(e.get(key, 0) for e in (*self.engines.values(), *self.retired.values()))
 
 
 @dataclass(frozen=True)

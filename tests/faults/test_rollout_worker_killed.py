@@ -45,6 +45,8 @@ def test_the_run_finishes_every_step_after_two_engine_deaths(run_dir):
     assert summary["steps"] == STEPS and summary["final_version"] == STEPS
     faults = summary["faults"]
     assert [f["step"] for f in faults] == KILL_AT
+    # The killed workers' last reported counters stay in the run's totals; no serving worker is among them.
+    assert set(summary["rollout_retired"]) <= {f["worker"] for f in faults} and not set(summary["rollout_retired"]) & set(summary["rollout"])
     for fault in faults:
         print(f"killed {fault['worker']} after step {fault['step']}: detected {fault['detected_s']}s, serving again {fault['recovered_s']}s")
         assert fault["detected_s"] is not None and fault["detected_s"] < 15  # noticed by the pool, not a batch timeout

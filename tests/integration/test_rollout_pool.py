@@ -187,6 +187,7 @@ def test_removing_a_worker_with_requests_in_flight_re_dispatches_them_and_none_i
     requeued = pool.remove_worker("rollout-0")
     assert requeued > 0
     assert pool.names == ["rollout-1"]
+    assert "rollout-0" not in pool.stats() and pool.retired["rollout-0"]["requests_done"] >= 12  # its final counters
     pool.finish_update(loading, version=1, timeout_s=60)
     assert pool.versions() == {"rollout-1": 1}
     snap = _wait_for(queue, lambda s: s["finished"] == 24 and s["pending"] == 0, 180, "all 24 trajectories")
@@ -205,6 +206,7 @@ def test_a_weight_sync_to_a_killed_worker_fails_within_its_timeout_naming_it(poo
 
     ray.get(queue.add.remote(_requests("c", 6)))
     _wait_for(queue, lambda s: s["in_flight"].get("rollout-1", 0) > 0, 60, "rollout-1 to hold requests")
+    assert pool.stats()["rollout-1"]["requests_done"] > 0  # its last report (the re-dispatched "b" requests, at least)
     ray.kill(pool.handle("rollout-1"))
     started = time.monotonic()
     with pytest.raises(WeightSyncError, match="rollout-1") as error:
@@ -219,6 +221,7 @@ def test_the_health_check_replaces_a_dead_worker_and_its_requests_are_served(poo
     dead = pool.check_health(timeout_s=30)
     assert dead == ["rollout-1"]
     assert pool.names == ["rollout-2"]
+    assert set(pool.retired) == {"rollout-0", "rollout-1"} and pool.retired["rollout-1"]["requests_done"] > 0  # kept from its last report
     assert pool.versions() == {"rollout-2": 2}  # the latest published weights, though the failed sync missed it
     snap = _wait_for(queue, lambda s: s["pending"] == 0 and s["in_flight"] == {}, 180, "the re-queued requests")
     assert snap["late"] == 0

@@ -237,3 +237,16 @@ def test_a_schedule_the_peer_cannot_mirror_is_refused():
 
     with pytest.raises(ValueError, match="min_lr_ratio = 0.2"):
         lr_schedule(LearnerConfig(lr_decay="linear", min_lr_ratio=0.2, max_steps=10))
+
+
+def test_a_nan_step_survives_when_the_run_went_past_it():
+    from soak import Checkpoint, Leg, _nan_survived
+
+    def leg(checkpoint_step):
+        return Leg(index=0, ending="SIGTERM", resumed_from=None, started_s=0.0, resumable_at=Checkpoint(checkpoint_step, 0))
+
+    skipped, trained = {"step": 36, "skipped_step": 1}, {"step": 36}
+    assert _nan_survived(leg(30), [35, 36, 37], skipped) is True  # a later step followed
+    assert _nan_survived(leg(36), [35, 36], skipped) is True  # the leg's last step, but checkpointed after it
+    assert _nan_survived(leg(35), [35, 36], skipped) is None  # the next leg replays it: not known here
+    assert _nan_survived(leg(40), [35, 36, 37], trained) is False  # a NaN step that was not skipped

@@ -63,6 +63,17 @@ def test_counters_grow_by_what_the_cumulative_totals_grew_and_survive_a_replaced
     assert _value(text, "asyncrl_staleness_dropped_groups_total") == 3
     assert _value(text, "asyncrl_staleness_aborted_requests_total") == 3
     assert _value(text, 'asyncrl_engine_policy_version{engine="rollout-1"}') == 0
+    assert 'engine="rollout-0"' not in text  # the dead engine's version gauge left with it
+
+
+def test_live_rates_keep_a_dead_engines_tokens():
+    m, window = RunMetrics(), RateWindow(10.0)
+    m.pool(_live(_snapshot(10.0, {"rollout-0": {"tokens_generated": 1000}}), window))
+    # rollout-0 died at 1400 tokens (its last report); its replacement generated 100 since.
+    m.pool(_live(_snapshot(20.0, {"rollout-1": {"tokens_generated": 100}}, retired={"rollout-0": {"tokens_generated": 1400}}), window))
+    text = m.exposition().decode()
+    assert _value(text, "asyncrl_rollout_tokens_per_second") == 50  # (1400 + 100 - 1000) / 10 s, not 0
+    assert _value(text, "asyncrl_rollout_generated_tokens_total") == 1000 + 100  # the counter saw rollout-0 at 1000
 
 
 def test_live_rates_use_the_recent_window_not_the_whole_run():

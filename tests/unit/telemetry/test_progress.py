@@ -86,3 +86,9 @@ def test_step_text_rates_and_eta_are_from_the_run_so_far():
     assert "heldout 0.500" in text and "mismatch k3 2.0e-04" in text
     assert "tok/s 50 trained 1.5k generated" in text  # 400 tokens / 8 s
     assert "ETA 0m12s" in text  # 6 steps left at 2 s a step
+
+
+def test_a_resumed_runs_eta_counts_only_the_steps_this_process_made():
+    # Resumed after step 2: steps 3 and 4 took this process's 8 s, 4 s each; 6 steps left.
+    state = ProgressState(max_steps=10, row=_row(4), accuracy=0.5, tokens_trained=400, steps_before=2)
+    assert "ETA 0m24s" in step_text(state)

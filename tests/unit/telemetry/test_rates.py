@@ -5,6 +5,7 @@ import pytest
 
 from asyncrl.telemetry.figures import batch_figures
 from asyncrl.telemetry.rates import RateWindow
+from asyncrl.telemetry.record import pool_point
 from asyncrl.telemetry.sinks import PoolSnapshot
 from asyncrl.testing import make_trajectory
 from asyncrl.types import Batch, Group
@@ -42,6 +43,20 @@ def test_a_replaced_engine_never_gives_a_negative_rate():
     window = RateWindow(1.0)  # the window starts at t=1, when the engine that died had counted 1000 tokens
     window.add(_snapshot(1.0, 1000))
     assert window.add(_snapshot(2.0, 10)).generated_tokens_per_s == 0.0
+
+
+def test_a_dead_engines_last_counters_keep_the_rates_whole():
+    window = RateWindow(10.0)
+    window.add(_snapshot(10.0, 1000, busy=8.0, idle=2.0))
+    # "e" died after reporting 1200 tokens and 9 s busy; "e2" generated 300 tokens in 4 s busy, 1 s idle since.
+    retired = {"e": {"tokens_generated": 1200, "busy_s": 9.0, "idle_s": 2.0}}
+    replacement = {"e2": {"tokens_generated": 300, "busy_s": 4.0, "idle_s": 1.0}}
+    now = PoolSnapshot(wall_s=20.0, version=0, counters={}, queue={}, engines=replacement, retired=retired)
+    assert now.engine_total("tokens_generated") == 1500
+    live = window.add(now)
+    assert live.generated_tokens_per_s == pytest.approx((1500 - 1000) / 10)
+    assert live.rollout_idle_fraction == pytest.approx(1 / 6)  # 1 s idle of (9 - 8) + 4 busy and 1 idle
+    assert pool_point(now)["rollout_tokens_per_s"] == pytest.approx(1500 / 20)  # the run's mean, dead engine included
 
 
 def test_batch_figures_split_lag_into_generating_and_queued():
