@@ -333,11 +333,20 @@ def _leg_faults(leg: Leg, rows: list[dict], log_text: str, args: argparse.Namesp
     first = leg.resumed_from.step if leg.resumed_from else 0
     out = [_engine_kill(leg, rows, died, log_text) for died in ENGINE_DIED.finditer(log_text)]
     for row in (r for r in rows if r["step"] > first and r["step"] % args.nan_every == 0):
-        skipped = bool(row.get("skipped_step"))
-        out.append({"kind": "NaN reward", "leg": leg.index, "step": row["step"], "survived": skipped and steps[-1] > row["step"]})
+        out.append({"kind": "NaN reward", "leg": leg.index, "step": row["step"], "survived": _nan_survived(leg, steps, row)})
     if leg.tool_fault and leg.tool_fault["injected"]:
         out.append(_tool_fault(leg, rows))
     return out
+
+
+def _nan_survived(leg: Leg, steps: list[int], row: dict) -> bool | None:
+    """A NaN step survived when it was skipped and the run went on past it: a later step in this leg, or a
+    checkpoint at or after it that the next leg resumes from. None when the leg ended right after it without one
+    (the next leg replays that step)."""
+    if not row.get("skipped_step"):
+        return False
+    went_on = steps[-1] > row["step"] or (leg.resumable_at is not None and leg.resumable_at.step >= row["step"])
+    return True if went_on else None
 
 
 def _engine_kill(leg: Leg, rows: list[dict], died: re.Match, log_text: str) -> dict:
