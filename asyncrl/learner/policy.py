@@ -126,12 +126,19 @@ def shard(module: PolicyModel | ValueModel, mesh, compute_dtype: torch.dtype = t
     hooks and DTensor dispatch cost ~20% of a W1 learner step on one CPU thread (a 256 x 18 token batch: 0.49 s
     against 0.40 s for the same step unsharded, which is what a plain transformers forward and backward takes).
     Every caller handles both kinds of tensor (`torch.distributed.checkpoint` reshards a one-rank checkpoint
-    into any number of ranks and back)."""
+    into any number of ranks and back).
+
+    bf16 on CPU: attention runs as plain matmuls and a softmax (transformers' `eager`) instead of SDPA, whose CPU
+    kernel for bf16 is flash attention with a slow backward on short rows (torch 2.13: 60 ms of a W1 layer's
+    backward, half of the step). A W1 step (`model.dtype=bfloat16`, 2026-12-04): 0.80 s with SDPA, 0.42-0.54 s
+    eager, 0.54-0.66 s in fp32 (docs/algorithms.md#mixed-precision)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mixed = compute_dtype != torch.float32
     if not uses_fsdp(mesh.size(), mixed):
         return
+    if mixed and mesh.device_type == "cpu":
+        module.causal_lm.set_attn_implementation("eager")  # the docstring's last paragraph
     layers_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
     for layer in module.decoder_layers:
         fully_shard(layer, mesh=mesh, mp_policy=layers_policy)

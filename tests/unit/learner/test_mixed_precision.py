@@ -103,3 +103,18 @@ def test_weights_leave_for_the_engines_as_bf16_roundings_of_the_fp32_masters(ran
         assert state[name].dtype == torch.float32, name
         assert tensor.dtype == torch.bfloat16, name
         assert torch.equal(tensor, state[name].to(torch.bfloat16)), name
+
+
+def test_cpu_bf16_attention_is_plain_matmuls_and_scores_match_fp32_within_bf16_rounding(rank, tiny_model_dir):
+    from asyncrl.learner.policy import load_causal_lm
+
+    assert rank.state.policy.causal_lm.config._attn_implementation == "eager"  # not SDPA's slow bf16 flash backward
+    token_ids, prompt_len = [1, 5, 6, 7, 4, 9, 3, 8], 2
+    reference = load_causal_lm(str(tiny_model_dir))  # fp32, SDPA
+    with torch.no_grad():
+        logits = reference(torch.tensor([token_ids])).logits[0].float()
+    expected = torch.log_softmax(logits, -1)[torch.arange(prompt_len - 1, len(token_ids) - 1), torch.tensor(token_ids[prompt_len:])]
+    got = torch.as_tensor(rank.score(token_ids, prompt_len))
+    assert got.shape == expected.shape
+    print(f"bf16 learner vs fp32 log-probs: max |diff| = {(got - expected).abs().max():.2e}")
+    assert torch.allclose(got, expected, atol=0.01)  # bf16 layers: ~3 significant digits (2.3e-3 here)
