@@ -63,6 +63,11 @@ class PolicyModel(nn.Module):
     def decoder_layers(self) -> nn.ModuleList:
         return self.causal_lm.model.layers
 
+    @property
+    def transformer(self) -> nn.Module:
+        """The Hugging Face model whose attention implementation `shard` may switch."""
+        return self.causal_lm
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -99,6 +104,10 @@ class ValueModel(nn.Module):
     @property
     def decoder_layers(self) -> nn.ModuleList:
         return self.trunk.layers
+
+    @property
+    def transformer(self) -> nn.Module:
+        return self.trunk
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.trunk(
@@ -138,7 +147,7 @@ def shard(module: PolicyModel | ValueModel, mesh, compute_dtype: torch.dtype = t
     if not uses_fsdp(mesh.size(), mixed):
         return
     if mixed and mesh.device_type == "cpu":
-        module.causal_lm.set_attn_implementation("eager")  # the docstring's last paragraph
+        module.transformer.set_attn_implementation("eager")  # the docstring's last paragraph
     layers_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
     for layer in module.decoder_layers:
         fully_shard(layer, mesh=mesh, mp_policy=layers_policy)

@@ -108,7 +108,14 @@ def test_weights_leave_for_the_engines_as_bf16_roundings_of_the_fp32_masters(ran
 def test_cpu_bf16_attention_is_plain_matmuls_and_scores_match_fp32_within_bf16_rounding(rank, tiny_model_dir):
     from asyncrl.learner.policy import load_causal_lm
 
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from asyncrl.learner.policy import ValueModel, shard
+
     assert rank.state.policy.causal_lm.config._attn_implementation == "eager"  # not SDPA's slow bf16 flash backward
+    critic = ValueModel(load_causal_lm(str(tiny_model_dir)))
+    shard(critic, init_device_mesh("cpu", (1,)), torch.bfloat16)
+    assert critic.trunk.config._attn_implementation == "eager"  # sao's critic too
     token_ids, prompt_len = [1, 5, 6, 7, 4, 9, 3, 8], 2
     reference = load_causal_lm(str(tiny_model_dir))  # fp32, SDPA
     with torch.no_grad():
