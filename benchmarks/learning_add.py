@@ -48,6 +48,8 @@ LEARNER_ALONE_STEPS = 12
 """Optimizer steps `learner_alone` times per thread count (after one warm-up step)."""
 MILESTONES = (0.5, 0.7)
 MODES = {"sync": "sync.yaml", "streaming": "default.yaml", "sao": "sao.yaml"}
+BF16_OVERRIDES = ["model.dtype=bfloat16"]
+"""`--bf16`: bf16 decoder layers in the learner (fp32 masters and head) and bf16 engines."""
 
 
 def time_to_target(evals: list[dict], target: float, clock: str = "wall_s") -> float | None:
@@ -241,16 +243,18 @@ def main() -> None:
     load_start = common.load_average()
     steps, every = (3, 1) if args.quick else (args.steps, 5)
     out = Path(tempfile.mkdtemp(prefix="learning_add-"))
-    results = asyncrl_runs(out, steps, every, args.target, runs(args.mini_batches, args.modes, args.mb_set))
+    planned = [(mode, file, [*extra, *BF16_OVERRIDES]) if args.bf16 else (mode, file, extra) for mode, file, extra in runs(args.mini_batches, args.modes, args.mb_set)]
+    results = asyncrl_runs(out, steps, every, args.target, planned)
     if args.baselines and importlib.util.find_spec("trl") is None:
         print("peer baseline (TRL GRPOTrainer): trl is not installed (pip install -e .[bench])")
     elif args.baselines:
-        results["trl"] = trl_run(out, steps, every, args.target)
-    if args.baselines:
+        results["trl"] = trl_run(out, steps, every, args.target, args.bf16)
+    if args.baselines and not args.bf16:
         results["plain"] = plain_run(steps, every, args.target)
     for mode, r in results.items():
         r.update(run_figures(r["evals"], "wall_s" if mode in ("trl", "plain") else "wall_s_excl_eval"))
-    alone, limit = alone_and_limit(out, results, 5.0 if args.quick else None) if "streaming" in results else ({}, {})
+    # The learner-alone and limit figures train fp32 modules (`limits.rank_trainer`): not measured for a bf16 run.
+    alone, limit = alone_and_limit(out, results, 5.0 if args.quick else None) if "streaming" in results and not args.bf16 else ({}, {})
     print_table(results, steps, args.target)
     print_figures(results)
     if limit:
@@ -273,6 +277,8 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--mb-set", action="append", default=[], metavar="KEY=VALUE", help="config override for the _mbN runs only (repeatable)")
     parser.add_argument("--modes", type=_modes, default=tuple(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--no-baselines", dest="baselines", action="store_false", help="leave out the TRL peer and the plain loop")
+    parser.add_argument("--bf16", action="store_true", help="asyncrl's modes with model.dtype=bfloat16 and TRL with bf16=True (both with "
+                        "eager attention); no plain loop, learner-alone or limit figures (they train fp32)")
     return parser.parse_args()
 
 
@@ -312,10 +318,10 @@ def asyncrl_runs(out: Path, steps: int, every: int, target: float, planned: list
     return results
 
 
-def trl_run(out: Path, steps: int, every: int, target: float) -> dict:
+def trl_run(out: Path, steps: int, every: int, target: float, bf16: bool = False) -> dict:
     """The TRL GRPOTrainer peer (benchmarks/peer_trl.py) on the same warm start and prompt stream."""
     peer_json = out / "peer_trl.json"
-    cmd = [sys.executable, str(Path(__file__).parent / "peer_trl.py"), "--steps", str(steps), "--eval-every", str(every)]
+    cmd = [sys.executable, str(Path(__file__).parent / "peer_trl.py"), "--steps", str(steps), "--eval-every", str(every), *(["--bf16"] if bf16 else [])]
     subprocess.run([*cmd, "--target", str(target), "--out", str(peer_json)], check=True)
     peer = json.loads(peer_json.read_text())
     result = {k: peer[k] for k in ("start_accuracy", "final_accuracy", "wall_clock_s", "samples_trained", "time_to_target_s", "evals")}

@@ -129,7 +129,7 @@ def grpo_config(grpo: dict, cfg):
 
     return GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="peer_trl-"), **grpo, optim="adamw_torch",
-        mask_truncated_completions=cfg.buffer.filter_overlong, use_vllm=False, use_cpu=True, bf16=False, fp16=False,
+        mask_truncated_completions=cfg.buffer.filter_overlong, use_vllm=False, use_cpu=True, fp16=False,
         gradient_checkpointing=False, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
         data_seed=0, dataloader_num_workers=0,
     )  # fmt: skip
@@ -312,6 +312,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps (each 32 prompts x 8 samples)")
     parser.add_argument("--eval-every", type=int, default=10, help="held-out evaluation period in steps")
     parser.add_argument("--target", type=float, default=0.5, help="held-out accuracy whose wall-clock is reported")
+    parser.add_argument("--bf16", action="store_true", help="TRL's bf16 mixed precision (bf16=True), with eager attention as asyncrl's "
+                        "bf16 learner on CPU (torch's bf16 SDPA backward on CPU is slow on short rows)")
     common.add_output_options(parser, "peer_trl", "smoke run: 4 steps, evaluation every 2")
     return parser.parse_args()
 
@@ -333,10 +335,10 @@ def main() -> None:
     cfg = load_config(RECIPES / "default.yaml")
     model_dir = ensure_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **({"attn_implementation": "eager"} if args.bf16 else {}))
     train, heldout = load_prompts(cfg, tokenizer, steps)
-    grpo = grpo_args(cfg, steps)
-    settings = run_settings(grpo, cfg, model_dir, every, len(heldout))
+    grpo = grpo_args(cfg, steps) | {"bf16": args.bf16}
+    settings = run_settings(grpo, cfg, model_dir, every, len(heldout)) | {"bf16": args.bf16}
 
     timers = GenerationTimers()
     progress = Progress(

@@ -323,8 +323,9 @@ def learning_add(d: dict) -> list[str]:
     lines += ["", *_equal_samples_table(modes)]
     peer = modes.get("trl", {}).get("time_to_target_s")
     if peer:
-        key = "time_to_target_excl_eval_s" if "time_to_target_excl_eval_s" in modes.get("sync", {}) else "time_to_target_s"
-        ratios = ", ".join(f"{m} {fx(r[key] / peer)}" for m, r in modes.items() if m != "trl" and r.get(key))
+        # Older results have no evaluation-free clock: their runs' own.
+        clocks = {m: r.get("time_to_target_excl_eval_s", r.get("time_to_target_s")) for m, r in modes.items() if m != "trl"}
+        ratios = ", ".join(f"{m} {fx(t / peer)}" for m, t in clocks.items() if t)
         lines += ["", f"Wall-clock to reach {target} (evaluations excluded on both sides), relative to the peer (goal <= 0.5x): "
                   f"{ratios or 'no asyncrl mode reached it'}."]
     return lines + _learner_alone_line(d) + _w1_limit_table(d)
@@ -587,6 +588,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "learning_add_120": learning_add,
     "learning_add_informative": learning_add,
     "learning_add_compile": learning_add,
+    "learning_add_bf16": learning_add,
     "learning_add_mb4": learning_add_mini_batches,
     "learning_add_mb4_same_lr": learning_add_mini_batches,
     "limits": limits,
@@ -607,7 +609,7 @@ def formatter(stem: str) -> Callable[[dict], list[str]] | None:
     return FORMATTERS.get(stem) or (profile if stem.startswith("profile") else None)
 
 LAYOUT = [
-    "learning_add", "learning_add_120", "learning_add_informative", "learning_add_compile", "learner_compile", "learning_add_mb4", "learning_add_mb4_same_lr", "lr_decay", "staleness_w1", "warm_start_lift",
+    "learning_add", "learning_add_120", "learning_add_informative", "learning_add_compile", "learner_compile", "learning_add_bf16", "learning_add_mb4", "learning_add_mb4_same_lr", "lr_decay", "staleness_w1", "warm_start_lift",
     "async_speedup", "async_speedup_continue", "limits", "limits_busy",
     "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "weight_sync_gpu",
     "queue_throughput", "algo_throughput",
