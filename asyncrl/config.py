@@ -68,8 +68,8 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype of the learner's decoder layers and weight dtype of the engines. With `bfloat16` the
     learner keeps fp32 master weights, optimizer state, gradient reductions and head (FSDP2 mixed
-    precision; docs/algorithms.md#mixed-precision) and sends the engines bf16 roundings of its weights.
-    fp32 gives 1e-5 log-prob parity on CPU."""
+    precision, or its casts without FSDP on one rank; docs/algorithms.md#mixed-precision) and sends the
+    engines bf16 roundings of its weights. fp32 gives 1e-5 log-prob parity on CPU."""
 
 
 class DataConfig(Section):
