@@ -73,3 +73,29 @@ def test_without_a_cxx_compiler_compiling_fails_at_once_naming_the_key(tiny_mode
     monkeypatch.delenv("CXX", raising=False)
     with pytest.raises(RuntimeError, match=r"learner\.compile needs a C\+\+ compiler.*g\+\+, clang\+\+, c\+\+.*learner\.compile=false"):
         build_train_state(LearnerConfig(compile=True), str(tiny_model_dir), torch.device("cpu"))
+
+
+def test_compiled_bf16_layers_compute_with_the_bf16_copies(tiny_model_dir, states):
+    """One bf16 rank (`policy.cast_layers`, no FSDP): the compiled layers use the bf16 copies the hooks put in
+    place, not the fp32 masters the module had when it was traced. A master's gradient then comes from a bf16
+    gradient through the cast, so each of its values is a bf16 number; one computed from the fp32 masters is not."""
+    from asyncrl.learner.policy import cast_layers
+
+    def bf16(module):
+        module.transformer.set_attn_implementation("eager")
+        cast_layers(module, torch.bfloat16)
+
+    def layer_grads_in_bf16(grads: dict) -> float:
+        layer = [g for name, g in grads.items() if ".layers." in name]
+        return sum(int((g == g.to(torch.bfloat16).float()).sum()) for g in layer) / sum(g.numel() for g in layer)
+
+    torch.manual_seed(0)
+    eager, compiled = (build_train_state(LearnerConfig(compile=c, lr=1e-3), str(tiny_model_dir), torch.device("cpu"), bf16) for c in (False, True))
+    recipe = resolve_recipe("grpo")
+    batch = build_batch(random_groups(num_groups=3, group_size=2, seed=7), recipe)
+    loss, grads = _loss_and_grads(eager.policy, batch, recipe)
+    loss_c, grads_c = _loss_and_grads(compiled.policy, batch, recipe)
+    _, grads_fp32 = _loss_and_grads(states[0][0].policy, batch, recipe)
+    assert layer_grads_in_bf16(grads) == layer_grads_in_bf16(grads_c) == 1.0
+    assert layer_grads_in_bf16(grads_fp32) < 0.1
+    assert loss_c == pytest.approx(loss, rel=0.02)
