@@ -149,8 +149,8 @@ def _logprobs_and_gradients(policy) -> tuple[torch.Tensor, dict[str, torch.Tenso
 
 
 def test_one_rank_bf16_without_fsdp_computes_what_fsdp_mixed_precision_does(rank, tiny_model_dir):  # rank: the process group
-    """`shard` on one rank leaves the module plain and casts its layers with hooks (`cast_layers`): the
-    log-probs and every fp32 gradient equal FSDP2's, bit for bit, `MixedPrecisionPolicy(bf16, fp32)` on the same one rank."""
+    """`shard` on one rank leaves the module plain and casts its layers with hooks (`cast_layers`): its log-probs
+    and fp32 gradients equal, bit for bit, those of FSDP2's `MixedPrecisionPolicy(bf16, fp32)` on the same rank."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
 
