@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import secrets
 import time
@@ -288,8 +289,9 @@ class Engine:
             # vLLM refuses n > 1 with greedy sampling; a seed or top log-probs belong to one sample.
             shareable = self._group_requests and sampling.temperature >= GREEDY_BELOW and sampling.seed is None and top_logprobs is None
             self._submit(member, prompt.prompt_ids, sampling, shareable)
-            await asyncio.wait_for(member.done.wait(), timeout=sampling.timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(sampling.timeout_s):  # `wait_for` would start a task per sample
+                await member.done.wait()
+        except TimeoutError:
             failure = f"timeout: request {request.request_id} ran longer than {sampling.timeout_s}s"
             # An external abort makes vLLM emit a final "abort" output, so the member ends with its partial response.
             await self._abort([member])
@@ -346,8 +348,7 @@ class Engine:
             return
         if not self._pending:
             asyncio.get_running_loop().call_soon(self._start_pending)
-        shared = sampling if sampling.timeout_s is None else dataclasses.replace(sampling, timeout_s=None)  # each member keeps its own
-        self._pending.setdefault((tuple(prompt_ids), shared), []).append(member)
+        self._pending.setdefault((tuple(prompt_ids), _shared_spec(sampling)), []).append(member)
 
     def _start_pending(self) -> None:
         pending, self._pending = self._pending, {}
@@ -554,6 +555,13 @@ class Engine:
     def _require_started(self) -> None:
         if self._llm is None:
             raise RuntimeError(f"engine {self.name} is not started (call `await engine.start()`)")
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_spec(sampling: SamplingSpec) -> SamplingSpec:
+    """The sampling a group's shared request runs with: the members' own without its timeout (each member keeps
+    its own). Cached: a run has a handful of specs, and `dataclasses.replace` per sample showed in profiles."""
+    return sampling if sampling.timeout_s is None else dataclasses.replace(sampling, timeout_s=None)
 
 
 def _group_key(name: str) -> str:
