@@ -311,13 +311,14 @@ def learning_add(d: dict) -> list[str]:
                 fnum(r["time_to_target_s"], ".0f"),
                 fnum(r.get("time_to_target_excl_eval_s"), ".0f"),
                 _first_reaching(r["evals"], target, "samples_trained") or "-",
+                _first_reaching(r["evals"], target, "step") or "-",
                 max((int(k) for k in hist), default=0) if hist else "-",
                 fnum(r.get("mismatch_k3_mean"), ".1e"),
                 fnum(r.get("parity_max_abs_diff_mean"), ".1e"),
             ]
         )
     lines += table(
-        ["run", "start acc", "final acc", "gain", "wall s", "samples", "t(target) s", "t(target) s without evals", "samples(target)", "staleness max", "mismatch k3", "parity"],
+        ["run", "start acc", "final acc", "gain", "wall s", "samples", "t(target) s", "t(target) s without evals", "samples(target)", "steps(target)", "staleness max", "mismatch k3", "parity"],
         rows,
     )
     lines += ["", *_equal_samples_table(modes)]
@@ -328,7 +329,27 @@ def learning_add(d: dict) -> list[str]:
         ratios = ", ".join(f"{m} {fx(t / peer)}" for m, t in clocks.items() if t)
         lines += ["", f"Wall-clock to reach {target} (evaluations excluded on both sides), relative to the peer (goal <= 0.5x): "
                   f"{ratios or 'no asyncrl mode reached it'}."]
+        lines += _steps_times_step_time(modes, target, clocks)
     return lines + _learner_alone_line(d) + _w1_limit_table(d)
+
+
+def _steps_times_step_time(modes: dict, target: float, clocks: dict) -> list[str]:
+    """Each mode's wall-clock ratio to the peer, factored as (optimizer steps to the target) x (seconds per step)."""
+    peer_steps = _first_reaching(modes["trl"]["evals"], target, "step")
+    parts = []
+    for mode, t in clocks.items():
+        steps = _first_reaching(modes[mode]["evals"], target, "step")
+        if t and steps and peer_steps:
+            step_ratio = (t / steps) / (modes["trl"]["time_to_target_s"] / peer_steps)
+            parts.append(f"{mode} {fx(steps / peer_steps)} the steps × {fx(step_ratio)} the seconds per step")
+    if not parts:
+        return []
+    return ["", f"The same ratios factored as optimizer steps to {target} (evaluated every {_eval_interval(modes['trl']['evals'])} steps) "
+                f"times seconds per step, each against the peer's {peer_steps} steps: {'; '.join(parts)}."]
+
+
+def _eval_interval(evals: list[dict]) -> int | str:
+    return evals[1]["step"] - evals[0]["step"] if len(evals) > 1 else "-"
 
 
 def _learner_alone_line(d: dict) -> list[str]:

@@ -53,3 +53,15 @@ def test_a_layout_entry_with_neither_result_nor_titled_note_is_named(tmp_path):
 def test_another_results_folder_renders_every_file_without_notes(tmp_path):
     _write(tmp_path, "a.json", json.dumps({"x": 1}))
     assert report.render(tmp_path, None, None) == "# asyncrl benchmark results\n\n## a\n\n| key | value |\n|---|---|\n| x | 1 |\n\n_Source `a.json`._\n"
+
+
+def test_time_to_target_is_factored_into_steps_and_seconds_per_step():
+    def evals(step_reaching: int) -> list[dict]:
+        return [{"step": s, "accuracy": 0.6 if s >= step_reaching else 0.3} for s in range(0, 101, 10)]
+
+    modes = {"streaming": {"evals": evals(40)}, "trl": {"evals": evals(80), "time_to_target_s": 20.0}}
+    # streaming: 40 steps in 30 s = 0.75 s per step; the peer: 80 steps in 20 s = 0.25 s per step.
+    (line,) = [x for x in report._steps_times_step_time(modes, 0.5, {"streaming": 30.0}) if x]
+    assert line.endswith("against the peer's 80 steps: streaming 0.50x the steps × 3.00x the seconds per step.")
+    assert "evaluated every 10 steps" in line
+    assert report._steps_times_step_time(modes, 0.5, {"streaming": None}) == []
