@@ -259,6 +259,14 @@ class BufferConfig(Section):
     """Pass rate at which a prompt is retired (0.9 is ScaleRL's)."""
     capacity_groups: int = Field(1024, ge=1)
     """Ready groups held before producers are back-pressured."""
+    max_ready_batches: int | None = Field(None, ge=1)
+    """Stop starting groups while this many learner batches (B groups each) are ready and the learner's next
+    step may take them (starts go on while that step waits for an unfinished old group, `stale_policy: wait`).
+    Where the learner is the bottleneck, generation otherwise runs as far ahead as `max_staleness` allows and
+    finished samples wait in the queue: W1 streaming with 1 (`configs/default.yaml`) trained samples 1.45
+    versions old instead of 3.1, at the same step time, and ended higher. Where generation is the bottleneck
+    with long tails it idles the engines (W2 streaming: -10% tokens/s). None (default): `max_staleness` and
+    `capacity_groups` alone limit the lead. docs/architecture.md#admission-control."""
     log_parquet: bool = True
     """Append every trajectory with its fate to `<run>/trajectories.parquet`."""
 

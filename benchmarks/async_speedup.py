@@ -169,6 +169,7 @@ def mode_config(mode: str, args, out_dir: Path, model_dir: Path):
         "rollout.num_cpus_per_worker": ROLLOUT_CPUS,
         "buffer.max_staleness": 0 if mode == "sync" else args.max_staleness,
         **({"buffer.stale_policy": args.stale_policy} if args.stale_policy else {}),
+        "buffer.max_ready_batches": max_ready_batches(args),
         "buffer.filter_zero_variance": False,
         "buffer.log_parquet": False,
         "algorithm.preset": RECIPES[mode],
@@ -435,6 +436,7 @@ def run_config(args) -> dict:
         "samples_per_prompt": args.samples_per_prompt,
         "max_staleness": args.max_staleness,
         "stale_policy": stale_policy(args),
+        "max_ready_batches": max_ready_batches(args),
         "length_distribution": {"kind": "lognormal", "median": args.median_tokens, "p99": args.p99_tokens, "cap": LENGTH_CAP, "ignore_eos": True, "per": "prompt (the G samples of a group share it)"},
         "recipes": RECIPES,
         "rollout_workers": 1,
@@ -449,6 +451,15 @@ def stale_policy(args) -> str:
     from asyncrl.config import BufferConfig
 
     return args.stale_policy or BufferConfig.model_fields["stale_policy"].default
+
+
+def max_ready_batches(args) -> int | None:
+    """`--max-ready-batches`, else the config's default."""
+    from asyncrl.config import BufferConfig
+
+    if args.max_ready_batches:
+        return None if args.max_ready_batches == "none" else int(args.max_ready_batches)
+    return BufferConfig.model_fields["max_ready_batches"].default
 
 
 def length_summary(trained_prompts) -> dict:
@@ -466,6 +477,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--samples-per-prompt", type=int, default=4, help="G of sync/streaming")
     parser.add_argument("--max-staleness", type=int, default=4, help="eta of streaming and sao")
     parser.add_argument("--stale-policy", choices=["drop", "wait", "continue"], default=None, help="buffer.stale_policy (default: the config's)")
+    parser.add_argument("--max-ready-batches", default=None, help="buffer.max_ready_batches (default: the config's); 'none': eta alone limits the lead")
     parser.add_argument("--median-tokens", type=float, default=32.0)
     parser.add_argument("--p99-tokens", type=float, default=None, help="default 512, quick 128")
     parser.add_argument("--seed", type=int, default=0)

@@ -159,6 +159,9 @@ class ReplayQueueCore:
         self._unresolved = 0
         self._next_group = 0
         self._dispatch_stopped = False
+        self._next_step_version: int | None = None
+        """The version the learner's next `get_batch` asks at (the last call's, plus one once it handed a batch
+        out): whether that step waits for an old group (`_enough_ready`)."""
         threshold = config.pass_rate_threshold if config.pass_rate_curriculum else float("inf")
         self._pass_rate = filters.PassRateTracker(threshold)
         self._log = None
@@ -364,6 +367,7 @@ class ReplayQueueCore:
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1 (got {num_groups})")
         self.expire_stragglers()
+        self._next_step_version = learner_version
         if self.awaited_requests(learner_version):
             return None
         if self.config.stale_policy != "drop":  # the oldest first: the awaited group, or the one with most to mask
@@ -384,6 +388,7 @@ class ReplayQueueCore:
         lengths = [len(t.response_ids) for g in batch.groups for t in g.trajectories]
         self.ledger.record_trained(batch.lags, waited, lengths)
         self.ledger.count("groups_consumed", take)
+        self._next_step_version = learner_version + 1
         return batch
 
     def awaited_requests(self, learner_version: int) -> list[tuple[str, str | None]]:
@@ -444,8 +449,9 @@ class ReplayQueueCore:
 
     def stats(self) -> dict[str, float]:
         """A flat dict of numbers for telemetry: `counters()`, the queue's state (`admission_version`,
-        `batch_groups`, `max_staleness`, `admission_limit_groups`, `groups_ahead`, `ready_groups`,
-        `ready_samples`, `groups_in_flight`, `backlog_groups`, `retired_prompts_total`), the staleness of
+        `batch_groups`, `max_staleness`, `admission_limit_groups`, `ready_limit_groups` (0: no cap),
+        `groups_ahead`, `ready_groups`, `ready_samples`, `groups_in_flight`, `backlog_groups`,
+        `retired_prompts_total`), the staleness of
         trained samples (`staleness_mean`, `staleness_max`, `staleness_hist:<lag>`), the mean response length of
         generated and of trained samples (`response_len_{generated,trained}_mean`) and put-to-get latency
         (`latency_count`, `latency_{mean,p50,p99,max}_s`)."""
@@ -455,6 +461,7 @@ class ReplayQueueCore:
             batch_groups=self.batch_groups,
             max_staleness=self.config.max_staleness,
             admission_limit_groups=self.admission_limit(),
+            ready_limit_groups=(self.config.max_ready_batches or 0) * self.batch_groups,
             groups_ahead=self.groups_ahead(),
             ready_groups=len(self._ready),
             ready_samples=sum(g.count(READY) for g in self._ready),
@@ -571,9 +578,16 @@ class ReplayQueueCore:
     def _can_start(self) -> bool:
         if self._dispatch_stopped or not self._backlog:
             return False
-        if len(self._ready) >= self.config.capacity_groups:
+        if len(self._ready) >= self.config.capacity_groups or self._enough_ready():
             return False
         return self.groups_ahead() + 1 <= self.admission_limit()
+
+    def _enough_ready(self) -> bool:
+        """`max_ready_batches` batches are ready and the learner's next step may take them (no wait gate)."""
+        cap = self.config.max_ready_batches
+        if cap is None or len(self._ready) < cap * self.batch_groups:
+            return False
+        return self._next_step_version is None or not self.awaited_requests(self._next_step_version)
 
     def _fits_whole(self, room: int, held: set) -> bool:
         """A new group is handed out whole (its samples reach one engine together: one vLLM request of n = G),

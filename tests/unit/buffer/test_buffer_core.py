@@ -227,6 +227,41 @@ def test_capacity_caps_ready_groups():
     assert len(core.acquire("w0", 5)) == 5  # one ready group left < capacity 2
 
 
+def test_new_groups_wait_while_a_learner_batch_is_ready():
+    core = started_queue(num_prompts=10, group_size=1, batch_groups=2, max_staleness=100, max_ready_batches=1)
+    first = core.acquire("w0", 3)
+    assert len(first) == 3  # nothing ready yet: eta alone limits the lead
+    put_all(core, first[:2])
+    assert core.acquire("w0", 5) == []  # one batch (2 groups) is ready for the learner
+    put_all(core, first[2:])
+    assert len(core.get_batch(2, learner_version=0).groups) == 2
+    assert len(core.acquire("w0", 5)) == 5  # one ready group left, less than a batch
+
+
+def test_new_groups_start_while_the_learners_step_waits_for_an_old_group():
+    core = started_queue(num_prompts=10, group_size=1, batch_groups=2, max_staleness=1, max_ready_batches=1)  # eta: 4 groups
+    old, *rest = core.acquire("w0", 3)
+    put_all(core, rest)
+    assert core.acquire("w0", 5) == []  # a batch is ready and the learner has not asked
+    assert core.get_batch(2, learner_version=1) is None  # step 1 must wait for the group started at version 0
+    fourth = core.acquire("w0", 5)
+    assert len(fourth) == 1  # so a ready batch stops nothing; eta's fourth group starts
+    put_all(core, [old, *fourth])
+    assert len(core.get_batch(2, learner_version=1).groups) == 2  # the wait is over
+
+
+def test_after_a_hand_out_the_wait_gate_is_that_of_the_next_step():
+    core = started_queue(num_prompts=10, group_size=1, batch_groups=1, max_staleness=1, max_ready_batches=1)
+    old, first = core.acquire("w0", 2)
+    put_all(core, [first])
+    assert core.get_batch(1, learner_version=0).groups[0].group_id == first.group_id
+    core.set_version(1)
+    put_all(core, core.acquire("w0", 5))  # one more group within eta, now ready: a batch
+    core.set_version(2)
+    # Step 1, the next, must wait for `old` (started at version 0): the ready batch stops nothing.
+    assert len(core.acquire("w0", 5)) == 1
+
+
 def test_a_stale_group_is_dropped_at_hand_out_and_never_returned():
     core = started_queue(num_prompts=3, group_size=1, batch_groups=3, max_staleness=1)
     a, b, c_ = core.acquire("w0", 3)
