@@ -450,7 +450,7 @@ class ReplayQueueCore:
     def stats(self) -> dict[str, float]:
         """A flat dict of numbers for telemetry: `counters()`, the queue's state (`admission_version`,
         `batch_groups`, `max_staleness`, `admission_limit_groups`, `ready_limit_groups` (0: no cap),
-        `groups_ahead`, `ready_groups`, `ready_samples`, `groups_in_flight`, `backlog_groups`,
+        `ready_hold` (1 while prompts wait because of it), `groups_ahead`, `ready_groups`, `ready_samples`, `groups_in_flight`, `backlog_groups`,
         `retired_prompts_total`), the staleness of
         trained samples (`staleness_mean`, `staleness_max`, `staleness_hist:<lag>`), the mean response length of
         generated and of trained samples (`response_len_{generated,trained}_mean`) and put-to-get latency
@@ -462,6 +462,7 @@ class ReplayQueueCore:
             max_staleness=self.config.max_staleness,
             admission_limit_groups=self.admission_limit(),
             ready_limit_groups=(self.config.max_ready_batches or 0) * self.batch_groups,
+            ready_hold=float(bool(self._backlog) and self._enough_ready()),
             groups_ahead=self.groups_ahead(),
             ready_groups=len(self._ready),
             ready_samples=sum(g.count(READY) for g in self._ready),

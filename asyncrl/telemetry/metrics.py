@@ -55,6 +55,7 @@ METRICS: list[MetricSpec] = [
     MetricSpec("asyncrl_staleness_masked_tokens_total", "counter", "Tokens masked out of the loss as older than max_staleness (stale_policy continue)"),
     MetricSpec("asyncrl_staleness_admission_headroom_groups", "gauge", "Groups admission control would still start at the current version"),
     MetricSpec("asyncrl_staleness_admission_blocked", "gauge", "1 while prompts wait in the backlog because admission control holds them back"),
+    MetricSpec("asyncrl_staleness_ready_hold", "gauge", "1 while prompts wait in the backlog because a learner batch is ready (buffer.max_ready_batches)"),
     # mismatch (learner vs rollout log-probs)
     *_mismatch("asyncrl_mismatch_k1_kl", "k1 KL(mu || pi_train) = mean(log mu - log pi_train)"),
     *_mismatch("asyncrl_mismatch_k3_kl", "k3 KL between learner and rollout log-probs"),
@@ -252,6 +253,7 @@ class RunMetrics(Sink):
         headroom = q.get("admission_limit_groups", 0) - q.get("groups_ahead", 0)
         m["asyncrl_staleness_admission_headroom_groups"].set(headroom)
         m["asyncrl_staleness_admission_blocked"].set(float(headroom <= 0 and q.get("backlog_groups", 0) > 0))
+        m["asyncrl_staleness_ready_hold"].set(q.get("ready_hold", 0.0))
 
     def exposition(self) -> bytes:
         from prometheus_client import generate_latest

@@ -233,9 +233,11 @@ def test_new_groups_wait_while_a_learner_batch_is_ready():
     assert len(first) == 3  # nothing ready yet: eta alone limits the lead
     put_all(core, first[:2])
     assert core.acquire("w0", 5) == []  # one batch (2 groups) is ready for the learner
+    assert (core.stats()["ready_hold"], core.stats()["ready_limit_groups"]) == (1.0, 2)
     put_all(core, first[2:])
     assert len(core.get_batch(2, learner_version=0).groups) == 2
     assert len(core.acquire("w0", 5)) == 5  # one ready group left, less than a batch
+    assert core.stats()["ready_hold"] == 0.0
 
 
 def test_new_groups_start_while_the_learners_step_waits_for_an_old_group():

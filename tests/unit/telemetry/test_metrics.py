@@ -88,7 +88,7 @@ def test_live_rates_use_the_recent_window_not_the_whole_run():
 
 def test_queue_levels_in_flight_states_and_admission():
     m = RunMetrics()
-    queue = {"ready_groups": 2, "ready_samples": 8, "backlog_groups": 5, "admission_limit_groups": 12, "groups_ahead": 12}
+    queue = {"ready_groups": 2, "ready_samples": 8, "backlog_groups": 5, "admission_limit_groups": 12, "groups_ahead": 12, "ready_hold": 1.0}
     engines = {"a": {"requests_in_flight": 3, "version": 4}, "b": {"requests_in_flight": 1, "version": 5}}
     m.pool(_snapshot(1.0, engines, {"in_flight": 20}, queue, pool_sizes={"rollout": 2, "learner": 1}))
     text = m.exposition().decode()
@@ -99,6 +99,7 @@ def test_queue_levels_in_flight_states_and_admission():
     assert _value(text, 'asyncrl_queue_in_flight_samples{state="waiting"}') == 20 - 4 - 8
     assert _value(text, "asyncrl_staleness_admission_headroom_groups") == 0
     assert _value(text, "asyncrl_staleness_admission_blocked") == 1
+    assert _value(text, "asyncrl_staleness_ready_hold") == 1
     assert _value(text, 'asyncrl_engine_policy_version{engine="b"}') == 5
     assert _value(text, 'asyncrl_pool_workers{pool="rollout"}') == 2
 
