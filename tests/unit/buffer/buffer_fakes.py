@@ -20,8 +20,8 @@ class FakeClock:
 
 
 def make_config(**overrides) -> BufferConfig:
-    """Filters off and no Parquet log unless a test turns them on."""
-    base = dict(filter_zero_variance=False, filter_overlong=False, pass_rate_curriculum=False, log_parquet=False)
+    """Filters, the ready lead and the Parquet log off unless a test turns them on: η alone bounds the lead."""
+    base = dict(filter_zero_variance=False, filter_overlong=False, pass_rate_curriculum=False, log_parquet=False, max_ready_batches=None)
     base.update(overrides)
     return BufferConfig(**base)
 
