@@ -32,8 +32,8 @@ The stragglers under `stale_policy: wait` (the default): a group admitted at ver
 version a + eta, so the learner waits for its longest sample, whose pace is the engine's decode step, not its
 throughput. Measured: the decode step's seconds with n sequences running (n = 1 to all W2 lets in flight,
 (eta + 1) x prompts_per_step x G), fitted as a + b n. `wait_bound.replay_wait` replays the queue's admission
-and wait gate on W2's prompt stream with that engine and the learner's rate (both slowed as measured
-together):
+(with W2's `buffer.max_ready_batches`) and wait gate on W2's prompt stream with that engine and the learner's
+rate (each slowed as measured together while the other runs):
   wait limit          = min(streaming limit, replayed tokens/s)
   model check           the same replay with eta = 0 is sync on that engine, next to the sync limit above
 W2 streaming under `wait` is reported against the wait limit; under `drop` / `continue` (the learner never
@@ -473,7 +473,7 @@ def wait_limit(model: dict, step_s: dict[int, float], stream: wait_bound.Stream,
     together, rates = model["together"], model["learner_tokens_per_s"]
     common_args = {"steps": args.steps, "batch_groups": args.prompts_per_step, "step_cost": cost, "max_in_flight": MAX_REQUESTS_IN_FLIGHT}
     streaming = wait_bound.replay_wait(
-        stream, eta=args.max_staleness, learner_rate=rates["streaming"], **common_args,
+        stream, eta=args.max_staleness, learner_rate=rates["streaming"], ready_lead=args.max_ready_batches, **common_args,
         engine_slowdown=model["engine_tokens_per_s"] / together["engine_tokens_per_s"],
         learner_slowdown=rates["streaming"] / together["learner_tokens_per_s"],
     )
@@ -538,6 +538,7 @@ def parse_args() -> argparse.Namespace:
     args.max_staleness = config.get("max_staleness", 4)
     args.median_tokens, args.p99_tokens, args.seed = length.get("median", 32.0), length.get("p99", 512.0), 0
     args.stale_policy = config.get("stale_policy")  # W2's, recorded in its result (None: the config's default)
+    args.max_ready_batches = config.get("max_ready_batches")  # absent from results that predate it: eta alone
     args.w2_result = w2_result
     return args
 
@@ -612,7 +613,7 @@ def main() -> None:
         "workload": "W2 tail (limit model)",
         "quick": args.quick,
         "config": {"steps": args.steps, "prompts_per_step": args.prompts_per_step, "samples_per_prompt": args.samples_per_prompt,
-                   "engine_cpus": ROLLOUT_CPUS, "learner_threads": 1, "engine_weight_load": args.weight_load, "w2_result": str(args.w2) if args.w2_result else None},
+                   "engine_cpus": ROLLOUT_CPUS, "learner_threads": 1, "engine_weight_load": args.weight_load, "max_ready_batches": args.max_ready_batches, "w2_result": str(args.w2) if args.w2_result else None},
         "machine": common.machine(load_start),
         "measured": {"engine_s": engine.engine_s, "vllm_alone_s": engine.vllm_s, "gen_batch_s": engine.batch_s,
                      "engine_client_cpu_s": engine.engine_cpu_s, "vllm_client_cpu_s": engine.vllm_cpu_s,

@@ -11,10 +11,12 @@ The ideal machine (every figure measured by `limits.py` in the same run):
   `StepCost` a + b n seconds (`Engine` decoding n sequences at once), x `engine_slowdown` while the learner
   trains (both at full load: E / E_together). Prefill and weight updates are free; an update is confirmed the
   moment the learner steps (admission version = learner version).
-- learner: a step on k tokens takes k / learner_rate seconds (alone), x `learner_slowdown` (L / L_together).
-- queue: group n is admitted as soon as n + 1 <= (v + eta + 1) B and the in-flight cap allows; a step at
-  learner version v starts once no group admitted at a version <= v - eta is unfinished and B groups are
-  ready, and trains the B oldest ready groups.
+- learner: a step on k tokens takes k / learner_rate seconds alone, its progress slowed by `learner_slowdown`
+  (L / L_together) while the engine decodes.
+- queue: group n is admitted as soon as n + 1 <= (v + eta + 1) B and the in-flight cap allows, and, with
+  `ready_lead` (`buffer.max_ready_batches`), while fewer than `ready_lead` B groups are ready or the learner's
+  next step waits for an old group; a step at learner version v starts once no group admitted at a version
+  <= v - eta is unfinished and B groups are ready, and trains the B oldest ready groups.
 A group's G samples share one length (W2: the prompt's `max_tokens`, EOS ignored): G sequences that finish
 together.
 """
@@ -67,6 +69,7 @@ def replay_wait(
     engine_slowdown: float = 1.0,
     learner_slowdown: float = 1.0,
     max_in_flight: int = 256,
+    ready_lead: int | None = None,
 ) -> dict:
     """Replay `steps` learner steps; -> seconds from the start of generation to the last step's end, trained
     tokens, tokens/s and the learner's total wait. eta = 0 replays `sync` (the engine idles while the
@@ -77,21 +80,31 @@ def replay_wait(
     left: dict[int, int] = {}  # running group -> tokens still to generate
     done_at: dict[int, float] = {}  # finished group -> when
     ready: set[int] = set()  # finished, not yet trained
-    idle_since, busy = 0.0, None  # busy: (end time, tokens) of the step in progress
+    idle_since, busy = 0.0, None  # busy: [seconds of the step in progress still to go at full speed, tokens]
+
+    def gated(v: int) -> bool:  # a step at version v waits for an unfinished group admitted at <= v - eta
+        return any(admitted_at[g] <= v - eta for g in left)
+
+    def lead_holds() -> bool:
+        return ready_lead is not None and len(ready) >= ready_lead * B and not gated(version + (busy is not None))
+
     while version < steps:
-        while (n := len(admitted_at)) < len(stream.lengths) and n + 1 <= (version + eta + 1) * B and (len(left) + 1) * G <= max_in_flight:
+        while (n := len(admitted_at)) < len(stream.lengths) and n + 1 <= (version + eta + 1) * B and (len(left) + 1) * G <= max_in_flight and not lead_holds():
             admitted_at.append(version)
             left[n] = stream.lengths[n]
-        if busy is None and not any(admitted_at[g] <= version - eta for g in left) and len(ready) >= B:
+        if busy is None and not gated(version) and len(ready) >= B:
             batch = sorted(ready)[:B]
             ready.difference_update(batch)
             gate = [done_at[g] for g, a in enumerate(admitted_at) if a <= version - eta]
             start = max([idle_since, *gate, *(done_at[g] for g in batch)])
             tokens = sum(stream.tokens[g] for g in batch)
             wait_s += start - idle_since
-            busy = (start + tokens / learner_rate * learner_slowdown, tokens)
+            busy = [tokens / learner_rate - (t - start) / learner_slowdown, tokens]
         if left:
-            t += step_cost(len(left) * G) * (engine_slowdown if busy is not None else 1.0)
+            dt = step_cost(len(left) * G) * (engine_slowdown if busy is not None else 1.0)
+            t += dt
+            if busy is not None:
+                busy[0] -= dt / learner_slowdown
             for g in list(left):
                 left[g] -= 1
                 if left[g] <= 0:
@@ -99,10 +112,11 @@ def replay_wait(
                     done_at[g] = t
                     ready.add(g)
         elif busy is not None:
-            t = max(t, busy[0])
+            t += max(0.0, busy[0])
+            busy[0] = 0.0
         else:
             raise ValueError(f"the replay stalled at version {version}: nothing running and no step possible ({len(stream.lengths)} groups for {steps} steps of {B})")
-        if busy is not None and t >= busy[0]:
-            version, trained_tokens, idle_since = version + 1, trained_tokens + busy[1], busy[0]
-            busy = None
+        if busy is not None and busy[0] <= 0:  # done: at t, less what it had to spare of the last engine step
+            idle_since = t + busy[0] * learner_slowdown
+            version, trained_tokens, busy = version + 1, trained_tokens + busy[1], None
     return {"seconds": idle_since, "tokens": trained_tokens, "tokens_per_s": trained_tokens / idle_since, "learner_wait_s": wait_s}

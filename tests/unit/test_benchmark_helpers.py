@@ -153,6 +153,29 @@ def test_wait_replay_waits_for_the_straggler_as_the_queue_does():
     assert abs(cost.fixed_s - 0.0029) < 1e-12 and abs(cost.per_sequence_s - 0.0001) < 1e-12
 
 
+def test_wait_replay_slows_the_learner_only_while_the_engine_decodes():
+    from wait_bound import StepCost, Stream, replay_wait
+
+    # Groups 0 (4 tokens) and 1 (1 token), 1 s per engine step, the learner 1 s per step alone and half as fast
+    # beside the engine: step 0 trains group 1 from 1 s beside group 0's decoding, done at 3 s; step 1 waits for
+    # group 0 (done at 4 s) and trains with the engine idle, 4-5 s. Waited 1 s + 1 s.
+    slowed = replay_wait(Stream([4, 1], [10, 10], 1), steps=2, batch_groups=1, eta=1, step_cost=StepCost(1.0, 0.0), learner_rate=10.0, learner_slowdown=2.0)
+    assert (slowed["seconds"], slowed["learner_wait_s"]) == (5.0, 2.0)
+
+
+def test_wait_replay_holds_starts_while_the_ready_lead_is_full():
+    from wait_bound import StepCost, Stream, replay_wait
+
+    # One group in flight at a time, 1 s each; the learner takes 2 s per step. eta alone: the engine keeps
+    # generating while the learner trains (steps 1-3, 3-5, 5-7 s). With one ready batch of lead the engine stops
+    # while a batch waits: group 1 starts at 3 s, when step 0 ends, so each step waits 1 s (1-3, 4-6, 7-9 s).
+    args = dict(steps=3, batch_groups=1, eta=3, step_cost=StepCost(1.0, 0.0), learner_rate=5.0, max_in_flight=1)
+    free = replay_wait(Stream([1] * 8, [10] * 8, 1), **args)
+    held = replay_wait(Stream([1] * 8, [10] * 8, 1), ready_lead=1, **args)
+    assert (free["seconds"], free["learner_wait_s"]) == (7.0, 1.0)
+    assert (held["seconds"], held["learner_wait_s"]) == (9.0, 3.0)
+
+
 def test_streaming_under_wait_is_held_to_the_wait_limit():
     from limits import w2_fractions
 
