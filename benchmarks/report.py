@@ -640,7 +640,7 @@ LAYOUT = [
     "profile_w1_unfrozen_1", "profile_w1_frozen_1", "profile_w1_unfrozen_2", "profile_w1_frozen_2",
     "profile_w1_whole_groups_1", "profile_w1_split_groups_1", "profile_w1_whole_groups_2", "profile_w1_split_groups_2", "profile_w1_threads", "profile_w1_compile", "profile_w1_bf16",
     "rollout_overhead", "client_floor_no_freeze", "client_floor", "logprob_layout",
-    "agent_learning", "agent_tool", "openai_endpoint", "soak",
+    "agent_learning", "agent_tool", "openai_endpoint", "soak", "readme_results_archive",
 ]  # fmt: skip
 """The sections of RESULTS.md in order (module docstring)."""
 
