@@ -11,6 +11,10 @@ single-rollout, so it gets each prompt G times as G separate prompts (same token
 G x prompts_per_step samples per step. Recipes are the modes' own (configs/*.yaml): sync = grpo (eta 0,
 blocking weight sync), streaming = cispo (eta, in-flight sync), sao = sao (critic + VAPO, DIS, eta).
 
+The modes take turns, `--rounds` times (default 3): each mode's row is its median round by trained tokens/s (a
+whole run's figures), and the speedups are also given within each round, so one slow spell of the shared machine
+moves one round, not the result.
+
 Figures per mode, over the training window (generation starts -> last optimizer step):
   trained tokens/s (prompt + response tokens of trained samples / window), the async speedup
   streaming / sync, the engine-alone limit (the first steps x prompts_per_step x G requests of the same
@@ -21,7 +25,7 @@ Figures per mode, over the training window (generation starts -> last optimizer 
   a staleness policy that drops long samples (`buffer.stale_policy: drop`) trains a shorter mean than it
   generates; the default (`wait`) trains what it generates.
 
-    python benchmarks/async_speedup.py           # ~5 min on 2 CPU cores
+    python benchmarks/async_speedup.py           # ~9 min on 2 CPU cores (three rounds)
     python benchmarks/async_speedup.py --quick   # smoke size (~2 min), writes async_speedup_quick.json
 
 The weight-sync parity probe and checkpoints are off (they are diagnostics, measured by W3 and the tests).
@@ -345,7 +349,8 @@ def measure_limit(args, model_dir: Path, trained_prompts) -> dict:
 
 
 def run_all(args, modes: list[str], model_dir: Path, runs_dir: Path, prompts) -> tuple[list[dict], list[dict]]:
-    """One row per mode, and the limit measured before and after the modes (the machine is shared: the
+    """One row per mode and round (the modes take turns within each round, so a slow spell of the shared
+    machine falls on one round, not on one mode), and the limit measured before and after the modes (the
     better one counts); a quick run measures it once."""
     import ray
 
@@ -355,20 +360,51 @@ def run_all(args, modes: list[str], model_dir: Path, runs_dir: Path, prompts) ->
     try:
         if not args.no_limit:
             limits.append(measure_limit(args, model_dir, trained_prompts))
-        for mode in modes:
-            print(f"{mode} ...", flush=True)
-            row = run_mode(mode, args, runs_dir, model_dir, prompts)
-            print(
-                f"  {row['samples_trained']} samples, {row['tokens_trained']} tokens in {row['window_s']:.1f}s "
-                f"({row['trained_tokens_per_s']:.0f} tokens/s, setup {row['setup_s']:.0f}s)",
-                flush=True,
-            )
-            rows.append(row)
+        for round_index in range(args.rounds):
+            for mode in modes:
+                print(f"{mode} ..." + (f" (round {round_index + 1} of {args.rounds})" if args.rounds > 1 else ""), flush=True)
+                row = run_mode(mode, args, runs_dir / f"round{round_index}", model_dir, prompts)
+                row["round"] = round_index
+                print(
+                    f"  {row['samples_trained']} samples, {row['tokens_trained']} tokens in {row['window_s']:.1f}s "
+                    f"({row['trained_tokens_per_s']:.0f} tokens/s, setup {row['setup_s']:.0f}s)",
+                    flush=True,
+                )
+                rows.append(row)
         if not args.quick and not args.no_limit:
             limits.append(measure_limit(args, model_dir, trained_prompts))
     finally:
         ray.shutdown()
     return rows, limits
+
+
+def median_rows(rows: list[dict]) -> list[dict]:
+    """Each mode's row of its median round by trained tokens/s (the lower middle one for an even count), in the
+    order the modes first ran: a real run's figures, all from the same run."""
+    by_mode: dict[str, list[dict]] = {}
+    for r in rows:
+        by_mode.setdefault(r["mode"], []).append(r)
+    picked = []
+    for runs in by_mode.values():
+        ranked = sorted(runs, key=lambda r: r["trained_tokens_per_s"])
+        picked.append(ranked[(len(ranked) - 1) // 2])
+    return picked
+
+
+def round_ratios(rows: list[dict]) -> dict[str, list[float]]:
+    """streaming / sync and sao / sync trained tokens/s within each round that ran both."""
+    by_round: dict[int, dict[str, dict]] = {}
+    for r in rows:
+        by_round.setdefault(r.get("round", 0), {})[r["mode"]] = r
+    ratios: dict[str, list[float]] = {}
+    for modes in by_round.values():
+        if "sync" not in modes:
+            continue
+        for mode in ("streaming", "sao"):
+            if mode in modes:
+                ratio = modes[mode]["trained_tokens_per_s"] / modes["sync"]["trained_tokens_per_s"]
+                ratios.setdefault(f"{mode}_over_sync", []).append(ratio)
+    return ratios
 
 
 def speedup_ratios(rows: list[dict]) -> dict[str, float]:
@@ -415,7 +451,7 @@ def fmt_table(rows: list[dict], limit: dict | None) -> str:
 
 
 
-def print_summary(args, rows: list[dict], limit: dict | None, ratios: dict[str, float]) -> None:
+def print_summary(args, rows: list[dict], limit: dict | None, ratios: dict[str, float], per_round: dict[str, list[float]]) -> None:
     print(
         f"W2 tail: trained tokens/s, heavy-tailed lengths (log-normal median {args.median_tokens:g}, p99 {args.p99_tokens:g}, "
         f"ignore EOS), {args.steps} steps x {args.prompts_per_step} prompts x G={args.samples_per_prompt}, eta={args.max_staleness}, "
@@ -426,6 +462,9 @@ def print_summary(args, rows: list[dict], limit: dict | None, ratios: dict[str, 
         if f"{mode}_over_sync" in ratios:
             print(f"{mode} / sync: {ratios[f'{mode}_over_sync']:.2f}x trained tokens/s "
                   f"({ratios[f'{mode}_over_sync_samples_per_s']:.2f}x trained samples/s)")
+    if args.rounds > 1:
+        print("median round of each mode; within each round: " + "; ".join(
+            f"{key.replace('_over_', ' / ')} " + " ".join(f"{x:.2f}x" for x in values) for key, values in per_round.items()))
 
 
 def run_config(args) -> dict:
@@ -482,8 +521,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--p99-tokens", type=float, default=None, help="default 512, quick 128")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-limit", action="store_true", help="skip the engine-alone run")
+    parser.add_argument("--rounds", type=int, default=None, help="the modes in turn this many times; each mode's median round is reported (default 3, quick 1)")
     args = parser.parse_args()
     args.steps = args.steps or (2 if args.quick else 24)
+    args.rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     args.p99_tokens = args.p99_tokens or (128.0 if args.quick else 512.0)
     return args
 
@@ -498,12 +541,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="asyncrl-w2-") as tmp:
         model_dir = build_model("tiny-0.3m", Path(tmp) / "model", seed=args.seed)
         prompts = workload(args, model_dir)
-        rows, limits = run_all(args, modes, model_dir, Path(tmp) / "runs", prompts)
+        all_rows, limits = run_all(args, modes, model_dir, Path(tmp) / "runs", prompts)
     limit = max(limits, key=lambda m: m["tokens_per_s"]) if limits else None
-    for r in rows:
+    for r in all_rows:
         r["rollout_efficiency"] = r["trained_tokens_per_s"] / limit["tokens_per_s"] if limit else None
+    rows = median_rows(all_rows)
     ratios = speedup_ratios(rows)
-    print_summary(args, rows, limit, ratios)
+    per_round = round_ratios(all_rows)
+    print_summary(args, rows, limit, ratios, per_round)
 
     result = {
         "workload": "W2 tail",
@@ -513,8 +558,11 @@ def main() -> None:
         "machine": common.machine(load_start),
         "engine_alone": limit,
         "engine_alone_runs": limits,
+        "rounds": args.rounds,
         "modes": rows,
         "ratios": ratios,
+        "round_ratios": per_round,
+        "runs": [{k: r[k] for k in ("round", "mode", "window_s", "trained_tokens_per_s", "learner_wait_s", "staleness_mean", "load_average_1min")} for r in all_rows],
         "async_speedup": ratios.get("streaming_over_sync"),
         "total_s": round(time.perf_counter() - began, 1),
     }

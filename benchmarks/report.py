@@ -99,12 +99,28 @@ def async_speedup(d: dict, title: str = "## W2 `tail` — async throughput under
         "",
         "**Headline:** " + "; ".join(_async_headline(d["modes"], d.get("ratios", {}))) + ".",
         "",
-    ]
+    ] + _async_rounds(d)
     return lines + table(
         ["mode", "recipe", "window s", "samples", "tokens", "mean resp len generated", "mean resp len trained", "tokens/s", "vs sync", "efficiency",
          "rollout idle", "learner idle", "staleness mean", "staleness max", "dropped stale", "of which aborted early", "stale tokens masked"],
         _async_rows(d["modes"], d.get("engine_alone") or {}),
     )
+
+
+def _async_rounds(d: dict) -> list[str]:
+    """With several rounds: each mode's tokens/s round by round, and the speedups within each round."""
+    if d.get("rounds", 1) <= 1:
+        return []
+    per_mode: dict[str, list[str]] = {}
+    for r in d["runs"]:
+        per_mode.setdefault(r["mode"], []).append(f"{r['trained_tokens_per_s']:,.0f}")
+    within = "; ".join(f"{key.replace('_over_', ' / ')} " + " / ".join(fx(x) for x in values) for key, values in d.get("round_ratios", {}).items())
+    return [
+        f"The modes ran in turn, {d['rounds']} rounds; each row below is the mode's median round. Trained tokens/s round by "
+        "round: " + "; ".join(f"{mode} {' / '.join(values)}" for mode, values in per_mode.items())
+        + (f". Within each round: {within}" if within else "") + ".",
+        "",
+    ]
 
 
 def _async_headline(modes: list[dict], ratios: dict) -> list[str]:

@@ -232,6 +232,30 @@ def test_w2_speedups_and_table_take_sync_as_the_reference():
     assert [line.split()[8] for line in fmt_table(rows[1:], None).splitlines()[1:]] == ["-", "-"]
 
 
+def test_w2_rounds_report_each_modes_median_round_and_the_speedups_within_rounds():
+    from async_speedup import median_rows, round_ratios
+    from report import _async_rounds
+
+    def row(mode, round_index, tokens_per_s):
+        return {**_w2_row(mode, tokens_per_s, tokens_per_s / 10), "round": round_index}
+
+    # sync's second round is the slow spell: the median drops it, the within-round ratio shows it.
+    rows = [row("sync", 0, 2000.0), row("streaming", 0, 4000.0),
+            row("sync", 1, 1000.0), row("streaming", 1, 5000.0),
+            row("sync", 2, 2200.0), row("streaming", 2, 4400.0)]
+    picked = median_rows(rows)
+    assert [(r["mode"], r["round"], r["trained_tokens_per_s"]) for r in picked] == [("sync", 0, 2000.0), ("streaming", 2, 4400.0)]
+    assert round_ratios(rows) == {"streaming_over_sync": [2.0, 5.0, 2.0]}
+    # An even count takes the lower middle round; a round without sync has no ratio.
+    assert median_rows(rows[:4])[0]["trained_tokens_per_s"] == 1000.0
+    assert round_ratios([row("streaming", 0, 1.0)]) == {}
+    runs = [{k: r[k] for k in ("round", "mode", "trained_tokens_per_s")} for r in rows]
+    line = _async_rounds({"rounds": 3, "runs": runs, "round_ratios": round_ratios(rows)})[0]
+    assert "sync 2,000 / 1,000 / 2,200; streaming 4,000 / 5,000 / 4,400" in line
+    assert "streaming / sync 2.00x / 5.00x / 2.00x" in line
+    assert _async_rounds({"rounds": 1, "runs": runs}) == []
+
+
 @pytest.mark.parametrize("decay", [{"lr_decay": "cosine", "min_lr_ratio": 0.1}, {"lr_decay": "linear"}, {}])
 def test_the_peer_steps_at_asyncrls_learning_rates(decay):
     from peer_trl import lr_schedule
