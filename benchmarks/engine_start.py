@@ -2,10 +2,10 @@
 
 An `Engine` on the tiny model started inside a fresh Ray actor with the rollout worker's CPU share, as the pool
 starts one (and replaces a dead one), alternating:
-  server   the code as it runs: `Engine.start` first starts a fork server that imports vLLM's engine core
-           while the actor imports vLLM, and vLLM's engine core is forked from it
+  server   `rollout.fork_engine_core: true` (the default): `Engine.start` first starts a fork server that
+           imports vLLM's engine core while the actor imports vLLM, and vLLM's engine core is forked from it
            (`vllm_compat.start_engine_core_server`);
-  spawn    the code before: vLLM spawns its engine core, a fresh interpreter that imports vLLM again.
+  spawn    `false` (the code before): vLLM spawns its engine core, a fresh interpreter that imports vLLM again.
 Reported per start: seconds from the actor's creation to the engine serving (its imports, the engine core's
 start, the model load and the warm-up), and the engine start alone; the median of each variant, and their ratio.
 
@@ -33,12 +33,9 @@ def start_in_actor(model_dir: str, variant: str) -> dict:
     @ray.remote(num_cpus=ROLLOUT_CPUS)
     class Starter:
         async def start(self, model_dir: str, variant: str) -> float:
-            from asyncrl.rollout import vllm_compat
             from asyncrl.rollout.engine import Engine
 
-            if variant == "spawn":
-                vllm_compat.cpu_build = lambda: False  # the code before: no server, vLLM spawns its engine core
-            engine = Engine(model_dir, name="start", max_model_len=MAX_MODEL_LEN, kv_cache_gib=1)
+            engine = Engine(model_dir, name="start", max_model_len=MAX_MODEL_LEN, kv_cache_gib=1, fork_core=variant == "server")
             began = time.perf_counter()
             await engine.start()
             return time.perf_counter() - began

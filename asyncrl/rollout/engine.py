@@ -138,6 +138,7 @@ class Engine:
         initial_version: int = 0,
         weight_load: str = "auto",
         group_requests: bool = True,
+        fork_core: bool = True,
     ) -> None:
         self.model_dir = str(model_dir)
         self.name = name
@@ -153,6 +154,8 @@ class Engine:
         self._weight_load = weight_load
         """`RolloutConfig.weight_load` (auto / in_place / reload)."""
         self._group_requests = group_requests
+        self._fork_core = fork_core
+        """Fork vLLM's engine core from a preloaded server on CPU (`RolloutConfig.fork_engine_core`)."""
         """Samples of one prompt and sampling asked for in one event-loop turn share a vLLM request (`_submit`)."""
         self._in_place = False
         """Whether new weights are copied into the parameters (decided at start) or go through vLLM's reload."""
@@ -181,10 +184,11 @@ class Engine:
 
     async def start(self) -> None:
         vllm_compat.configure_process_env(self._kv_cache_gib)
-        if vllm_compat.cpu_build():
+        fork = self._fork_core and vllm_compat.cpu_build()
+        if fork:
             vllm_compat.start_engine_core_server()  # imports vLLM's engine core while this process imports vLLM
         args = vllm_compat.engine_args(self.model_dir, **self._engine_kwargs)
-        self._llm = vllm_compat.create_async_llm(args)
+        self._llm = vllm_compat.create_async_llm(args, fork_core=fork)
         self._tokenizer = self._llm.tokenizer
         if self._weight_load != "reload":
             self._in_place = await vllm_compat.prepare_in_place(self._llm, self._weight_load == "auto")

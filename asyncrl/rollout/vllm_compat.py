@@ -284,7 +284,8 @@ def start_engine_core_server() -> None:
 
     vLLM 0.32 starts its engine-core process with `spawn` (forced inside Ray actors; `configure_process_env`
     asks for it everywhere): a fresh interpreter that imports vLLM again, ~8 s of one core here, after this
-    process has imported it for `AsyncLLM`. Started first thing in `Engine.start`, the server imports vLLM while
+    process has imported it for `AsyncLLM`. Started first thing in `Engine.start` (`rollout.fork_engine_core`,
+    with vLLM's CPU build; GPU builds keep spawn, unmeasured there), the server imports vLLM while
     this process does, on another core; `create_async_llm` then has vLLM fork its engine core from it (one
     process per engine process: ~0.4 GB it keeps while that process lives; the next engine of the same
     process, in tests, starts without any import). Nothing else of this process is inherited: the child gets
@@ -368,13 +369,7 @@ def _run_with_environ(call: tuple, environ: dict[str, str], threads: int) -> Any
     return target(*args, **kwargs)
 
 
-def _engine_core_server_running() -> bool:
-    import multiprocessing.forkserver as forkserver
-
-    return forkserver._forkserver._forkserver_pid is not None
-
-
-def create_async_llm(args: Any) -> Any:
+def create_async_llm(args: Any, fork_core: bool = False) -> Any:
     """An `AsyncLLM` for `args`; on CPU its model runs inside the engine-core process.
 
     vLLM 0.32 on CPU replaces a "uni" executor with "mp" unless `VLLM_ENABLE_V1_MULTIPROCESSING=0` while the
@@ -386,6 +381,9 @@ def create_async_llm(args: Any) -> Any:
     to "uni"; the variable is restored afterwards (`AsyncLLM` always runs its engine core in a separate
     process, whatever its value). With one thread per engine (Ray's `OMP_NUM_THREADS` from `num_cpus`)
     the OpenMP setup the "mp" executor exists for is not needed.
+
+    `fork_core` (CPU only): vLLM forks its engine core from `start_engine_core_server`'s server rather than
+    spawning it; vLLM's `get_mp_context` is replaced for the duration of this call only.
     """
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -404,7 +402,8 @@ def create_async_llm(args: Any) -> Any:
     import vllm.v1.engine.utils as engine_utils
 
     spawn_context = engine_utils.get_mp_context
-    if _engine_core_server_running():
+    if fork_core:
+        start_engine_core_server()  # running already when the engine started it first
         engine_utils.get_mp_context = _EnvForkServerContext
     try:
         llm = AsyncLLM.from_vllm_config(config, disable_log_stats=True, enable_log_requests=False)

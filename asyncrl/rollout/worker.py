@@ -78,6 +78,7 @@ class WorkerSpec:
             seed=self.seed,
             weight_load=rollout.weight_load,
             group_requests=rollout.group_requests,
+            fork_core=rollout.fork_engine_core,
         )
 
 

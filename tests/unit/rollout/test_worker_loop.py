@@ -276,3 +276,11 @@ def test_an_in_flight_weight_update_aborts_requests_certain_to_exceed_the_bound(
     assert load.version == 5 and before <= load.served_at <= time.time()
     assert engine.abort_calls == calls
     assert asyncio.run(worker.stats())["stale_aborts"] == 3 * len(calls)
+
+
+@pytest.mark.parametrize("fork", [True, False])
+def test_the_worker_builds_its_engine_from_the_rollout_config(fork):
+    rollout = RolloutConfig(max_requests_in_flight=7, weight_load="reload", group_requests=False, fork_engine_core=fork)
+    engine = WorkerSpec(model_dir="/models/m", rollout=rollout, seed=3).build_engine("rollout-4")
+    assert (engine.name, engine.model_dir, engine._engine_kwargs["max_num_seqs"], engine._engine_kwargs["seed"]) == ("rollout-4", "/models/m", 7, 3)
+    assert (engine._weight_load, engine._group_requests, engine._fork_core) == ("reload", False, fork)
