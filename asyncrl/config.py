@@ -128,8 +128,9 @@ class RolloutConfig(Section):
     fork_engine_core: bool = True
     """With vLLM's CPU build, fork each engine's engine-core process from a server that imports vLLM while the
     worker does, instead of letting vLLM spawn it to import vLLM a second time (~8 s of a core): an engine
-    serves 12.7 s after its actor starts instead of 18.7 on a 2-core machine (benchmarks/RESULTS.md, engine
-    start-up). The server keeps ~0.4 GB per worker. Off: vLLM's spawn. GPU builds always spawn."""
+    serves 12.7 s after its actor starts instead of 18.7 on an idle 2-core machine, and a killed engine's
+    replacement in a run 16.0 s instead of 20.2 (benchmarks/RESULTS.md, engine start-up). The server keeps
+    ~0.4 GB per worker. Off: vLLM's spawn. GPU builds always spawn."""
     request_timeout_s: float = Field(120.0, gt=0)
     """A request running longer is aborted and its trajectory counted `failed:timeout`."""
     kv_cache_gib: float = Field(1.0, gt=0)
