@@ -130,7 +130,8 @@ class RolloutConfig(Section):
     worker does, instead of letting vLLM spawn it to import vLLM a second time (~8 s of a core): an engine
     serves 12.7 s after its actor starts instead of 18.7 on an idle 2-core machine, and a killed engine's
     replacement in a run 16.0 s instead of 20.2 (benchmarks/RESULTS.md, engine start-up). The server keeps
-    ~0.4 GB per worker. Off: vLLM's spawn. GPU builds always spawn."""
+    ~0.2 GB per worker (the worker's processes: 2,265 against 2,055 MiB proportional set size). Off: vLLM's
+    spawn. GPU builds always spawn."""
     request_timeout_s: float = Field(120.0, gt=0)
     """A request running longer is aborted and its trajectory counted `failed:timeout`."""
     kv_cache_gib: float = Field(1.0, gt=0)

@@ -287,7 +287,8 @@ def start_engine_core_server() -> None:
     process has imported it for `AsyncLLM`. Started first thing in `Engine.start` (`rollout.fork_engine_core`,
     with vLLM's CPU build; GPU builds keep spawn, unmeasured there), the server imports vLLM while
     this process does, on another core; `create_async_llm` then has vLLM fork its engine core from it (one
-    process per engine process: ~0.4 GB it keeps while that process lives; the next engine of the same
+    process per engine process: +0.2 GB of proportional memory per worker, the engine core sharing the
+    server's pages; the next engine of the same
     process, in tests, starts without any import). Nothing else of this process is inherited: the child gets
     this process's environment as it is when the engine core starts (`_EnvForkServerProcess`). In a Ray actor
     on an idle 2-core machine an engine started in 12-14 s instead of 18 (benchmarks/RESULTS.md, engine
