@@ -280,19 +280,18 @@ ENGINE_CORE_PRELOAD = ("vllm.v1.engine.core", "asyncrl.rollout.vllm_compat")
 
 def start_engine_core_server() -> None:
     """Start, in the background, the process this process's engine cores will be forked from (a `forkserver`
-    that has imported vLLM's engine core).
+    that has imported vLLM's engine core). Returns at once; calling it again does nothing.
 
     vLLM 0.32 starts its engine-core process with `spawn` (forced inside Ray actors; `configure_process_env`
     asks for it everywhere): a fresh interpreter that imports vLLM again, ~8 s of one core here, after this
     process has imported it for `AsyncLLM`. Started first thing in `Engine.start` (`rollout.fork_engine_core`,
-    with vLLM's CPU build; GPU builds keep spawn, unmeasured there), the server imports vLLM while
-    this process does, on another core; `create_async_llm` then has vLLM fork its engine core from it (one
-    process per engine process: +0.2 GB of proportional memory per worker, the engine core sharing the
-    server's pages; the next engine of the same
-    process, in tests, starts without any import). Nothing else of this process is inherited: the child gets
-    this process's environment as it is when the engine core starts (`_EnvForkServerProcess`). In a Ray actor
-    on an idle 2-core machine an engine started in 12-14 s instead of 18 (benchmarks/RESULTS.md, engine
-    start-up). Returns at once; calling it again does nothing."""
+    vLLM's CPU build only; GPU builds keep spawn, unmeasured there), the server imports vLLM while this process
+    does, on another core, and `create_async_llm` has vLLM fork its engine core from it. Nothing else of this
+    process is inherited: the child gets this process's environment as it is when the engine core starts
+    (`_EnvForkServerProcess`). One server per engine process, living as long as it: the worker's processes
+    take ~0.2 GB more (the engine core shares the server's pages), and a second engine of the same process (the
+    tests) starts without any import. In a Ray actor on an idle 2-core machine an engine served after 12-14 s
+    instead of 18 (benchmarks/RESULTS.md, engine start-up)."""
     import multiprocessing.forkserver as forkserver
 
     forkserver.set_forkserver_preload(list(ENGINE_CORE_PRELOAD))
