@@ -154,9 +154,9 @@ class Engine:
         self._weight_load = weight_load
         """`RolloutConfig.weight_load` (auto / in_place / reload)."""
         self._group_requests = group_requests
+        """Samples of one prompt and sampling asked for in one event-loop turn share a vLLM request (`_submit`)."""
         self._fork_core = fork_core
         """Fork vLLM's engine core from a preloaded server on CPU (`RolloutConfig.fork_engine_core`)."""
-        """Samples of one prompt and sampling asked for in one event-loop turn share a vLLM request (`_submit`)."""
         self._in_place = False
         """Whether new weights are copied into the parameters (decided at start) or go through vLLM's reload."""
         self._llm: Any = None
