@@ -428,4 +428,3 @@ def test_the_engine_core_is_forked_from_the_preloaded_server_with_this_process_e
     assert info["torch_threads"] == vllm_compat._engine_threads(os.environ) > 0
     with open(f"/proc/{info['pid']}/comm") as f:
         assert f.read().strip() == "VLLM::EngineCor"  # vLLM's process title, which `ps` and py-spy users look for
-
