@@ -18,7 +18,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 RUN_PACKAGES ?= g++:g++
 SYSTEM_PACKAGES ?= $(RUN_PACKAGES) chromium:chromium prometheus:prometheus bubblewrap:bwrap
 
-.PHONY: install run test test-fast test-gpu bench bench-quick clean system-deps run-deps
+.PHONY: install run lint test test-fast test-gpu bench bench-quick clean system-deps run-deps
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,7 +57,13 @@ run-deps:
 # so one file at a time leaves ~40% of a 2-core machine idle. TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 
-test: $(STAMP) system-deps
+# The linter (ruff: lint and format check) and the type checker (mypy) on the package; configured in pyproject.toml.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check asyncrl
+	$(VENV)/bin/ruff format --check asyncrl
+	$(VENV)/bin/mypy
+
+test: $(STAMP) system-deps lint
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 test-fast: $(STAMP)

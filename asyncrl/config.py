@@ -166,7 +166,9 @@ class RolloutConfig(Section):
     @model_validator(mode="after")
     def _agent_needs_endpoint(self) -> RolloutConfig:
         if self.openai_agent and self.openai_port == 0:
-            raise ValueError("rollout.openai_agent runs against the worker's endpoint: set rollout.openai_port (-1 = a free port)")
+            raise ValueError(
+                "rollout.openai_agent runs against the worker's endpoint: set rollout.openai_port (-1 = a free port)"
+            )
         return self
 
 
@@ -402,8 +404,10 @@ class LearnerConfig(Section):
     @model_validator(mode="after")
     def _decay_needs_steps_after_warmup(self) -> LearnerConfig:
         if self.lr_decay != "constant" and self.max_steps <= self.warmup_steps:
-            raise ValueError(f"lr_decay = {self.lr_decay!r} decays over the steps after the warm-up: max_steps "
-                             f"({self.max_steps}) must exceed warmup_steps ({self.warmup_steps})")
+            raise ValueError(
+                f"lr_decay = {self.lr_decay!r} decays over the steps after the warm-up: max_steps "
+                f"({self.max_steps}) must exceed warmup_steps ({self.warmup_steps})"
+            )
         return self
 
 
@@ -445,7 +449,9 @@ class EvalConfig(Section):
     @model_validator(mode="after")
     def _samples_need_sampling(self) -> EvalConfig:
         if self.samples > 1 and self.temperature == 0:
-            raise ValueError(f"eval.samples = {self.samples} needs eval.temperature > 0: greedy decoding gives the same completion every time")
+            raise ValueError(
+                f"eval.samples = {self.samples} needs eval.temperature > 0: greedy decoding gives the same completion every time"
+            )
         return self
 
 
@@ -534,7 +540,9 @@ class StorageConfig(Section):
     def _filesystem_only(self) -> StorageConfig:
         scheme = self.uri.split("://", 1)[0] if self.uri and "://" in self.uri else None
         if scheme not in (None, "file"):
-            raise ValueError(f"storage.uri {self.uri!r}: only mounted folders (a path or file://) are supported, not {scheme}://")
+            raise ValueError(
+                f"storage.uri {self.uri!r}: only mounted folders (a path or file://) are supported, not {scheme}://"
+            )
         return self
 
 
@@ -595,9 +603,13 @@ class Config(Section):
         if names["advantage"] in {"gae", "vapo"} and not self.learner.critic:
             raise ValueError(f"advantage {names['advantage']!r} needs a critic: set learner.critic = true")
         if self.mode == "sync" and self.buffer.max_staleness != 0:
-            raise ValueError(f"mode 'sync' is on-policy: buffer.max_staleness must be 0 (got {self.buffer.max_staleness})")
+            raise ValueError(
+                f"mode 'sync' is on-policy: buffer.max_staleness must be 0 (got {self.buffer.max_staleness})"
+            )
         if self.mode == "sao" and self.rollout.samples_per_prompt != 1:
-            raise ValueError(f"mode 'sao' is single-rollout: rollout.samples_per_prompt must be 1 (got {self.rollout.samples_per_prompt})")
+            raise ValueError(
+                f"mode 'sao' is single-rollout: rollout.samples_per_prompt must be 1 (got {self.rollout.samples_per_prompt})"
+            )
         if self.learner.prompts_per_step % self.learner.mini_batches:
             raise ValueError(
                 f"learner.prompts_per_step ({self.learner.prompts_per_step}) must split into learner.mini_batches "
@@ -666,7 +678,9 @@ def _check_keys(data: Any, model: type[BaseModel], prefix: str, source: str) -> 
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if key not in fields:
-            raise ConfigError(f"{source}: unknown key '{dotted}'{_did_you_mean(key, fields)}; valid keys here: {', '.join(fields)}")
+            raise ConfigError(
+                f"{source}: unknown key '{dotted}'{_did_you_mean(key, fields)}; valid keys here: {', '.join(fields)}"
+            )
         annotation = fields[key].annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             _check_keys(value, annotation, f"{dotted}.", source)
@@ -720,7 +734,9 @@ def resolve_recipe_path(path: str | Path | None) -> Path:
     shipped = RECIPES / (path.name if path.suffix in (".yaml", ".yml") else f"{path.name}.yaml")
     if shipped.exists():
         return shipped
-    raise ConfigError(f"config file not found: {path} (not a file, nor a shipped recipe: {', '.join(shipped_recipes())})")
+    raise ConfigError(
+        f"config file not found: {path} (not a file, nor a shipped recipe: {', '.join(shipped_recipes())})"
+    )
 
 
 def _nest(keys: list[str], value: Any) -> dict[str, Any]:

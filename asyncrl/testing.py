@@ -23,13 +23,21 @@ PerToken = float | Sequence[float] | np.ndarray
 """One value for every token, or one value per token."""
 
 
-def make_prompt(prompt_id: str = "p0", prompt_ids: Sequence[int] = (1, 2, 3), ground_truth: str = "0", **fields: Any) -> Prompt:
+def make_prompt(
+    prompt_id: str = "p0", prompt_ids: Sequence[int] = (1, 2, 3), ground_truth: str = "0", **fields: Any
+) -> Prompt:
     """A prompt whose token ids need no tokenizer; `fields` are the other `Prompt` fields (`extra_info`, ...)."""
     return Prompt(prompt_id=prompt_id, prompt_ids=[int(t) for t in prompt_ids], ground_truth=ground_truth, **fields)
 
 
-def make_request(prompt: Prompt | None = None, *, group_id: str | None = None, sample_index: int = 0,
-                 group_size: int = 1, attempt: int = 0) -> Request:
+def make_request(
+    prompt: Prompt | None = None,
+    *,
+    group_id: str | None = None,
+    sample_index: int = 0,
+    group_size: int = 1,
+    attempt: int = 0,
+) -> Request:
     """Sample `sample_index` of the group of `prompt` (default: a group named after the prompt), with the
     request id the replay queue would give it."""
     prompt = prompt or make_prompt()
@@ -90,7 +98,9 @@ def make_answer(request: Request, response_ids: int | Sequence[int] | np.ndarray
 def make_group(rewards: Sequence[float] = (1.0, 0.0), *, group_id: str = "g0", **fields: Any) -> Group:
     """One group: member i has `sample_index` i and reward `rewards[i]`; `fields` go to every member's
     `make_trajectory`."""
-    members = [make_trajectory(group_id=group_id, sample_index=i, reward=float(r), **fields) for i, r in enumerate(rewards)]
+    members = [
+        make_trajectory(group_id=group_id, sample_index=i, reward=float(r), **fields) for i, r in enumerate(rewards)
+    ]
     return Group(group_id, members)
 
 
@@ -127,9 +137,16 @@ SHORT_CONTEXT = 64
 engine's warm-up decodes up to this length: 2.3 s against 6.7 s at the default 512 (tiny model, 16 requests)."""
 
 TINY_RUN = [
-    "model.preset=tiny-0.3m", "model.warm_start_examples=0", "buffer.filter_zero_variance=false", "eval.every_steps=0",
-    "data.eval_prompts=8", "learner.prompts_per_step=4", "rollout.samples_per_prompt=2", "rollout.max_requests_in_flight=16",
-    f"rollout.max_model_len={SHORT_CONTEXT}", "learner.compile=false",
+    "model.preset=tiny-0.3m",
+    "model.warm_start_examples=0",
+    "buffer.filter_zero_variance=false",
+    "eval.every_steps=0",
+    "data.eval_prompts=8",
+    "learner.prompts_per_step=4",
+    "rollout.samples_per_prompt=2",
+    "rollout.max_requests_in_flight=16",
+    f"rollout.max_model_len={SHORT_CONTEXT}",
+    "learner.compile=false",
 ]
 """Overrides for a short real run on the random tiny model (4 groups of 2 per step, all trained: a random
 model earns no reward, so zero-variance filtering would discard every group). Eager learner: compiling took
@@ -149,8 +166,14 @@ def free_port() -> int:
 def ray_node_ports() -> list[str]:
     """`ray start` flags giving a node's agents and managers ports of their own: Ray's defaults (52365, ...)
     collide when several raylets run on one machine (a test's two nodes, other tests' clusters)."""
-    names = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port",
-             "node-manager-port", "object-manager-port")
+    names = (
+        "dashboard-agent-listen-port",
+        "dashboard-agent-grpc-port",
+        "runtime-env-agent-port",
+        "metrics-export-port",
+        "node-manager-port",
+        "object-manager-port",
+    )
     return [f"--{name}={free_port()}" for name in names]
 
 
@@ -160,7 +183,11 @@ def processes_with_env(marker: str) -> list[int]:
     pids = []
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and int(proc.name) != os.getpid() and marker.encode() in (proc / "environ").read_bytes():
+            if (
+                proc.name.isdigit()
+                and int(proc.name) != os.getpid()
+                and marker.encode() in (proc / "environ").read_bytes()
+            ):
                 pids.append(int(proc.name))
         except OSError:
             continue

@@ -94,9 +94,7 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: f
     return torch.where(mask, returns, 0.0)
 
 
-def masked_whiten(
-    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
-) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
     """Whiten x over all valid entries: `(x - mean) / sqrt(var_unbiased + eps)`, 0 at masked positions.
 
     x, mask: [B, T]. With fewer than 2 valid entries the variance is undefined and the result is

@@ -446,4 +446,3 @@ def value_loss(
         "value_error_abs_mean": masked_mean((v - ret).abs(), mask).detach(),
     }
     return _zero_pads(loss, mask), metrics
-

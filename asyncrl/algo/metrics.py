@@ -122,8 +122,13 @@ def lag_mismatch_parts(
     kappa = torch.exp(log_kappa)
     diff = (old - rollout).abs()
     pieces = {
-        "tokens": torch.ones_like(kappa), "k1": rollout - old, "k3": kappa - log_kappa - 1.0, "abs_diff": diff,
-        "w": kappa, "w2": kappa**2, "clipped": (kappa > is_cap).float(),
+        "tokens": torch.ones_like(kappa),
+        "k1": rollout - old,
+        "k3": kappa - log_kappa - 1.0,
+        "abs_diff": diff,
+        "w": kappa,
+        "w2": kappa**2,
+        "clipped": (kappa > is_cap).float(),
     }
     if keep is not None:
         pieces["masked"] = (~keep.bool()).float()

@@ -4,7 +4,18 @@
 `asyncrl.algo.recipes` maps each name to its implementation. Keep the two in step: a test checks it.
 """
 
-ADVANTAGES = ("reinforce", "gae", "vapo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "batch_norm", "maxrl")
+ADVANTAGES = (
+    "reinforce",
+    "gae",
+    "vapo",
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "batch_norm",
+    "maxrl",
+)
 LOSSES = ("ppo", "cispo", "gspo", "gspo_token", "sapo", "dppo_tv", "dppo_kl", "gvpo", "reinforce")
 REDUCTIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm", "prompt_mean")
 KL_ESTIMATORS = ("k1", "k2", "k3", "k3_plus")

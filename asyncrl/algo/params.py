@@ -66,7 +66,11 @@ class Param:
             return None if self.nullable else f"{name} may not be null"
         # bool is an int subclass in Python: True must not pass as a number, nor 1 as a flag.
         is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        ok_type = {bool: isinstance(value, bool), str: isinstance(value, str), int: is_number and isinstance(value, int)}
+        ok_type = {
+            bool: isinstance(value, bool),
+            str: isinstance(value, str),
+            int: is_number and isinstance(value, int),
+        }
         if not ok_type.get(self.kind, is_number):
             return f"{name} must be {self.describe()} (got {value!r})"
         out_of_range = (
@@ -184,7 +188,12 @@ GENERAL_PARAMS = (
     "overlong_cache_length",
     "overlong_penalty_factor",
 )
-_KINDS = (("advantage", ADVANTAGE_PARAMS), ("loss", LOSS_PARAMS), ("reduction", REDUCTION_PARAMS), ("correction", CORRECTION_PARAMS))
+_KINDS = (
+    ("advantage", ADVANTAGE_PARAMS),
+    ("loss", LOSS_PARAMS),
+    ("reduction", REDUCTION_PARAMS),
+    ("correction", CORRECTION_PARAMS),
+)
 
 
 def accepted_params(components: Mapping[str, str]) -> tuple[str, ...]:
@@ -228,7 +237,9 @@ def check_params(components: Mapping[str, str], params: Mapping[str, Any]) -> No
         if name not in accepted:
             close = difflib.get_close_matches(name, accepted, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            problems.append(f"parameter {name!r} is not taken by the chosen {chosen}{hint}; valid params: {', '.join(accepted)}")
+            problems.append(
+                f"parameter {name!r} is not taken by the chosen {chosen}{hint}; valid params: {', '.join(accepted)}"
+            )
     problems += value_problems({k: v for k, v in params.items() if k in accepted})
     conflict = cispo_band_conflict(components["loss"], params)
     if conflict:

@@ -43,7 +43,16 @@ from asyncrl.algo import losses as loss_lib
 from asyncrl.algo import params as params_lib
 from asyncrl.algo._masked import as_mask
 from asyncrl.algo.kl import kl_penalty
-from asyncrl.algo.names import ADVANTAGES, CORRECTIONS, KL_ESTIMATORS, LOSSES, PRESET_COMPONENTS, PRESET_FILTERS, PRESETS, REDUCTIONS
+from asyncrl.algo.names import (
+    ADVANTAGES,
+    CORRECTIONS,
+    KL_ESTIMATORS,
+    LOSSES,
+    PRESET_COMPONENTS,
+    PRESET_FILTERS,
+    PRESETS,
+    REDUCTIONS,
+)
 from asyncrl.algo.reduction import reduction_weights, weighted_sum
 from asyncrl.algo.shaping import overlong_penalty
 
@@ -239,7 +248,9 @@ class Recipe:
         return self.tis_batch_normalize and self.correction in _TIS_LEVEL
 
 
-_PARAM_NAMES = tuple(f.name for f in dataclasses.fields(Recipe) if f.name not in ("advantage", "loss", "reduction", "correction"))
+_PARAM_NAMES = tuple(
+    f.name for f in dataclasses.fields(Recipe) if f.name not in ("advantage", "loss", "reduction", "correction")
+)
 
 
 def resolve_recipe(
@@ -311,10 +322,19 @@ def compute_advantages(
                 raise ValueError(f"advantage {name!r} needs critic values")
             token_rewards = rewards if rewards.dim() == 2 else adv_lib.outcome_to_token_rewards(rewards, mask)
             if name == "gae":
-                adv, returns = adv_lib.gae(token_rewards, values, mask, recipe.gamma, recipe.lam, dones, bootstrap_values)
+                adv, returns = adv_lib.gae(
+                    token_rewards, values, mask, recipe.gamma, recipe.lam, dones, bootstrap_values
+                )
             else:
                 adv, returns = adv_lib.vapo(
-                    token_rewards, values, mask, recipe.gamma, recipe.vapo_alpha, recipe.critic_lam, dones, bootstrap_values
+                    token_rewards,
+                    values,
+                    mask,
+                    recipe.gamma,
+                    recipe.vapo_alpha,
+                    recipe.critic_lam,
+                    dones,
+                    bootstrap_values,
                 )
             if recipe.whiten_advantages:
                 adv = adv_lib.masked_whiten(adv, mask)
@@ -402,12 +422,16 @@ def _batch_normalized(w: torch.Tensor, mask: torch.Tensor, tis_stats: torch.Tens
     """TIS weights divided by their batch mean sum / count from `tis_stats`."""
     if tis_stats is None:
         # A mean over this call's rows would silently differ per micro-batch: the caller must say.
-        raise ValueError("tis_batch_normalize needs tis_stats: tis_normalizer_stats(...) summed over the whole optimizer batch")
+        raise ValueError(
+            "tis_batch_normalize needs tis_stats: tis_normalizer_stats(...) summed over the whole optimizer batch"
+        )
     mean = (tis_stats[0] / tis_stats[1].clamp(min=1)).to(device=w.device, dtype=w.dtype)
     return corr_lib.batch_normalize_weights(w, mask, mean)
 
 
-def correction_keep(recipe: Recipe, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+def correction_keep(
+    recipe: Recipe, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor | None:
     """The tokens the correction keeps at pi_theta = pi_old (the step's first update), for the masked-fraction
     metrics; None when the correction masks nothing or needs the advantages to decide (`opsm`)."""
     if recipe.correction == "opsm":
@@ -511,7 +535,9 @@ def compute_policy_loss(
         raise ValueError("loss 'gvpo' needs group_ids")
     if recipe.correction == "bypass":
         old_logprobs = rollout_logprobs
-    weight, keep, metrics = _correction(recipe, learner_logprobs, old_logprobs, rollout_logprobs, advantages, mask, tis_stats)
+    weight, keep, metrics = _correction(
+        recipe, learner_logprobs, old_logprobs, rollout_logprobs, advantages, mask, tis_stats
+    )
     per_token, loss_metrics = _SURROGATES[recipe.loss](
         recipe, learner_logprobs, old_logprobs, rollout_logprobs, advantages, mask, group_ids
     )

@@ -11,6 +11,11 @@ from asyncrl.buffer.core import ReplayQueueCore
 from asyncrl.buffer.ledger import ConservationError
 
 __all__ = [
-    "ConservationError", "QueueCallTimeout", "QueueClient", "QueueTimeouts", "ReplayQueue", "ReplayQueueCore",
+    "ConservationError",
+    "QueueCallTimeout",
+    "QueueClient",
+    "QueueTimeouts",
+    "ReplayQueue",
+    "ReplayQueueCore",
     "start_replay_queue",
 ]

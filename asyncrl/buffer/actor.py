@@ -55,7 +55,7 @@ class ReplayQueue:
             until = min(until, straggler)
         try:
             await asyncio.wait_for(self._changed.wait(), timeout=max(0.0, until - time.monotonic()))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         if self.core.expire_stragglers():
             self._notify()

@@ -53,13 +53,17 @@ class QueueClient:
 
     def add_prompts(self, prompts: Sequence[Prompt], samples_per_prompt: int) -> int:
         """Queue one group per prompt; returns the backlog size."""
-        return self._get("add_prompts", self.handle.add_prompts.remote(prompts, samples_per_prompt), self.timeouts.call_s)
+        return self._get(
+            "add_prompts", self.handle.add_prompts.remote(prompts, samples_per_prompt), self.timeouts.call_s
+        )
 
     def set_version(self, version: int) -> None:
         """Open admission for `version`: call it only once every engine confirmed the sync of `version`."""
         self._get("set_version", self.handle.set_version.remote(version), self.timeouts.call_s)
 
-    def get_batch(self, num_groups: int, learner_version: int, timeout_s: float, min_groups: int | None = None) -> Batch:
+    def get_batch(
+        self, num_groups: int, learner_version: int, timeout_s: float, min_groups: int | None = None
+    ) -> Batch:
         """A `Batch` for a step at `learner_version`. Raises `TimeoutError` naming the queue and what it waited
         for when nothing is ready within `timeout_s` (from the actor), or `QueueCallTimeout` if the actor
         does not answer at all."""
@@ -120,6 +124,9 @@ def start_replay_queue(
 
     actor_cls = ray.remote(ReplayQueue)
     handle = actor_cls.options(name=name, num_cpus=num_cpus, max_concurrency=1000).remote(
-        config or BufferConfig(), batch_groups=batch_groups, name=name, log_dir=str(log_dir) if log_dir is not None else None
+        config or BufferConfig(),
+        batch_groups=batch_groups,
+        name=name,
+        log_dir=str(log_dir) if log_dir is not None else None,
     )
     return QueueClient(handle, name, timeouts)

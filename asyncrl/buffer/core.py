@@ -404,7 +404,8 @@ class ReplayQueueCore:
             return []
         return [
             (f"{oldest.group_id}/{i}/{m.attempt}", m.holder)
-            for i, m in enumerate(oldest.members) if m.state in (PENDING, OUT)
+            for i, m in enumerate(oldest.members)
+            if m.state in (PENDING, OUT)
         ]
 
     def response_lengths(self) -> ResponseLengths:
@@ -482,7 +483,11 @@ class ReplayQueueCore:
 
     def oldest_outstanding(self) -> tuple[str, str, float] | None:
         """(request_id, worker, seconds held) of the request held longest by a worker, for error messages."""
-        held = [(self._groups[gid].members[i].acquired_at, gid, i, w) for w, items in self._by_worker.items() for gid, i in items]
+        held = [
+            (self._groups[gid].members[i].acquired_at, gid, i, w)
+            for w, items in self._by_worker.items()
+            for gid, i in items
+        ]
         if not held:
             return None
         acquired_at, gid, i, worker = min(held)
@@ -534,7 +539,11 @@ class ReplayQueueCore:
         if g is None or not 0 <= t.sample_index < g.size:
             return None
         m = g.members[t.sample_index]
-        if m.state is not OUT or (t.worker and t.worker != m.holder) or (t.attempt is not None and t.attempt != m.attempt):
+        if (
+            m.state is not OUT
+            or (t.worker and t.worker != m.holder)
+            or (t.attempt is not None and t.attempt != m.attempt)
+        ):
             return None
         return g
 
@@ -604,7 +613,9 @@ class ReplayQueueCore:
         prompt, size = self._backlog.popleft()
         gid = f"{prompt.prompt_id}#{self._next_group}"
         self._next_group += 1
-        self._groups[gid] = _GroupState(gid, prompt, [Member() for _ in range(size)], start_version=self.admission_version)
+        self._groups[gid] = _GroupState(
+            gid, prompt, [Member() for _ in range(size)], start_version=self.admission_version
+        )
         self._pending.extend((gid, i) for i in range(size))
         self._unresolved += 1
         self.ledger.dispatch(size)
@@ -648,7 +659,11 @@ class ReplayQueueCore:
         fate = None
         if g.size >= 2 and 0 < len(members) < 2:
             fate = filters.FILTERED_TOO_FEW_MEMBERS
-        elif g.size >= 2 and self.config.filter_zero_variance and filters.is_zero_variance([g.members[i].trajectory.reward for i in members]):
+        elif (
+            g.size >= 2
+            and self.config.filter_zero_variance
+            and filters.is_zero_variance([g.members[i].trajectory.reward for i in members])
+        ):
             fate = filters.FILTERED_ZERO_VARIANCE
         if fate is not None:
             for i in members:

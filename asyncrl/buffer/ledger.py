@@ -25,9 +25,21 @@ LATENCY_WINDOW = 100_000
 """Put-to-get latencies kept for the percentiles (the most recent ones)."""
 
 ALWAYS_COUNTED = (
-    "dispatched", TRAINED, DROPPED_STALE, "acquired", "put", "stale_attempt", "requeued", "retired_prompts",
-    "skipped_retired", "straggler_groups", "groups_started", "groups_consumed", "groups_dropped_stale",
-    "stale_samples_masked", "stale_tokens_masked",
+    "dispatched",
+    TRAINED,
+    DROPPED_STALE,
+    "acquired",
+    "put",
+    "stale_attempt",
+    "requeued",
+    "retired_prompts",
+    "skipped_retired",
+    "straggler_groups",
+    "groups_started",
+    "groups_consumed",
+    "groups_dropped_stale",
+    "stale_samples_masked",
+    "stale_tokens_masked",
 )
 """Keys `counters()` always reports (0 when nothing happened), so readers need no `.get(key, 0)`."""
 
@@ -107,7 +119,9 @@ class Ledger:
         """Samples that finished generation (they reached the queue without a failure), all of one put at once."""
         self.generated_lengths.update(response_lengths)
 
-    def record_trained(self, lags: Sequence[int], latencies_s: Sequence[float], response_lengths: Sequence[int]) -> None:
+    def record_trained(
+        self, lags: Sequence[int], latencies_s: Sequence[float], response_lengths: Sequence[int]
+    ) -> None:
         """Samples handed to the learner, the k-th with `lags[k]`, `latencies_s[k]` after it was put (their fates are
         counted by `finish`). A whole batch at once: three C-level bulk updates where a call per sample cost more."""
         self.staleness.update(lags)
@@ -115,7 +129,9 @@ class Ledger:
         self.trained_lengths.update(response_lengths)
 
     def response_lengths(self) -> ResponseLengths:
-        return ResponseLengths(LengthStats.from_histogram(self.generated_lengths), LengthStats.from_histogram(self.trained_lengths))
+        return ResponseLengths(
+            LengthStats.from_histogram(self.generated_lengths), LengthStats.from_histogram(self.trained_lengths)
+        )
 
     def counters(self) -> dict[str, int]:
         out = dict.fromkeys(ALWAYS_COUNTED, 0)
@@ -136,7 +152,9 @@ class Ledger:
                 f" + filtered {filtered} + failed {failed} + in_flight {c['in_flight']} (= {rhs}); counters {c}"
             )
         if members_in_flight != self.in_flight:
-            raise ConservationError(f"replay queue: in_flight counter {self.in_flight} != {members_in_flight} members not yet terminal")
+            raise ConservationError(
+                f"replay queue: in_flight counter {self.in_flight} != {members_in_flight} members not yet terminal"
+            )
         return c
 
     def staleness_histogram(self) -> dict[int, int]:
@@ -159,7 +177,13 @@ class Ledger:
             return {"count": 0, "mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0.0}
         values = np.fromiter(self.latencies, dtype=np.float64)
         p50, p99 = np.percentile(values, [50, 99])
-        return {"count": len(values), "mean": float(values.mean()), "p50": float(p50), "p99": float(p99), "max": float(values.max())}
+        return {
+            "count": len(values),
+            "mean": float(values.mean()),
+            "p50": float(p50),
+            "p99": float(p99),
+            "max": float(values.max()),
+        }
 
     def state_dict(self, redispatched_groups: int) -> dict[str, Any]:
         """Counters and histogram for a checkpoint. The samples in flight, and the `redispatched_groups` they

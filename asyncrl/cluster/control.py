@@ -54,7 +54,9 @@ class ControlClient:
     def start(cls, job_id: str) -> ControlClient:
         import ray
 
-        actor = ray.remote(Control).options(name=actor_name(job_id), namespace=NAMESPACE, num_cpus=0, get_if_exists=True)
+        actor = ray.remote(Control).options(
+            name=actor_name(job_id), namespace=NAMESPACE, num_cpus=0, get_if_exists=True
+        )
         return cls(actor.remote())
 
     def wanted_rollout(self) -> tuple[int | None, float | None]:
@@ -94,8 +96,12 @@ def _scale_from_inside(job_id: str, rollout: int) -> None:
     try:
         control = ray.get_actor(actor_name(job_id), namespace=NAMESPACE)
     except ValueError:
-        raise SystemExit(f"job {job_id} has no control actor (is it running, and was it started by `asyncrl submit`?)") from None
-    print(f"{job_id}: rollout pool -> {named_get(control.set_rollout.remote(rollout), 30, f'control actor of job {job_id}: set_rollout')} workers")
+        raise SystemExit(
+            f"job {job_id} has no control actor (is it running, and was it started by `asyncrl submit`?)"
+        ) from None
+    print(
+        f"{job_id}: rollout pool -> {named_get(control.set_rollout.remote(rollout), 30, f'control actor of job {job_id}: set_rollout')} workers"
+    )
 
 
 def parse_sizes(items: list[str]) -> dict[str, int]:
@@ -104,7 +110,9 @@ def parse_sizes(items: list[str]) -> dict[str, int]:
     for item in items:
         pool, _, value = item.partition("=")
         if pool != "rollout" or not value.isdigit():
-            raise ValueError(f"cannot scale {item!r}: use rollout=N (the learner pool is resized by checkpoint and resume with learner.num_ranks)")
+            raise ValueError(
+                f"cannot scale {item!r}: use rollout=N (the learner pool is resized by checkpoint and resume with learner.num_ranks)"
+            )
         sizes[pool] = int(value)
     return sizes
 

@@ -65,7 +65,10 @@ def submit(config_yaml: str, *, explicit_address: str | None, working_dir: str |
         runtime_env.update(working_dir=working_dir, excludes=EXCLUDES)
     job = _submit_job(
         client(explicit_address),
-        entrypoint=f"asyncrl run --config-env {CONFIG_ENV}", runtime_env=runtime_env, submission_id=job_id, metadata={"tool": "asyncrl"},
+        entrypoint=f"asyncrl run --config-env {CONFIG_ENV}",
+        runtime_env=runtime_env,
+        submission_id=job_id,
+        metadata={"tool": "asyncrl"},
     )
     return Submitted(job, address(explicit_address))
 
@@ -88,9 +91,16 @@ def status_lines(explicit_address: str | None, job_id: str | None) -> list[str]:
     jobs = client(explicit_address)
     if job_id is not None:
         info = jobs.get_job_info(job_id)
-        return [f"{info.submission_id}  {info.status.value}  {info.message or ''}".rstrip(), f"entrypoint: {info.entrypoint}"]
+        return [
+            f"{info.submission_id}  {info.status.value}  {info.message or ''}".rstrip(),
+            f"entrypoint: {info.entrypoint}",
+        ]
     listed = sorted(jobs.list_jobs(), key=lambda j: j.start_time or 0)
-    return [f"{j.submission_id}  {j.status.value}  {j.entrypoint}" for j in listed if (j.metadata or {}).get("tool") == "asyncrl"]
+    return [
+        f"{j.submission_id}  {j.status.value}  {j.entrypoint}"
+        for j in listed
+        if (j.metadata or {}).get("tool") == "asyncrl"
+    ]
 
 
 def logs(explicit_address: str | None, job_id: str, follow: bool) -> None:
@@ -129,7 +139,9 @@ def scale(explicit_address: str | None, job_id: str, sizes: dict[str, int], time
     control actor (through the Jobs API, so it works wherever `submit` does); -> what it printed."""
     jobs = client(explicit_address)
     helper = _submit_job(
-        jobs, entrypoint=f"python -m asyncrl.cluster.control {job_id} rollout={sizes['rollout']}", metadata={"tool": "asyncrl-scale"}
+        jobs,
+        entrypoint=f"python -m asyncrl.cluster.control {job_id} rollout={sizes['rollout']}",
+        metadata={"tool": "asyncrl-scale"},
     )
     status = wait(explicit_address, helper, timeout_s=timeout_s, poll_s=0.5)
     text = jobs.get_job_logs(helper)

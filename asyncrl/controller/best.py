@@ -39,7 +39,9 @@ class BestPolicy:
             staging = self.folder.with_name(self.folder.name + ".partial")
             shutil.rmtree(staging, ignore_errors=True)
             export_hf(staging)
-            (staging / "asyncrl_eval.json").write_text(json.dumps({field: record[field] for field in BEST_FIELDS}, indent=2) + "\n")
+            (staging / "asyncrl_eval.json").write_text(
+                json.dumps({field: record[field] for field in BEST_FIELDS}, indent=2) + "\n"
+            )
             shutil.rmtree(self.folder, ignore_errors=True)
             staging.rename(self.folder)
             self.record["exported"] = True

@@ -50,17 +50,26 @@ def recovery_timings(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     latest weights (`joined`), from the controller's pool events (each with `t_s`, `worker`, `kind`)."""
     out = []
     for killed in (e for e in events if e["kind"] == "killed"):
-        died = next((e for e in events if e["kind"] == "died" and e["worker"] == killed["worker"] and e["t_s"] >= killed["t_s"]), None)
+        died = next(
+            (
+                e
+                for e in events
+                if e["kind"] == "died" and e["worker"] == killed["worker"] and e["t_s"] >= killed["t_s"]
+            ),
+            None,
+        )
         joined = None
         if died is not None and died.get("replacement"):
             joined = next((e for e in events if e["kind"] == "joined" and e["worker"] == died["replacement"]), None)
-        out.append({
-            "worker": killed["worker"],
-            "step": killed["step"],
-            "detected_s": round(died["t_s"] - killed["t_s"], 3) if died else None,
-            "recovered_s": round(joined["t_s"] - killed["t_s"], 3) if joined else None,
-            "requeued": died["requeued"] if died else None,
-        })
+        out.append(
+            {
+                "worker": killed["worker"],
+                "step": killed["step"],
+                "detected_s": round(died["t_s"] - killed["t_s"], 3) if died else None,
+                "recovered_s": round(joined["t_s"] - killed["t_s"], 3) if joined else None,
+                "requeued": died["requeued"] if died else None,
+            }
+        )
     return out
 
 
@@ -70,10 +79,14 @@ def scaling_timings(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for up in (e for e in events if e["kind"] == "scaled_up"):
         joined = next((e for e in events if e["kind"] == "joined" and e["worker"] == up["worker"]), None)
-        out.append({
-            "worker": up["worker"],
-            "requested_at_version": up["version"],
-            "joined_version": joined["version"] if joined else None,
-            "request_to_serving_s": round(joined["wall"] - up["requested_at"], 3) if joined and up["requested_at"] else None,
-        })
+        out.append(
+            {
+                "worker": up["worker"],
+                "requested_at_version": up["version"],
+                "joined_version": joined["version"] if joined else None,
+                "request_to_serving_s": round(joined["wall"] - up["requested_at"], 3)
+                if joined and up["requested_at"]
+                else None,
+            }
+        )
     return out

@@ -121,8 +121,12 @@ class Controller:
     # Building the pools
 
     START_IMPORTS = (
-        ("transformers", "AutoTokenizer"), ("asyncrl.buffer.client", "start_replay_queue"), ("asyncrl.envs.data", "eval_prompts"),
-        ("asyncrl.learner.pool", "LearnerPool"), ("asyncrl.rollout.pool", "RolloutPool"), ("asyncrl.weight_sync.transport", "make_weight_sync"),
+        ("transformers", "AutoTokenizer"),
+        ("asyncrl.buffer.client", "start_replay_queue"),
+        ("asyncrl.envs.data", "eval_prompts"),
+        ("asyncrl.learner.pool", "LearnerPool"),
+        ("asyncrl.rollout.pool", "RolloutPool"),
+        ("asyncrl.weight_sync.transport", "make_weight_sync"),
     )
     """What `start` imports, as (module, first name): torch and transformers' tokenizers, ~6 s on 2 cores.
     `asyncrl.controller.run` imports them while `ray.init` runs."""
@@ -144,14 +148,23 @@ class Controller:
         # The parity probe's fixed sequence: a held-out prompt and its answer (a Parquet run may have no eval set).
         self.probe = self.eval_set[0] if self.eval_set else next(train_stream(cfg, self.tokenizer))
         self.telemetry.phase("starting the replay queue")
-        self.queue = start_replay_queue(cfg.buffer, batch_groups=cfg.learner.prompts_per_step, name=f"replay_queue-{self.out.name}", log_dir=self.out)
+        self.queue = start_replay_queue(
+            cfg.buffer,
+            batch_groups=cfg.learner.prompts_per_step,
+            name=f"replay_queue-{self.out.name}",
+            log_dir=self.out,
+        )
         # The ranks load the model while the engines start (the longest part); `wait_ready` joins them below.
         self.telemetry.phase(f"starting the learner ({cfg.learner.num_ranks} rank(s))")
         self.learner = LearnerPool.from_config(cfg, self.model_dir)
         self._start_tools()
         self.telemetry.phase(f"starting the rollout pool ({cfg.rollout.num_workers} vLLM engine(s))")
         self.rollout = RolloutPool.from_config(
-            cfg, self.model_dir, queue=self.queue.handle, latest=lambda: self.sync.latest(), tools=self.tools.client() if self.tools else None
+            cfg,
+            self.model_dir,
+            queue=self.queue.handle,
+            latest=lambda: self.sync.latest(),
+            tools=self.tools.client() if self.tools else None,
         )
         self.sync = make_weight_sync(self.learner, self.rollout, cfg.weight_sync, cfg.mode)
         self.rollout.start()
@@ -173,7 +186,9 @@ class Controller:
         if not needs_tool_pool(self.cfg):
             return
         self.telemetry.phase(f"starting the tool pool ({self.cfg.tools.num_workers} sandboxed worker(s))")
-        self.tools = ToolPool(self.cfg.tools, prefix=f"tool-{self.out.name}", placement_timeout_s=self.cfg.cluster.placement_timeout_s)
+        self.tools = ToolPool(
+            self.cfg.tools, prefix=f"tool-{self.out.name}", placement_timeout_s=self.cfg.cluster.placement_timeout_s
+        )
         self.tools.launch()
 
     def _tools_ready(self) -> None:
@@ -317,12 +332,18 @@ class Controller:
             retired=dict(self.rollout.retired),
             tokens_trained=self.tokens_trained,
             learner_wait_s=self.learner_wait_s,
-            pool_sizes={"rollout": len(self.rollout.names), "rollout_joining": len(self.rollout.joining), "learner": self.cfg.learner.num_ranks},
+            pool_sizes={
+                "rollout": len(self.rollout.names),
+                "rollout_joining": len(self.rollout.joining),
+                "learner": self.cfg.learner.num_ranks,
+            },
         )
         return replace(snapshot, live=self.rates.add(snapshot))
 
     def _pool_event(self, **event) -> None:
-        self.pool_events.append({"t_s": round(time.perf_counter() - self._started, 3), "wall": time.time(), "step": self.step, **event})
+        self.pool_events.append(
+            {"t_s": round(time.perf_counter() - self._started, 3), "wall": time.time(), "step": self.step, **event}
+        )
 
     def _scale(self) -> None:
         """Resize the rollout pool to what `asyncrl scale` asked for: new workers join once they serve the
@@ -333,9 +354,20 @@ class Controller:
             return
         self.telemetry.note(f"scaling the rollout pool {have} -> {wanted} at version {self.version}")
         for _ in range(wanted - have):
-            self._pool_event(kind="scaled_up", worker=self.rollout.add_worker(wait=False), version=self.version, requested_at=requested_at)
+            self._pool_event(
+                kind="scaled_up",
+                worker=self.rollout.add_worker(wait=False),
+                version=self.version,
+                requested_at=requested_at,
+            )
         for name in self.rollout.names[::-1][: max(0, have - wanted)]:
-            self._pool_event(kind="scaled_down", worker=name, version=self.version, requested_at=requested_at, requeued=self.rollout.remove_worker(name))
+            self._pool_event(
+                kind="scaled_down",
+                worker=name,
+                version=self.version,
+                requested_at=requested_at,
+                requeued=self.rollout.remove_worker(name),
+            )
 
     def _inject_faults(self) -> None:
         """`faults.kill_rollout_worker_at_steps`: SIGKILL the oldest rollout worker's process now."""
@@ -399,7 +431,9 @@ class Controller:
 
     def _eval_rewards(self, outputs) -> list[list[float]]:
         """rewards[prompt][sample] of `rollout.evaluate`'s results on the held-out set."""
-        answers = [(p, text, fin) for p, out in zip(self.eval_set, outputs) for text, fin in zip(out.texts, out.finish_reasons)]
+        answers = [
+            (p, text, fin) for p, out in zip(self.eval_set, outputs) for text, fin in zip(out.texts, out.finish_reasons)
+        ]
         flat = iter(self._score_answers(answers))
         return [[next(flat) for _ in out.texts] for out in outputs]
 
@@ -411,12 +445,22 @@ class Controller:
 
         if self.tools is None:
             reward = resolve_reward(self.cfg.env.reward)
-            return [float(reward(text, p.ground_truth, finish_reason=fin, extra_info=p.extra_info)) for p, text, fin in answers]
+            return [
+                float(reward(text, p.ground_truth, finish_reason=fin, extra_info=p.extra_info))
+                for p, text, fin in answers
+            ]
         client, env = self.tools.client(), self.cfg.env
 
         async def score(prompt, text: str, finish: str) -> float:
             try:
-                return await client.reward(env.reward, text, prompt.ground_truth, finish_reason=finish, extra_info=dict(prompt.extra_info), timeout_s=env.reward_timeout_s)
+                return await client.reward(
+                    env.reward,
+                    text,
+                    prompt.ground_truth,
+                    finish_reason=finish,
+                    extra_info=dict(prompt.extra_info),
+                    timeout_s=env.reward_timeout_s,
+                )
             except (RewardError, ToolInfraError):
                 return 0.0
 
@@ -440,10 +484,17 @@ class Controller:
         fields = self._evaluate_episodes() if is_multi_turn(self.cfg.env.name) else self._evaluate_answers()
         record = {"version": self.version, "step": self.step, "samples_trained": self.samples_trained, **fields}
         exporting = time.perf_counter()
-        if self.best.offer(record, self.learner.export_hf if self._learner_at_version else None) and self.best.record["exported"]:
+        if (
+            self.best.offer(record, self.learner.export_hf if self._learner_at_version else None)
+            and self.best.record["exported"]
+        ):
             record["best_export_s"] = round(time.perf_counter() - exporting, 2)
         ended = time.perf_counter()
-        record |= {"wall_s": round(ended - start, 2), "wall_s_excl_eval": round(began - start - self.eval_s, 2), "eval_s": round(ended - began, 2)}
+        record |= {
+            "wall_s": round(ended - start, 2),
+            "wall_s_excl_eval": round(began - start - self.eval_s, 2),
+            "eval_s": round(ended - began, 2),
+        }
         self.eval_s += ended - began
         self.evals.append(record)
         self.telemetry.eval(record)
@@ -454,7 +505,10 @@ class Controller:
 
         for _ in range(2):
             outputs = self.rollout.evaluate(
-                self.eval_set, max_tokens=self.cfg.rollout.max_tokens, temperature=self.cfg.eval.temperature, samples=self.cfg.eval.samples
+                self.eval_set,
+                max_tokens=self.cfg.rollout.max_tokens,
+                temperature=self.cfg.eval.temperature,
+                samples=self.cfg.eval.samples,
             )
             served = sorted({v for o in outputs for v in o.versions})
             if served == [self.version]:
@@ -542,7 +596,9 @@ class Controller:
         if where == "latest":  # the newest complete one: a checkpoint cut short by a crash has no state file
             folders = sorted(f for f in (self.out / "checkpoints").glob("step-*") if (f / STATE_FILE).is_file())
             if not folders:
-                raise FileNotFoundError(f"checkpoint.resume_from=latest: no complete checkpoint under {self.out / 'checkpoints'}")
+                raise FileNotFoundError(
+                    f"checkpoint.resume_from=latest: no complete checkpoint under {self.out / 'checkpoints'}"
+                )
             folder = folders[-1]
         restored = self.learner.load_checkpoint(folder)
         extra = restored.extra

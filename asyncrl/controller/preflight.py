@@ -60,7 +60,9 @@ def cluster_resources(address: str, paths: dict[str, str] | None = None) -> Reso
     import ray
 
     if address.startswith(("http://", "https://")):
-        raise ConnectionError(f"check --address {address}: give the cluster address a driver connects to (host:6379, or auto on a node), not the dashboard URL")
+        raise ConnectionError(
+            f"check --address {address}: give the cluster address a driver connects to (host:6379, or auto on a node), not the dashboard URL"
+        )
     ray.init(address=address, log_to_driver=False, logging_level="ERROR")
     try:
         alive = [n for n in ray.nodes() if n.get("Alive")]
@@ -92,7 +94,10 @@ def _probe_paths(node_ids: list[str], paths: dict[str, str], timeout_s: float = 
     if not paths:
         return {}
     probe = ray.remote(_usable)
-    refs = [probe.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(paths) for n in node_ids]
+    refs = [
+        probe.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(paths)
+        for n in node_ids
+    ]
     unreadable: dict[str, list[str]] = {}
     answers = named_get(refs, timeout_s, f"path check on node(s) {', '.join(n[:8] for n in node_ids)}")
     for node, usable in zip(node_ids, answers):
@@ -122,11 +127,20 @@ def _storage(cfg: Config, resources: Resources) -> list[Problem]:
     """On a cluster, paths actors open must be readable on every node, and a multi-node run needs a shared
     run directory (learner rank 0 and the replay queue write into it from their own nodes)."""
     problems = [
-        Problem(key, f"{path} is not {'writable' if key == 'storage.uri' else 'readable'} on node(s) {', '.join(resources.unreadable[path])} of {resources.where}")
-        for key, path in paths_every_node_reads(cfg).items() if path in resources.unreadable
+        Problem(
+            key,
+            f"{path} is not {'writable' if key == 'storage.uri' else 'readable'} on node(s) {', '.join(resources.unreadable[path])} of {resources.where}",
+        )
+        for key, path in paths_every_node_reads(cfg).items()
+        if path in resources.unreadable
     ]
     if len(resources.nodes) > 1 and cfg.storage.uri is None:
-        problems.append(Problem("storage.uri", f"{resources.where} has {len(resources.nodes)} nodes: set it to a folder every node mounts (checkpoints, final_model and trajectories are written on the nodes of the learner and the replay queue)"))
+        problems.append(
+            Problem(
+                "storage.uri",
+                f"{resources.where} has {len(resources.nodes)} nodes: set it to a folder every node mounts (checkpoints, final_model and trajectories are written on the nodes of the learner and the replay queue)",
+            )
+        )
     return problems
 
 
@@ -173,7 +187,12 @@ def _prompt_lengths(cfg: Config, key: str, path: str) -> list[Problem]:
     for row, prompt in enumerate(pq.read_table(path, columns=["prompt"]).column("prompt").to_pylist()):
         length = len(encode_messages(tokenizer, prompt))
         if length > limit:
-            return [Problem(key, f"{path}: row {row}: the prompt has {length} tokens; with rollout.max_tokens {cfg.rollout.max_tokens} it does not fit rollout.max_model_len {cfg.rollout.max_model_len}")]
+            return [
+                Problem(
+                    key,
+                    f"{path}: row {row}: the prompt has {length} tokens; with rollout.max_tokens {cfg.rollout.max_tokens} it does not fit rollout.max_model_len {cfg.rollout.max_model_len}",
+                )
+            ]
     return []
 
 
@@ -289,7 +308,9 @@ def _other_config(cfg: Config, folder: Path) -> str | None:
     saved, ours = yaml.safe_load(saved_file.read_text()) or {}, cfg.dump()
     for key in RUN_IDENTITY:
         section, name = key.split(".") if "." in key else (None, key)
-        theirs, mine = ((saved.get(section) or {}).get(name), ours[section][name]) if section else (saved.get(name), ours[name])
+        theirs, mine = (
+            ((saved.get(section) or {}).get(name), ours[section][name]) if section else (saved.get(name), ours[name])
+        )
         if theirs != mine:
             return f"{folder} was written by a run with {key} = {theirs!r}; this config has {mine!r} ({saved_file})"
     return None
@@ -301,8 +322,14 @@ def _placement(cfg: Config, resources: Resources) -> list[Problem]:
     from asyncrl.cluster.placement import bundle
 
     pools = {
-        "rollout_pool": (cfg.rollout.num_workers, bundle(cfg.rollout.num_cpus_per_worker, cfg.rollout.num_gpus_per_worker, cfg.rollout.resources)),
-        "learner_pool": (cfg.learner.num_ranks, bundle(cfg.learner.num_cpus_per_rank, cfg.learner.num_gpus_per_rank, cfg.learner.resources)),
+        "rollout_pool": (
+            cfg.rollout.num_workers,
+            bundle(cfg.rollout.num_cpus_per_worker, cfg.rollout.num_gpus_per_worker, cfg.rollout.resources),
+        ),
+        "learner_pool": (
+            cfg.learner.num_ranks,
+            bundle(cfg.learner.num_cpus_per_rank, cfg.learner.num_gpus_per_rank, cfg.learner.resources),
+        ),
     }
     problems = []
     for resource in ["CPU", "GPU", *sorted({k for _, unit in pools.values() for k in unit} - {"CPU", "GPU"})]:
@@ -310,10 +337,20 @@ def _placement(cfg: Config, resources: Resources) -> list[Problem]:
             continue
         for pool, (count, unit) in pools.items():
             if unit.get(resource, 0.0) > resources.largest(resource):
-                problems.append(Problem(pool, f"one unit needs {unit[resource]:g} {resource}; the largest node of {resources.where} has {resources.largest(resource):g}"))
+                problems.append(
+                    Problem(
+                        pool,
+                        f"one unit needs {unit[resource]:g} {resource}; the largest node of {resources.where} has {resources.largest(resource):g}",
+                    )
+                )
         need = {pool: count * unit.get(resource, 0.0) for pool, (count, unit) in pools.items()}
         if sum(need.values()) > resources.total(resource):
             parts = " + ".join(f"{pool} {amount:g}" for pool, amount in need.items())
             short = max(need, key=need.get)
-            problems.append(Problem(short, f"the pools need {sum(need.values()):g} {resource} ({parts}); {resources.where} has {resources.total(resource):g}"))
+            problems.append(
+                Problem(
+                    short,
+                    f"the pools need {sum(need.values()):g} {resource} ({parts}); {resources.where} has {resources.total(resource):g}",
+                )
+            )
     return problems

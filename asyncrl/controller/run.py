@@ -48,7 +48,9 @@ def _run(cfg: Config, telemetry: Telemetry) -> dict:
 
     telemetry.phase("resolving the model")
     model_dir = ensure_model(cfg, report=telemetry.phase)
-    telemetry.phase(f"connecting to Ray at {os.environ['RAY_ADDRESS']}" if os.environ.get("RAY_ADDRESS") else "starting a local Ray")
+    telemetry.phase(
+        f"connecting to Ray at {os.environ['RAY_ADDRESS']}" if os.environ.get("RAY_ADDRESS") else "starting a local Ray"
+    )
     with _importing(Controller.START_IMPORTS):
         started_ray = _init_ray(cfg)
     controller = Controller(cfg, model_dir, telemetry)
@@ -122,6 +124,9 @@ def _init_ray(cfg: Config) -> bool:
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         return True
     # Locally, Ray's CPU count is a scheduling label, not a thread limit: ask for what the pools need.
-    need = cfg.rollout.num_workers * cfg.rollout.num_cpus_per_worker + cfg.learner.num_ranks * cfg.learner.num_cpus_per_rank
+    need = (
+        cfg.rollout.num_workers * cfg.rollout.num_cpus_per_worker
+        + cfg.learner.num_ranks * cfg.learner.num_cpus_per_rank
+    )
     ray.init(num_cpus=max(int(need) + 2, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     return True

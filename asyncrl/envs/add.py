@@ -24,7 +24,9 @@ def heldout_pairs(n: int = 500, max_operand: int = 999) -> list[tuple[int, int]]
     return sorted(seen, key=lambda p: rng.random())
 
 
-def train_pairs(seed: int, max_operand: int = 999, exclude: set[tuple[int, int]] | None = None) -> Iterator[tuple[int, int]]:
+def train_pairs(
+    seed: int, max_operand: int = 999, exclude: set[tuple[int, int]] | None = None
+) -> Iterator[tuple[int, int]]:
     """An endless stream of training pairs disjoint from `exclude` (the held-out set)."""
     rng = random.Random(seed)
     exclude = exclude if exclude is not None else set(heldout_pairs(max_operand=max_operand))

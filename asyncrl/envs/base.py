@@ -90,7 +90,9 @@ def resolve_env(name: str) -> type:
     worker's CPU)."""
     path = BUILTIN_ENVS.get(name, name)
     if ":" not in path:
-        raise ValueError(f"unknown environment {name!r}: use one of {', '.join(BUILTIN_ENVS)} or 'package.module:Class'")
+        raise ValueError(
+            f"unknown environment {name!r}: use one of {', '.join(BUILTIN_ENVS)} or 'package.module:Class'"
+        )
     module, attr = path.split(":", 1)
     try:
         cls = getattr(importlib.import_module(module), attr)

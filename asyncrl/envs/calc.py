@@ -57,8 +57,12 @@ class CalcEnv:
     async def _score(self, answer: str, finish_reason: str) -> float:
         assert self.prompt is not None, "reset() first"
         return await self.context.tools.reward(
-            self.reward, answer, self.prompt.ground_truth, finish_reason=finish_reason,
-            extra_info=dict(self.prompt.extra_info), timeout_s=self.context.reward_timeout_s,
+            self.reward,
+            answer,
+            self.prompt.ground_truth,
+            finish_reason=finish_reason,
+            extra_info=dict(self.prompt.extra_info),
+            timeout_s=self.context.reward_timeout_s,
         )
 
 
@@ -126,7 +130,9 @@ def heldout_problems(task: str, n: int, operands: int = 3) -> list[tuple[str, st
     return list(seen.items())
 
 
-def train_problems(task: str, seed: int, operands: int = 3, exclude: set[str] | None = None) -> Iterator[tuple[str, str]]:
+def train_problems(
+    task: str, seed: int, operands: int = 3, exclude: set[str] | None = None
+) -> Iterator[tuple[str, str]]:
     """An endless stream of problems whose prompt is not in `exclude` (default: the 500 held-out ones)."""
     rng = random.Random(seed)
     exclude = exclude if exclude is not None else {t for t, _ in heldout_problems(task, 500, operands)}

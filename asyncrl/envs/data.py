@@ -67,7 +67,11 @@ def check_verl_rows(rows: list[dict[str, Any]], path: str | Path) -> None:
     """Raise naming the file and row unless every row has the nested verl layout."""
     for i, row in enumerate(rows):
         prompt = row["prompt"]
-        if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt):
+        if (
+            not isinstance(prompt, list)
+            or not prompt
+            or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)
+        ):
             raise ValueError(f"{path}: row {i}: 'prompt' must be a non-empty list of {{role, content}} messages")
         _check_text(prompt, path, i)
         if not isinstance(row["reward_model"], dict) or "ground_truth" not in row["reward_model"]:
@@ -82,9 +86,13 @@ def _check_text(messages: list[dict[str, Any]], path: str | Path, row: int) -> N
             try:
                 content.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ValueError(f"{path}: row {row}: prompt message {m} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+                raise ValueError(
+                    f"{path}: row {row}: prompt message {m} is not UTF-8 text ({e.reason} at byte {e.start})"
+                ) from None
         if not isinstance(content, str):
-            raise ValueError(f"{path}: row {row}: prompt message {m} content must be a string (got {type(content).__name__})")
+            raise ValueError(
+                f"{path}: row {row}: prompt message {m} content must be a string (got {type(content).__name__})"
+            )
     if not any(message["content"].strip() for message in messages):
         raise ValueError(f"{path}: row {row}: the prompt is empty (every message's content is blank)")
 
@@ -121,7 +129,10 @@ def agent_task_stream(tokenizer: Any, task: str, seed: int, operands: int) -> It
 
 
 def heldout_agent_prompts(tokenizer: Any, task: str, n: int, operands: int) -> list[Prompt]:
-    return [text_prompt(tokenizer, t, a, f"eval-{i}", task) for i, (t, a) in enumerate(calc.heldout_problems(task, n, operands))]
+    return [
+        text_prompt(tokenizer, t, a, f"eval-{i}", task)
+        for i, (t, a) in enumerate(calc.heldout_problems(task, n, operands))
+    ]
 
 
 def train_stream(cfg, tokenizer: Any) -> Iterator[Prompt]:

@@ -39,7 +39,9 @@ class EpisodeBuilder:
 
     def add_model_turn(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
         if not len(ids) == len(logprobs) == len(versions):
-            raise ValueError(f"model turn arrays differ in length (ids {len(ids)}, logprobs {len(logprobs)}, versions {len(versions)})")
+            raise ValueError(
+                f"model turn arrays differ in length (ids {len(ids)}, logprobs {len(logprobs)}, versions {len(versions)})"
+            )
         self.turn_starts.append(len(self.ids))
         self.ids += [int(t) for t in ids]
         self.logprobs += [float(x) for x in logprobs]

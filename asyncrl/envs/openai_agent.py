@@ -86,9 +86,15 @@ class OpenAIAgentEnv:
         except KeyError:
             return _no_call(request, worker, outcome.failure or "agent_error: the agent made no model call")
         fields = dict(
-            prompt_id=request.prompt.prompt_id, group_id=request.group_id, sample_index=request.sample_index,
-            ground_truth=request.prompt.ground_truth, reward=outcome.reward, failure=outcome.failure,
-            truncated=outcome.truncated or outcome.timed_out, worker=worker, attempt=request.attempt,
+            prompt_id=request.prompt.prompt_id,
+            group_id=request.group_id,
+            sample_index=request.sample_index,
+            ground_truth=request.prompt.ground_truth,
+            reward=outcome.reward,
+            failure=outcome.failure,
+            truncated=outcome.truncated or outcome.timed_out,
+            worker=worker,
+            attempt=request.attempt,
         )
         if outcome.timed_out:
             fields["finish_reason"] = "timeout"
@@ -97,7 +103,7 @@ class OpenAIAgentEnv:
     async def _run(self, client: Any, episode: AgentEpisode) -> AgentOutcome:
         try:
             result = await asyncio.wait_for(self.agent(client, episode.prompt.text, episode), self.timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return AgentOutcome(timed_out=True)
         except Exception as e:  # the harness's own bug or an endpoint error it did not handle
             return AgentOutcome(failure=f"agent_error: {type(e).__name__}: {e}")
@@ -111,9 +117,17 @@ def _no_call(request: Request, worker: str, failure: str) -> Trajectory:
     """The trajectory of an episode without a model call: the prompt alone, failed."""
     empty = np.zeros(0, dtype=np.int32)
     return Trajectory(
-        prompt_id=request.prompt.prompt_id, group_id=request.group_id, sample_index=request.sample_index,
-        prompt_ids=np.asarray(request.prompt.prompt_ids, dtype=np.int32), response_ids=empty,
-        rollout_logprobs=np.zeros(0, dtype=np.float32), loss_mask=np.zeros(0, dtype=np.int8), versions=empty,
-        finish_reason="error", ground_truth=request.prompt.ground_truth, failure=failure, worker=worker,
+        prompt_id=request.prompt.prompt_id,
+        group_id=request.group_id,
+        sample_index=request.sample_index,
+        prompt_ids=np.asarray(request.prompt.prompt_ids, dtype=np.int32),
+        response_ids=empty,
+        rollout_logprobs=np.zeros(0, dtype=np.float32),
+        loss_mask=np.zeros(0, dtype=np.int8),
+        versions=empty,
+        finish_reason="error",
+        ground_truth=request.prompt.ground_truth,
+        failure=failure,
+        worker=worker,
         attempt=request.attempt,
     )

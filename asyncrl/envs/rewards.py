@@ -8,19 +8,26 @@ A reward that raises marks its trajectory `failed:reward_error` (the run goes on
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 
 class RewardFn(Protocol):
-    def __call__(self, response: str, ground_truth: str, *, finish_reason: str, extra_info: dict[str, Any]) -> float: ...
+    def __call__(
+        self, response: str, ground_truth: str, *, finish_reason: str, extra_info: dict[str, Any]
+    ) -> float: ...
 
 
-def exact_match(response: str, ground_truth: str, *, finish_reason: str = "stop", extra_info: dict[str, Any] | None = None) -> float:
+def exact_match(
+    response: str, ground_truth: str, *, finish_reason: str = "stop", extra_info: dict[str, Any] | None = None
+) -> float:
     """1.0 iff the response is exactly the ground truth and ended with end-of-sequence (W1 `add`)."""
     return 1.0 if finish_reason == "stop" and response.strip() == ground_truth.strip() else 0.0
 
 
-def math_verify(response: str, ground_truth: str, *, finish_reason: str = "stop", extra_info: dict[str, Any] | None = None) -> float:
+def math_verify(
+    response: str, ground_truth: str, *, finish_reason: str = "stop", extra_info: dict[str, Any] | None = None
+) -> float:
     """1.0 iff `math-verify` finds the response's answer equal to the ground truth and the response ended with
     end-of-sequence. Its own timeouts are signal-based (main thread only, and they would fire in the rollout
     worker's event loop), so they are turned off here: the reward runs under `env.reward_timeout_s` in the

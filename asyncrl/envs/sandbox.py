@@ -33,9 +33,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from asyncrl.envs.tools.base import ToolInfraError
 
@@ -157,7 +158,12 @@ class SandboxLimits:
         )  # fmt: skip
 
     def rlimits(self) -> dict[str, int]:
-        return {"RLIMIT_CPU": self.cpu_s, "RLIMIT_AS": self.memory_bytes, "RLIMIT_NPROC": self.processes, "RLIMIT_FSIZE": self.file_bytes}
+        return {
+            "RLIMIT_CPU": self.cpu_s,
+            "RLIMIT_AS": self.memory_bytes,
+            "RLIMIT_NPROC": self.processes,
+            "RLIMIT_FSIZE": self.file_bytes,
+        }
 
 
 @dataclass(frozen=True)
@@ -271,7 +277,9 @@ def lease_uid_block(base: int, locks: Path = UID_LOCKS, blocks: int = UID_BLOCKS
             os.close(fd)
             continue
         return first, fd
-    raise ToolInfraError("sandbox_busy", f"no free block of {UIDS_PER_SANDBOX} uids among {blocks} from {base} (locks in {locks})")
+    raise ToolInfraError(
+        "sandbox_busy", f"no free block of {UIDS_PER_SANDBOX} uids among {blocks} from {base} (locks in {locks})"
+    )
 
 
 def _live_uids() -> set[int]:
@@ -302,7 +310,9 @@ def _code_under_tmp() -> list[str]:
     or virtual environment under /tmp, as in CI): the entries of `sys.path`, the environment and this package."""
     import asyncrl
 
-    roots = {os.path.realpath(p or ".") for p in [*sys.path, sys.prefix, os.path.dirname(os.path.dirname(asyncrl.__file__))]}
+    roots = {
+        os.path.realpath(p or ".") for p in [*sys.path, sys.prefix, os.path.dirname(os.path.dirname(asyncrl.__file__))]
+    }
     hidden = sorted(p for p in roots if p.startswith(("/tmp/", "/run/")) and os.path.isdir(p))
     return [arg for p in hidden for arg in ("--ro-bind", p, p)]
 
@@ -372,7 +382,7 @@ class _RewardProcess:
                 lines.append(line)
                 if "import_error" in line:
                     return lines, None
-        except asyncio.TimeoutError:
+        except TimeoutError:
             timed_out = True
         except (BrokenPipeError, ConnectionResetError):
             pass  # it is gone: its exit status says why
@@ -425,7 +435,11 @@ class Sandbox:
         module once and is kept for the next batch (up to `reward_process_calls` calls). Each item runs under
         its own wall (`timeout_s`) and CPU (`cpu_s`) limits. An item that takes the process down (a crash, a
         limit it swallowed) fails alone; the items after it run in a fresh process."""
-        process = self._idle.get(reward, []).pop() if self._idle.get(reward) else await self._start_reward(reward, items[0].timeout_s)
+        process = (
+            self._idle.get(reward, []).pop()
+            if self._idle.get(reward)
+            else await self._start_reward(reward, items[0].timeout_s)
+        )
         try:
             lines, failed = await process.score(items)
         except BaseException:  # cancelled: the process is in the middle of a batch nobody waits for
@@ -434,7 +448,10 @@ class Sandbox:
         if lines and "import_error" in lines[0]:
             await self._retire(process)
             return [ItemOutcome(reason="import_error", detail=lines[0]["import_error"])] * len(items)
-        done = [ItemOutcome(line.get("value"), line.get("reason"), line.get("detail", ""), line.get("seconds", 0.0)) for line in lines]
+        done = [
+            ItemOutcome(line.get("value"), line.get("reason"), line.get("detail", ""), line.get("seconds", 0.0))
+            for line in lines
+        ]
         if failed is None:
             if process.calls < self.reward_process_calls:
                 self._idle.setdefault(reward, []).append(process)
@@ -448,9 +465,23 @@ class Sandbox:
     async def _start_reward(self, reward: str, import_timeout_s: float) -> _RewardProcess:
         """A process that imports `reward`'s module within `import_timeout_s` (the answer to a failed import comes
         with the first batch) and then serves batches."""
-        path = [_inside_path(p) for p in sys.path] if self.capabilities.method == "bwrap" else [os.path.abspath(p or ".") for p in sys.path]
-        limits = {**self.limits.rlimits(), "RLIMIT_CPU": self.limits.cpu_s * self.reward_process_calls + 1}  # each call: its CPU timer
-        payload = {"kind": "rewards", "reward": reward, "path": path, "cpu_s": self.limits.cpu_s, "import_timeout_s": import_timeout_s, "limits": limits}
+        path = (
+            [_inside_path(p) for p in sys.path]
+            if self.capabilities.method == "bwrap"
+            else [os.path.abspath(p or ".") for p in sys.path]
+        )
+        limits = {
+            **self.limits.rlimits(),
+            "RLIMIT_CPU": self.limits.cpu_s * self.reward_process_calls + 1,
+        }  # each call: its CPU timer
+        payload = {
+            "kind": "rewards",
+            "reward": reward,
+            "path": path,
+            "cpu_s": self.limits.cpu_s,
+            "import_timeout_s": import_timeout_s,
+            "limits": limits,
+        }
         started = await self._take()
         started.process.stdin.write(json.dumps(payload).encode() + b"\n")
         return _RewardProcess(started, _Tail(started.process.stderr, self.limits.output_bytes))
@@ -496,7 +527,7 @@ class Sandbox:
             (out, out_cut), (err, err_cut) = await asyncio.wait_for(asyncio.shield(reading), timeout_s)
             await process.wait()
             timed_out = False
-        except asyncio.TimeoutError:
+        except TimeoutError:
             _kill(process)
             (out, out_cut), (err, err_cut) = await _after_kill(reading, (("", 0), ("", 0)))
             await process.wait()
@@ -509,7 +540,9 @@ class Sandbox:
             _remove(started.workdir)
             self._leased.discard(started.uid)
         code = process.returncode
-        return RunOutcome(out, err, code, _reason(code, err, timed_out), time.perf_counter() - began, process.pid, out_cut + err_cut)
+        return RunOutcome(
+            out, err, code, _reason(code, err, timed_out), time.perf_counter() - began, process.pid, out_cut + err_cut
+        )
 
     async def _take(self) -> _Started:
         """The spare process (started now if there is none), once it is ready; the next one starts meanwhile."""
@@ -546,7 +579,9 @@ class Sandbox:
                 self._next_uid = offset + 1
                 self._leased.add(self.uid + offset)
                 return self.uid + offset
-        raise ToolInfraError("sandbox_busy", f"all {UIDS_PER_SANDBOX} uids from {self.uid} are held by running or kept processes")
+        raise ToolInfraError(
+            "sandbox_busy", f"all {UIDS_PER_SANDBOX} uids from {self.uid} are held by running or kept processes"
+        )
 
     def _command(self, uid: int) -> tuple[list[str], str | None]:
         """argv, and the host work folder of an `rlimits` run (bwrap runs use their own tmpfs)."""
@@ -594,7 +629,7 @@ async def _after_kill(reading: Any, empty: Any) -> Any:
     """What a killed run's pipes held; `empty` when a process that left the group (rlimits only) still holds them."""
     try:
         return await asyncio.wait_for(reading, 2.0)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return empty
 
 
@@ -623,7 +658,13 @@ def _kill(process: asyncio.subprocess.Process) -> None:
 def _clean_env(workdir: str | None) -> dict[str, str]:
     """No variable of the worker's environment (tokens, addresses) reaches the run."""
     home = workdir or "/tmp"
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": home,
+        "TMPDIR": home,
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
 
 
 def _remove(workdir: str | None) -> None:

@@ -134,7 +134,9 @@ def build_batch(groups: Sequence[Group], recipe, lags: Sequence[int] | None = No
     for b, (_, t) in enumerate(trajectories):
         prompt_len, n = len(t.prompt_ids), seq_lens[b]
         if prompt_len < 1:
-            raise ValueError(f"trajectory {t.group_id}/{t.sample_index} has an empty prompt: nothing predicts its first token")
+            raise ValueError(
+                f"trajectory {t.group_id}/{t.sample_index} has an empty prompt: nothing predicts its first token"
+            )
         input_ids[b, :prompt_len] = t.prompt_ids
         input_ids[b, prompt_len:n] = t.response_ids
         attention_mask[b, :n] = 1

@@ -68,7 +68,11 @@ def _sharded_state(state: TrainState) -> dict[str, Any]:
 def _rng_state() -> dict[str, Any]:
     """Tensors, numbers and strings only, so that `torch.load(weights_only=True)` reads it back."""
     name, keys, *rest = np.random.get_state()
-    out = {"torch": torch.get_rng_state(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), *rest), "python": random.getstate()}
+    out = {
+        "torch": torch.get_rng_state(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), *rest),
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state_all()
     return out
@@ -105,7 +109,10 @@ def load_train_state(folder: str | Path, state: TrainState, rank: int) -> int:
     sharded = _sharded_state(state)
     dcp.load(sharded, checkpoint_id=str(path))
     set_state_dict(
-        state.policy, state.optimizer, model_state_dict=sharded["policy"]["model"], optim_state_dict=sharded["policy"]["optim"]
+        state.policy,
+        state.optimizer,
+        model_state_dict=sharded["policy"]["model"],
+        optim_state_dict=sharded["policy"]["optim"],
     )
     if state.critic is not None:
         set_state_dict(
@@ -117,7 +124,9 @@ def load_train_state(folder: str | Path, state: TrainState, rank: int) -> int:
     local_file = path / f"rank_{rank}.pt"
     # More ranks than at save time: schedulers are identical on all ranks, RNG stays as seeded.
     restore_rng = local_file.exists()
-    local = torch.load(local_file if restore_rng else path / "rank_0.pt", weights_only=True)  # nothing unpickled from a user path
+    local = torch.load(
+        local_file if restore_rng else path / "rank_0.pt", weights_only=True
+    )  # nothing unpickled from a user path
     state.scheduler.load_state_dict(local["scheduler"])
     if state.critic_scheduler is not None and "critic_scheduler" in local:
         state.critic_scheduler.load_state_dict(local["critic_scheduler"])

@@ -42,7 +42,9 @@ def cast_state(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[st
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
 
 
-def pack_state_dict(state: Mapping[str, torch.Tensor], bucket_bytes: int, dtype: torch.dtype) -> tuple[list[bytes], int, int]:
+def pack_state_dict(
+    state: Mapping[str, torch.Tensor], bucket_bytes: int, dtype: torch.dtype
+) -> tuple[list[bytes], int, int]:
     """-> (buckets, payload bytes, number of tensors); floating tensors are cast to the engines' dtype."""
     from asyncrl.rollout.weights import pack_buckets
 

@@ -26,7 +26,17 @@ from torch import nn
 
 from asyncrl.algo.sampling import SamplingDistribution, token_logprobs
 
-__all__ = ["HF_PREFIX", "PolicyModel", "ValueModel", "cast_layers", "compile_layers", "hf_name", "load_causal_lm", "shard", "uses_fsdp"]
+__all__ = [
+    "HF_PREFIX",
+    "PolicyModel",
+    "ValueModel",
+    "cast_layers",
+    "compile_layers",
+    "hf_name",
+    "load_causal_lm",
+    "shard",
+    "uses_fsdp",
+]
 
 # Parameter names inside PolicyModel are the Hugging Face names behind this prefix.
 HF_PREFIX = "causal_lm."
@@ -109,7 +119,9 @@ class ValueModel(nn.Module):
     def transformer(self) -> nn.Module:
         return self.trunk
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
         hidden = self.trunk(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
@@ -154,7 +166,9 @@ def _fully_shard(module: PolicyModel | ValueModel, mesh, compute_dtype: torch.dt
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mixed = compute_dtype != torch.float32
-    layers_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
+    layers_policy = (
+        MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
+    )
     for layer in module.decoder_layers:
         fully_shard(layer, mesh=mesh, mp_policy=layers_policy)
     fully_shard(module, mesh=mesh)
@@ -208,7 +222,9 @@ def compile_layers(module: PolicyModel | ValueModel) -> None:
     probe, scoring) run the layers as they are, so they compile nothing. The layers stay the same modules: their
     parameter names, optimizer, checkpoints and exports are unchanged."""
     for layer in module.decoder_layers:
-        layer.forward = functools.partial(_compiled_when_training, torch.compile(layer.forward, dynamic=True), layer.forward)
+        layer.forward = functools.partial(
+            _compiled_when_training, torch.compile(layer.forward, dynamic=True), layer.forward
+        )
 
 
 def _compiled_when_training(compiled, eager, *args, **kwargs):

@@ -120,12 +120,17 @@ class LearnerPool:
         self.step = 0
         unit = placement.bundle(config.num_cpus_per_rank, config.num_gpus_per_rank, config.resources)
         # The learner reserves its ranks before the rollout pool starts: scaling rollouts never starves it.
-        self.group = placement.reserve("learner", [unit] * self.num_ranks, config.placement_strategy, placement_timeout_s)
+        self.group = placement.reserve(
+            "learner", [unit] * self.num_ranks, config.placement_strategy, placement_timeout_s
+        )
         actor = ray.remote(concurrency_groups={SEND_GROUP: SEND_THREADS})(NodeLocalLearnerWorker)
         model = ship(model_dir)
         self.workers = [
-            actor.options(num_cpus=config.num_cpus_per_rank, num_gpus=config.num_gpus_per_rank, scheduling_strategy=placement.in_bundle(self.group, rank))
-            .remote(rank, self.num_ranks, str(model_dir), config, recipe, sampling, dtype, model=model)
+            actor.options(
+                num_cpus=config.num_cpus_per_rank,
+                num_gpus=config.num_gpus_per_rank,
+                scheduling_strategy=placement.in_bundle(self.group, rank),
+            ).remote(rank, self.num_ranks, str(model_dir), config, recipe, sampling, dtype, model=model)
             for rank in range(self.num_ranks)
         ]
         # Ray resolves rank 0's address before each rank's `setup` runs. Nothing waits here: the ranks load
@@ -138,9 +143,18 @@ class LearnerPool:
     def from_config(cls, cfg, model_dir: str | os.PathLike) -> LearnerPool:
         """Build from the run's `asyncrl.config.Config` (recipe from `algorithm`, sampling from `rollout`)."""
         sampling = SamplingDistribution(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
-        return cls(model_dir, cfg.learner, recipe_from_config(cfg), sampling, cfg.model.dtype, placement_timeout_s=cfg.cluster.placement_timeout_s)
+        return cls(
+            model_dir,
+            cfg.learner,
+            recipe_from_config(cfg),
+            sampling,
+            cfg.model.dtype,
+            placement_timeout_s=cfg.cluster.placement_timeout_s,
+        )
 
-    def _call(self, method: str, *args, timeout_s: float | None = None, per_rank: Sequence[tuple] | None = None) -> list:
+    def _call(
+        self, method: str, *args, timeout_s: float | None = None, per_rank: Sequence[tuple] | None = None
+    ) -> list:
         """Call `method` on every rank at once (collective) and wait, at most `timeout_s` (default
         `learner.call_timeout_s`) in all; a failure or a timeout names the rank and the call."""
         return self._collect(self._submit(method, *args, per_rank=per_rank), timeout_s)
@@ -159,7 +173,10 @@ class LearnerPool:
         return self._submit_now(method, *args, per_rank=per_rank)
 
     def _submit_now(self, method: str, *args, per_rank: Sequence[tuple] | None = None) -> LearnerCall:
-        refs = [getattr(w, method).remote(*(per_rank[r] if per_rank is not None else args)) for r, w in enumerate(self.workers)]
+        refs = [
+            getattr(w, method).remote(*(per_rank[r] if per_rank is not None else args))
+            for r, w in enumerate(self.workers)
+        ]
         return LearnerCall(method, refs, time.monotonic())
 
     def _collect(self, call: LearnerCall, timeout_s: float | None = None) -> list:
@@ -185,7 +202,9 @@ class LearnerPool:
         if failed:
             raise LearnerCallError(f"learner rank {failed[0]}: {method} failed: {failed[1]}")
         if pending:
-            raise LearnerCallError(f"learner rank {rank_of[pending[0]]}: {method} did not answer within {timeout_s}s (learner.call_timeout_s)")
+            raise LearnerCallError(
+                f"learner rank {rank_of[pending[0]]}: {method} did not answer within {timeout_s}s (learner.call_timeout_s)"
+            )
         return ray.get(refs)
 
     # ------------------------------------------------------------------ training
@@ -240,7 +259,9 @@ class LearnerPool:
         loss, grads = self._call("compute_gradients", per_rank=[(s, recipe) for s in shards])[0]
         return loss, grads
 
-    def score(self, token_ids: Sequence[int], prompt_len: int, sampling: SamplingDistribution | None = None) -> np.ndarray:
+    def score(
+        self, token_ids: Sequence[int], prompt_len: int, sampling: SamplingDistribution | None = None
+    ) -> np.ndarray:
         """Learner log-probs of `token_ids[prompt_len:]` under `sampling` (default: the run's)."""
         return self._call("score", list(token_ids), prompt_len, sampling)[0]
 

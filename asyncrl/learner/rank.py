@@ -47,7 +47,16 @@ class LearnerWorker:
     """One learner rank. Construct through `LearnerPool` (it is wrapped with `ray.remote` there); every
     public method except `master_address` is collective: all ranks must call it together."""
 
-    def __init__(self, rank: int, num_ranks: int, model_dir: str, config, recipe, sampling: SamplingDistribution, dtype: str = "float32"):
+    def __init__(
+        self,
+        rank: int,
+        num_ranks: int,
+        model_dir: str,
+        config,
+        recipe,
+        sampling: SamplingDistribution,
+        dtype: str = "float32",
+    ):
         self.rank = rank
         self.num_ranks = num_ranks
         self.model_dir = str(model_dir)
@@ -108,7 +117,9 @@ class LearnerWorker:
     def _train_state(self, mesh):
         from asyncrl.learner.policy import shard
 
-        state = build_train_state(self.config, self.model_dir, self.device, lambda module: shard(module, mesh, self.dtype))
+        state = build_train_state(
+            self.config, self.model_dir, self.device, lambda module: shard(module, mesh, self.dtype)
+        )
         self.model_config = state.policy.causal_lm.config
         return state
 
@@ -135,7 +146,9 @@ class LearnerWorker:
         loss, grads = dataclasses.replace(self._step, recipe=recipe or self.recipe).gradients(rows)
         return loss, (grads if self.rank == 0 else None)
 
-    def score(self, token_ids: Sequence[int], prompt_len: int, sampling: SamplingDistribution | None = None) -> np.ndarray:
+    def score(
+        self, token_ids: Sequence[int], prompt_len: int, sampling: SamplingDistribution | None = None
+    ) -> np.ndarray:
         """Learner log-probs of `token_ids[prompt_len:]` given their prefixes under `sampling` (default: the
         run's), -inf outside its kept set (the parity probe)."""
         ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device).unsqueeze(0)
@@ -173,7 +186,11 @@ class LearnerWorker:
         from asyncrl.learner.export import hf_state_dict
 
         full = self._full_model_state(self.state.policy)
-        return hf_state_dict(full, bool(getattr(self.model_config, "tie_word_embeddings", False))) if self.rank == 0 else {}
+        return (
+            hf_state_dict(full, bool(getattr(self.model_config, "tie_word_embeddings", False)))
+            if self.rank == 0
+            else {}
+        )
 
     def export_weights(self, bucket_bytes: int) -> ExportedWeights | None:
         """Rank 0 packs the HF-named weights into safetensors buckets and puts them in the object store."""
@@ -198,7 +215,9 @@ class LearnerWorker:
             self._segment = SegmentWriter(root)
         return self._segment.write(cast_state(state, self.dtype), version)
 
-    def export_collective(self, version: int, loopback: bool, bucket_bytes: int, timeout_s: float) -> CollectiveWeights | None:
+    def export_collective(
+        self, version: int, loopback: bool, bucket_bytes: int, timeout_s: float
+    ) -> CollectiveWeights | None:
         """Rank 0 copies the HF-named weights into its staging buffer, which engines pull over their own process
         group (`send_collective`; `weight_sync.group`). `loopback`: every engine is on this node (127.0.0.1)."""
         from asyncrl.learner.export import cast_state
@@ -236,7 +255,9 @@ class LearnerWorker:
             for hf_name_ in [name.removeprefix("causal_lm.")]
         }
         return {
-            "params": {k: v.float().numpy().copy() for k, v in params.items()},  # a snapshot, not views of the live parameters
+            "params": {
+                k: v.float().numpy().copy() for k, v in params.items()
+            },  # a snapshot, not views of the live parameters
             "optimizer": moments,
             "lr": self.state.optimizer.param_groups[0]["lr"],
             "step": self.step,
@@ -266,7 +287,9 @@ class LearnerWorker:
         model = AutoModelForCausalLM.from_config(self.model_config, dtype=self.dtype)
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
-            raise RuntimeError(f"export_hf: state dict does not match the model (missing {missing}, unexpected {unexpected})")
+            raise RuntimeError(
+                f"export_hf: state dict does not match the model (missing {missing}, unexpected {unexpected})"
+            )
         model.save_pretrained(folder, safe_serialization=True)
 
     def shutdown(self) -> None:

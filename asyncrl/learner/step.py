@@ -39,7 +39,13 @@ import numpy as np
 import torch
 
 from asyncrl.algo.sampling import SamplingDistribution, in_support
-from asyncrl.learner.batch import CRITIC_ADVANTAGES, TrainBatch, dummy_microbatch, loss_needs_whole_groups, micro_batches
+from asyncrl.learner.batch import (
+    CRITIC_ADVANTAGES,
+    TrainBatch,
+    dummy_microbatch,
+    loss_needs_whole_groups,
+    micro_batches,
+)
 from asyncrl.types import StepStats
 
 if TYPE_CHECKING:
@@ -241,7 +247,13 @@ class RankStep:
             grad_norm=grad_norm,
             num_samples=sum(s.num_rows for s in shards),
             num_tokens=sum(s.num_tokens for s in shards),
-            metrics=dict(metrics, lr=lr, policy_frozen=float(frozen), loss_tokens=float(sum(s.num_loss_tokens for s in shards)), **self._timings(began)),
+            metrics=dict(
+                metrics,
+                lr=lr,
+                policy_frozen=float(frozen),
+                loss_tokens=float(sum(s.num_loss_tokens for s in shards)),
+                **self._timings(began),
+            ),
         )
 
     def _timings(self, began: float) -> dict[str, float]:
@@ -256,7 +268,9 @@ class RankStep:
             grad_norm, stepped = 0.0, False
         else:
             grad_norm, stepped = self._clip_and_step(self.state.policy, self.state.optimizer, self.state.scheduler)
-        metrics = dict(acc.metrics, skipped_step=float(not stepped and not frozen), updates=float(stepped), kl_stopped=0.0)
+        metrics = dict(
+            acc.metrics, skipped_step=float(not stepped and not frozen), updates=float(stepped), kl_stopped=0.0
+        )
         if self.state.critic is not None and acc.batch.returns is not None:
             metrics.update(self._critic_step(acc.batch, self.state.critic_scheduler))
         return acc.loss, grad_norm, metrics
@@ -280,7 +294,9 @@ class RankStep:
             self.state.critic_scheduler.step()
         taken = [u for u in updates if not u.stopped]
         # update_metrics' global approx_kl (of the last update) replaces this rank's mean over updates.
-        metrics = dict(mean_over_updates([u.metrics for u in taken]), **mean_over_updates(critic), **update_metrics(updates))
+        metrics = dict(
+            mean_over_updates([u.metrics for u in taken]), **mean_over_updates(critic), **update_metrics(updates)
+        )
         loss = float(np.mean([u.loss for u in taken])) if taken else 0.0
         grad_norm = float(np.mean([u.grad_norm for u in taken])) if taken else 0.0
         return loss, grad_norm, metrics
@@ -290,7 +306,9 @@ class RankStep:
         (measured in this forward, before the step) exceeds `learner.kl_stop`."""
         loss, metrics = self._policy_backward(batch)
         tokens = float(batch.loss_tokens)
-        local = torch.tensor([metrics.get("clipfrac", 0.0) * tokens, metrics.get("approx_kl", 0.0) * tokens, tokens], dtype=torch.float64)
+        local = torch.tensor(
+            [metrics.get("clipfrac", 0.0) * tokens, metrics.get("approx_kl", 0.0) * tokens, tokens], dtype=torch.float64
+        )
         clip_sum, kl_sum, total = self.all_reduce(local, "sum").tolist()
         clipfrac, approx_kl = (clip_sum / total, kl_sum / total) if total > 0 else (0.0, 0.0)
         if may_stop and self.config.kl_stop is not None and approx_kl > self.config.kl_stop:
@@ -345,7 +363,11 @@ class RankStep:
             old = [self._logprobs(mb) for mb in mbs]
         # A token outside pi_old's kept set (-inf) counts in these statistics with a ratio of 1 to mu.
         finite = [torch.where(torch.isfinite(o), o, mb.rollout_logprobs) for mb, o in zip(mbs, old)]
-        weights = self._weights_after_rejection(mbs, real, finite) if self.recipe.denominator_after_rejection else [mb.token_weights for mb in mbs]
+        weights = (
+            self._weights_after_rejection(mbs, real, finite)
+            if self.recipe.denominator_after_rejection
+            else [mb.token_weights for mb in mbs]
+        )
         tis_stats = self._tis_stats(mbs[:real], finite[:real]) if self.recipe.normalizes_tis else None
         return MiniBatch(mbs, real, advantages, returns, old, weights, tis_stats)
 
@@ -374,8 +396,15 @@ class RankStep:
                 mb, batch.weights[i], learner_logprobs, old if old is not None else learner_logprobs.detach()
             )
             loss, metrics = compute_policy_loss(
-                self.recipe, learner_logprobs, old_logprobs, mb.rollout_logprobs, batch.advantages[i], mask, weights,
-                mb.group_ids, tis_stats=batch.tis_stats,
+                self.recipe,
+                learner_logprobs,
+                old_logprobs,
+                mb.rollout_logprobs,
+                batch.advantages[i],
+                mask,
+                weights,
+                mb.group_ids,
+                tis_stats=batch.tis_stats,
             )
             loss.backward()
             loss_sum += loss.detach().double()
@@ -401,7 +430,9 @@ class RankStep:
         mask, (learner_logprobs, old_logprobs) = in_support(mb.loss_mask, [learner_logprobs, old_logprobs])
         return mask, torch.where(mask, weights, torch.zeros_like(weights)), learner_logprobs, old_logprobs
 
-    def _mismatch(self, seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> dict[str, float]:
+    def _mismatch(
+        self, seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]
+    ) -> dict[str, float]:
         """`mismatch_*` metrics of (old, rollout log-probs, loss mask, row lags) over this rank's real
         micro-batches, plus their per-lag pieces when every row's lag is known (the pool divides them)."""
         from asyncrl.algo.metrics import lag_mismatch_parts, mismatch_metrics
@@ -410,7 +441,9 @@ class RankStep:
         if not seen or not any(int(m.sum()) for _, _, m, _ in seen):
             return {}
         olds, rollouts, masks = (_pad_cat([x[j] for x in seen]) for j in range(3))
-        out = {f"mismatch_{k}": v for k, v in mismatch_metrics(olds, rollouts, masks.bool(), self.recipe.tis_cap).items()}
+        out = {
+            f"mismatch_{k}": v for k, v in mismatch_metrics(olds, rollouts, masks.bool(), self.recipe.tis_cap).items()
+        }
         if all(lags is not None for *_, lags in seen):
             lags = torch.cat([lags for *_, lags in seen])
             keep = correction_keep(self.recipe, olds, rollouts, masks.bool())
@@ -449,7 +482,9 @@ class RankStep:
         norm, stepped = self._clip_and_step(self.state.critic, self.state.critic_optimizer, scheduler)
         metrics = {f"critic_{k}": v for k, v in merge_metrics(parts).items() if k != "value_loss"}
         metrics.update(
-            critic_value_loss=float(self.all_reduce(loss_sum, "sum").item()), critic_grad_norm=norm, critic_skipped_step=float(not stepped)
+            critic_value_loss=float(self.all_reduce(loss_sum, "sum").item()),
+            critic_grad_norm=norm,
+            critic_skipped_step=float(not stepped),
         )
         return metrics
 
@@ -470,7 +505,11 @@ class RankStep:
 
     def _micro_batches(self, rows: TrainBatch) -> tuple[list[TrainBatch], int]:
         """This rank's micro-batches padded with dummies to the largest count over ranks; -> (all, real)."""
-        mbs = micro_batches(rows, self.config.tokens_per_microbatch, loss_needs_whole_groups(self.recipe)) if rows.num_rows else []
+        mbs = (
+            micro_batches(rows, self.config.tokens_per_microbatch, loss_needs_whole_groups(self.recipe))
+            if rows.num_rows
+            else []
+        )
         count = int(self.all_reduce(torch.tensor([len(mbs)]), "max").item())
         real = len(mbs)
         mbs += [dummy_microbatch(rows.num_groups) for _ in range(count - real)]
@@ -478,7 +517,9 @@ class RankStep:
 
     # ------------------------------------------------------------------ advantages and weights on the rank
 
-    def _rollout_advantages(self, packed: list[list[TrainBatch]]) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor] | None]]:
+    def _rollout_advantages(
+        self, packed: list[list[TrainBatch]]
+    ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor] | None]]:
         """(advantages, critic returns or None) per mini-batch and micro-batch, from the weights before any
         update: outcome advantages as built, critic ones (whitened) over the whole rollout batch."""
         if self.recipe.advantage not in CRITIC_ADVANTAGES:
@@ -500,7 +541,9 @@ class RankStep:
                 rows = torch.arange(mb.num_rows, device=values.device)
                 # V(s_T) of the state after the last token; GAE uses it only where the row was truncated.
                 bootstrap = values[rows, mb.seq_lens - 1]
-                adv, ret = compute_advantages(recipe, mb.rewards, mb.group_ids, mb.loss_mask, values, mb.dones, bootstrap)
+                adv, ret = compute_advantages(
+                    recipe, mb.rewards, mb.group_ids, mb.loss_mask, values, mb.dones, bootstrap
+                )
                 advantages.append(adv.float())
                 returns.append(ret.float())
         if self.recipe.whiten_advantages:
@@ -522,6 +565,8 @@ class RankStep:
             stats += reduction_stats(mask, mb.group_ids, num_groups)
         stats = self.all_reduce(stats, "sum")
         return [
-            reduction_weights(self.recipe.reduction, m, mb.group_ids, self.recipe.l_max, stats) if i < real else mb.token_weights
+            reduction_weights(self.recipe.reduction, m, mb.group_ids, self.recipe.l_max, stats)
+            if i < real
+            else mb.token_weights
             for i, (mb, m) in enumerate(zip(mbs, masks))
         ]

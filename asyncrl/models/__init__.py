@@ -93,8 +93,8 @@ def build_model(preset_name: str, out_dir: str | Path, seed: int = 0) -> Path:
 
 
 def num_parameters(preset_name: str) -> int:
-    from transformers import Qwen2ForCausalLM
     import torch
+    from transformers import Qwen2ForCausalLM
 
     with torch.device("meta"):
         model = Qwen2ForCausalLM(qwen2_config(PRESETS[preset_name]))
@@ -162,9 +162,20 @@ def _warm_start(cfg, spec: dict, model_dir: Path, report: Callable[[str], None])
     from asyncrl.models import warm_start as ws
 
     if cfg.data.task == "calc":
-        return ws.warm_start_calc(model_dir, spec["examples"], spec["epochs"], spec["lr"], spec["operands"], cfg.seed, spec["tool_fraction"])
-    measured = ws.warm_start(model_dir, spec["examples"], spec["epochs"], spec["lr"], spec["max_operand"], target=spec["target"], seed=cfg.seed,
-                           dropout=spec.get("dropout", 0.0), report=report)
+        return ws.warm_start_calc(
+            model_dir, spec["examples"], spec["epochs"], spec["lr"], spec["operands"], cfg.seed, spec["tool_fraction"]
+        )
+    measured = ws.warm_start(
+        model_dir,
+        spec["examples"],
+        spec["epochs"],
+        spec["lr"],
+        spec["max_operand"],
+        target=spec["target"],
+        seed=cfg.seed,
+        dropout=spec.get("dropout", 0.0),
+        report=report,
+    )
     if not measured["target_reached"]:
         import warnings
 

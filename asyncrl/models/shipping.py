@@ -77,7 +77,12 @@ def materialise(model: ShippedModel) -> Path:
     target = cache_root() / "shipped" / model.folder_name
     with _file_lock(target.with_name(target.name + ".lock")):
         if not (target / "config.json").is_file():
-            unpack(named_get(model.archive, _FETCH_TIMEOUT_S, f"model archive {model.folder_name} from the driver's object store"), target)
+            unpack(
+                named_get(
+                    model.archive, _FETCH_TIMEOUT_S, f"model archive {model.folder_name} from the driver's object store"
+                ),
+                target,
+            )
     return target
 
 

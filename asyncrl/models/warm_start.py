@@ -45,14 +45,15 @@ from asyncrl.envs import add
 from asyncrl.envs.data import add_prompt, heldout_add_prompts
 from asyncrl.envs.rewards import exact_match
 
-
 VALIDATION_SEED = 31_337
 EVAL_EVERY_STEPS = 25
 WARMUP_STEPS = 50
 PLAIN_SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # the full distribution, as the engines sample
 
 
-def _examples(tokenizer, n: int, max_operand: int, seed: int) -> tuple[list[tuple[list[int], int]], set[tuple[int, int]]]:
+def _examples(
+    tokenizer, n: int, max_operand: int, seed: int
+) -> tuple[list[tuple[list[int], int]], set[tuple[int, int]]]:
     """(ids, prompt_length) pairs (prompt + answer + EOS), and the operand pairs used."""
     stream = add.train_pairs(add.WARM_START_SEED + seed, max_operand)
     out, pairs = [], set()
@@ -104,7 +105,9 @@ def deterministic(seed: int):
         torch.use_deterministic_algorithms(strict)
 
 
-def _train(model, tokenizer, data, epochs: int, lr: float, rng: random.Random, batch_size: int, stop) -> tuple[int, float]:
+def _train(
+    model, tokenizer, data, epochs: int, lr: float, rng: random.Random, batch_size: int, stop
+) -> tuple[int, float]:
     """AdamW with a linear warm-up then constant lr; `stop(step)` is asked every EVAL_EVERY_STEPS steps.
     Returns the steps taken and the last batch's loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -127,8 +130,18 @@ def _train(model, tokenizer, data, epochs: int, lr: float, rng: random.Random, b
     return step, loss
 
 
-def _train_to_target(model, tokenizer, data, epochs: int, lr: float, seed: int, batch_size: int, stop,
-                     reached: Callable[[], bool], report: Callable[[str], None]) -> tuple[int, float, int | None]:
+def _train_to_target(
+    model,
+    tokenizer,
+    data,
+    epochs: int,
+    lr: float,
+    seed: int,
+    batch_size: int,
+    stop,
+    reached: Callable[[], bool],
+    report: Callable[[str], None],
+) -> tuple[int, float, int | None]:
     """`_train` (on a copy of `data`, shuffled by a `seed` stream); when a run with dropout has not `reached()`
     its target within `epochs`, the same run again from the initial weights without dropout. Dropout delays
     `add`'s supervised transition, for some seeds past any budget, and a start below the target is one RL
@@ -194,8 +207,9 @@ def warm_start(
             return target is None or bool(val_acc and val_acc[-1] >= target)
 
         start = time.perf_counter()
-        steps, loss, dropout_off = _train_to_target(model, tokenizer, data, epochs, lr, seed, batch_size, reached, target_met,
-                                                    report or (lambda _text: None))
+        steps, loss, dropout_off = _train_to_target(
+            model, tokenizer, data, epochs, lr, seed, batch_size, reached, target_met, report or (lambda _text: None)
+        )
         train_s = time.perf_counter() - start
         model.eval()
         model.config.attention_dropout = 0.0
@@ -250,8 +264,13 @@ def generate(model, tokenizer, prompts, *, sample: bool, max_new_tokens: int = 8
     input_ids, attn = left_pad(tokenizer, prompts)
     width, eos = input_ids.shape[1], tokenizer.eos_token_id
     out = model.generate(
-        input_ids=input_ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=sample,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, **(PLAIN_SAMPLING if sample else {}),
+        input_ids=input_ids,
+        attention_mask=attn,
+        max_new_tokens=max_new_tokens,
+        do_sample=sample,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos,
+        **(PLAIN_SAMPLING if sample else {}),
     )
     response = out[:, width:]
     is_eos = (response == eos).long()
@@ -286,7 +305,11 @@ def sampled_profile(model, tokenizer, prompts, n: int = 8) -> tuple[float, float
 def greedy_accuracy(model, tokenizer, prompts, max_new_tokens: int = 8, batch_size: int = 250) -> float:
     """Exact-match accuracy of greedy decoding with transformers (left padding)."""
     correct = sum(
-        float(generate(model, tokenizer, prompts[i : i + batch_size], sample=False, max_new_tokens=max_new_tokens).rewards.sum())
+        float(
+            generate(
+                model, tokenizer, prompts[i : i + batch_size], sample=False, max_new_tokens=max_new_tokens
+            ).rewards.sum()
+        )
         for i in range(0, len(prompts), batch_size)
     )
     return correct / max(1, len(prompts))
@@ -312,8 +335,16 @@ def calc_example(tokenizer, text: str, answer: str, use_tool: bool) -> tuple[lis
     return ids + final, flags + [1] * len(final)
 
 
-def warm_start_calc(model_dir: str | Path, examples: int, epochs: int, lr: float, operands: int = 3, seed: int = 0,
-                    tool_fraction: float = 0.3, batch_size: int = 32) -> dict:
+def warm_start_calc(
+    model_dir: str | Path,
+    examples: int,
+    epochs: int,
+    lr: float,
+    operands: int = 3,
+    seed: int = 0,
+    tool_fraction: float = 0.3,
+    batch_size: int = 32,
+) -> dict:
     """Supervised start for `calc`: `tool_fraction` of the examples call the calculator, the rest answer in the
     head (which a tiny model gets mostly wrong), for a fixed number of epochs, deterministically. The result
     calls the tool sometimes but not reliably, so RL has both success and tool use to raise."""
@@ -330,5 +361,11 @@ def warm_start_calc(model_dir: str | Path, examples: int, epochs: int, lr: float
         steps, loss = _train(model, tokenizer, data, epochs, lr, rng, batch_size, lambda _step: False)
         model.eval()
         model.save_pretrained(model_dir, safe_serialization=True)
-    return {"task": "calc", "tool_fraction": tool_fraction, "steps": steps, "epochs": epochs,
-            "train_seconds": round(time.perf_counter() - start, 2), "final_loss": loss}
+    return {
+        "task": "calc",
+        "tool_fraction": tool_fraction,
+        "steps": steps,
+        "epochs": epochs,
+        "train_seconds": round(time.perf_counter() - start, 2),
+        "final_loss": loss,
+    }

@@ -209,7 +209,9 @@ class Engine:
 
         async def one(i: int) -> None:
             spec = SamplingSpec(max_tokens=max(1, longest * (i + 1) // n), temperature=1.0, ignore_eos=True)
-            async for _ in self._llm.generate(vllm_compat.token_input([bos]), self._sampling_params(spec), f"warm-up#{next(self._ids)}"):
+            async for _ in self._llm.generate(
+                vllm_compat.token_input([bos]), self._sampling_params(spec), f"warm-up#{next(self._ids)}"
+            ):
                 pass
 
         await asyncio.gather(*(one(i) for i in range(n)))
@@ -241,8 +243,14 @@ class Engine:
     # Generation
 
     def _sampling_params(
-        self, spec: SamplingSpec, *, logprobs: int | None = 0, prompt_logprobs: int | None = None, logprob_token_ids: list[int] | None = None,
-        flat: bool = False, n: int = 1,
+        self,
+        spec: SamplingSpec,
+        *,
+        logprobs: int | None = 0,
+        prompt_logprobs: int | None = None,
+        logprob_token_ids: list[int] | None = None,
+        flat: bool = False,
+        n: int = 1,
     ) -> Any:
         """Fresh `SamplingParams` for exactly one request of `n` samples (vLLM keeps the object: never pass it
         twice). `flat`: log-probs in vLLM's flat lists (`vllm_compat.sampled_logprobs` reads them) instead of a
@@ -293,7 +301,12 @@ class Engine:
         self._running[request.request_id] = member
         try:
             # vLLM refuses n > 1 with greedy sampling; a seed or top log-probs belong to one sample.
-            shareable = self._group_requests and sampling.temperature >= GREEDY_BELOW and sampling.seed is None and top_logprobs is None
+            shareable = (
+                self._group_requests
+                and sampling.temperature >= GREEDY_BELOW
+                and sampling.seed is None
+                and top_logprobs is None
+            )
             self._submit(member, prompt.prompt_ids, sampling, shareable)
             async with asyncio.timeout(sampling.timeout_s):  # `wait_for` would start a task per sample
                 await member.done.wait()
@@ -303,7 +316,7 @@ class Engine:
             await self._abort([member])
             try:
                 await asyncio.wait_for(member.done.wait(), timeout=5.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self._leave(member)  # no final output came: stop waiting for it
             member.finish_reason = "abort"
         except asyncio.CancelledError:
@@ -319,7 +332,9 @@ class Engine:
             failure, member.finish_reason = abort_reason, "abort"
         return self._trajectory(member, dispatch_version, submitted_at, failure)
 
-    def _trajectory(self, member: _Member, dispatch_version: int, submitted_at: float, failure: str | None) -> Trajectory:
+    def _trajectory(
+        self, member: _Member, dispatch_version: int, submitted_at: float, failure: str | None
+    ) -> Trajectory:
         request, prompt = member.request, member.request.prompt
         n = len(member.token_ids)
         self.num_tokens_generated += n
@@ -442,7 +457,9 @@ class Engine:
             return ""
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    async def score(self, token_ids: Sequence[int], prompt_len: int, sampling: SamplingSpec | None = None) -> np.ndarray:
+    async def score(
+        self, token_ids: Sequence[int], prompt_len: int, sampling: SamplingSpec | None = None
+    ) -> np.ndarray:
         """log p(token_ids[t] | token_ids[:t]) for t >= prompt_len under the engine's current weights, float32
         [len - prompt_len]. `sampling` None: the raw distribution (temperature 1; vLLM's prompt log-probs skip
         every sampling processor). Otherwise the processed distribution of `sampling` (temperature, top-k,
@@ -452,7 +469,9 @@ class Engine:
             raise ValueError(f"prompt_len must be in [1, {len(token_ids)}) (got {prompt_len})")
         if sampling is not None:
             positions = range(prompt_len, len(token_ids))
-            scored = await asyncio.gather(*(self._processed_logprob(token_ids[:t], token_ids[t], sampling) for t in positions))
+            scored = await asyncio.gather(
+                *(self._processed_logprob(token_ids[:t], token_ids[t], sampling) for t in positions)
+            )
             return np.asarray(scored, dtype=np.float32)
         params = self._sampling_params(SamplingSpec(max_tokens=1, temperature=1.0), logprobs=None, prompt_logprobs=0)
         request_id = f"score#{next(self._ids)}"
@@ -502,7 +521,9 @@ class Engine:
             for sample, sample_spans in zip(tokens, spans):
                 versions.update(vllm_compat.version_per_token(sample_spans, len(sample), dispatch_version).tolist())
             texts = [self.decode(t) for t in tokens] * (samples // n)
-            return EvalResult(texts=tuple(texts), finish_reasons=tuple(reasons * (samples // n)), versions=frozenset(versions))
+            return EvalResult(
+                texts=tuple(texts), finish_reasons=tuple(reasons * (samples // n)), versions=frozenset(versions)
+            )
 
         return list(await asyncio.gather(*(of_prompt(p) for p in prompts)))
 
@@ -525,7 +546,9 @@ class Engine:
                 return 0  # a newer sync overtook this one (a joining worker gets both): the engine keeps the newer
             await vllm_compat.pause_for_update(self._llm, in_flight)
             try:
-                num_tensors, version = await vllm_compat.load_weights(self._llm, list(buckets), self._in_place, version, self._group_key)
+                num_tensors, version = await vllm_compat.load_weights(
+                    self._llm, list(buckets), self._in_place, version, self._group_key
+                )
                 await vllm_compat.set_weight_version(self._llm, version)
                 self._version = version
             except Exception:
@@ -547,7 +570,9 @@ class Engine:
         doomed = [
             member
             for rid, member in self._running.items()
-            if member.first_version is not None and self._version - member.first_version > max_staleness and rid not in self._abort_reasons
+            if member.first_version is not None
+            and self._version - member.first_version > max_staleness
+            and rid not in self._abort_reasons
         ]
         for member in doomed:
             self._abort_reasons[member.request.request_id] = (

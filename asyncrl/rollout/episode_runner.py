@@ -101,14 +101,18 @@ class EpisodeRunner:
         if result.done:
             if result.info.tool_error is not None:
                 return "tool_error"
-            return "context" if turn.finish_reason == "length" and len(turn.response_ids) >= room else turn.finish_reason
+            return (
+                "context" if turn.finish_reason == "length" and len(turn.response_ids) >= room else turn.finish_reason
+            )
         ids = self._encode(result.observation.text) if result.observation else []
         if len(ep.builder.context_ids) + len(ids) > self.limits.max_total_tokens:
             return "context"
         ep.builder.add_observation(ids)
         return None
 
-    def _failed_turn(self, turn: Trajectory, turn_sampling: SamplingSpec, sampling: SamplingSpec) -> tuple[str, str | None]:
+    def _failed_turn(
+        self, turn: Trajectory, turn_sampling: SamplingSpec, sampling: SamplingSpec
+    ) -> tuple[str, str | None]:
         """A turn the engine cut short: the episode's wall-time limit (truncated, not failed) or a failure."""
         episode_clock = sampling.timeout_s is None or (turn_sampling.timeout_s or 0) < sampling.timeout_s
         if turn.failure.startswith("timeout") and episode_clock:
@@ -144,7 +148,9 @@ class EpisodeRunner:
             attempt=request.attempt,
             submitted_at=last.submitted_at if ep.builder.num_turns == 1 else started,
             finished_at=last.finished_at if last else time.time(),
-            response_text=self.engine.decode(ep.builder.ids) if ep.builder.num_turns > 1 else (last.response_text if last else ""),
+            response_text=self.engine.decode(ep.builder.ids)
+            if ep.builder.num_turns > 1
+            else (last.response_text if last else ""),
             truncated=finish in TRUNCATING and failure is None,
             tool_calls=ep.tool_calls,
         )

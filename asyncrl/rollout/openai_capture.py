@@ -32,10 +32,21 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.chat_template = chat_template or tokenizer.chat_template
 
-    def render(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict] | None = None, *, generation_prompt: bool = True, **kwargs: Any) -> str:
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict] | None = None,
+        *,
+        generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
         return self.tokenizer.apply_chat_template(
-            list(messages), tools=list(tools) if tools else None, chat_template=self.chat_template,
-            add_generation_prompt=generation_prompt, tokenize=False, **kwargs,
+            list(messages),
+            tools=list(tools) if tools else None,
+            chat_template=self.chat_template,
+            add_generation_prompt=generation_prompt,
+            tokenize=False,
+            **kwargs,
         )
 
     def encode(self, text: str) -> list[int]:
@@ -59,7 +70,7 @@ class SampledTurn:
         for sampled in (self.full, self.visible):
             head = self.prompt_text + sampled
             if rendered.startswith(head):
-                return rendered[len(head):]
+                return rendered[len(head) :]
         return None
 
 

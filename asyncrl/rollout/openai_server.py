@@ -87,7 +87,9 @@ def _messages(value: Any) -> list[dict[str, Any]]:
                 raise BadRequest(f"messages[{i}].content", f"messages[{i}].content: only text parts are supported")
             content = "".join(p.get("text", "") for p in content)
         elif content is not None and not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts")
+            raise BadRequest(
+                f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts"
+            )
         out.append({**m, "content": content})
     return out
 
@@ -100,7 +102,12 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise BadRequest("stream", "streaming is not supported: set 'stream' to false")
     if body.get("n") not in (None, 1):
         raise BadRequest("n", "only n=1 is served")
-    stop = _field(body, "stop", (str, list), lambda v: isinstance(v, str) or (len(v) <= 4 and all(isinstance(s, str) and s for s in v)))
+    stop = _field(
+        body,
+        "stop",
+        (str, list),
+        lambda v: isinstance(v, str) or (len(v) <= 4 and all(isinstance(s, str) and s for s in v)),
+    )
     top = _field(body, "top_logprobs", (int,), lambda v: 0 <= v <= MAX_TOP_LOGPROBS, f"0..{MAX_TOP_LOGPROBS}") or 0
     logprobs = bool(_field(body, "logprobs", (bool,)))
     if top and not logprobs:
@@ -108,7 +115,15 @@ def parse_chat_request(body: Any) -> ChatRequest:
     max_tokens = _field(body, "max_completion_tokens", (int,), lambda v: v >= 1, ">= 1")
     if max_tokens is None:
         max_tokens = _field(body, "max_tokens", (int,), lambda v: v >= 1, ">= 1")
-    tools = _field(body, "tools", (list,), lambda v: all(isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict) for t in v), "a list of function tools")
+    tools = _field(
+        body,
+        "tools",
+        (list,),
+        lambda v: all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict) for t in v
+        ),
+        "a list of function tools",
+    )
     return ChatRequest(
         messages=_messages(body.get("messages")),
         max_tokens=max_tokens,
@@ -141,7 +156,11 @@ def assistant_message(turn: SampledTurn, renderer: ChatRenderer, request: ChatRe
     try:
         calls = [json.loads(body) for body in TOOL_CALL.findall(text)]
         tool_calls = [
-            {"id": f"call_{i}", "type": "function", "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+            {
+                "id": f"call_{i}",
+                "type": "function",
+                "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])},
+            }
             for i, c in enumerate(calls)
         ]
     except (ValueError, KeyError, TypeError):
@@ -163,7 +182,9 @@ class OpenAIServer:
         model_name: the name `/v1/models` reports.
     """
 
-    def __init__(self, engine: Engine, renderer: ChatRenderer, sampling: SamplingSpec, max_model_len: int, model_name: str) -> None:
+    def __init__(
+        self, engine: Engine, renderer: ChatRenderer, sampling: SamplingSpec, max_model_len: int, model_name: str
+    ) -> None:
         self.engine = engine
         self.renderer = renderer
         self.sampling = sampling
@@ -200,13 +221,19 @@ class OpenAIServer:
             return self.capture.finish(episode_id)
 
     def stats(self) -> dict[str, int]:
-        return {"openai_calls": self.calls, "openai_drift": self.capture.drifts, "openai_open_episodes": len(self.capture.episodes)}
+        return {
+            "openai_calls": self.calls,
+            "openai_drift": self.capture.drifts,
+            "openai_open_episodes": len(self.capture.episodes),
+        }
 
     # ---------------------------------------------------------------------------------------------
     # HTTP
 
     async def _models(self, _request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "asyncrl"}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "asyncrl"}]}
+        )
 
     async def _chat(self, http: web.Request) -> web.Response:
         try:
@@ -233,11 +260,16 @@ class OpenAIServer:
         try:
             rendered = self.renderer.render(request.messages, request.tools, tool_choice=request.tool_choice)
         except Exception as e:  # the template rejected the conversation (a missing field, a role it refuses)
-            raise BadRequest("messages", f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
+            raise BadRequest(
+                "messages", f"the chat template cannot render these messages: {type(e).__name__}: {e}"
+            ) from e
         plan = self.capture.plan(episode_id, rendered)
         room = self.max_model_len - len(plan.prompt_ids)
         if room < 1:
-            raise BadRequest("messages", f"the prompt is {len(plan.prompt_ids)} tokens; this engine serves {self.max_model_len} in all")
+            raise BadRequest(
+                "messages",
+                f"the prompt is {len(plan.prompt_ids)} tokens; this engine serves {self.max_model_len} in all",
+            )
         tops: list[dict[int, float]] = []
         completion = await self._generate(plan.prompt_ids, self._spec(request, room), episode_id, tops)
         visible = _stop_cut(self.renderer.decode(completion.response_ids), request.stop)
@@ -260,16 +292,26 @@ class OpenAIServer:
             ignore_eos=False,
         )
 
-    async def _generate(self, prompt_ids: list[int], spec: SamplingSpec, episode_id: str | None, tops: list) -> Trajectory:
+    async def _generate(
+        self, prompt_ids: list[int], spec: SamplingSpec, episode_id: str | None, tops: list
+    ) -> Trajectory:
         n = next(self._ids)
         prompt = Prompt(prompt_id=f"openai-{n}", prompt_ids=prompt_ids, ground_truth="")
-        request = Request(request_id=f"openai/{episode_id or '-'}/{n}", group_id=episode_id or f"openai-{n}", sample_index=0, group_size=1, prompt=prompt)
+        request = Request(
+            request_id=f"openai/{episode_id or '-'}/{n}",
+            group_id=episode_id or f"openai-{n}",
+            sample_index=0,
+            group_size=1,
+            prompt=prompt,
+        )
         completion = await self.engine.generate(request, spec, top_logprobs=tops)
         if completion.failed:
             raise EngineFailure(f"generation failed: {completion.failure}")
         return completion
 
-    def _body(self, request: ChatRequest, completion: Trajectory, message: dict[str, Any], tops: list, episode_id: str | None) -> dict[str, Any]:
+    def _body(
+        self, request: ChatRequest, completion: Trajectory, message: dict[str, Any], tops: list, episode_id: str | None
+    ) -> dict[str, Any]:
         finish = "tool_calls" if "tool_calls" in message else completion.finish_reason
         prompt_tokens, completion_tokens = len(completion.prompt_ids), len(completion.response_ids)
         return {
@@ -277,14 +319,20 @@ class OpenAIServer:
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.model_name,
-            "choices": [{
-                "index": 0,
-                "message": message,
-                "finish_reason": finish,
-                "logprobs": {"content": self._logprobs(completion, tops)} if request.logprobs else None,
-                "token_ids": completion.response_ids.tolist(),
-            }],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "finish_reason": finish,
+                    "logprobs": {"content": self._logprobs(completion, tops)} if request.logprobs else None,
+                    "token_ids": completion.response_ids.tolist(),
+                }
+            ],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
             "prompt_token_ids": completion.prompt_ids.tolist(),
             "policy_version": completion.max_version,
             "episode_id": episode_id,
@@ -296,7 +344,10 @@ class OpenAIServer:
             return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
         return [
-            {**entry(int(t), float(lp)), "top_logprobs": [entry(a, b) for a, b in sorted(top.items(), key=lambda kv: -kv[1])]}
+            {
+                **entry(int(t), float(lp)),
+                "top_logprobs": [entry(a, b) for a, b in sorted(top.items(), key=lambda kv: -kv[1])],
+            }
             for t, lp, top in zip(completion.response_ids, completion.rollout_logprobs, tops)
         ]
 
@@ -317,7 +368,9 @@ def port_for(base_port: int, worker_name: str) -> int:
     return base_port + (int(suffix) if suffix.isdigit() else 0)
 
 
-async def start_worker_endpoint(engine: Engine, rollout: Any, model_dir: str, max_model_len: int, sampling: SamplingSpec, worker_name: str) -> OpenAIServer:
+async def start_worker_endpoint(
+    engine: Engine, rollout: Any, model_dir: str, max_model_len: int, sampling: SamplingSpec, worker_name: str
+) -> OpenAIServer:
     """The endpoint of one rollout worker, listening on `rollout.openai_host` and its port (`port_for`)."""
     from pathlib import Path
 

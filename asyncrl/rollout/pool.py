@@ -112,7 +112,10 @@ def _wait_or_say(calls: dict[Any, str], what: str, timeout_s: float) -> None:
     killed or re-queued next), but the log says whose `what` did not answer."""
     _, late = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
     if late:
-        print(f"[rollout pool] {what}: no answer within {timeout_s:.0f}s from {', '.join(calls[r] for r in late)}; going on", flush=True)
+        print(
+            f"[rollout pool] {what}: no answer within {timeout_s:.0f}s from {', '.join(calls[r] for r in late)}; going on",
+            flush=True,
+        )
 
 
 def _died(ref: Any) -> bool:
@@ -153,8 +156,15 @@ class RolloutPool:
         tools: ToolExecutor | None = None,
     ) -> None:
         self.spec = WorkerSpec(
-            model_dir=str(model_dir), rollout=rollout, env=env or EnvConfig(), dtype=dtype, max_model_len=max_model_len,
-            seed=seed, sampling=sampling, max_staleness=max_staleness, tools=tools,
+            model_dir=str(model_dir),
+            rollout=rollout,
+            env=env or EnvConfig(),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            sampling=sampling,
+            max_staleness=max_staleness,
+            tools=tools,
         )
         self.rollout = rollout
         self.queue = queue
@@ -186,7 +196,11 @@ class RolloutPool:
 
     @classmethod
     def from_config(
-        cls, cfg: Config, model_dir: str, queue: Any = None, latest: Callable[[], PublishedWeights | None] = lambda: None,
+        cls,
+        cfg: Config,
+        model_dir: str,
+        queue: Any = None,
+        latest: Callable[[], PublishedWeights | None] = lambda: None,
         tools: ToolExecutor | None = None,
     ) -> RolloutPool:
         """The run's pool: engines, sampling and reward from `cfg`; engines abort requests certain to exceed
@@ -194,9 +208,18 @@ class RolloutPool:
         through the object store to workers on nodes that lack it. `tools` (the tool pool's client) runs tools
         and rewards; None: in each worker's process."""
         return cls(
-            str(model_dir), cfg.rollout, cfg.env, queue, dtype=cfg.model.dtype, max_model_len=cfg.rollout.max_model_len,
-            seed=cfg.seed, max_staleness=cfg.buffer.abort_staleness, latest=latest,
-            replace_dead=cfg.rollout.replace_dead_workers, placement_timeout_s=cfg.cluster.placement_timeout_s, model=ship(model_dir),
+            str(model_dir),
+            cfg.rollout,
+            cfg.env,
+            queue,
+            dtype=cfg.model.dtype,
+            max_model_len=cfg.rollout.max_model_len,
+            seed=cfg.seed,
+            max_staleness=cfg.buffer.abort_staleness,
+            latest=latest,
+            replace_dead=cfg.rollout.replace_dead_workers,
+            placement_timeout_s=cfg.cluster.placement_timeout_s,
+            model=ship(model_dir),
             tools=tools,
         )
 
@@ -252,7 +275,9 @@ class RolloutPool:
     # ---------------------------------------------------------------------------------------------
     # Weights
 
-    def update_weights(self, buckets: Sequence[Any], version: int, in_flight: bool = True, timeout_s: float = 120.0) -> None:
+    def update_weights(
+        self, buckets: Sequence[Any], version: int, in_flight: bool = True, timeout_s: float = 120.0
+    ) -> None:
         """Send the buckets (bytes, or object refs of bytes such as the learner's export) to every engine
         and wait until each reports `version`.
 
@@ -377,7 +402,9 @@ class RolloutPool:
         self._release(name)
         requeued = self._requeue(name)
         if not (self.replace_dead or force):
-            raise WorkerDiedError(f"rollout worker {name} died (rollout.replace_dead_workers is off); {requeued} requests re-queued")
+            raise WorkerDiedError(
+                f"rollout worker {name} died (rollout.replace_dead_workers is off); {requeued} requests re-queued"
+            )
         replacement = self._new_name()
         self._launch(replacement)
         return self._event(PoolEvent(name, "died", requeued=requeued, replacement=replacement))
@@ -389,7 +416,11 @@ class RolloutPool:
     def _requeue(self, name: str) -> int:
         if self.queue is None:
             return 0
-        return int(named_get(self.queue.requeue_worker.remote(name), _CONTROL_TIMEOUT_S, f"replay queue: requeue_worker({name})"))
+        return int(
+            named_get(
+                self.queue.requeue_worker.remote(name), _CONTROL_TIMEOUT_S, f"replay queue: requeue_worker({name})"
+            )
+        )
 
     def _new_name(self) -> str:
         return f"rollout-{next(self._index)}"
@@ -402,11 +433,17 @@ class RolloutPool:
 
     def _launch(self, name: str) -> None:
         """Create the worker's actor and ask its engine to start; it joins at a later `poll`."""
-        spec = dataclasses.replace(self.spec, seed=self.spec.seed + int(name.rsplit("-", 1)[1]))  # distinct sampling streams
+        spec = dataclasses.replace(
+            self.spec, seed=self.spec.seed + int(name.rsplit("-", 1)[1])
+        )  # distinct sampling streams
         cfg = self.rollout
-        group = self._groups[name] = placement.start("rollout", [placement.bundle(cfg.num_cpus_per_worker, cfg.num_gpus_per_worker, cfg.resources)])
+        group = self._groups[name] = placement.start(
+            "rollout", [placement.bundle(cfg.num_cpus_per_worker, cfg.num_gpus_per_worker, cfg.resources)]
+        )
         handle = self._actor_cls.options(
-            num_cpus=cfg.num_cpus_per_worker, num_gpus=cfg.num_gpus_per_worker, max_concurrency=1000,
+            num_cpus=cfg.num_cpus_per_worker,
+            num_gpus=cfg.num_gpus_per_worker,
+            max_concurrency=1000,
             scheduling_strategy=placement.in_bundle(group, 0),
         ).remote(name, spec, self.queue, model=self._model)
         self._joining[name] = _Joining(handle, handle.ready.remote(), time.monotonic(), placed=group.ready())
@@ -433,7 +470,11 @@ class RolloutPool:
             ref = j.sync if j.sync is not None else j.ready
             if not ray.wait([ref], timeout=0)[0]:
                 if time.monotonic() - j.engine_began > self.rollout.engine_start_timeout_s:
-                    events.append(self._failed_start(name, f"{name} did not start its engine within {self.rollout.engine_start_timeout_s}s"))
+                    events.append(
+                        self._failed_start(
+                            name, f"{name} did not start its engine within {self.rollout.engine_start_timeout_s}s"
+                        )
+                    )
                 continue
             try:
                 ray.get(ref)
@@ -461,7 +502,11 @@ class RolloutPool:
             return True
         if time.monotonic() - j.began > self.placement_timeout_s:
             bundles = list(self._groups[name].bundle_specs)
-            events.append(self._failed_start(name, placement.shortage("rollout", bundles, self.placement_timeout_s, placement.capacity())))
+            events.append(
+                self._failed_start(
+                    name, placement.shortage("rollout", bundles, self.placement_timeout_s, placement.capacity())
+                )
+            )
         return False
 
     def _join(self, name: str) -> PoolEvent:
@@ -497,36 +542,68 @@ class RolloutPool:
     def pids(self, timeout_s: float = _CONTROL_TIMEOUT_S) -> dict[str, int]:
         """Process id of each serving worker (fault injection kills real processes)."""
         names = list(self._workers)
-        answers = named_get([self._workers[n].ready.remote() for n in names], timeout_s, f"rollout workers {', '.join(names)}: ready")
+        answers = named_get(
+            [self._workers[n].ready.remote() for n in names], timeout_s, f"rollout workers {', '.join(names)}: ready"
+        )
         return dict(zip(names, (r["pid"] for r in answers)))
 
     def openai_urls(self, timeout_s: float = _CONTROL_TIMEOUT_S) -> dict[str, str]:
         """Base URL of each serving worker's OpenAI-compatible endpoint (`rollout.openai_port` != 0); a client's
         `base_url` is the URL + `/v1`."""
         names = self.serving()
-        answers = named_get([self._workers[n].ready.remote() for n in names], timeout_s, f"rollout workers {', '.join(names)}: ready")
+        answers = named_get(
+            [self._workers[n].ready.remote() for n in names], timeout_s, f"rollout workers {', '.join(names)}: ready"
+        )
         return {n: a["openai_url"] for n, a in zip(names, answers) if a["openai_url"] is not None}
 
     def versions(self, timeout_s: float = _CONTROL_TIMEOUT_S) -> dict[str, int]:
         names = list(self._workers)
-        return dict(zip(names, named_get([self._workers[n].version.remote() for n in names], timeout_s, f"rollout workers {', '.join(names)}: version")))
+        return dict(
+            zip(
+                names,
+                named_get(
+                    [self._workers[n].version.remote() for n in names],
+                    timeout_s,
+                    f"rollout workers {', '.join(names)}: version",
+                ),
+            )
+        )
 
-    def score(self, token_ids: Sequence[int], prompt_len: int, name: str | None = None, processed: bool = False) -> np.ndarray:
+    def score(
+        self, token_ids: Sequence[int], prompt_len: int, name: str | None = None, processed: bool = False
+    ) -> np.ndarray:
         """Engine log-probs of token_ids[prompt_len:] (the parity probe), on `name` or the first serving worker:
         raw, or (`processed`) under the run's temperature, top-k and top-p."""
         name = name or self.serving()[0]
-        return named_get(self._workers[name].score.remote(list(token_ids), prompt_len, processed), _CONTROL_TIMEOUT_S, f"rollout worker {name}: score")
+        return named_get(
+            self._workers[name].score.remote(list(token_ids), prompt_len, processed),
+            _CONTROL_TIMEOUT_S,
+            f"rollout worker {name}: score",
+        )
 
     def evaluate(
-        self, prompts: Sequence[Prompt | Sequence[int]], max_tokens: int | None = None, temperature: float = 0.0, samples: int = 1
+        self,
+        prompts: Sequence[Prompt | Sequence[int]],
+        max_tokens: int | None = None,
+        temperature: float = 0.0,
+        samples: int = 1,
     ) -> list[EvalResult]:
         """`samples` completions per prompt at `temperature` (0 = greedy), in prompt order, spread over the
         serving workers. A worker that dies meanwhile is replaced and its share evaluated again on the others."""
-        return self._spread("evaluate", prompts, max_tokens, temperature, samples, timeout_s=self.rollout.request_timeout_s + _CONTROL_TIMEOUT_S)
+        return self._spread(
+            "evaluate",
+            prompts,
+            max_tokens,
+            temperature,
+            samples,
+            timeout_s=self.rollout.request_timeout_s + _CONTROL_TIMEOUT_S,
+        )
 
     def evaluate_episodes(self, prompts: Sequence[Prompt], max_tokens: int | None = None) -> list[EpisodeScore]:
         """Greedy episodes of the run's environment (multi-turn, tools and all), like `evaluate`."""
-        return self._spread("evaluate_episodes", prompts, max_tokens, timeout_s=self.spec.env.episode_timeout_s + _CONTROL_TIMEOUT_S)
+        return self._spread(
+            "evaluate_episodes", prompts, max_tokens, timeout_s=self.spec.env.episode_timeout_s + _CONTROL_TIMEOUT_S
+        )
 
     def _spread(self, method: str, prompts: Sequence[Any], *args: Any, timeout_s: float) -> list[Any]:
         """`method` on every serving worker, each with its share of `prompts`, all at once: a worker runs its
@@ -540,7 +617,9 @@ class RolloutPool:
                 return [item for part in ray.get(list(calls), timeout=timeout_s) for item in part]
             except GetTimeoutError:
                 late = [calls[ref] for ref in ray.wait(list(calls), num_returns=len(calls), timeout=0)[1]]
-                raise EvaluationTimeout(f"{method} of {len(prompts)} prompts: no answer within {timeout_s:.0f}s from {', '.join(late)}") from None
+                raise EvaluationTimeout(
+                    f"{method} of {len(prompts)} prompts: no answer within {timeout_s:.0f}s from {', '.join(late)}"
+                ) from None
             except RayActorError:
                 time.sleep(1.0)  # then `serving()` notices the dead worker and replaces it
         raise RuntimeError("evaluation failed three times: rollout workers kept dying")
@@ -553,7 +632,9 @@ class RolloutPool:
         self._maintain()
         while not self.names:
             if time.monotonic() > deadline:
-                raise WorkerStartError(f"no rollout worker serves after {self.rollout.engine_start_timeout_s}s (joining: {self.joining})")
+                raise WorkerStartError(
+                    f"no rollout worker serves after {self.rollout.engine_start_timeout_s}s (joining: {self.joining})"
+                )
             time.sleep(0.1)
             self._maintain()
         return self.names

@@ -316,8 +316,12 @@ class _EnvForkServerContext:
     def __init__(self) -> None:
         self._context = multiprocessing.get_context("forkserver")
 
-    def Process(self, target: Any = None, name: str | None = None, args: tuple = (), kwargs: dict | None = None, **rest: Any) -> Any:
-        return _EnvForkServerProcess(target=_run_with_environ, name=name, kwargs={"call": (target, args, kwargs or {})}, **rest)
+    def Process(
+        self, target: Any = None, name: str | None = None, args: tuple = (), kwargs: dict | None = None, **rest: Any
+    ) -> Any:
+        return _EnvForkServerProcess(
+            target=_run_with_environ, name=name, kwargs={"call": (target, args, kwargs or {})}, **rest
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)
@@ -449,7 +453,9 @@ def unfreeze_heap() -> None:
     gc.unfreeze()
 
 
-async def load_weights(llm: Any, payloads: list[Any], in_place: bool, version: int, group_key: str, timeout_s: float | None = None) -> tuple[int, int]:
+async def load_weights(
+    llm: Any, payloads: list[Any], in_place: bool, version: int, group_key: str, timeout_s: float | None = None
+) -> tuple[int, int]:
     """Load one published `version` into every worker of `llm` (an `AsyncLLM`): safetensors buckets, one
     `SharedWeights` record (the shared-memory transport) or one `CollectiveWeights` record (pulled over the
     engine's process group `group_key`), in place or through vLLM's reload (`WeightReceiver`).
@@ -469,12 +475,16 @@ async def load_weights(llm: Any, payloads: list[Any], in_place: bool, version: i
     return (int(counts[0]) if counts else 0), version
 
 
-async def _pull_collective(llm: Any, record: Any, in_place: bool, group_key: str, timeout_s: float | None) -> tuple[int, int]:
+async def _pull_collective(
+    llm: Any, record: Any, in_place: bool, group_key: str, timeout_s: float | None
+) -> tuple[int, int]:
     """Ask learner rank 0 to send (a call in its send threads) while the worker receives and loads."""
     import asyncio
 
     sent = record.sender.send_collective.remote(group_key)
-    received, _ = await asyncio.gather(llm.collective_rpc(RECEIVE_COLLECTIVE_RPC, timeout=timeout_s, args=(record.to_wire(group_key), in_place)), sent)
+    received, _ = await asyncio.gather(
+        llm.collective_rpc(RECEIVE_COLLECTIVE_RPC, timeout=timeout_s, args=(record.to_wire(group_key), in_place)), sent
+    )
     if len(received) != 1:
         raise RuntimeError(f"the collective transport needs one worker per engine, this engine has {len(received)}")
     return int(received[0][0]), int(received[0][1])
@@ -543,7 +553,10 @@ def top_logprobs(logprobs: Any, k: int) -> list[dict[int, float]]:
     from vllm.logprobs import FlatLogprobs
 
     if not isinstance(logprobs, FlatLogprobs):
-        return [{int(t): float(lp.logprob) for t, lp in position.items() if lp.rank is not None and lp.rank <= k} for position in logprobs]
+        return [
+            {int(t): float(lp.logprob) for t, lp in position.items() if lp.rank is not None and lp.rank <= k}
+            for position in logprobs
+        ]
     ids, values, ranks = logprobs.token_ids, logprobs.logprobs, logprobs.ranks
     return [
         {int(ids[i]): float(values[i]) for i in range(start, end) if ranks[i] is not None and ranks[i] <= k}

@@ -19,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from dataclasses import dataclass, field
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -149,17 +149,27 @@ class RolloutWorker:
                 await self.engine.start()
                 await self._start_openai()
         url = self.openai.url if self.openai is not None else None
-        return {"name": self.name, "version": self.engine.version, "pid": os.getpid(), "openai_url": url, "weight_load": self.engine.weight_load}
+        return {
+            "name": self.name,
+            "version": self.engine.version,
+            "pid": os.getpid(),
+            "openai_url": url,
+            "weight_load": self.engine.weight_load,
+        }
 
     async def _start_openai(self) -> None:
         if self.config.openai_port == 0:
             return
         max_len = self.spec.max_model_len or self.config.max_model_len
-        self.openai = await start_worker_endpoint(self.engine, self.config, self.spec.model_dir, max_len, self.sampling, self.name)
+        self.openai = await start_worker_endpoint(
+            self.engine, self.config, self.spec.model_dir, max_len, self.sampling, self.name
+        )
         if self.config.openai_agent:
             from asyncrl.envs.openai_agent import OpenAIAgentEnv, resolve_agent
 
-            self.agent = OpenAIAgentEnv(resolve_agent(self.config.openai_agent), self.openai, self.config.request_timeout_s)
+            self.agent = OpenAIAgentEnv(
+                resolve_agent(self.config.openai_agent), self.openai, self.config.request_timeout_s
+            )
 
     async def run(self) -> dict[str, Any]:
         """Serve the queue until `stop()`; returns `stats()` at the end."""
@@ -345,7 +355,11 @@ class RolloutWorker:
         return await self.engine.score(token_ids, prompt_len, self.sampling if processed else None)
 
     async def evaluate(
-        self, prompts: Sequence[Prompt | Sequence[int]], max_tokens: int | None = None, temperature: float = 0.0, samples: int = 1
+        self,
+        prompts: Sequence[Prompt | Sequence[int]],
+        max_tokens: int | None = None,
+        temperature: float = 0.0,
+        samples: int = 1,
     ) -> list[EvalResult]:
         await self.ready()
         return await self.engine.evaluate(prompts, max_tokens or self.config.max_tokens, temperature, samples)
@@ -353,7 +367,9 @@ class RolloutWorker:
     async def evaluate_episodes(self, prompts: Sequence[Prompt], max_tokens: int | None = None) -> list[EpisodeScore]:
         """Greedy episodes of the environment (tools and all): one `EpisodeScore` per prompt, in order."""
         await self.ready()
-        sampling = SamplingSpec(max_tokens=max_tokens or self.config.max_tokens, temperature=0.0, timeout_s=self.config.request_timeout_s)
+        sampling = SamplingSpec(
+            max_tokens=max_tokens or self.config.max_tokens, temperature=0.0, timeout_s=self.config.request_timeout_s
+        )
 
         async def one(i: int, prompt: Prompt) -> EpisodeScore:
             request = Request(f"eval-episode/{i}/0", f"eval-episode-{i}", 0, 1, prompt)

@@ -63,7 +63,12 @@ class Alarms(Sink):
         """Stale drops and learner idle over the live window, once the window lies after the first step
         (before it the learner waits for engines to start: idle by design)."""
         live = snapshot.live
-        if live is None or live.window_s <= 0 or self.first_step_s is None or snapshot.wall_s - live.window_s < self.first_step_s:
+        if (
+            live is None
+            or live.window_s <= 0
+            or self.first_step_s is None
+            or snapshot.wall_s - live.window_s < self.first_step_s
+        ):
             return
         where = f"the last {live.window_s:.0f} s"
         self.check(STALE_DROPS, live.stale_drop_fraction, where)
@@ -79,7 +84,9 @@ class Alarms(Sink):
             self._fire(check, rule, value, where)
         elif not beyond and check.name in self.active:
             del self.active[check.name]
-            message = f"alarm {check.name} cleared: {check.figure} {value:.4g} ({where}) is back within {rule.threshold:g}"
+            message = (
+                f"alarm {check.name} cleared: {check.figure} {value:.4g} ({where}) is back within {rule.threshold:g}"
+            )
             self.report.note(message)
             self.report.alarm(AlarmEvent(check.name, value, rule.threshold, message, rule.stop, active=False))
 

@@ -98,7 +98,7 @@ class _Handler(BaseHTTPRequestHandler):
             workers = int(body["rollout"])
             self._json(HTTPStatus.OK, {"rollout": self.scale(workers)})
         except (KeyError, ValueError, TypeError) as e:  # before LookupError: a missing key is the caller's mistake
-            self._json(HTTPStatus.BAD_REQUEST, {"error": f"want {{\"rollout\": N}} with N >= 1: {e}"})
+            self._json(HTTPStatus.BAD_REQUEST, {"error": f'want {{"rollout": N}} with N >= 1: {e}'})
         except LookupError as e:
             self._json(HTTPStatus.CONFLICT, {"error": str(e)})
 

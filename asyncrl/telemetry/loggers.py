@@ -82,7 +82,9 @@ class WandbSink(Sink):
         self.run.log(step_scalars(row))
 
     def eval(self, record: dict[str, Any]) -> None:
-        self.run.log({"eval/step": record["step"], "eval/version": record["version"], "eval/accuracy": record["accuracy"]})
+        self.run.log(
+            {"eval/step": record["step"], "eval/version": record["version"], "eval/accuracy": record["accuracy"]}
+        )
 
     def sync(self, event: SyncEvent) -> None:
         parity = {} if event.parity is None else {"sync/parity": event.parity}

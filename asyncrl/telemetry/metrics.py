@@ -31,7 +31,10 @@ class MetricSpec:
 
 def _mismatch(name: str, help: str, labels: tuple[str, ...] = ()) -> list[MetricSpec]:
     """A mismatch figure of the whole batch, and the same figure per staleness bucket (label `lag`)."""
-    return [MetricSpec(name, "gauge", help, labels), MetricSpec(f"{name}_by_lag", "gauge", f"{help}, per policy lag", labels + ("lag",))]
+    return [
+        MetricSpec(name, "gauge", help, labels),
+        MetricSpec(f"{name}_by_lag", "gauge", f"{help}, per policy lag", labels + ("lag",)),
+    ]
 
 
 METRICS: list[MetricSpec] = [
@@ -43,19 +46,62 @@ METRICS: list[MetricSpec] = [
     MetricSpec("asyncrl_eval_policy_version", "gauge", "Policy version the last held-out accuracy was measured at"),
     MetricSpec("asyncrl_learner_loss", "gauge", "Policy loss of the last step"),
     MetricSpec("asyncrl_learner_grad_norm", "gauge", "Pre-clip gradient norm of the last step"),
-    MetricSpec("asyncrl_rollout_entropy_nats", "gauge", "Mean -log mu of the sampled tokens of the last batch (a Monte-Carlo estimate of the sampling entropy)"),
+    MetricSpec(
+        "asyncrl_rollout_entropy_nats",
+        "gauge",
+        "Mean -log mu of the sampled tokens of the last batch (a Monte-Carlo estimate of the sampling entropy)",
+    ),
     MetricSpec("asyncrl_rollout_response_length_tokens", "gauge", "Mean response length of the last trained batch"),
     # staleness
-    MetricSpec("asyncrl_buffer_staleness_versions", "histogram", "Policy lag of trained samples at consumption", buckets=LAG_BUCKETS),
-    MetricSpec("asyncrl_staleness_generating_versions", "histogram", "Versions that elapsed while a trained sample was generated", buckets=LAG_BUCKETS),
-    MetricSpec("asyncrl_staleness_queued_versions", "histogram", "Versions that elapsed while a trained sample waited in the queue", buckets=LAG_BUCKETS),
+    MetricSpec(
+        "asyncrl_buffer_staleness_versions",
+        "histogram",
+        "Policy lag of trained samples at consumption",
+        buckets=LAG_BUCKETS,
+    ),
+    MetricSpec(
+        "asyncrl_staleness_generating_versions",
+        "histogram",
+        "Versions that elapsed while a trained sample was generated",
+        buckets=LAG_BUCKETS,
+    ),
+    MetricSpec(
+        "asyncrl_staleness_queued_versions",
+        "histogram",
+        "Versions that elapsed while a trained sample waited in the queue",
+        buckets=LAG_BUCKETS,
+    ),
     MetricSpec("asyncrl_engine_policy_version", "gauge", "Policy version each rollout engine serves", ("engine",)),
-    MetricSpec("asyncrl_staleness_aborted_requests_total", "counter", "Requests engines aborted because they would exceed max_staleness"),
-    MetricSpec("asyncrl_staleness_dropped_groups_total", "counter", "Groups dropped as stale (samples: asyncrl_buffer_samples_total{state=\"dropped_stale\"})"),
-    MetricSpec("asyncrl_staleness_masked_tokens_total", "counter", "Tokens masked out of the loss as older than max_staleness (stale_policy continue)"),
-    MetricSpec("asyncrl_staleness_admission_headroom_groups", "gauge", "Groups admission control would still start at the current version"),
-    MetricSpec("asyncrl_staleness_admission_blocked", "gauge", "1 while prompts wait in the backlog because admission control holds them back"),
-    MetricSpec("asyncrl_staleness_ready_hold", "gauge", "1 while prompts wait in the backlog because a learner batch is ready (buffer.max_ready_batches)"),
+    MetricSpec(
+        "asyncrl_staleness_aborted_requests_total",
+        "counter",
+        "Requests engines aborted because they would exceed max_staleness",
+    ),
+    MetricSpec(
+        "asyncrl_staleness_dropped_groups_total",
+        "counter",
+        'Groups dropped as stale (samples: asyncrl_buffer_samples_total{state="dropped_stale"})',
+    ),
+    MetricSpec(
+        "asyncrl_staleness_masked_tokens_total",
+        "counter",
+        "Tokens masked out of the loss as older than max_staleness (stale_policy continue)",
+    ),
+    MetricSpec(
+        "asyncrl_staleness_admission_headroom_groups",
+        "gauge",
+        "Groups admission control would still start at the current version",
+    ),
+    MetricSpec(
+        "asyncrl_staleness_admission_blocked",
+        "gauge",
+        "1 while prompts wait in the backlog because admission control holds them back",
+    ),
+    MetricSpec(
+        "asyncrl_staleness_ready_hold",
+        "gauge",
+        "1 while prompts wait in the backlog because a learner batch is ready (buffer.max_ready_batches)",
+    ),
     # mismatch (learner vs rollout log-probs)
     *_mismatch("asyncrl_mismatch_k1_kl", "k1 KL(mu || pi_train) = mean(log mu - log pi_train)"),
     *_mismatch("asyncrl_mismatch_k3_kl", "k3 KL between learner and rollout log-probs"),
@@ -64,36 +110,84 @@ METRICS: list[MetricSpec] = [
     *_mismatch("asyncrl_mismatch_logprob_abs_diff_mean", "Mean |log pi_train - log mu| over tokens"),
     *_mismatch("asyncrl_mismatch_ess_fraction", "Normalised effective sample size of kappa = pi_train / mu"),
     *_mismatch("asyncrl_mismatch_is_weight", "Quantile of the IS weight kappa = pi_train / mu", ("quantile",)),
-    *_mismatch("asyncrl_correction_clipped_fraction", "Fraction of tokens whose kappa exceeds the IS cap (algorithm.tis_cap)", ("method",)),
-    *_mismatch("asyncrl_correction_masked_fraction", "Fraction of tokens masked by the correction (per lag: at pi_old, the step's first update)", ("method",)),
+    *_mismatch(
+        "asyncrl_correction_clipped_fraction",
+        "Fraction of tokens whose kappa exceeds the IS cap (algorithm.tis_cap)",
+        ("method",),
+    ),
+    *_mismatch(
+        "asyncrl_correction_masked_fraction",
+        "Fraction of tokens masked by the correction (per lag: at pi_old, the step's first update)",
+        ("method",),
+    ),
     # queue
     MetricSpec("asyncrl_queue_ready_groups", "gauge", "Groups ready for the learner"),
     MetricSpec("asyncrl_queue_backlog_groups", "gauge", "Prompts waiting for admission"),
-    MetricSpec("asyncrl_queue_in_flight_samples", "gauge", "Samples dispatched and not yet terminal, by state (generating, ready, waiting)", ("state",)),
-    MetricSpec("asyncrl_buffer_samples_total", "counter", "Samples by terminal state and reason, and dispatched (conservation counters)", ("state",)),
+    MetricSpec(
+        "asyncrl_queue_in_flight_samples",
+        "gauge",
+        "Samples dispatched and not yet terminal, by state (generating, ready, waiting)",
+        ("state",),
+    ),
+    MetricSpec(
+        "asyncrl_buffer_samples_total",
+        "counter",
+        "Samples by terminal state and reason, and dispatched (conservation counters)",
+        ("state",),
+    ),
     MetricSpec("asyncrl_pool_workers", "gauge", "Workers per pool (rollout, rollout_joining, learner)", ("pool",)),
     # throughput
     MetricSpec("asyncrl_rollout_generated_tokens_total", "counter", "Tokens the engines generated"),
-    MetricSpec("asyncrl_rollout_samples_total", "counter", "Generations the engines finished: one per sample, or per model turn of an agent episode (failed ones included)"),
-    MetricSpec("asyncrl_rollout_vllm_requests_total", "counter", "Requests the engines sent to vLLM: one per group started together (rollout.group_requests)"),
-    MetricSpec("asyncrl_learner_trained_tokens_total", "counter", "Tokens the learner trained on"),
-    MetricSpec("asyncrl_rollout_tokens_per_second", "gauge", "Generated tokens per second over the last telemetry.rate_window_s"),
-    MetricSpec("asyncrl_learner_tokens_per_second", "gauge", "Trained tokens per second over the last telemetry.rate_window_s"),
-    MetricSpec("asyncrl_rollout_idle_fraction", "gauge", "Fraction of engine time with no request, over the last telemetry.rate_window_s"),
-    MetricSpec("asyncrl_learner_idle_fraction", "gauge", "Fraction of time the learner waited for data, over the last telemetry.rate_window_s"),
     MetricSpec(
-        "asyncrl_learner_step_seconds", "histogram", "Seconds of each part of a step: wait (for data), forward_backward, optimizer, sync", ("phase",),
+        "asyncrl_rollout_samples_total",
+        "counter",
+        "Generations the engines finished: one per sample, or per model turn of an agent episode (failed ones included)",
+    ),
+    MetricSpec(
+        "asyncrl_rollout_vllm_requests_total",
+        "counter",
+        "Requests the engines sent to vLLM: one per group started together (rollout.group_requests)",
+    ),
+    MetricSpec("asyncrl_learner_trained_tokens_total", "counter", "Tokens the learner trained on"),
+    MetricSpec(
+        "asyncrl_rollout_tokens_per_second",
+        "gauge",
+        "Generated tokens per second over the last telemetry.rate_window_s",
+    ),
+    MetricSpec(
+        "asyncrl_learner_tokens_per_second", "gauge", "Trained tokens per second over the last telemetry.rate_window_s"
+    ),
+    MetricSpec(
+        "asyncrl_rollout_idle_fraction",
+        "gauge",
+        "Fraction of engine time with no request, over the last telemetry.rate_window_s",
+    ),
+    MetricSpec(
+        "asyncrl_learner_idle_fraction",
+        "gauge",
+        "Fraction of time the learner waited for data, over the last telemetry.rate_window_s",
+    ),
+    MetricSpec(
+        "asyncrl_learner_step_seconds",
+        "histogram",
+        "Seconds of each part of a step: wait (for data), forward_backward, optimizer, sync",
+        ("phase",),
         buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
     ),
     MetricSpec(
-        "asyncrl_weight_sync_seconds", "histogram",
+        "asyncrl_weight_sync_seconds",
+        "histogram",
         "Export start to the last engine serving the new version (its own stamp, also with weight_sync.overlap)",
         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
     ),
     MetricSpec("asyncrl_weight_sync_bytes_total", "counter", "Bytes of weights sent to the engines"),
-    MetricSpec("asyncrl_weight_sync_parity_max_abs_diff", "gauge", "Max |engine - learner| log-prob after the last probed sync"),
+    MetricSpec(
+        "asyncrl_weight_sync_parity_max_abs_diff", "gauge", "Max |engine - learner| log-prob after the last probed sync"
+    ),
     # alarms
-    MetricSpec("asyncrl_alarm", "gauge", "1 while the alarm's figure is beyond its threshold (telemetry.alarms)", ("name",)),
+    MetricSpec(
+        "asyncrl_alarm", "gauge", "1 while the alarm's figure is beyond its threshold (telemetry.alarms)", ("name",)
+    ),
 ]
 
 MISMATCH_ROW_KEYS = {
@@ -115,7 +209,12 @@ STEP_GAUGES = {
     "asyncrl_rollout_response_length_tokens": "response_length_mean",
 }
 """Gauge -> the step row's key it shows."""
-STEP_PHASES = {"wait": "learner_wait_s", "forward_backward": "time_forward_backward_s", "optimizer": "time_optimizer_s", "sync": "sync_s"}
+STEP_PHASES = {
+    "wait": "learner_wait_s",
+    "forward_backward": "time_forward_backward_s",
+    "optimizer": "time_optimizer_s",
+    "sync": "sync_s",
+}
 """Step-time phase -> the step row's key."""
 
 

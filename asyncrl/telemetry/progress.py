@@ -68,7 +68,14 @@ def step_text(state: ProgressState) -> str:
 
 
 class Progress(Sink):
-    def __init__(self, enabled: bool = True, stream=sys.stdout, every_steps: int = 1, max_steps: int = 0, live: bool | None = None):
+    def __init__(
+        self,
+        enabled: bool = True,
+        stream=sys.stdout,
+        every_steps: int = 1,
+        max_steps: int = 0,
+        live: bool | None = None,
+    ):
         """`live`: the redrawing view (default: when `stream` is a terminal)."""
         self.every_steps = every_steps
         self.enabled = enabled
@@ -107,7 +114,9 @@ class Progress(Sink):
 
     def eval(self, record: dict) -> None:
         self.state.accuracy = record["accuracy"]
-        self._print(f"eval  v{record['version']:<4d} held-out accuracy {record['accuracy']:.3f} after {record['samples_trained']} samples")
+        self._print(
+            f"eval  v{record['version']:<4d} held-out accuracy {record['accuracy']:.3f} after {record['samples_trained']} samples"
+        )
 
     def close(self, summary: dict) -> None:
         if self.view is not None:
@@ -144,7 +153,9 @@ class _LiveView:
             since = time.perf_counter() - state.phase_since
             grid.add_row(Spinner("dots"), f"{state.phase}  ({since:.0f}s)")
             return grid
-        grid.add_row(ProgressBar(total=max(1, state.max_steps), completed=state.row["step"], width=30), step_text(state))
+        grid.add_row(
+            ProgressBar(total=max(1, state.max_steps), completed=state.row["step"], width=30), step_text(state)
+        )
         return grid
 
     def print(self, line: str) -> None:

@@ -31,7 +31,11 @@ class _Point:
 
 def _point(snapshot: PoolSnapshot) -> _Point:
     counters = snapshot.counters
-    finished = sum(n for state, n in counters.items() if state in ("trained", "dropped_stale") or state.startswith(("filtered:", "failed:")))
+    finished = sum(
+        n
+        for state, n in counters.items()
+        if state in ("trained", "dropped_stale") or state.startswith(("filtered:", "failed:"))
+    )
     return _Point(
         wall_s=snapshot.wall_s,
         generated=snapshot.engine_total("tokens_generated"),

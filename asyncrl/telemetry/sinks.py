@@ -118,7 +118,11 @@ class Telemetry(Sink):
             try:
                 getattr(sink, hook)(*args)
             except Exception as e:  # noqa: BLE001 - a display must never stop the run
-                print(f"[telemetry] {type(sink).__name__}.{hook} failed and is disabled: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                print(
+                    f"[telemetry] {type(sink).__name__}.{hook} failed and is disabled: {type(e).__name__}: {e}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 self.sinks.remove(sink)
 
     def phase(self, text: str) -> None:

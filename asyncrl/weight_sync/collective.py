@@ -42,7 +42,9 @@ __all__ = ["CollectiveSync"]
 class CollectiveSync(StagedSync):
     """Publishes rank 0's `CollectiveWeights` record; every engine pulls the weights over its own group."""
 
-    def __init__(self, learner: LearnerPool, rollout: RolloutPool, config: WeightSyncConfig, mode: Mode, loopback: bool):
+    def __init__(
+        self, learner: LearnerPool, rollout: RolloutPool, config: WeightSyncConfig, mode: Mode, loopback: bool
+    ):
         super().__init__(learner, rollout, config, mode)
         self.loopback = loopback
         """Every engine runs on the learner's node (a single-node cluster): the groups use 127.0.0.1."""
@@ -51,4 +53,6 @@ class CollectiveSync(StagedSync):
         return self.learner.export_collective(version, self.loopback, self.config.bucket_bytes, self.config.timeout_s)
 
     def _start_export(self, version: int) -> LearnerCall:
-        return self.learner.start_export_collective(version, self.loopback, self.config.bucket_bytes, self.config.timeout_s)
+        return self.learner.start_export_collective(
+            version, self.loopback, self.config.bucket_bytes, self.config.timeout_s
+        )

@@ -51,7 +51,17 @@ import torch.distributed as dist
 
 from asyncrl.weight_sync.segment import SegmentLayout, process_alive
 
-__all__ = ["CollectiveReceiver", "CollectiveSender", "CollectiveWeights", "await_receiver", "backend_for", "bucket_ranges", "connect_store", "gpu_identity", "open_group"]
+__all__ = [
+    "CollectiveReceiver",
+    "CollectiveSender",
+    "CollectiveWeights",
+    "await_receiver",
+    "backend_for",
+    "bucket_ranges",
+    "connect_store",
+    "gpu_identity",
+    "open_group",
+]
 
 SENDER, RECEIVER = 0, 1
 JOIN, JOINING, REFUSED = "join", "joining", "refused"
@@ -130,7 +140,9 @@ def bucket_ranges(layout: SegmentLayout, bucket_bytes: int) -> list[tuple[int, i
     return ranges
 
 
-def open_group(store: dist.Store, key: str, rank: int, backend: str, bind_host: str, timeout_s: float) -> dist.ProcessGroup:
+def open_group(
+    store: dist.Store, key: str, rank: int, backend: str, bind_host: str, timeout_s: float
+) -> dist.ProcessGroup:
     """The two-rank group named `key`; blocks until both ranks joined (at most `timeout_s`)."""
     timeout, prefixed = timedelta(seconds=timeout_s), dist.PrefixStore(key, store)
     if backend == "nccl":
@@ -189,7 +201,9 @@ class _Readers:
         """Wait until no reader is in (at most `wait_s`), and keep new ones out while the caller writes."""
         with self._cond:
             if not self._cond.wait_for(lambda: not self._keys, timeout=wait_s):
-                raise TimeoutError(f"sends to {', '.join(sorted(self._keys))} still read the staging buffer after {wait_s:g} s")
+                raise TimeoutError(
+                    f"sends to {', '.join(sorted(self._keys))} still read the staging buffer after {wait_s:g} s"
+                )
             yield
 
 
@@ -225,7 +239,15 @@ class CollectiveSender:
             raise TimeoutError(f"staging version {version}: {e}") from None
         layout = self.layout
         return CollectiveWeights(
-            version, self.host, self.address, backend_for(self.device), layout.num_bytes, len(layout.places), self.bucket_bytes, self.timeout_s, gpu=self.gpu
+            version,
+            self.host,
+            self.address,
+            backend_for(self.device),
+            layout.num_bytes,
+            len(layout.places),
+            self.bucket_bytes,
+            self.timeout_s,
+            gpu=self.gpu,
         )
 
     def send(self, key: str) -> int:
@@ -240,12 +262,16 @@ class CollectiveSender:
                 return int(self.version)
             except Exception as e:
                 self._groups.pop(key, None)
-                raise RuntimeError(f"weight send of version {self.version} to {key} failed: {type(e).__name__}: {e}") from e
+                raise RuntimeError(
+                    f"weight send of version {self.version} to {key} failed: {type(e).__name__}: {e}"
+                ) from e
 
     def _open(self, key: str) -> dist.ProcessGroup:
         await_receiver(self.store, key, self.timeout_s)
         group = open_group(self.store, key, SENDER, backend_for(self.device), self.host, self.timeout_s)
-        wire = torch.frombuffer(bytearray(json.dumps(self.layout.to_json()).encode()), dtype=torch.uint8).to(self.device)
+        wire = torch.frombuffer(bytearray(json.dumps(self.layout.to_json()).encode()), dtype=torch.uint8).to(
+            self.device
+        )
         _broadcast(group, [torch.tensor([wire.numel()], dtype=torch.int64, device=self.device)], self.timeout_s)
         _broadcast(group, [wire], self.timeout_s)
         self._groups[key] = group
@@ -287,13 +313,17 @@ class CollectiveReceiver:
             _broadcast(link.group, [header], d["timeout_s"])
             version, digest = header.tolist()
             if digest != link.layout.digest:
-                raise ValueError(f"the learner's layout digest is {digest}, the one set up with this group {link.layout.digest}")
+                raise ValueError(
+                    f"the learner's layout digest is {digest}, the one set up with this group {link.layout.digest}"
+                )
             buckets = [link.staging[start:end] for start, end in bucket_ranges(link.layout, d["bucket_bytes"])]
             _broadcast(link.group, buckets, d["timeout_s"])
             return int(version), list(link.views.items())
         except Exception as e:
             self._links.pop(d["key"], None)
-            raise RuntimeError(f"weight receive from learner {d['store']} as {d['key']} failed: {type(e).__name__}: {e}") from e
+            raise RuntimeError(
+                f"weight receive from learner {d['store']} as {d['key']} failed: {type(e).__name__}: {e}"
+            ) from e
 
     def _open(self, d: dict) -> _Link:
         """Join the group of `d["key"]` and take the layout the sender sends at setup. The sender learns through its

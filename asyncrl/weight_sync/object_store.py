@@ -35,7 +35,9 @@ class ObjectStoreSync(WeightSync):
     def _send(self, weights: PublishedWeights, began: float, in_flight: bool | None, export=None) -> PendingSync:
         """Start every engine loading `weights`, which become `latest()`."""
         self._latest = weights
-        calls = self.rollout.start_update(weights.refs, weights.version, self.in_flight if in_flight is None else in_flight)
+        calls = self.rollout.start_update(
+            weights.refs, weights.version, self.in_flight if in_flight is None else in_flight
+        )
         return PendingSync(weights, calls, began, export)
 
     def _publish(self, version: int) -> PublishedWeights:

@@ -70,7 +70,9 @@ def _unlink_slots(root: str) -> None:
 class SharedMemorySync(StagedSync):
     """Publishes a `SharedWeights` record (through the object store, a few kB) instead of the weights."""
 
-    def __init__(self, learner: LearnerPool, rollout: RolloutPool, config: WeightSyncConfig, mode: Mode, shm_dir: str = SHM_DIR):
+    def __init__(
+        self, learner: LearnerPool, rollout: RolloutPool, config: WeightSyncConfig, mode: Mode, shm_dir: str = SHM_DIR
+    ):
         super().__init__(learner, rollout, config, mode)
         sweep_orphans(shm_dir)
         self.root = segment_root(shm_dir)

@@ -61,7 +61,16 @@ class ToolExecutor(Protocol):
 
     async def call(self, call: ToolCall, timeout_s: float) -> ToolResult: ...
 
-    async def reward(self, reward: str, response: str, ground_truth: str, *, finish_reason: str, extra_info: dict[str, Any], timeout_s: float) -> float: ...
+    async def reward(
+        self,
+        reward: str,
+        response: str,
+        ground_truth: str,
+        *,
+        finish_reason: str,
+        extra_info: dict[str, Any],
+        timeout_s: float,
+    ) -> float: ...
 
 
 class InProcessTools:
@@ -82,7 +91,16 @@ class InProcessTools:
             return ToolResult(f"error: {e}", ok=False, error="error", seconds=time.perf_counter() - began)
         return ToolResult(output, seconds=time.perf_counter() - began)
 
-    async def reward(self, reward: str, response: str, ground_truth: str, *, finish_reason: str, extra_info: dict[str, Any], timeout_s: float) -> float:
+    async def reward(
+        self,
+        reward: str,
+        response: str,
+        ground_truth: str,
+        *,
+        finish_reason: str,
+        extra_info: dict[str, Any],
+        timeout_s: float,
+    ) -> float:
         from asyncrl.envs.rewards import INLINE, resolve_reward
 
         fn = resolve_reward(reward)
@@ -90,9 +108,11 @@ class InProcessTools:
             if reward in INLINE:
                 value = fn(response, ground_truth, finish_reason=finish_reason, extra_info=dict(extra_info))
             else:
-                work = asyncio.to_thread(fn, response, ground_truth, finish_reason=finish_reason, extra_info=dict(extra_info))
+                work = asyncio.to_thread(
+                    fn, response, ground_truth, finish_reason=finish_reason, extra_info=dict(extra_info)
+                )
                 value = await asyncio.wait_for(work, timeout=timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise RewardError(f"timed out after {timeout_s}s") from None
         except Exception as e:
             raise RewardError(f"{type(e).__name__}: {e}") from None

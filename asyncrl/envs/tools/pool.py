@@ -27,7 +27,14 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from asyncrl.cluster.calls import named_get
 from asyncrl.config import Config, ToolsConfig
 from asyncrl.envs.sandbox import Capabilities, ItemOutcome, RewardItem, Sandbox, SandboxLimits, lease_uid_block
-from asyncrl.envs.tools.base import InProcessTools, RewardError, ToolCall, ToolInfraError, ToolResult, check_reward_value
+from asyncrl.envs.tools.base import (
+    InProcessTools,
+    RewardError,
+    ToolCall,
+    ToolInfraError,
+    ToolResult,
+    check_reward_value,
+)
 from asyncrl.envs.tools.python import run_python
 
 HANDLE_TTL_S = 1.0
@@ -84,7 +91,15 @@ class ToolWorker:
     the same reward, up to `reward_batch`, to its process in one message, each call under its own limits. Under
     light load a call finds a slot free and goes alone."""
 
-    def __init__(self, name: str, limits: SandboxLimits, uid_base: int, calls: int = 4, reward_batch: int = 32, reward_process_calls: int = 1024) -> None:
+    def __init__(
+        self,
+        name: str,
+        limits: SandboxLimits,
+        uid_base: int,
+        calls: int = 4,
+        reward_batch: int = 32,
+        reward_process_calls: int = 1024,
+    ) -> None:
         self.name = name
         uid, self._uid_lock = lease_uid_block(uid_base)  # held until this process exits
         self.sandbox = Sandbox(limits, uid, reward_process_calls)
@@ -122,8 +137,19 @@ class ToolWorker:
         self.tally.count(call.name, result.error)
         return result
 
-    async def reward(self, reward: str, response: str, ground_truth: str, finish_reason: str, extra_info: dict[str, Any], timeout_s: float) -> RewardOutcome:
-        mine = (RewardItem(response, ground_truth, finish_reason, extra_info, timeout_s), asyncio.get_running_loop().create_future())
+    async def reward(
+        self,
+        reward: str,
+        response: str,
+        ground_truth: str,
+        finish_reason: str,
+        extra_info: dict[str, Any],
+        timeout_s: float,
+    ) -> RewardOutcome:
+        mine = (
+            RewardItem(response, ground_truth, finish_reason, extra_info, timeout_s),
+            asyncio.get_running_loop().create_future(),
+        )
         waiting = self._waiting.setdefault(reward, [])
         waiting.append(mine)
         async with self._slots:
@@ -179,11 +205,24 @@ class ToolClient:
     async def call(self, call: ToolCall, timeout_s: float) -> ToolResult:
         return await self._on_worker("call", (call, timeout_s))
 
-    async def reward(self, reward: str, response: str, ground_truth: str, *, finish_reason: str, extra_info: dict[str, Any], timeout_s: float) -> float:
+    async def reward(
+        self,
+        reward: str,
+        response: str,
+        ground_truth: str,
+        *,
+        finish_reason: str,
+        extra_info: dict[str, Any],
+        timeout_s: float,
+    ) -> float:
         """A user `module:function` reward in a sandboxed run on a tool worker; a built-in one (trusted, pure) here."""
         if ":" not in reward:
-            return await InProcessTools().reward(reward, response, ground_truth, finish_reason=finish_reason, extra_info=extra_info, timeout_s=timeout_s)
-        outcome = await self._on_worker("reward", (reward, response, ground_truth, finish_reason, dict(extra_info), timeout_s))
+            return await InProcessTools().reward(
+                reward, response, ground_truth, finish_reason=finish_reason, extra_info=extra_info, timeout_s=timeout_s
+            )
+        outcome = await self._on_worker(
+            "reward", (reward, response, ground_truth, finish_reason, dict(extra_info), timeout_s)
+        )
         if outcome.error is not None:
             raise RewardError(outcome.error)
         return outcome.value
@@ -269,13 +308,19 @@ class ToolPool:
         from asyncrl.cluster import placement
 
         cpus = self.config.num_cpus_per_worker
-        self._pg = placement.reserve("tools", [placement.bundle(cpus, 0)] * len(self.names), "SPREAD", self.placement_timeout_s)
+        self._pg = placement.reserve(
+            "tools", [placement.bundle(cpus, 0)] * len(self.names), "SPREAD", self.placement_timeout_s
+        )
         for name in self.names:
             self._slots[name] = _Slot(self._spawn(name))
 
     def wait_ready(self) -> None:
         """Wait until every launched worker answers; the sandbox capabilities come from the first."""
-        answers = named_get([slot.handle.ready.remote() for slot in self._slots.values()], _START_TIMEOUT_S, f"tool workers {', '.join(self._slots)}: ready")
+        answers = named_get(
+            [slot.handle.ready.remote() for slot in self._slots.values()],
+            _START_TIMEOUT_S,
+            f"tool workers {', '.join(self._slots)}: ready",
+        )
         self.capabilities = answers[0]
         for slot in self._slots.values():
             slot.answered = True
@@ -360,7 +405,12 @@ class ToolPool:
 
     def _spawn(self, name: str) -> Any:
         return self._actor_cls.options(**self._actor_options(name)).remote(
-            name, self.limits, self.config.sandbox_uid_base, self.config.calls_per_worker, self.config.reward_batch, self.config.reward_process_calls
+            name,
+            self.limits,
+            self.config.sandbox_uid_base,
+            self.config.calls_per_worker,
+            self.config.reward_batch,
+            self.config.reward_process_calls,
         )
 
     def _actor_options(self, name: str) -> dict[str, Any]:
@@ -370,7 +420,12 @@ class ToolPool:
 
         # Calls beyond `calls_per_worker` wait on the worker's semaphore (time not counted against their timeout),
         # never in front of a heartbeat: the actor itself takes as many as Ray's async default.
-        options = {"name": name, "num_cpus": self.config.num_cpus_per_worker, "max_concurrency": 1000, "max_restarts": 0}
+        options = {
+            "name": name,
+            "num_cpus": self.config.num_cpus_per_worker,
+            "max_concurrency": 1000,
+            "max_restarts": 0,
+        }
         if self._pg is not None:
             options["scheduling_strategy"] = placement.in_bundle(self._pg, self.names.index(name))
         return options

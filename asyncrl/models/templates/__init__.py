@@ -22,5 +22,7 @@ def load_chat_template(name_or_path: str) -> str:
         return (_HERE / f"{name_or_path}.jinja").read_text()
     path = Path(name_or_path)
     if not path.is_file():
-        raise FileNotFoundError(f"chat template {name_or_path!r} is neither a shipped name ({', '.join(SHIPPED)}) nor a file")
+        raise FileNotFoundError(
+            f"chat template {name_or_path!r} is neither a shipped name ({', '.join(SHIPPED)}) nor a file"
+        )
     return path.read_text()
