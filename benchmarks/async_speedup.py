@@ -133,7 +133,7 @@ def make_controller_class():
         def start(self) -> None:
             super().start()  # ends with rollout.start_generation(): generation starts now
             self.t_start = time.perf_counter()
-            self.eval_set = []  # no held-out evaluation inside the timed window
+            self.evaluation.eval_set = []  # no held-out evaluation inside the timed window
 
         def _next_batch(self):
             began = time.perf_counter()
@@ -145,9 +145,9 @@ def make_controller_class():
         def _record(self, stats, batch, learner_wait_s: float) -> None:
             super()._record(stats, batch, learner_wait_s)
             self.response_tokens += sum(len(t.response_ids) for g in batch.groups for t in g.trajectories)
-            if self.step >= self.cfg.learner.max_steps:
+            if self.state.step >= self.cfg.learner.max_steps:
                 self.t_end = time.perf_counter()
-                self.rollout_stats_at_end = self.rollout.stats()
+                self.rollout_stats_at_end = self.fleet.rollout.stats()
 
         def _checkpoint(self) -> None:
             pass  # not part of the measured loop
@@ -202,7 +202,7 @@ def run_mode(mode: str, args, out_dir: Path, model_dir: Path, prompts) -> dict:
         controller.start()
         setup_s = controller.t_start - began
         summary = controller.run()
-        conservation = controller.queue.check_conservation()
+        conservation = controller.fleet.queue.check_conservation()
     finally:
         controller.shutdown()
     return mode_row(mode, controller, summary, conservation, setup_s, load_start)

@@ -9,6 +9,7 @@ names the config key and the reason, and all problems are reported at once.
 from __future__ import annotations
 
 import glob
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,9 +62,10 @@ def cluster_resources(address: str, paths: dict[str, str] | None = None) -> Reso
 
     if address.startswith(("http://", "https://")):
         raise ConnectionError(
-            f"check --address {address}: give the cluster address a driver connects to (host:6379, or auto on a node), not the dashboard URL"
+            f"check --address {address}: give the cluster address a driver connects to (host:6379, or auto on a node), "
+            "not the dashboard URL"
         )
-    ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
     try:
         alive = [n for n in ray.nodes() if n.get("Alive")]
         unreadable = _probe_paths([n["NodeID"] for n in alive], paths or {})
@@ -100,8 +102,8 @@ def _probe_paths(node_ids: list[str], paths: dict[str, str], timeout_s: float = 
     ]
     unreadable: dict[str, list[str]] = {}
     answers = named_get(refs, timeout_s, f"path check on node(s) {', '.join(n[:8] for n in node_ids)}")
-    for node, usable in zip(node_ids, answers):
-        for path, ok in zip(paths.values(), usable):
+    for node, usable in zip(node_ids, answers, strict=True):
+        for path, ok in zip(paths.values(), usable, strict=True):
             if not ok:
                 unreadable.setdefault(path, []).append(node[:8])
     return unreadable
@@ -129,7 +131,8 @@ def _storage(cfg: Config, resources: Resources) -> list[Problem]:
     problems = [
         Problem(
             key,
-            f"{path} is not {'writable' if key == 'storage.uri' else 'readable'} on node(s) {', '.join(resources.unreadable[path])} of {resources.where}",
+            f"{path} is not {'writable' if key == 'storage.uri' else 'readable'} "
+            f"on node(s) {', '.join(resources.unreadable[path])} of {resources.where}",
         )
         for key, path in paths_every_node_reads(cfg).items()
         if path in resources.unreadable
@@ -138,7 +141,9 @@ def _storage(cfg: Config, resources: Resources) -> list[Problem]:
         problems.append(
             Problem(
                 "storage.uri",
-                f"{resources.where} has {len(resources.nodes)} nodes: set it to a folder every node mounts (checkpoints, final_model and trajectories are written on the nodes of the learner and the replay queue)",
+                f"{resources.where} has {len(resources.nodes)} nodes: set it to a folder every node mounts "
+                "(checkpoints, final_model and trajectories are written on the nodes of the learner and the "
+                "replay queue)",
             )
         )
     return problems
@@ -190,7 +195,8 @@ def _prompt_lengths(cfg: Config, key: str, path: str) -> list[Problem]:
             return [
                 Problem(
                     key,
-                    f"{path}: row {row}: the prompt has {length} tokens; with rollout.max_tokens {cfg.rollout.max_tokens} it does not fit rollout.max_model_len {cfg.rollout.max_model_len}",
+                    f"{path}: row {row}: the prompt has {length} tokens; with rollout.max_tokens "
+                    f"{cfg.rollout.max_tokens} it does not fit rollout.max_model_len {cfg.rollout.max_model_len}",
                 )
             ]
     return []
@@ -335,22 +341,24 @@ def _placement(cfg: Config, resources: Resources) -> list[Problem]:
     for resource in ["CPU", "GPU", *sorted({k for _, unit in pools.values() for k in unit} - {"CPU", "GPU"})]:
         if resource == "CPU" and resources.cpus_oversubscribe:
             continue
-        for pool, (count, unit) in pools.items():
+        for pool, (_count, unit) in pools.items():
             if unit.get(resource, 0.0) > resources.largest(resource):
                 problems.append(
                     Problem(
                         pool,
-                        f"one unit needs {unit[resource]:g} {resource}; the largest node of {resources.where} has {resources.largest(resource):g}",
+                        f"one unit needs {unit[resource]:g} {resource}; "
+                        f"the largest node of {resources.where} has {resources.largest(resource):g}",
                     )
                 )
         need = {pool: count * unit.get(resource, 0.0) for pool, (count, unit) in pools.items()}
         if sum(need.values()) > resources.total(resource):
             parts = " + ".join(f"{pool} {amount:g}" for pool, amount in need.items())
-            short = max(need, key=need.get)
+            short = max(need, key=lambda pool: need[pool])
             problems.append(
                 Problem(
                     short,
-                    f"the pools need {sum(need.values()):g} {resource} ({parts}); {resources.where} has {resources.total(resource):g}",
+                    f"the pools need {sum(need.values()):g} {resource} ({parts}); "
+                    f"{resources.where} has {resources.total(resource):g}",
                 )
             )
     return problems

@@ -48,7 +48,7 @@ def _run(cfg, model_dir):
     try:
         controller.start()
         summary = controller.run()
-        return summary, controller.queue.check_conservation(), controller.history
+        return summary, controller.fleet.queue.check_conservation(), controller.records.history
     finally:
         controller.shutdown()
 

@@ -132,7 +132,7 @@ def test_the_page_plots_the_running_job_and_its_scale_control_reaches_the_contro
     page.click("#scale button")
     page.wait_for_function("document.getElementById('scale-result').textContent.includes('asked for 2')", timeout=60_000)
     page.wait_for_function("document.getElementById('notes').textContent.includes('scaling the rollout pool 1 -> 2')", timeout=120_000)
-    assert [e["kind"] for e in controller.pool_events if e["kind"] == "scaled_up"] == ["scaled_up"]
+    assert [e["kind"] for e in controller.fleet.pool_events if e["kind"] == "scaled_up"] == ["scaled_up"]
 
     shot = Path(controller.cfg.output_dir) / "dashboard.png"
     page.screenshot(path=str(shot), full_page=True)

@@ -149,7 +149,7 @@ def test_a_run_with_a_user_reward_scores_every_trajectory_in_the_tool_pool(pool,
     try:
         controller.start()
         summary = controller.run()
-        counters = controller.queue.check_conservation()  # raises unless dispatched = trained + ... + in flight
+        counters = controller.fleet.queue.check_conservation()  # raises unless dispatched = trained + ... + in flight
     finally:
         controller.shutdown()
     tools = summary["tools"]

@@ -37,10 +37,10 @@ class FakeLearner:
 
 def _controller(tmp_path, rollout: FakeRollout, *overrides: str) -> Controller:
     controller = Controller(load_config(None, [f"output_dir={tmp_path}", "telemetry.progress=false", "rollout.max_tokens=8", *overrides]), tmp_path)
-    controller.eval_set = [make_prompt("a", ground_truth="12"), make_prompt("b", ground_truth="7")]
-    controller.rollout = rollout
-    controller.learner = FakeLearner()
-    controller.version = 3
+    controller.evaluation.eval_set = [make_prompt("a", ground_truth="12"), make_prompt("b", ground_truth="7")]
+    controller.fleet.rollout = rollout
+    controller.fleet.learner = FakeLearner()
+    controller.state.version = 3
     return controller
 
 
@@ -48,13 +48,13 @@ def test_a_new_best_is_exported_only_while_the_learner_holds_the_evaluated_weigh
     rollout = FakeRollout([("12",), ("8",)], [frozenset({3})])
     controller = _controller(tmp_path, rollout, "checkpoint.export_best=true")
     controller._evaluate(0.0)
-    assert controller.learner.exports == [tmp_path / "best_model.partial"] and (tmp_path / "best_model" / "config.json").is_file()
-    assert "best_export_s" in controller.evals[-1] and controller.best.record["accuracy"] == 0.5
+    assert controller.fleet.learner.exports == [tmp_path / "best_model.partial"] and (tmp_path / "best_model" / "config.json").is_file()
+    assert "best_export_s" in controller.evaluation.evals[-1] and controller.evaluation.best.record["accuracy"] == 0.5
     rollout.texts = [("12",), ("7",)]  # better, but the learner has trained past the version the engines serve
-    controller._learner_at_version = False
+    controller.state.learner_at_version = False
     controller._evaluate(0.0)
-    assert len(controller.learner.exports) == 1 and controller.best.record == {**controller.best.record, "accuracy": 1.0, "exported": False}
-    assert "best_export_s" not in controller.evals[-1]
+    assert len(controller.fleet.learner.exports) == 1 and controller.evaluation.best.record == {**controller.evaluation.best.record, "accuracy": 1.0, "exported": False}
+    assert "best_export_s" not in controller.evaluation.evals[-1]
 
 
 def test_k_samples_give_mean_at_k_and_pass_at_k(tmp_path):
@@ -62,7 +62,7 @@ def test_k_samples_give_mean_at_k_and_pass_at_k(tmp_path):
     rollout = FakeRollout([("12", "13", "12", "1"), ("8", "9", "8", "0")], [frozenset({3})])
     controller = _controller(tmp_path, rollout, "eval.temperature=1.0", "eval.samples=4")
     controller._evaluate(0.0)
-    record = controller.evals[-1]
+    record = controller.evaluation.evals[-1]
     assert rollout.calls == [(2, 8, 1.0, 4)]  # max_tokens: rollout.max_tokens
     assert record["accuracy"] == record["mean_at_k"] == pytest.approx(2 / 8)
     # pass@1 = (2/4 + 0)/2; pass@2 = (1 - C(2,2)/C(4,2))/2 = (5/6)/2; pass@3 = pass@4 = (1 + 0)/2.
@@ -75,7 +75,7 @@ def test_greedy_by_default_with_the_accuracy_as_before(tmp_path):
     controller = _controller(tmp_path, rollout)
     controller._evaluate(0.0)
     assert rollout.calls == [(2, 8, 0.0, 1)]
-    assert controller.evals[-1]["accuracy"] == 0.5 and controller.evals[-1]["pass_at_k"] == {"1": 0.5}
+    assert controller.evaluation.evals[-1]["accuracy"] == 0.5 and controller.evaluation.evals[-1]["pass_at_k"] == {"1": 0.5}
 
 
 def test_an_evaluation_that_straddled_a_version_change_runs_again(tmp_path):
@@ -83,7 +83,7 @@ def test_an_evaluation_that_straddled_a_version_change_runs_again(tmp_path):
     controller = _controller(tmp_path, rollout)
     controller._evaluate(0.0)
     assert len(rollout.calls) == 2
-    assert (controller.evals[-1]["served_versions"], controller.evals[-1]["straddled"]) == ([3], False)
+    assert (controller.evaluation.evals[-1]["served_versions"], controller.evaluation.evals[-1]["straddled"]) == ([3], False)
 
 
 def test_an_evaluation_that_straddles_twice_says_so(tmp_path):
@@ -91,7 +91,7 @@ def test_an_evaluation_that_straddles_twice_says_so(tmp_path):
     controller = _controller(tmp_path, rollout)
     controller._evaluate(0.0)
     assert len(rollout.calls) == 2
-    assert (controller.evals[-1]["served_versions"], controller.evals[-1]["straddled"]) == ([3, 4], True)
+    assert (controller.evaluation.evals[-1]["served_versions"], controller.evaluation.evals[-1]["straddled"]) == ([3, 4], True)
 
 
 def test_several_greedy_samples_are_rejected(tmp_path):

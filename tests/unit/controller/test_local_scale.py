@@ -1,5 +1,5 @@
 """A local run (not a Ray job) is resized from its dashboard: the wanted size goes to the controller's own
-control and `_scale` applies it between steps, as it does for `asyncrl scale` on a job."""
+control and `Fleet.scale` applies it between steps, as it does for `asyncrl scale` on a job."""
 
 from __future__ import annotations
 
@@ -27,18 +27,18 @@ class FakePool:
 def test_the_dashboards_scale_control_reaches_the_controllers_scale_step(tmp_path):
     cfg = load_config(None, [f"output_dir={tmp_path}", "telemetry.progress=false", "telemetry.dashboard_port=0"])
     controller = Controller(cfg, tmp_path)
-    controller.rollout = FakePool(["rollout-0"])
-    controller._scale()
-    assert controller.pool_events == []  # nothing asked yet
-    assert controller.request_scale(3) == 3
-    controller._scale()
-    assert [(e["kind"], e["worker"]) for e in controller.pool_events] == [("scaled_up", "rollout-1"), ("scaled_up", "rollout-2")]
-    controller.rollout.names, controller.rollout.joining = ["rollout-0", "rollout-1", "rollout-2"], []
-    controller.request_scale(1)
-    controller._scale()
-    assert controller.rollout.removed == ["rollout-2", "rollout-1"]  # the newest go first
+    controller.fleet.rollout = FakePool(["rollout-0"])
+    controller.fleet.scale()
+    assert controller.fleet.pool_events == []  # nothing asked yet
+    assert controller.fleet.request_scale(3) == 3
+    controller.fleet.scale()
+    assert [(e["kind"], e["worker"]) for e in controller.fleet.pool_events] == [("scaled_up", "rollout-1"), ("scaled_up", "rollout-2")]
+    controller.fleet.rollout.names, controller.fleet.rollout.joining = ["rollout-0", "rollout-1", "rollout-2"], []
+    controller.fleet.request_scale(1)
+    controller.fleet.scale()
+    assert controller.fleet.rollout.removed == ["rollout-2", "rollout-1"]  # the newest go first
     with pytest.raises(ValueError, match="must be >= 1"):
-        controller.request_scale(0)
+        controller.fleet.request_scale(0)
 
 
 def test_the_controller_hands_its_scale_request_to_the_dashboard(tmp_path):
@@ -47,6 +47,6 @@ def test_the_controller_hands_its_scale_request_to_the_dashboard(tmp_path):
     cfg = load_config(None, [f"output_dir={tmp_path}", "telemetry.progress=false"])
     controller = Controller(cfg, tmp_path)
     (dashboard,) = [s for s in controller.telemetry.sinks if isinstance(s, Dashboard)]
-    assert dashboard.scaler == controller.request_scale
+    assert dashboard.scaler == controller.fleet.request_scale
     assert (tmp_path / "events.jsonl").read_text().count('"kind": "phase"') == 1  # the dashboard's address
     dashboard.server.stop()

@@ -24,11 +24,11 @@ def test_skipped_steps_are_counted_kept_and_three_in_a_row_stop_the_run(tmp_path
     batch = Batch([make_group((1.0, 0.0), group_id="g7")], version=0)
     outcomes = [True, True, False, True, True]  # two, a finite step, two: never three in a row
     for step, skipped in enumerate(outcomes, start=1):
-        controller.step = step
-        controller._check_finite(_stats(skipped), batch)
-    assert controller.skipped_steps == 4
+        controller.state.step = step
+        controller.records.check_finite(_stats(skipped), batch)
+    assert controller.records.skipped_steps == 4
     assert sorted(p.name for p in (tmp_path / "bad_batches").iterdir()) == [f"step-00000{s}.parquet" for s in (1, 2, 4, 5)]
     assert [r["group_id"] for r in pq.read_table(tmp_path / "bad_batches" / "step-000004.parquet").to_pylist()] == ["g7", "g7"]
-    controller.step = 6
+    controller.state.step = 6
     with pytest.raises(NonFiniteError, match=r"3 steps in a row \(the last: step 6\) had a non-finite loss or gradient"):
-        controller._check_finite(_stats(True), batch)
+        controller.records.check_finite(_stats(True), batch)

@@ -31,8 +31,9 @@ def test_a_failing_part_does_not_keep_the_others_running_and_its_error_is_raised
     controller = Controller(load_config(None, [f"output_dir={tmp_path}", "telemetry.progress=false"]), tmp_path)
     calls: list[str] = []
     dead = LearnerCallError("learner rank 0: shutdown failed: the rank died (ActorDiedError)")
-    controller.rollout, controller.tools, controller.sync = _Part("rollout", calls), None, _Part("sync", calls)
-    controller.learner, controller.queue = _Part("learner", calls, dead), _Part("queue", calls)
+    fleet = controller.fleet
+    fleet.rollout, fleet.tools, fleet.sync = _Part("rollout", calls), None, _Part("sync", calls)
+    fleet.learner, fleet.queue = _Part("learner", calls, dead), _Part("queue", calls)
     with pytest.raises(LearnerCallError, match="learner rank 0: shutdown failed"):
         controller.shutdown()
     assert calls == ["rollout", "learner", "sync", "queue"]

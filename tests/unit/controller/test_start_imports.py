@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from asyncrl.controller.fleet import Fleet
 from asyncrl.controller.loop import Controller
 from asyncrl.controller.run import _importing
 
@@ -31,5 +32,5 @@ def test_modules_load_beside_the_body_and_a_failing_one_fails_again_where_it_is_
 
 
 def test_the_list_is_what_start_imports():
-    imported = re.findall(r"^\s+from (\S+) import (\w+)", inspect.getsource(Controller.start), re.MULTILINE)
+    imported = re.findall(r"^\s+from (\S+) import (\w+)", inspect.getsource(Controller.start) + inspect.getsource(Fleet.start), re.MULTILINE)
     assert sorted(imported) == sorted(Controller.START_IMPORTS)
