@@ -151,6 +151,9 @@ class RolloutConfig(Section):
     """A rollout worker that dies (while generating or loading weights) is replaced and its requests are
     re-dispatched; the run goes on and the learner does not wait for the replacement. False stops the run
     with an error naming the worker."""
+    heartbeat_timeout_s: float = Field(60.0, ge=1, le=3600)
+    """A worker serving the queue that is alive but does not answer a ping within this (stopped, deadlocked) is
+    killed and handled as a dead one (`replace_dead_workers`). Long enough for a busy engine to answer."""
     openai_port: int = Field(0, ge=-1, le=65535)
     """OpenAI-compatible endpoint per worker (docs/openai_endpoint.md): 0 = off, -1 = a free port per worker,
     N = port N + the worker's index. `RolloutPool.openai_urls()` lists the URLs."""

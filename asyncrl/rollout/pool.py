@@ -16,10 +16,8 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
@@ -27,15 +25,32 @@ from asyncrl.cluster import placement
 from asyncrl.cluster.calls import named_get
 from asyncrl.config import Config, EnvConfig, RolloutConfig
 from asyncrl.envs.tools.base import ToolExecutor
-from asyncrl.models.shipping import ShippedModel, materialise, ship
-from asyncrl.rollout.engine import EvalResult, SamplingSpec
-from asyncrl.rollout.worker import EpisodeScore, RolloutWorker, WorkerSpec
-from asyncrl.types import Prompt
+from asyncrl.models.shipping import ShippedModel, ship
+from asyncrl.rollout.engine import SamplingSpec
+from asyncrl.rollout.membership import (
+    HEARTBEAT_TURN_S,
+    Heartbeat,
+    Joining,
+    NodeLocalRolloutWorker,
+    PoolEvent,
+    WorkerDiedError,
+    WorkerStartError,
+    died,
+    wait_or_say,
+)
+from asyncrl.rollout.spread import CONTROL_TIMEOUT_S, EvaluationTimeout, WorkerCalls
+from asyncrl.rollout.worker import WorkerSpec
 from asyncrl.weight_sync.base import PublishedWeights
 
-
-class WorkerStartError(RuntimeError):
-    """A rollout worker's engine did not come up within `engine_start_timeout_s` (the message names it)."""
+__all__ = [
+    "EvaluationTimeout",
+    "PoolEvent",
+    "RolloutPool",
+    "WeightSyncError",
+    "WeightSyncTimeout",
+    "WorkerDiedError",
+    "WorkerStartError",
+]
 
 
 class WeightSyncError(RuntimeError):
@@ -46,90 +61,7 @@ class WeightSyncTimeout(WeightSyncError):
     """Some engine did not confirm the new version within the sync timeout."""
 
 
-_CONTROL_TIMEOUT_S = 30.0  # stop / stats / health calls
-
-
-class EvaluationTimeout(RuntimeError):
-    """An evaluation call was not answered in time (the message names the workers still running it)."""
-
-
-class WorkerDiedError(RuntimeError):
-    """A rollout worker died and the pool does not replace dead workers (`rollout.replace_dead_workers`)."""
-
-
-@dataclass
-class _Joining:
-    """A started worker on its way into service: its placement group being placed (`placed`), engine starting
-    (`ready`), then loading `version` (`sync`)."""
-
-    handle: Any
-    ready: Any
-    began: float
-    placed: Any = None
-    engine_began: float = 0.0
-    """When the placement group was placed: the engine's start timeout counts from here."""
-    sync: Any = None
-    version: int | None = None
-
-
-@dataclass(frozen=True)
-class PoolEvent:
-    """Something that happened to a worker, reported by `poll` for the controller's log and metrics."""
-
-    worker: str
-    kind: str
-    """`died` (its requests re-dispatched, `replacement` started), `joined` (serves `version`, `seconds` after
-    its start) or `failed_to_start` (`detail` says why)."""
-    requeued: int = 0
-    replacement: str | None = None
-    version: int | None = None
-    seconds: float = 0.0
-    detail: str = ""
-
-    def __str__(self) -> str:
-        if self.kind == "died":
-            return f"rollout worker {self.worker} died: {self.requeued} requests re-dispatched" + (
-                f", replaced by {self.replacement}" if self.replacement else ""
-            )
-        if self.kind == "joined":
-            weights = "its initial weights" if self.version is None else f"version {self.version}"
-            return f"rollout worker {self.worker} serves {weights} ({self.seconds:.1f}s after its start)"
-        return f"rollout worker {self.worker} failed to start: {self.detail}"
-
-
-class NodeLocalRolloutWorker(RolloutWorker):
-    """A `RolloutWorker` whose engine loads the model from its own node: a shipped preset is unpacked into the
-    node's cache first (its `spec.model_dir` is the driver's path, which another node may not have)."""
-
-    def __init__(self, name: str, spec: WorkerSpec, queue: Any = None, *, model: ShippedModel | None = None) -> None:
-        if model is not None:
-            spec = dataclasses.replace(spec, model_dir=str(materialise(model)))
-        super().__init__(name, spec, queue)
-
-
-def _wait_or_say(calls: dict[Any, str], what: str, timeout_s: float) -> None:
-    """Wait for best-effort calls (object ref -> worker name); the run goes on without a late worker (it is
-    killed or re-queued next), but the log says whose `what` did not answer."""
-    _, late = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
-    if late:
-        print(
-            f"[rollout pool] {what}: no answer within {timeout_s:.0f}s from {', '.join(calls[r] for r in late)}; going on",
-            flush=True,
-        )
-
-
-def _died(ref: Any) -> bool:
-    """Whether a finished call failed because its actor died."""
-    try:
-        ray.get(ref, timeout=0)
-    except RayActorError:
-        return True
-    except Exception:
-        return False
-    return False
-
-
-class RolloutPool:
+class RolloutPool(WorkerCalls):
     """Driver-side owner of the rollout workers. Not thread-safe; call from one controller thread.
 
     Every worker gets the same typed `WorkerSpec` (built here from the arguments, or from the run's config by
@@ -158,7 +90,7 @@ class RolloutPool:
         self.spec = WorkerSpec(
             model_dir=str(model_dir),
             rollout=rollout,
-            env=env or EnvConfig(),
+            env=env or EnvConfig.model_validate({}),
             dtype=dtype,
             max_model_len=max_model_len,
             seed=seed,
@@ -175,10 +107,13 @@ class RolloutPool:
         self._latest = latest
         self.replace_dead = replace_dead
         """A worker that dies (generating or loading weights) is replaced and the run goes on; False raises."""
-        self._joining: dict[str, _Joining] = {}
+        self._joining: dict[str, Joining] = {}
         self._events: list[PoolEvent] = []
         self._removed: set[str] = set()
-        """Workers stopped by `remove_worker` (names are never reused)."""
+        """Workers stopped by `remove_worker` or killed as hung (names are never reused): a weight sync in flight
+        no longer waits for them."""
+        self.heartbeat = Heartbeat(rollout.heartbeat_timeout_s)
+        """Finds workers serving the queue that are alive but no longer answer (`rollout.heartbeat_timeout_s`)."""
         self._last_stats: dict[str, dict[str, Any]] = {}
         """Each serving worker's latest `stats()` answer."""
         self.retired: dict[str, dict[str, Any]] = {}
@@ -204,9 +139,9 @@ class RolloutPool:
         tools: ToolExecutor | None = None,
     ) -> RolloutPool:
         """The run's pool: engines, sampling and reward from `cfg`; engines abort requests certain to exceed
-        `buffer.max_staleness` when `buffer.abort_staleness` says so (`stale_policy: drop`). A preset model from the driver's cache travels
-        through the object store to workers on nodes that lack it. `tools` (the tool pool's client) runs tools
-        and rewards; None: in each worker's process."""
+        `buffer.max_staleness` when `buffer.abort_staleness` says so (`stale_policy: drop`). A preset model from
+        the driver's cache travels through the object store to workers on nodes that lack it. `tools` (the tool
+        pool's client) runs tools and rewards; None: in each worker's process."""
         return cls(
             str(model_dir),
             cfg.rollout,
@@ -249,21 +184,9 @@ class RolloutPool:
             if name not in self._run_refs:
                 self._run_refs[name] = handle.run.remote()
 
-    def stop_generation(self, drain: bool = True) -> None:
-        """Every worker stops taking requests; `drain` lets running ones finish and be handed in, otherwise
-        they are aborted and re-queued."""
-        self._generating = False
-        handles = dict(self._workers)
-        refs = {h.stop.remote(drain=drain): name for name, h in handles.items()}
-        _wait_or_say(refs, "stop", _CONTROL_TIMEOUT_S + self.rollout.request_timeout_s)
-        self._run_refs.clear()
-        if not drain:
-            for name in handles:
-                self._requeue(name)
-
     def shutdown(self) -> None:
         handles = list(self._workers.items())
-        _wait_or_say({h.shutdown.remote(): name for name, h in handles}, "shutdown", _CONTROL_TIMEOUT_S)
+        wait_or_say({h.shutdown.remote(): name for name, h in handles}, "shutdown", CONTROL_TIMEOUT_S)
         for _, h in handles:
             ray.kill(h)
         for name in list(self._groups):
@@ -301,7 +224,13 @@ class RolloutPool:
         calls = {ref: name for ref, name in calls.items() if name not in self._removed}
         if not calls:
             return None
-        done, waiting = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
+        done, waiting, deadline = [], list(calls), time.monotonic() + timeout_s
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            # In turns, so that an engine that hangs meanwhile is killed and replaced, not waited for.
+            ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=min(left, HEARTBEAT_TURN_S))
+            done += ready
+            if waiting and self._replace_hung():
+                waiting = [ref for ref in waiting if calls[ref] not in self._removed]
         problems: list[str] = []
         dead: list[str] = []
         served_at: list[float] = []
@@ -354,9 +283,9 @@ class RolloutPool:
         self._removed.add(name)
         self._run_refs.pop(name, None)
         try:
-            ray.get(handle.stop.remote(drain=drain), timeout=_CONTROL_TIMEOUT_S)
-            self._last_stats[name] = ray.get(handle.stats.remote(), timeout=_CONTROL_TIMEOUT_S)
-            ray.get(handle.shutdown.remote(), timeout=_CONTROL_TIMEOUT_S)
+            ray.get(handle.stop.remote(drain=drain), timeout=CONTROL_TIMEOUT_S)
+            self._last_stats[name] = ray.get(handle.stats.remote(), timeout=CONTROL_TIMEOUT_S)
+            ray.get(handle.shutdown.remote(), timeout=CONTROL_TIMEOUT_S)
         except (RayActorError, GetTimeoutError):
             pass  # dead or stuck: killed below, its requests re-queued all the same
         ray.kill(handle)
@@ -375,7 +304,18 @@ class RolloutPool:
         """`poll`'s work; the events stay queued for the next `poll`."""
         for name in self._dead_runners():
             self._replace(name)
+        self._replace_hung()
         self._advance_joining()
+
+    def _replace_hung(self) -> list[str]:
+        """Kill the workers serving the queue that missed a heartbeat (alive but not answering: stopped, deadlocked)
+        and replace them as dead ones are: their requests re-dispatched, a replacement started."""
+        hung = self.heartbeat.missed({name: self._workers[name] for name in self._run_refs})
+        for name in hung:
+            ray.kill(self._workers[name])
+            self._removed.add(name)
+            self._replace(name, kind="hung", detail=f"no heartbeat answer within {self.heartbeat.timeout_s:g}s")
+        return hung
 
     def check_health(self, timeout_s: float = 10.0) -> list[str]:
         """Find dead workers (a `ready` ping fails), re-queue their requests and replace them, waiting until
@@ -383,7 +323,7 @@ class RolloutPool:
         within `timeout_s` (busy loading weights, say) is left alone."""
         calls = {handle.ready.remote(): name for name, handle in self._workers.items()}
         done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
-        dead = [calls[ref] for ref in done if _died(ref)]
+        dead = [calls[ref] for ref in done if died(ref)]
         replacements = [self._replace(name, force=True).replacement for name in dead]
         self._await_joined([r for r in replacements if r], self.rollout.engine_start_timeout_s)
         return dead
@@ -391,10 +331,11 @@ class RolloutPool:
     def _dead_runners(self) -> list[str]:
         refs = {ref: name for name, ref in self._run_refs.items()}
         done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0) if refs else ([], [])
-        return [refs[ref] for ref in done if _died(ref)]
+        return [refs[ref] for ref in done if died(ref)]
 
-    def _replace(self, name: str, force: bool = False) -> PoolEvent:
-        """`name` died: forget it, re-dispatch its requests, start a replacement (with `replace_dead`)."""
+    def _replace(self, name: str, force: bool = False, kind: str = "died", detail: str = "") -> PoolEvent:
+        """`name` died (or, `kind="hung"`, was killed): forget it, re-dispatch its requests, start a replacement
+        (with `replace_dead`)."""
         if name not in self._workers:
             return PoolEvent(name, "died")  # already handled (a failed sync and a failed `run` both report it)
         self._workers.pop(name)
@@ -403,11 +344,12 @@ class RolloutPool:
         requeued = self._requeue(name)
         if not (self.replace_dead or force):
             raise WorkerDiedError(
-                f"rollout worker {name} died (rollout.replace_dead_workers is off); {requeued} requests re-queued"
+                f"rollout worker {name} {'died' if kind == 'died' else 'hung and was killed'} "
+                f"(rollout.replace_dead_workers is off); {requeued} requests re-queued"
             )
         replacement = self._new_name()
         self._launch(replacement)
-        return self._event(PoolEvent(name, "died", requeued=requeued, replacement=replacement))
+        return self._event(PoolEvent(name, kind, requeued=requeued, replacement=replacement, detail=detail))
 
     def _event(self, event: PoolEvent) -> PoolEvent:
         self._events.append(event)
@@ -418,7 +360,7 @@ class RolloutPool:
             return 0
         return int(
             named_get(
-                self.queue.requeue_worker.remote(name), _CONTROL_TIMEOUT_S, f"replay queue: requeue_worker({name})"
+                self.queue.requeue_worker.remote(name), CONTROL_TIMEOUT_S, f"replay queue: requeue_worker({name})"
             )
         )
 
@@ -440,13 +382,13 @@ class RolloutPool:
         group = self._groups[name] = placement.start(
             "rollout", [placement.bundle(cfg.num_cpus_per_worker, cfg.num_gpus_per_worker, cfg.resources)]
         )
-        handle = self._actor_cls.options(
+        handle: Any = self._actor_cls.options(
             num_cpus=cfg.num_cpus_per_worker,
             num_gpus=cfg.num_gpus_per_worker,
             max_concurrency=1000,
             scheduling_strategy=placement.in_bundle(group, 0),
         ).remote(name, spec, self.queue, model=self._model)
-        self._joining[name] = _Joining(handle, handle.ready.remote(), time.monotonic(), placed=group.ready())
+        self._joining[name] = Joining(handle, handle.ready.remote(), time.monotonic(), placed=group.ready())
 
     def _await_joined(self, names: list[str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -492,7 +434,7 @@ class RolloutPool:
             events.append(self._join(name))
         return events
 
-    def _placed(self, name: str, j: _Joining, events: list[PoolEvent]) -> bool:
+    def _placed(self, name: str, j: Joining, events: list[PoolEvent]) -> bool:
         """Whether the worker's placement group is placed; past `placement_timeout_s` it fails to start with
         what the cluster is short of (the engine's own timeout counts only once it has somewhere to run)."""
         if j.placed is None:
@@ -539,91 +481,6 @@ class RolloutPool:
     # ---------------------------------------------------------------------------------------------
     # Probes, evaluation, stats
 
-    def pids(self, timeout_s: float = _CONTROL_TIMEOUT_S) -> dict[str, int]:
-        """Process id of each serving worker (fault injection kills real processes)."""
-        names = list(self._workers)
-        answers = named_get(
-            [self._workers[n].ready.remote() for n in names], timeout_s, f"rollout workers {', '.join(names)}: ready"
-        )
-        return dict(zip(names, (r["pid"] for r in answers)))
-
-    def openai_urls(self, timeout_s: float = _CONTROL_TIMEOUT_S) -> dict[str, str]:
-        """Base URL of each serving worker's OpenAI-compatible endpoint (`rollout.openai_port` != 0); a client's
-        `base_url` is the URL + `/v1`."""
-        names = self.serving()
-        answers = named_get(
-            [self._workers[n].ready.remote() for n in names], timeout_s, f"rollout workers {', '.join(names)}: ready"
-        )
-        return {n: a["openai_url"] for n, a in zip(names, answers) if a["openai_url"] is not None}
-
-    def versions(self, timeout_s: float = _CONTROL_TIMEOUT_S) -> dict[str, int]:
-        names = list(self._workers)
-        return dict(
-            zip(
-                names,
-                named_get(
-                    [self._workers[n].version.remote() for n in names],
-                    timeout_s,
-                    f"rollout workers {', '.join(names)}: version",
-                ),
-            )
-        )
-
-    def score(
-        self, token_ids: Sequence[int], prompt_len: int, name: str | None = None, processed: bool = False
-    ) -> np.ndarray:
-        """Engine log-probs of token_ids[prompt_len:] (the parity probe), on `name` or the first serving worker:
-        raw, or (`processed`) under the run's temperature, top-k and top-p."""
-        name = name or self.serving()[0]
-        return named_get(
-            self._workers[name].score.remote(list(token_ids), prompt_len, processed),
-            _CONTROL_TIMEOUT_S,
-            f"rollout worker {name}: score",
-        )
-
-    def evaluate(
-        self,
-        prompts: Sequence[Prompt | Sequence[int]],
-        max_tokens: int | None = None,
-        temperature: float = 0.0,
-        samples: int = 1,
-    ) -> list[EvalResult]:
-        """`samples` completions per prompt at `temperature` (0 = greedy), in prompt order, spread over the
-        serving workers. A worker that dies meanwhile is replaced and its share evaluated again on the others."""
-        return self._spread(
-            "evaluate",
-            prompts,
-            max_tokens,
-            temperature,
-            samples,
-            timeout_s=self.rollout.request_timeout_s + _CONTROL_TIMEOUT_S,
-        )
-
-    def evaluate_episodes(self, prompts: Sequence[Prompt], max_tokens: int | None = None) -> list[EpisodeScore]:
-        """Greedy episodes of the run's environment (multi-turn, tools and all), like `evaluate`."""
-        return self._spread(
-            "evaluate_episodes", prompts, max_tokens, timeout_s=self.spec.env.episode_timeout_s + _CONTROL_TIMEOUT_S
-        )
-
-    def _spread(self, method: str, prompts: Sequence[Any], *args: Any, timeout_s: float) -> list[Any]:
-        """`method` on every serving worker, each with its share of `prompts`, all at once: a worker runs its
-        share concurrently, so the whole call is bounded by one request's (or episode's) bound, `timeout_s`."""
-        for _ in range(3):
-            names = self.serving()
-            per_worker = -(-len(prompts) // len(names))
-            chunks = [list(prompts[i : i + per_worker]) for i in range(0, len(prompts), per_worker)]
-            calls = {getattr(self._workers[n], method).remote(c, *args): n for n, c in zip(names, chunks)}
-            try:
-                return [item for part in ray.get(list(calls), timeout=timeout_s) for item in part]
-            except GetTimeoutError:
-                late = [calls[ref] for ref in ray.wait(list(calls), num_returns=len(calls), timeout=0)[1]]
-                raise EvaluationTimeout(
-                    f"{method} of {len(prompts)} prompts: no answer within {timeout_s:.0f}s from {', '.join(late)}"
-                ) from None
-            except RayActorError:
-                time.sleep(1.0)  # then `serving()` notices the dead worker and replaces it
-        raise RuntimeError("evaluation failed three times: rollout workers kept dying")
-
     def serving(self) -> list[str]:
         """The serving workers, after `poll`'s upkeep (its events stay queued for the caller's next `poll`);
         waits, at most `engine_start_timeout_s`, while there is none (the only engine died and its
@@ -638,16 +495,3 @@ class RolloutPool:
             time.sleep(0.1)
             self._maintain()
         return self.names
-
-    def stats(self, timeout_s: float = _CONTROL_TIMEOUT_S) -> dict[str, dict[str, Any]]:
-        """Per serving worker, its counters (tokens generated, requests done, busy/idle seconds); a worker that
-        does not answer within `timeout_s` (busy loading weights, say) keeps its last answer, so the run's
-        totals never step back. Workers that died or were removed are in `retired`."""
-        calls = {h.stats.remote(): name for name, h in self._workers.items()}
-        done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
-        for ref in done:
-            try:
-                self._last_stats[calls[ref]] = ray.get(ref)
-            except RayActorError:
-                continue
-        return {name: self._last_stats[name] for name in self._workers if name in self._last_stats}

@@ -51,8 +51,8 @@ class WorkerSpec:
     and sends the same typed record to every worker (only `seed` differs per worker)."""
 
     model_dir: str
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    env: EnvConfig = field(default_factory=EnvConfig)
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig.model_validate({}))
+    env: EnvConfig = field(default_factory=lambda: EnvConfig.model_validate({}))
     dtype: str = "float32"
     max_model_len: int | None = None
     seed: int = 0
@@ -251,7 +251,8 @@ class RolloutWorker:
             self._busy_since = time.monotonic()
         task = asyncio.ensure_future(self._rollout(request))
         self._in_flight[request.request_id] = task
-        task.add_done_callback(lambda _t, rid=request.request_id: self._on_done(rid))
+        request_id = request.request_id
+        task.add_done_callback(lambda _task: self._on_done(request_id))
 
     def _on_done(self, request_id: str) -> None:
         self._in_flight.pop(request_id, None)
@@ -331,7 +332,8 @@ class RolloutWorker:
         return exchange.requests
 
     def _keep_for_next_flush(self, batch: list[Trajectory]) -> None:
-        """A hand-in failed: keep its trajectories for the next one rather than lose them (the queue may be restarting)."""
+        """A hand-in failed: keep its trajectories for the next one rather than lose them (the queue may be
+        restarting)."""
         self._outbox = batch + self._outbox
         self._outbox_event.set()
 
