@@ -5,7 +5,6 @@ finishes every step with nothing lost or trained twice."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -80,14 +79,20 @@ def test_a_hung_engine_is_replaced_within_the_heartbeat_timeout_and_the_run_fini
     assert not any(e["kind"] == "died" for e in events)
     joined = next(e for e in events if e["kind"] == "joined" and e["worker"] == hung["replacement"])
     detected_s, serving_s = hung["wall"] - stopped["wall"], joined["wall"] - stopped["wall"]
-    print(f"SIGSTOP of {hung['worker']}: killed as hung after {detected_s:.1f}s, {joined['worker']} serving after {serving_s:.1f}s")
+    print(f"SIGSTOP of {hung['worker']}: killed as hung after {detected_s:.1f}s, ", end="")
+    print(f"{joined['worker']} serving after {serving_s:.1f}s")
     assert 0 < detected_s < HEARTBEAT_S + 10  # a heartbeat's timeout, not a batch or sync timeout (120 s)
     assert joined["version"] >= hung["step"]
 
 
 def test_the_hung_engines_requests_are_re_dispatched_and_none_is_lost(hung_run):
     c = hung_run[0]["counters"]
-    ended = c["trained"] + c["dropped_stale"] + c["in_flight"] + sum(v for k, v in c.items() if k.startswith(("filtered:", "failed:")))
+    ended = (
+        c["trained"]
+        + c["dropped_stale"]
+        + c["in_flight"]
+        + sum(v for k, v in c.items() if k.startswith(("filtered:", "failed:")))
+    )
     assert c["dispatched"] == ended
     assert c["requeued"] >= 1  # the hung engine held requests, and they were handed out again
     assert c["trained"] == hung_run[0]["samples_trained"]
