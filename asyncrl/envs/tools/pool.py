@@ -3,8 +3,8 @@ slow, crashing or hostile tool never blocks or kills a rollout worker.
 
 - `ToolWorker` (one Ray actor per slot, named `<prefix>-<i>`): runs `calculator` in its own process (it is
   bounded) and `python` and user rewards each in a fresh sandboxed process; counts calls and errors by tool.
-- `ToolPool` (driver): starts `tools.num_workers` workers, heartbeats them from `poll()` (the controller's
-  `_upkeep`), and replaces a dead or hung one under the same name.
+- `ToolPool` (driver): starts `tools.num_workers` workers, heartbeats them from `poll()` (the fleet's
+  `upkeep`), and replaces a dead or hung one under the same name.
 - `ToolClient` (picklable; travels in `WorkerSpec.tools`): the `ToolExecutor` the rollout workers use. It finds
   workers by name, so a replacement is found without telling anyone; a call whose worker dies raises
   `ToolInfraError("tool_worker_died")` as soon as Ray reports the death, not at the call's timeout.
