@@ -15,7 +15,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from asyncrl.cluster.calls import named_get
 from asyncrl.config import RolloutConfig
 from asyncrl.rollout.engine import EvalResult
-from asyncrl.rollout.membership import Heartbeat
+from asyncrl.rollout.membership import HEARTBEAT_TURN_S, Heartbeat
 from asyncrl.rollout.worker import EpisodeScore, WorkerSpec
 from asyncrl.types import Prompt
 
@@ -28,7 +28,7 @@ class EvaluationTimeout(RuntimeError):
 
 class WorkerCalls(ABC):
     """Calls to the pool's workers (`_workers`: name -> actor handle) that `RolloutPool` answers; `serving` is
-    the pool's list of serving workers after its upkeep."""
+    the pool's list of serving workers after its upkeep, `_replace_hung` its heartbeat's kill-and-replace."""
 
     rollout: RolloutConfig
     spec: WorkerSpec
@@ -38,6 +38,9 @@ class WorkerCalls(ABC):
 
     @abstractmethod
     def serving(self) -> list[str]: ...
+
+    @abstractmethod
+    def _replace_hung(self) -> list[str]: ...
 
     def pids(self, timeout_s: float = CONTROL_TIMEOUT_S) -> dict[str, int]:
         """Process id of each serving worker (fault injection kills real processes)."""
@@ -117,7 +120,7 @@ class WorkerCalls(ABC):
                 getattr(self._workers[n], method).remote(c, *args): n for n, c in zip(names, chunks, strict=False)
             }  # fewer chunks than workers: some idle
             try:
-                return [item for part in ray.get(list(calls), timeout=timeout_s) for item in part]
+                return [item for part in self._get_all(list(calls), timeout_s) for item in part]
             except GetTimeoutError:
                 late = [calls[ref] for ref in ray.wait(list(calls), num_returns=len(calls), timeout=0)[1]]
                 raise EvaluationTimeout(
@@ -126,6 +129,19 @@ class WorkerCalls(ABC):
             except RayActorError:
                 time.sleep(1.0)  # then `serving()` notices the dead worker and replaces it
         raise RuntimeError("evaluation failed three times: rollout workers kept dying")
+
+    def _get_all(self, refs: list[Any], timeout_s: float) -> list[Any]:
+        """`ray.get(refs, timeout=timeout_s)`, waited in turns that kill hung workers: a hung worker's call then
+        fails with its death (`RayActorError`) instead of running into the timeout."""
+        deadline, waiting = time.monotonic() + timeout_s, refs
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise GetTimeoutError(f"no answer within {timeout_s}s")
+            _, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=min(left, HEARTBEAT_TURN_S))
+            if waiting:
+                self._replace_hung()
+        return ray.get(refs)
 
     def stats(self, timeout_s: float = CONTROL_TIMEOUT_S) -> dict[str, dict[str, Any]]:
         """Per serving worker, its counters (tokens generated, requests done, busy/idle seconds); a worker that
