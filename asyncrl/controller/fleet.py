@@ -177,11 +177,11 @@ class Fleet:
         return replace(snapshot, live=self.rates.add(snapshot))
 
     def event(self, **event: Any) -> None:
-        """Keep a pool event for the summary, stamped with the run's clock and step."""
-        self.pool_events.append(
-            {"t_s": round(time.perf_counter() - self.state.started, 3), "wall": time.time(), "step": self.state.step}
-            | event
-        )
+        """Keep a pool event for the summary, stamped with the run's clock and step (`wall`: when it happened,
+        if the pool says so, else now)."""
+        wall = event.pop("wall", None) or time.time()
+        t_s = time.perf_counter() - self.state.started - (time.time() - wall)
+        self.pool_events.append({"t_s": round(t_s, 3), "wall": wall, "step": self.state.step} | event)
 
     def scale(self) -> None:
         """Resize the rollout pool to what `asyncrl scale` asked for: new workers join once they serve the

@@ -67,6 +67,9 @@ class PoolEvent:
     version: int | None = None
     seconds: float = 0.0
     detail: str = ""
+    wall: float = dataclasses.field(default_factory=time.time)
+    """`time.time()` when the pool saw it happen (a death or hang found during a weight sync's or an
+    evaluation's wait is reported at the next `poll`)."""
 
     def __str__(self) -> str:
         if self.kind in ("died", "hung"):

@@ -149,10 +149,13 @@ class WorkerCalls(ABC):
         totals never step back; so does one that leaves its heartbeat unanswered (hung, until the heartbeat
         replaces it). Workers that died or were removed are in `retired`."""
         calls = {h.stats.remote(): name for name, h in self._workers.items() if not self.heartbeat.silent(name)}
-        done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
-        for ref in done:
-            try:
-                self._last_stats[calls[ref]] = ray.get(ref)
-            except RayActorError:
-                continue
+        waiting, deadline = list(calls), time.monotonic() + timeout_s
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            done, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=min(left, HEARTBEAT_TURN_S))
+            for ref in done:
+                try:
+                    self._last_stats[calls[ref]] = ray.get(ref)
+                except RayActorError:
+                    continue
+            waiting = [ref for ref in waiting if not self.heartbeat.silent(calls[ref])]
         return {name: self._last_stats[name] for name in self._workers if name in self._last_stats}
