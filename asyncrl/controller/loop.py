@@ -48,6 +48,10 @@ class SyncInFlight:
 
 
 class Controller:
+    """One run: `start` builds its parts, `run` trains until `learner.max_steps` (or a stop) and returns the
+    summary, `shutdown` stops every part. The run's position (`state`) is shared with its collaborators: the
+    `fleet` (actors), the `evaluation` and the `records`."""
+
     START_IMPORTS = (
         ("transformers", "AutoTokenizer"),
         ("asyncrl.envs.data", "eval_prompts"),
@@ -99,6 +103,7 @@ class Controller:
         self.fleet.rollout.start_generation()
 
     def shutdown(self) -> None:
+        """Stop every part (`Fleet.shutdown`)."""
         self.fleet.shutdown()
 
     # ------------------------------------------------------------------------------------------------
