@@ -1,11 +1,12 @@
 """Prometheus metrics of a run, served by the controller when `telemetry.prometheus_port` > 0.
 
 Names follow `asyncrl_<area>_<what>_<unit>`; counters (`_total`) for counts, gauges for levels, histograms for
-distributions. `METRICS` is the one list: `RunMetrics` registers it, the README's metric table is printed from it
-(`python -m asyncrl.telemetry.metrics`), and tests/unit/test_deploy_files.py checks every Grafana query against
-the registry. `RunMetrics` is a telemetry `Sink`: the controller's step, sync, eval, pool-snapshot and alarm events
-set the series while the run goes on (asyncrl/telemetry/sinks.py). Counters follow the run's cumulative totals
-(the queue's conservation counters, the engines' token counts): each snapshot adds what grew since the last.
+distributions. `METRICS` is the one list: `RunMetrics` registers it, the metric table of docs/metrics.md is
+printed from it (`python -m asyncrl.telemetry.metrics`), and tests/unit/test_deploy_files.py checks every Grafana
+query against the registry. `RunMetrics` is a telemetry `Sink`: the controller's step, sync, eval, pool-snapshot
+and alarm events set the series while the run goes on (asyncrl/telemetry/sinks.py). Counters follow the run's
+cumulative totals (the queue's conservation counters, the engines' token counts): each snapshot adds what grew
+since the last.
 """
 
 from __future__ import annotations
@@ -361,7 +362,7 @@ class RunMetrics(Sink):
 
 
 def markdown() -> str:
-    """The README's metric table: every metric with its type, labels and meaning."""
+    """The metric table of docs/metrics.md: every metric with its type, labels and meaning."""
     lines = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     for spec in METRICS:
         labels = ", ".join(f"`{label}`" for label in spec.labels)
