@@ -151,7 +151,7 @@ def shard(module: PolicyModel | ValueModel, mesh, compute_dtype: torch.dtype = t
 
     bf16 on CPU: attention runs as plain matmuls and a softmax (transformers' `eager`) instead of SDPA, whose CPU
     kernel for bf16 is flash attention with a slow backward on short rows (torch 2.13: 60 ms of a W1 layer's
-    backward, half of the step). A W1 step (`model.dtype=bfloat16`, 2026-12-04): 0.80 s with SDPA, 0.42-0.54 s
+    backward, half of the step). A W1 step with `model.dtype=bfloat16`: 0.80 s with SDPA, 0.42-0.54 s
     eager, 0.54-0.66 s in fp32 (docs/algorithms.md#mixed-precision)."""
     mixed = compute_dtype != torch.float32
     if mixed and mesh.device_type == "cpu":
