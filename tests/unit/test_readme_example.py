@@ -47,3 +47,14 @@ def test_the_readme_config_excerpt_agrees_with_the_default_recipe():
             assert shared == {k: default[section][k] for k in shared}, section
         elif section in default:
             assert values == default[section], section
+
+
+def test_every_relative_link_of_the_readme_and_docs_names_a_file_that_exists():
+    root = README.parent
+    pages = [README, *sorted((root / "docs").glob("*.md")), root / "deploy" / "README.md"]
+    missing = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)", page.read_text()):
+            if not target.startswith(("http://", "https://", "mailto:")) and not (page.parent / target).exists():
+                missing.append(f"{page.relative_to(root)} -> {target}")
+    assert not missing, missing
