@@ -320,8 +320,8 @@ class TrajectoryColumns:
         out = np.fromiter((row[_DISPATCH_VERSION_AT] for row in self.scalar_rows), dtype=np.int64, count=len(lengths))
         has_tokens = lengths > 0
         if has_tokens.any():
-            # reduceat over the starts of the non-empty trajectories only: each segment then runs to the next
-            # one's start
+            # reduceat over the starts of the non-empty trajectories only:
+            # each segment then runs to the next one's start
             starts = (np.cumsum(lengths) - lengths)[has_tokens]
             oldest = np.minimum.reduceat(self.versions, starts)
             if not self.loss_mask.all():  # masked tokens do not count, unless a trajectory has no other

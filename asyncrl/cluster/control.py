@@ -48,7 +48,7 @@ class Control:
 class ControlClient:
     """The controller's side: creates the job's control actor and reads it at most every `POLL_S`."""
 
-    handle: Any  # the Ray actor handle of `Control` (Ray types its remote methods per call site, not per class)
+    handle: Any  # the Ray actor handle of `Control`: its remote methods are attributes made at run time
     last_poll: float = 0.0
 
     @classmethod
