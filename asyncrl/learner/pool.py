@@ -123,7 +123,8 @@ class LearnerPool:
         self.group = placement.reserve(
             "learner", [unit] * self.num_ranks, config.placement_strategy, placement_timeout_s
         )
-        actor = ray.remote(concurrency_groups={SEND_GROUP: SEND_THREADS})(NodeLocalLearnerWorker)
+        # Ray's typed overloads of `remote` leave out its documented `concurrency_groups` option.
+        actor = ray.remote(concurrency_groups={SEND_GROUP: SEND_THREADS})(NodeLocalLearnerWorker)  # type: ignore[call-overload]
         model = ship(model_dir)
         self.workers = [
             actor.options(
@@ -203,7 +204,8 @@ class LearnerPool:
             raise LearnerCallError(f"learner rank {failed[0]}: {method} failed: {failed[1]}")
         if pending:
             raise LearnerCallError(
-                f"learner rank {rank_of[pending[0]]}: {method} did not answer within {timeout_s}s (learner.call_timeout_s)"
+                f"learner rank {rank_of[pending[0]]}: {method} did not answer within {timeout_s}s "
+                "(learner.call_timeout_s)"
             )
         return ray.get(refs)
 

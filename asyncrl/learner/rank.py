@@ -3,7 +3,8 @@
 The ranks form ONE torch.distributed group (gloo on CPU, nccl on GPU) and shard the policy (and the
 optional critic) with FSDP2. A rank owns its process group, its shard of the train state and the step
 counter; the step itself is `step.RankStep`. Weights leave the rank as Hugging Face-named safetensors
-buckets (`export.py`) or in a shared-memory segment (`weight_sync.segment`), checkpoints as DCP shards (`checkpoint.py`).
+buckets (`export.py`) or in a shared-memory segment (`weight_sync.segment`), checkpoints as DCP shards
+(`checkpoint.py`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import socket
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import ray
@@ -236,6 +237,7 @@ class LearnerWorker:
         """Broadcast the staged version to the engine that asked (its group `key`); -> that version. Runs in its
         own threads (`SEND_GROUP`), next to the rank's calls in order (the next `train_step`), and only on
         rank 0, which `export_collective` names in its record."""
+        assert self._sender is not None, "send_collective before export_collective staged a version"
         return self._sender.send(key)
 
     def state_snapshot(self) -> dict[str, Any] | None:
@@ -250,7 +252,8 @@ class LearnerWorker:
             return None
         moments = {
             f"{hf_name_}/{key}": torch.as_tensor(value).float().numpy()
-            for name, entry in optim["state"].items()
+            # a torch optimizer's state: parameter name -> {moment name: tensor or scalar}
+            for name, entry in cast(dict[str, dict[str, Any]], optim["state"]).items()
             for key, value in entry.items()
             for hf_name_ in [name.removeprefix("causal_lm.")]
         }

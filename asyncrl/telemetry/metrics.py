@@ -142,7 +142,8 @@ METRICS: list[MetricSpec] = [
     MetricSpec(
         "asyncrl_rollout_samples_total",
         "counter",
-        "Generations the engines finished: one per sample, or per model turn of an agent episode (failed ones included)",
+        "Generations the engines finished: one per sample, or per model turn of an agent episode "
+        "(failed ones included)",
     ),
     MetricSpec(
         "asyncrl_rollout_vllm_requests_total",
@@ -201,7 +202,8 @@ MISMATCH_ROW_KEYS = {
     "asyncrl_correction_clipped_fraction": "mismatch_kappa_clipped_fraction",
     "asyncrl_correction_masked_fraction": "correction_masked_fraction",
 }
-"""Metric -> the step row's key (`mismatch_<figure>`; per lag `mismatch_<figure>/lag=<lag>`, asyncrl/algo/metrics.py)."""
+"""Metric -> the step row's key (`mismatch_<figure>`; per lag `mismatch_<figure>/lag=<lag>`,
+asyncrl/algo/metrics.py)."""
 STEP_GAUGES = {
     "asyncrl_rollout_reward_mean": "reward",
     "asyncrl_learner_loss": "loss",
