@@ -281,8 +281,9 @@ class BufferConfig(Section):
     """Append every trajectory with its fate to `<run>/trajectories.parquet`."""
 
     @property
-    def abort_staleness(self) -> int | None:
-        """The staleness at which engines abort running requests (`Engine.abort_stale`); None = never."""
+    def abort_after_lag(self) -> int | None:
+        """The bound engines abort running requests at (`Engine.abort_stale`: those certain to exceed
+        `max_staleness`), under `stale_policy: drop` with `abort_stale_in_flight`; None = never."""
         return self.max_staleness if self.abort_stale_in_flight and self.stale_policy == "drop" else None
 
 

@@ -99,10 +99,6 @@ class ReplayQueue:
         self.core.set_version(version)
         self._notify()
 
-    async def set_batch_groups(self, batch_groups: int) -> None:
-        self.core.set_batch_groups(batch_groups)
-        self._notify()
-
     # ------------------------------------------------------------------------------------------------
     # Rollout side.
 
@@ -140,11 +136,6 @@ class ReplayQueue:
         requeued = self.core.requeue_worker(worker)
         self._notify()
         return requeued
-
-    async def abort_outstanding(self, include_ready: bool = True) -> int:
-        aborted = self.core.abort_outstanding(include_ready=include_ready)
-        self._notify()
-        return aborted
 
     # ------------------------------------------------------------------------------------------------
     # Learner side.
@@ -200,6 +191,14 @@ class ReplayQueue:
         if self.core.expire_stragglers():
             self._notify()
         return self.core.stats()
+
+    async def backlog_groups(self) -> int:
+        """Prompts queued and not yet started: the one figure the controller's prompt top-up needs, without
+        the percentiles and histograms `stats` computes. Expires stragglers first, as `stats` does, so a
+        controller polling this instead of `stats` keeps the same straggler timing."""
+        if self.core.expire_stragglers():
+            self._notify()
+        return self.core.backlog_groups()
 
     async def staleness_histogram(self) -> dict[int, int]:
         return self.core.staleness_histogram()

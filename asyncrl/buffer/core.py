@@ -60,6 +60,7 @@ import numpy as np
 from asyncrl.buffer import filters
 from asyncrl.buffer.ledger import ConservationError, Ledger, ResponseLengths
 from asyncrl.config import BufferConfig
+from asyncrl.staleness import Staleness
 from asyncrl.types import DROPPED_STALE, STALE_FAILURE, TRAINED, Batch, Exchange, Group, Prompt, Request, Trajectory
 
 __all__ = ["ConservationError", "Member", "MemberState", "ReplayQueueCore"]
@@ -143,6 +144,8 @@ class ReplayQueueCore:
         if batch_groups < 1:
             raise ValueError(f"batch_groups must be >= 1 (got {batch_groups})")
         self.config = config
+        self.staleness = Staleness(config.max_staleness)
+        """The bound η: admission, the wait gate and the hand-out check all ask it."""
         self.batch_groups = batch_groups
         """B: groups the learner consumes per optimizer step (admission control unit)."""
         self.admission_version = 0
@@ -158,7 +161,6 @@ class ReplayQueueCore:
         self._deadlines: list[tuple[float, str]] = []
         self._unresolved = 0
         self._next_group = 0
-        self._dispatch_stopped = False
         self._next_step_version: int | None = None
         """The version the learner's next `get_batch` asks at (the last call's, plus one once it handed a batch
         out): whether that step waits for an old group (`_enough_ready`)."""
@@ -193,11 +195,6 @@ class ReplayQueueCore:
         if version < self.admission_version:
             raise ValueError(f"policy version went back from {self.admission_version} to {version}")
         self.admission_version = version
-
-    def set_batch_groups(self, batch_groups: int) -> None:
-        if batch_groups < 1:
-            raise ValueError(f"batch_groups must be >= 1 (got {batch_groups})")
-        self.batch_groups = batch_groups
 
     # ------------------------------------------------------------------------------------------------
     # Rollout side: acquire requests, put trajectories, lose workers.
@@ -291,29 +288,6 @@ class ReplayQueueCore:
         self.ledger.count("requeued", requeued)
         return requeued
 
-    def abort_outstanding(self, include_ready: bool = True) -> int:
-        """Shutdown: end all in-flight samples as `failed:aborted` and stop dispatching; returns how many.
-
-        With `include_ready=False`, ready groups stay available to a last `get_batch`.
-        """
-        self._dispatch_stopped = True
-        aborted = 0
-        for g in list(self._groups.values()):
-            for i, m in enumerate(g.members):
-                if m.state is DONE or (m.state is READY and not include_ready):
-                    continue
-                if m.state is OUT:
-                    self._release(g, i)
-                self._finish(g, i, filters.FAILED_ABORTED)
-                aborted += 1
-            if not g.resolved:
-                g.resolved = True
-                self._unresolved -= 1
-            self._forget_if_done(g)
-        self._ready = deque(g for g in self._ready if g.group_id in self._groups)
-        self._pending.clear()
-        return aborted
-
     def expire_stragglers(self) -> int:
         """Resolve every group incomplete `group_timeout_s` after its first member arrived; returns how many.
 
@@ -400,7 +374,7 @@ class ReplayQueueCore:
         if self.config.stale_policy != "wait":
             return []
         oldest = next((g for g in self._groups.values() if not g.resolved), None)
-        if oldest is None or learner_version - oldest.start_version < self.config.max_staleness:
+        if oldest is None or not self.staleness.last_chance(oldest.start_version, learner_version):
             return []
         return [
             (f"{oldest.group_id}/{i}/{m.attempt}", m.holder)
@@ -414,7 +388,7 @@ class ReplayQueueCore:
 
     def drained(self) -> bool:
         """Nothing more can become ready without new prompts: empty backlog, every group resolved."""
-        return self._unresolved == 0 and (not self._backlog or self._dispatch_stopped)
+        return self._unresolved == 0 and not self._backlog
 
     # ------------------------------------------------------------------------------------------------
     # Accounting and metrics (the books are kept by `ledger.Ledger`).
@@ -434,7 +408,11 @@ class ReplayQueueCore:
 
     def admission_limit(self) -> int:
         """Groups that may have been started (consumed + in flight + ready) at the admission version."""
-        return (self.admission_version + self.config.max_staleness + 1) * self.batch_groups
+        return self.staleness.admission_limit(self.admission_version, self.batch_groups)
+
+    def backlog_groups(self) -> int:
+        """Prompts queued and not yet started as groups."""
+        return len(self._backlog)
 
     def groups_ahead(self) -> int:
         """consumed + in flight + ready groups: the position of the next group in consumption order."""
@@ -468,7 +446,7 @@ class ReplayQueueCore:
             ready_groups=len(self._ready),
             ready_samples=sum(g.count(READY) for g in self._ready),
             groups_in_flight=self._unresolved,
-            backlog_groups=len(self._backlog),
+            backlog_groups=self.backlog_groups(),
             retired_prompts_total=len(self._pass_rate.retired),
         )
         out.update(self.ledger.staleness_stats())
@@ -586,7 +564,7 @@ class ReplayQueueCore:
         return g.resolved and g.count(READY) == 0
 
     def _can_start(self) -> bool:
-        if self._dispatch_stopped or not self._backlog:
+        if not self._backlog:
             return False
         if len(self._ready) >= self.config.capacity_groups or self._enough_ready():
             return False
@@ -690,9 +668,9 @@ class ReplayQueueCore:
         """`stale_policy: continue`: in each ready group too old for a step at `learner_version`, mask out of the
         loss every member's tokens sampled more than `max_staleness` versions ago (they stay as context). A group
         with a member that would have no trained token left stays as it is, too old: `_drop_stale` drops it whole."""
-        oldest_allowed = learner_version - self.config.max_staleness
+        oldest_allowed = self.staleness.oldest_trainable_version(learner_version)
         for g in self._ready:
-            if g.min_version >= oldest_allowed:
+            if self.staleness.trainable(g.min_version, learner_version):
                 continue
             members = [g.members[i] for i in g.indices(READY)]
             trained = [m.trajectory.loss_mask != 0 for m in members]
@@ -709,10 +687,9 @@ class ReplayQueueCore:
             g.min_version = min(m.min_version for m in members)
 
     def _drop_stale(self, learner_version: int) -> None:
-        eta = self.config.max_staleness
         fresh: deque[_GroupState] = deque()
         for g in self._ready:
-            if learner_version - g.min_version <= eta:
+            if self.staleness.trainable(g.min_version, learner_version):
                 fresh.append(g)
                 continue
             for i in g.indices(READY):

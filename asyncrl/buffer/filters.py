@@ -22,7 +22,6 @@ FILTERED_ZERO_VARIANCE = "filtered:zero_variance"
 FILTERED_STRAGGLER = "filtered:straggler"
 FILTERED_TOO_FEW_MEMBERS = "filtered:too_few_members"
 """A group of size >= 2 left with fewer than 2 usable members (group advantages need 2)."""
-FAILED_ABORTED = "failed:aborted"
 
 ZERO_VARIANCE_ATOL = 1e-9
 """Rewards closer than this count as equal (verifier rewards are exact 0/1; shaped ones may carry float noise)."""

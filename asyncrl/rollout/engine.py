@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from asyncrl.rollout import vllm_compat
+from asyncrl.staleness import Staleness
 from asyncrl.types import STALE_FAILURE, Prompt, Request, Trajectory
 
 
@@ -558,26 +559,28 @@ class Engine:
                 await vllm_compat.resume_after_update(self._llm)
         return num_tensors
 
-    async def abort_stale(self, max_staleness: int) -> int:
-        """Abort every running request that is certain to exceed `max_staleness`; returns how many.
+    async def abort_stale(self, abort_after_lag: int) -> int:
+        """Abort every running request that is certain to exceed the staleness bound `abort_after_lag` (η);
+        returns how many.
 
         A request whose first token came back while the engine served version `f` has min_version <= f, and
-        any learner step that could consume it runs at a version >= the one served now, so its lag will be
-        more than `max_staleness` if `version - f > max_staleness`. Its trajectory comes back with the partial
-        response and `failure="stale: ..."` (`STALE_FAILURE`). Requests without a token yet are left alone.
+        any learner step that could consume it runs at a version >= the one served now
+        (`Staleness.certain_to_exceed`). Its trajectory comes back with the partial response and
+        `failure="stale: ..."` (`STALE_FAILURE`). Requests without a token yet are left alone.
         """
         self._require_started()
+        bound = Staleness(abort_after_lag)
         doomed = [
             member
             for rid, member in self._running.items()
             if member.first_version is not None
-            and self._version - member.first_version > max_staleness
+            and bound.certain_to_exceed(member.first_version, self._version)
             and rid not in self._abort_reasons
         ]
         for member in doomed:
             self._abort_reasons[member.request.request_id] = (
                 f"{STALE_FAILURE}: first token at version {member.first_version}, engine serves {self._version}, "
-                f"max_staleness {max_staleness}"
+                f"max_staleness {abort_after_lag}"
             )
         # An abort makes vLLM emit the sample's final "abort" output: `generate` returns the partial response.
         await self._abort(doomed)
