@@ -9,7 +9,6 @@ This module imports only pydantic and yaml so that `asyncrl --help` and `asyncrl
 
 from __future__ import annotations
 
-import difflib
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -17,8 +16,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from asyncrl.algo import names as algo_names
-from asyncrl.algo import params as algo_params
+from asyncrl.algo import registry
+from asyncrl.lookup import did_you_mean
 
 RECIPES = Path(__file__).resolve().parent / "recipes"
 """The shipped recipes, package data of the wheel (`configs/` in the repository links here)."""
@@ -258,12 +257,12 @@ class BufferConfig(Section):
     """`drop` the whole group, or train the finished members (`partial`, needs >= 2 members for group advantages)."""
     filter_zero_variance: bool = True
     """Drop groups whose rewards are all equal (their group advantage is 0). On by default; the `dapo`,
-    `cispo` and `scalerl` presets ask for it too (`asyncrl.algo.names.PRESET_FILTERS`): an explicit value wins."""
+    `cispo` and `scalerl` presets ask for it too (`asyncrl.algo.registry.PRESET_FILTERS`): an explicit value wins."""
     filter_overlong: bool = False
     """Drop trajectories truncated at `rollout.max_tokens`."""
     pass_rate_curriculum: bool = False
     """Retire prompts whose pass rate reached `pass_rate_threshold` (ScaleRL no-positive-resampling). The
-    `scalerl` preset turns it on unless it is set explicitly (`asyncrl.algo.names.PRESET_FILTERS`)."""
+    `scalerl` preset turns it on unless it is set explicitly (`asyncrl.algo.registry.PRESET_FILTERS`)."""
     pass_rate_threshold: float = Field(0.9, gt=0, le=1)
     """Pass rate at which a prompt is retired (0.9 is ScaleRL's)."""
     capacity_groups: int = Field(1024, ge=1)
@@ -301,32 +300,24 @@ class AlgorithmConfig(Section):
     params: dict[str, float | int | bool | str | None] = Field(default_factory=dict)
     """Parameters of the recipe (e.g. eps_low, eps_high, tis_cap). A name that none of the chosen
     components takes, a wrong type or range, and eps_low/eps_high with CISPO's cap on are rejected
-    (`asyncrl.algo.params` lists what each component takes)."""
+    (`asyncrl.algo.registry` lists what each component takes)."""
 
     @model_validator(mode="after")
     def _known_names_and_params(self) -> AlgorithmConfig:
-        for field, valid in (
-            ("preset", algo_names.PRESETS),
-            ("advantage", algo_names.ADVANTAGES),
-            ("loss", algo_names.LOSSES),
-            ("reduction", algo_names.REDUCTIONS),
-            ("correction", algo_names.CORRECTIONS),
-        ):
-            value = getattr(self, field)
-            if value is not None and value not in valid:
-                raise ValueError(f"unknown {field} {value!r}{_did_you_mean(value, valid)}; valid: {', '.join(valid)}")
-        if self.preset is None and None in (self.advantage, self.loss, self.reduction):
-            raise ValueError("without a preset, set advantage, loss and reduction")
-        algo_params.check_params(self.resolved_names(), self.params)
+        registry.check_choice(self.preset, self._overrides(), self.params)
         return self
 
+    def _overrides(self) -> dict[str, str | None]:
+        return {
+            "advantage": self.advantage,
+            "loss": self.loss,
+            "reduction": self.reduction,
+            "correction": self.correction,
+        }
+
     def resolved_names(self) -> dict[str, str]:
-        base = dict(algo_names.PRESET_COMPONENTS.get(self.preset or "", {}))
-        for key in ("advantage", "loss", "reduction", "correction"):
-            if getattr(self, key) is not None:
-                base[key] = getattr(self, key)
-        base.setdefault("correction", "none")
-        return base
+        """The components the run uses: the preset's, with the ones set here on top."""
+        return registry.resolve_components(self.preset, self._overrides())
 
 
 class LearnerConfig(Section):
@@ -585,7 +576,7 @@ class Config(Section):
     def _preset_filters(self) -> Config:
         """The chosen preset's buffer filters become the defaults of those `buffer.*` fields: a value the
         user set (in the file or an override) wins."""
-        for key, value in algo_names.PRESET_FILTERS.get(self.algorithm.preset or "", {}).items():
+        for key, value in registry.PRESET_FILTERS.get(self.algorithm.preset or "", {}).items():
             if key not in self.buffer.model_fields_set:
                 setattr(self.buffer, key, value)
         return self
@@ -593,15 +584,18 @@ class Config(Section):
     @model_validator(mode="after")
     def _cross_field(self) -> Config:
         names = self.algorithm.resolved_names()
-        group_advantages = {"grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "batch_norm", "maxrl"}
-        if names["advantage"] in group_advantages and self.rollout.samples_per_prompt < 2:
+        advantage, loss = (
+            registry.COMPONENTS["advantage"][names["advantage"]],
+            registry.COMPONENTS["loss"][names["loss"]],
+        )
+        if advantage.needs_group and self.rollout.samples_per_prompt < 2:
             raise ValueError(
                 f"advantage {names['advantage']!r} needs a group: set rollout.samples_per_prompt >= 2 "
                 f"(got {self.rollout.samples_per_prompt})"
             )
-        if names["loss"] == "gvpo" and self.rollout.samples_per_prompt < 2:
-            raise ValueError("loss 'gvpo' needs rollout.samples_per_prompt >= 2")
-        if names["advantage"] in {"gae", "vapo"} and not self.learner.critic:
+        if loss.needs_group and self.rollout.samples_per_prompt < 2:
+            raise ValueError(f"loss {loss.name!r} needs rollout.samples_per_prompt >= 2")
+        if advantage.needs_critic and not self.learner.critic:
             raise ValueError(f"advantage {names['advantage']!r} needs a critic: set learner.critic = true")
         if self.mode == "sync" and self.buffer.max_staleness != 0:
             raise ValueError(
@@ -666,11 +660,6 @@ class Config(Section):
 # Loading: YAML + overrides, with errors that name the key, the file and the closest valid name.
 
 
-def _did_you_mean(word: str, options: Any) -> str:
-    close = difflib.get_close_matches(str(word), [str(o) for o in options], n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def _check_keys(data: Any, model: type[BaseModel], prefix: str, source: str) -> None:
     """Reject unknown keys before pydantic does, so the message names the closest valid key."""
     if not isinstance(data, dict):
@@ -680,7 +669,7 @@ def _check_keys(data: Any, model: type[BaseModel], prefix: str, source: str) -> 
         dotted = f"{prefix}{key}"
         if key not in fields:
             raise ConfigError(
-                f"{source}: unknown key '{dotted}'{_did_you_mean(key, fields)}; valid keys here: {', '.join(fields)}"
+                f"{source}: unknown key '{dotted}'{did_you_mean(key, fields, cutoff=0.5)}; valid keys here: {', '.join(fields)}"
             )
         annotation = fields[key].annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):

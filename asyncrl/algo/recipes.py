@@ -32,7 +32,6 @@ Papers are cited in the modules implementing each method; formulas: docs/algorit
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import Any
 
 import torch
@@ -40,30 +39,14 @@ import torch
 from asyncrl.algo import advantages as adv_lib
 from asyncrl.algo import correction as corr_lib
 from asyncrl.algo import losses as loss_lib
-from asyncrl.algo import params as params_lib
+from asyncrl.algo import registry
 from asyncrl.algo._masked import as_mask
 from asyncrl.algo.kl import kl_penalty
-from asyncrl.algo.names import (
-    ADVANTAGES,
-    CORRECTIONS,
-    KL_ESTIMATORS,
-    LOSSES,
-    PRESET_COMPONENTS,
-    PRESET_FILTERS,
-    PRESETS,
-    REDUCTIONS,
-)
 from asyncrl.algo.reduction import reduction_weights, weighted_sum
 from asyncrl.algo.shaping import overlong_penalty
+from asyncrl.lookup import did_you_mean
 
 __all__ = [
-    "ADVANTAGES",
-    "CORRECTIONS",
-    "LOSSES",
-    "PRESETS",
-    "PRESET_FILTERS",
-    "PRESET_PARAMS",
-    "REDUCTIONS",
     "Recipe",
     "compute_advantages",
     "compute_policy_loss",
@@ -86,27 +69,6 @@ _TIS_LEVEL = {"tis": "token", "tis_seq": "sequence"}
 # backward passes and may shrink the reduction denominator.
 _PRECOMPUTABLE_REJECTION = ("mis", "mis_seq", "mis_geo", "icepop", "decoupled")
 
-# Numbers each preset sets on top of the Recipe defaults (components are in names.PRESET_COMPONENTS).
-PRESET_PARAMS: dict[str, dict[str, Any]] = {
-    "dapo": {"eps_low": 0.2, "eps_high": 0.28, "overlong_max_length": 20480, "overlong_cache_length": 4096},
-    "vapo": {"eps_low": 0.2, "eps_high": 0.28},
-    "cispo": {"cispo_eps_max": 5.0},
-    "scalerl": {"cispo_eps_max": 5.0},
-    "ppo_gae": {"whiten_advantages": True},
-    "sao": {"dis_eps_low": 0.3, "dis_eps_high": 5.0},
-    "maxrl": {"maxrl_divide_by_group_size": False},
-}
-
-
-def _did_you_mean(value: str, valid) -> str:
-    close = difflib.get_close_matches(str(value), list(valid), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _check_name(kind: str, value: str, valid) -> None:
-    if value not in valid:
-        raise ValueError(f"unknown {kind} {value!r}{_did_you_mean(value, valid)}; valid: {', '.join(valid)}")
-
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
@@ -114,13 +76,13 @@ class Recipe:
     with the selected surrogate's defaults and every value is validated on construction."""
 
     advantage: str = "grpo"
-    """Advantage estimator, one of names.ADVANTAGES."""
+    """Advantage estimator, one of registry.ADVANTAGES."""
     loss: str = "ppo"
-    """Policy surrogate, one of names.LOSSES."""
+    """Policy surrogate, one of registry.LOSSES."""
     reduction: str = "token_mean"
-    """Loss reduction, one of names.REDUCTIONS."""
+    """Loss reduction, one of registry.REDUCTIONS."""
     correction: str = "none"
-    """Train-vs-rollout mismatch correction, one of names.CORRECTIONS."""
+    """Train-vs-rollout mismatch correction, one of registry.CORRECTIONS."""
 
     # --- advantages
     gamma: float = 1.0
@@ -212,17 +174,14 @@ class Recipe:
     """Scale of the overlong penalty (verl `penalty_factor`)."""
 
     def __post_init__(self) -> None:
-        _check_name("advantage", self.advantage, ADVANTAGES)
-        _check_name("loss", self.loss, LOSSES)
-        _check_name("reduction", self.reduction, REDUCTIONS)
-        _check_name("correction", self.correction, CORRECTIONS)
-        _check_name("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        for kind in (*registry.KINDS, "kl_estimator"):
+            registry.check_component(kind, getattr(self, kind))
         default_low, default_high = _LOSS_EPS.get(self.loss, _PPO_EPS)
         if self.eps_low is None:
             object.__setattr__(self, "eps_low", default_low)
         if self.eps_high is None:
             object.__setattr__(self, "eps_high", default_high)
-        problems = params_lib.value_problems({name: getattr(self, name) for name in params_lib.PARAMS})
+        problems = registry.value_problems({name: getattr(self, name) for name in registry.PARAMS})
         if self.reduction == "seq_mean_token_sum_norm" and self.l_max is None:
             problems.append("reduction 'seq_mean_token_sum_norm' needs l_max > 0 (the fixed max response length)")
         if not self.icepop_alpha < self.icepop_beta:
@@ -263,21 +222,21 @@ def resolve_recipe(
 ) -> Recipe:
     """Build a Recipe from a preset and overrides. Raises ValueError naming any unknown preset, component
     or parameter together with the valid names (and the closest one), and for eps_low / eps_high given to
-    CISPO while its cap is on (`params.cispo_band_conflict`). Parameters that the chosen components do
+    CISPO while its cap is on (`registry.cispo_band_conflict`). Parameters that the chosen components do
     not read are accepted here (tests share parameter sets across components); `asyncrl.config` rejects
-    them in a run's config with `params.check_params`."""
+    them in a run's config with `registry.check_choice`."""
     unknown = sorted(set(params) - set(_PARAM_NAMES))
     if unknown:
-        hints = "".join(_did_you_mean(name, _PARAM_NAMES) for name in unknown)
+        hints = "".join(did_you_mean(name, _PARAM_NAMES) for name in unknown)
         raise ValueError(f"unknown recipe parameter(s) {', '.join(unknown)}{hints}; valid: {', '.join(_PARAM_NAMES)}")
     fields: dict[str, Any] = {}
     if preset is not None:
-        _check_name("preset", preset, PRESETS)
-        fields.update(PRESET_COMPONENTS[preset])
-        fields.update(PRESET_PARAMS.get(preset, {}))
+        registry.check_component("preset", preset)
+        fields.update(registry.PRESET_COMPONENTS[preset])
+        fields.update(registry.PRESET_PARAMS.get(preset, {}))
     overrides = {"advantage": advantage, "loss": loss, "reduction": reduction, "correction": correction}
     fields.update({k: v for k, v in overrides.items() if v is not None})
-    conflict = params_lib.cispo_band_conflict(fields.get("loss", Recipe.loss), params)
+    conflict = registry.cispo_band_conflict(fields.get("loss", Recipe.loss), params)
     if conflict:
         raise ValueError(conflict)
     fields.update(params)
@@ -570,3 +529,16 @@ def compute_value_loss(
     loss = weighted_sum(per_token, token_weights)
     metrics["value_loss"] = loss.detach()
     return loss, _to_floats(metrics)
+
+
+def _check_registry() -> None:
+    """Every registered parameter is a `Recipe` field and every registered loss has a surrogate here."""
+    if set(_PARAM_NAMES) != set(registry.PARAMS):
+        raise ImportError(
+            f"Recipe fields and registry.PARAMS differ: {sorted(set(_PARAM_NAMES) ^ set(registry.PARAMS))}"
+        )
+    if set(_SURROGATES) != set(registry.LOSSES):
+        raise ImportError(f"surrogates and registry.LOSSES differ: {sorted(set(_SURROGATES) ^ set(registry.LOSSES))}")
+
+
+_check_registry()

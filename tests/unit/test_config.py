@@ -117,7 +117,7 @@ def test_preset_filters_are_buffer_defaults_that_explicit_values_override():
 
 
 def test_preset_filter_fields_document_the_presets_that_set_them():
-    from asyncrl.algo.names import PRESET_FILTERS
+    from asyncrl.algo.registry import PRESET_FILTERS
     from asyncrl.config import BufferConfig
 
     for preset, filters in PRESET_FILTERS.items():
