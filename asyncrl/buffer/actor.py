@@ -78,8 +78,8 @@ class ReplayQueue:
         elif s["groups_ahead"] >= s["admission_limit_groups"] and s["backlog_groups"]:
             hint = (
                 f"; admission is closed (consumed + in flight + ready = {s['groups_ahead']} >= (admission version +"
-                f" max_staleness + 1) * batch_groups = {s['admission_limit_groups']}) until a weight sync is confirmed: is"
-                f" batch_groups ({s['batch_groups']}) the number of groups consumed per step?"
+                f" max_staleness + 1) * batch_groups = {s['admission_limit_groups']}) until a weight sync is"
+                f" confirmed: is batch_groups ({s['batch_groups']}) the number of groups consumed per step?"
             )
         return (
             f"ready groups {s['ready_groups']}, groups in flight {s['groups_in_flight']}, samples in flight "
@@ -165,8 +165,9 @@ class ReplayQueue:
             if time.monotonic() >= deadline:
                 want = f"{num_groups} groups" if min_groups is None else f"{num_groups} (at least {min_groups}) groups"
                 raise TimeoutError(
-                    f"ReplayQueue '{self.name}': get_batch waited {time.monotonic() - start:.1f}s (timeout {timeout_s}s) "
-                    f"for {want} at learner version {learner_version}: {self._describe(learner_version)}"
+                    f"ReplayQueue '{self.name}': get_batch waited {time.monotonic() - start:.1f}s "
+                    f"(timeout {timeout_s}s) for {want} at learner version {learner_version}: "
+                    f"{self._describe(learner_version)}"
                 )
             await self._wait_change(deadline)
 
