@@ -10,7 +10,8 @@ Modules (each one family, shapes in docstrings, paper links in module docstrings
     sampling    the engines' processed distribution (temperature, top-k, top-p) recomputed by the learner
     metrics     mismatch metrics as floats
     evaluation  held-out scores of k samples: mean@k, unbiased pass@k
-    recipes     named recipes and the learner entry points
+    recipe      the resolved algorithm choice (`Recipe`) and `resolve_recipe`
+    recipes     the learner entry points that apply a recipe
     registry    every component and preset by name, the parameters each takes (types, ranges), the checks
                 of a choice (imports no torch, so configs can validate cheaply)
 
