@@ -148,15 +148,16 @@ def denominator_mask(
     `recipe.denominator_after_rejection` and the correction rejects tokens from old/rollout log-probs."""
     mask = as_mask(mask)
     precomputable = recipe.correction in _PRECOMPUTABLE_REJECTION
-    if not recipe.denominator_after_rejection or not (precomputable or recipe.veto_threshold is not None):
+    veto = recipe.veto_threshold
+    if not recipe.denominator_after_rejection or not (precomputable or veto is not None):
         return mask
     if old_logprobs is None or rollout_logprobs is None:
         raise ValueError("denominator_after_rejection needs old_logprobs and rollout_logprobs")
-    if precomputable:  # its keep mask already includes the veto
+    if precomputable or veto is None:  # a precomputable keep mask already includes the veto
         _, keep, _ = _correction(recipe, old_logprobs, old_logprobs, rollout_logprobs, None, mask)
         return keep
     log_kappa = corr_lib.detached_log_ratio(old_logprobs, rollout_logprobs, mask)
-    return corr_lib.veto_keep(log_kappa, mask, recipe.veto_threshold)
+    return corr_lib.veto_keep(log_kappa, mask, veto)
 
 
 def compute_token_weights(

@@ -65,7 +65,7 @@ class PassRateTracker:
             return False
         self._reward_sum[prompt_id] = self._reward_sum.get(prompt_id, 0.0) + float(sum(rewards))
         self._count[prompt_id] = self._count.get(prompt_id, 0) + len(rewards)
-        if prompt_id not in self.retired and self.pass_rate(prompt_id) >= self.threshold:
+        if prompt_id not in self.retired and self._reward_sum[prompt_id] / self._count[prompt_id] >= self.threshold:
             self.retired.add(prompt_id)
             return True
         return False

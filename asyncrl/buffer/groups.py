@@ -57,6 +57,12 @@ class Member:
     arrived_at: float = 0.0
     acquired_at: float = 0.0
 
+    def arrived(self) -> Trajectory:
+        """The trajectory of an ARRIVED or READY member."""
+        if self.trajectory is None:
+            raise RuntimeError(f"a {self.state.value} member holds no trajectory")
+        return self.trajectory
+
 
 @dataclass
 class GroupState:
@@ -179,7 +185,7 @@ class GroupBook:
         elif g.count(PENDING) == 0 and g.count(OUT) == 0:
             self._resolve(g, g.indices(ARRIVED))
             self._forget_if_done(g)
-        elif not g.has_deadline:
+        elif not g.has_deadline and g.first_arrival_at is not None:  # set by the arrival that brought it here
             g.has_deadline = True
             heapq.heappush(self._deadlines, (g.first_arrival_at + self.config.group_timeout_s, g.group_id))
 
@@ -230,7 +236,7 @@ class GroupBook:
         elif (
             g.size >= 2
             and self.config.filter_zero_variance
-            and filters.is_zero_variance([g.members[i].trajectory.reward for i in members])
+            and filters.is_zero_variance([g.members[i].arrived().reward for i in members])
         ):
             fate = filters.FILTERED_ZERO_VARIANCE
         if fate is not None:
@@ -247,7 +253,7 @@ class GroupBook:
         """A ready group leaves for the learner: its members end `trained`; returns it with each member's
         seconds since arrival (put-to-get latency)."""
         members = g.indices(READY)
-        group = Group(g.group_id, [g.members[i].trajectory for i in members])
+        group = Group(g.group_id, [g.members[i].arrived() for i in members])
         waited = [now - g.members[i].arrived_at for i in members]
         for i in members:
             self._finish(g, i, TRAINED)
@@ -263,13 +269,13 @@ class GroupBook:
             if self.staleness.trainable(g.min_version, learner_version):
                 continue
             members = [g.members[i] for i in g.indices(READY)]
-            trained = [m.trajectory.loss_mask != 0 for m in members]
-            stale = [(m.trajectory.versions < oldest_allowed) & mask for m, mask in zip(members, trained, strict=True)]
+            held = [m.arrived() for m in members]
+            trained = [t.loss_mask != 0 for t in held]
+            stale = [(t.versions < oldest_allowed) & mask for t, mask in zip(held, trained, strict=True)]
             if any(mask.any() and not (mask & ~old).any() for mask, old in zip(trained, stale, strict=True)):
                 continue
-            for m, old in zip(members, stale, strict=True):
+            for m, t, old in zip(members, held, stale, strict=True):
                 if old.any():
-                    t = m.trajectory
                     m.trajectory = t.replace(loss_mask=np.where(old, 0, t.loss_mask).astype(t.loss_mask.dtype))
                     m.min_version = m.trajectory.min_version
                     self.ledger.count("stale_tokens_masked", int(np.count_nonzero(old)))

@@ -70,7 +70,7 @@ class Engine:
     ) -> None:
         self.model_dir = str(model_dir)
         self.name = name
-        self._engine_kwargs = dict(
+        self._engine_kwargs: dict[str, Any] = dict(
             dtype=dtype,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
@@ -336,7 +336,8 @@ class Engine:
         if stream is None:
             return  # still pending: `_start_pending` skips it
         if all(m.left or m.done.is_set() for m in stream.members):
-            stream.task.cancel()  # vLLM aborts the request when its output stream is closed
+            if stream.task is not None:
+                stream.task.cancel()  # vLLM aborts the request when its output stream is closed
         else:
             asyncio.ensure_future(self._abort([member]))
 
@@ -372,6 +373,8 @@ class Engine:
         async for out in self._llm.generate(vllm_compat.token_input(list(token_ids)), params, request_id):
             if out.prompt_logprobs is not None:
                 prompt_logprobs = out.prompt_logprobs  # position 0 is None: nothing predicts the first token
+        if prompt_logprobs is None:
+            raise RuntimeError(f"engine {self.name}: vLLM returned no prompt log-probs for {request_id}")
         return np.asarray(
             [float(prompt_logprobs[t][token_ids[t]].logprob) for t in range(prompt_len, len(token_ids))],
             dtype=np.float32,

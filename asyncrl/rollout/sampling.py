@@ -11,7 +11,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.types import Request
+from asyncrl.types import FinishReason, Request
 
 __all__ = [
     "GREEDY_BELOW",
@@ -90,7 +90,7 @@ class Member:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     spans: Any = None
-    finish_reason: str = "abort"
+    finish_reason: FinishReason = "abort"
     error: str | None = None
     first_version: int | None = None
     """The engine's version when the first token came back."""
@@ -155,8 +155,9 @@ def shared_spec(sampling: SamplingSpec) -> SamplingSpec:
     return sampling if sampling.timeout_s is None else dataclasses.replace(sampling, timeout_s=None)
 
 
-def finish_reason(reason: str | None) -> str:
+_VLLM_FINISH_REASONS: dict[str | None, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def finish_reason(reason: str | None) -> FinishReason:
     """vLLM reports stop (EOS or stop string), length or abort; anything else is an error."""
-    if reason in ("stop", "length", "abort"):
-        return reason
-    return "error"
+    return _VLLM_FINISH_REASONS.get(reason, "error")
