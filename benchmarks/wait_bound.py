@@ -1,5 +1,6 @@
 """The best throughput the `wait` stale policy allows: the replay queue's admission control and wait gate
-(asyncrl/buffer/core.py) replayed on an ideal engine and an ideal learner (used by `limits.py`).
+(asyncrl/buffer/core.py; both ask the bound of asyncrl/staleness.py, as the replay does) replayed on an ideal
+engine and an ideal learner (used by `limits.py`).
 
 Why a replay: under `stale_policy: wait` a group admitted at version a must be trained at the latest at version
 a + eta, so the learner stops until the group's longest sample is done. How long that takes depends on how fast

@@ -22,7 +22,6 @@ import numpy as np
 from asyncrl.buffer import filters
 from asyncrl.buffer.ledger import Ledger
 from asyncrl.config import BufferConfig
-from asyncrl.staleness import Staleness
 from asyncrl.types import DROPPED_STALE, STALE_FAILURE, TRAINED, Group, Prompt, Trajectory
 
 __all__ = ["ARRIVED", "DONE", "OUT", "PENDING", "READY", "GroupBook", "GroupState", "Member", "MemberState"]
@@ -113,7 +112,7 @@ class GroupBook:
         if batch_groups < 1:
             raise ValueError(f"batch_groups must be >= 1 (got {batch_groups})")
         self.config = config
-        self.staleness = Staleness(config.max_staleness)
+        self.staleness = config.staleness
         """The bound η: admission, the wait gate and the hand-out check all ask it."""
         self.batch_groups = batch_groups
         """B: groups the learner consumes per optimizer step (admission control unit)."""

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from asyncrl.config.base import Section
+from asyncrl.staleness import Staleness
 
 
 class BufferConfig(Section):
@@ -55,6 +56,11 @@ class BufferConfig(Section):
     and long generations, where starting groups early hides their latency. docs/architecture.md#admission-control."""
     log_parquet: bool = True
     """Append every trajectory with its fate to `<run>/trajectories.parquet`."""
+
+    @property
+    def staleness(self) -> Staleness:
+        """The bound `max_staleness` as the object every part of the system asks (`asyncrl.staleness`)."""
+        return Staleness(self.max_staleness)
 
     @property
     def abort_after_lag(self) -> int | None:

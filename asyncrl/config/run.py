@@ -120,7 +120,7 @@ class Config(Section):
             raise ValueError(f"loss {loss.name!r} needs rollout.samples_per_prompt >= 2")
         if advantage.needs_critic and not self.learner.critic:
             raise ValueError(f"advantage {names['advantage']!r} needs a critic: set learner.critic = true")
-        if self.mode == "sync" and self.buffer.max_staleness != 0:
+        if self.mode == "sync" and not self.buffer.staleness.synchronous:
             raise ValueError(
                 f"mode 'sync' is on-policy: buffer.max_staleness must be 0 (got {self.buffer.max_staleness})"
             )
