@@ -125,17 +125,20 @@ def compute_advantages(
             raise ValueError(f"advantage {name!r} needs group_ids")
         if name == "reinforce_pp_baseline":
             return adv_lib.reinforce_pp_baseline(rewards, group_ids, mask), None
-        if name == "grpo":
-            seq = adv_lib.grpo(rewards, group_ids, recipe.grpo_eps, recipe.grpo_unbiased)
-        elif name == "dr_grpo":
-            seq = adv_lib.dr_grpo(rewards, group_ids)
-        elif name == "rloo":
-            seq = adv_lib.rloo(rewards, group_ids)
-        elif name == "batch_norm":
-            seq = adv_lib.batch_normalized(rewards, group_ids, recipe.batch_norm_eps)
-        else:  # maxrl
-            seq = adv_lib.maxrl(rewards, group_ids, recipe.maxrl_divide_by_group_size)
+        seq = _SEQUENCE_ADVANTAGES[name](recipe, rewards, group_ids)
         return adv_lib.broadcast_to_tokens(seq, mask), None
+
+
+# Estimators of one advantage per sequence from its group's outcome rewards [N] (broadcast to its tokens).
+_SEQUENCE_ADVANTAGES = {
+    "grpo": lambda r, rewards, g: adv_lib.grpo(rewards, g, r.grpo_eps, r.grpo_unbiased),
+    "dr_grpo": lambda r, rewards, g: adv_lib.dr_grpo(rewards, g),
+    "rloo": lambda r, rewards, g: adv_lib.rloo(rewards, g),
+    "batch_norm": lambda r, rewards, g: adv_lib.batch_normalized(rewards, g, r.batch_norm_eps),
+    "maxrl": lambda r, rewards, g: adv_lib.maxrl(rewards, g, r.maxrl_divide_by_group_size),
+}
+# Estimators `compute_advantages` runs by name before the sequence ones (critic, token rewards, no group).
+_OTHER_ADVANTAGES = ("gae", "vapo", "reinforce", "reinforce_pp", "reinforce_pp_baseline")
 
 
 def denominator_mask(
@@ -351,7 +354,10 @@ def compute_value_loss(
 
 
 def _check_registry() -> None:
-    """Every registered parameter is a `Recipe` field and every registered loss has a surrogate here."""
+    """Every registered parameter is a `Recipe` field, and every registered advantage and loss is implemented here."""
+    advantages = {*_OTHER_ADVANTAGES, *_SEQUENCE_ADVANTAGES}
+    if advantages != set(registry.ADVANTAGES):
+        raise ImportError(f"advantages and registry.ADVANTAGES differ: {sorted(advantages ^ set(registry.ADVANTAGES))}")
     if set(PARAM_NAMES) != set(registry.PARAMS):
         raise ImportError(
             f"Recipe fields and registry.PARAMS differ: {sorted(set(PARAM_NAMES) ^ set(registry.PARAMS))}"
