@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from asyncrl.algo._masked import as_mask, dense_groups, fp32
-from asyncrl.algo.names import REDUCTIONS
+from asyncrl.algo.registry import REDUCTIONS
 
 __all__ = ["aggregate", "global_reduction_stats", "reduction_stats", "reduction_weights", "weighted_sum"]
 

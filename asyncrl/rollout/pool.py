@@ -148,7 +148,7 @@ class RolloutPool:
         max_model_len: int | None = None,
         seed: int = 0,
         sampling: SamplingSpec | None = None,
-        max_staleness: int | None = None,
+        abort_after_lag: int | None = None,
         latest: Callable[[], PublishedWeights | None] = lambda: None,
         replace_dead: bool = False,
         placement_timeout_s: float = 300.0,
@@ -163,7 +163,7 @@ class RolloutPool:
             max_model_len=max_model_len,
             seed=seed,
             sampling=sampling,
-            max_staleness=max_staleness,
+            abort_after_lag=abort_after_lag,
             tools=tools,
         )
         self.rollout = rollout
@@ -204,7 +204,7 @@ class RolloutPool:
         tools: ToolExecutor | None = None,
     ) -> RolloutPool:
         """The run's pool: engines, sampling and reward from `cfg`; engines abort requests certain to exceed
-        `buffer.max_staleness` when `buffer.abort_staleness` says so (`stale_policy: drop`). A preset model from the driver's cache travels
+        `buffer.max_staleness` when `buffer.abort_after_lag` says so (`stale_policy: drop`). A preset model from the driver's cache travels
         through the object store to workers on nodes that lack it. `tools` (the tool pool's client) runs tools
         and rewards; None: in each worker's process."""
         return cls(
@@ -215,7 +215,7 @@ class RolloutPool:
             dtype=cfg.model.dtype,
             max_model_len=cfg.rollout.max_model_len,
             seed=cfg.seed,
-            max_staleness=cfg.buffer.abort_staleness,
+            abort_after_lag=cfg.buffer.abort_after_lag,
             latest=latest,
             replace_dead=cfg.rollout.replace_dead_workers,
             placement_timeout_s=cfg.cluster.placement_timeout_s,

@@ -246,8 +246,8 @@ def test_abort_stale_ends_only_the_requests_certain_to_exceed_the_bound(loop, en
             await asyncio.sleep(0.005)
         await engine.update_weights(buckets, version=v0 + 2, in_flight=True)
         # old: first token at v0, lag >= 2 at any later consumption; new: first token at v0 + 1, lag may be 1.
-        aborted = await engine.abort_stale(max_staleness=1)
-        again = await engine.abort_stale(max_staleness=1)
+        aborted = await engine.abort_stale(abort_after_lag=1)
+        again = await engine.abort_stale(abort_after_lag=1)
         return await old, await new, aborted, again
 
     old, new, aborted, again = loop.run_until_complete(scenario())
