@@ -16,9 +16,8 @@ class ModelConfig(Section):
     """Tiny Qwen2-architecture preset from `asyncrl.models` (used when `path` is unset)."""
     warm_start_examples: int = Field(2000, ge=0, le=100_000)
     """Supervised warm-start examples for the built-in task (0 = start from random weights). W1 allows at most
-    2,000 (benchmarks: WORKLOADS W1). Without dropout, 20,000 seen ~2.4 times gave a start RL lifts further
-    than 2,000 seen ~15 times: +0.40 in 200 plain-loop steps against +0.26 (seed 0; seed 1 on 20,000 gained
-    +0.20): the `add_20k` recipe. Within 2,000, `warm_start_dropout` does it (issue #18, models/warm_start.py)."""
+    2,000. Without dropout, 20,000 seen ~2.4 times give a start RL lifts further than 2,000 seen ~15 times
+    (the `add_20k` recipe; benchmarks/RESULTS.md); within 2,000, `warm_start_dropout` does it."""
     warm_start_epochs: int = Field(40, ge=0, le=1000)
     """Upper bound on epochs of the supervised warm start (it stops earlier once `warm_start_target` is met)."""
     warm_start_lr: float = Field(1e-3, gt=0)
@@ -32,7 +31,7 @@ class ModelConfig(Section):
     0.315, 0.312 held-out, 14.7 epochs), at 0.300 on 20,000 (0.226 held-out, 2.36 epochs). None = run all epochs."""
     warm_start_dropout: float = Field(0.2, ge=0, lt=1)
     """Attention dropout during the `add` warm start (the saved model has none). It is what makes W1's
-    2,000-example start one RL can lift (issue #18): at the same validation target, 0.2 gave a start the plain
+    2,000-example start one RL can lift: at the same validation target, 0.2 gave a start the plain
     GRPO loop lifts +0.47 in 200 steps, against +0.26 without (asyncrl/models/warm_start.py; seed 0). Dropout
     delays the supervised transition: a start that has not met `warm_start_target` within `warm_start_epochs`
     is trained again from its initial weights without dropout (as seeds 1 and 2 are). 0 = none."""
