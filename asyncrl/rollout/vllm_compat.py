@@ -167,7 +167,7 @@ class WeightReceiver:
         return len(self._asyncrl_staged)
 
     def asyncrl_load_staged_weights(self, in_place: bool = False) -> int:
-        from asyncrl.rollout.weights import unpack_bucket
+        from asyncrl.weights.buckets import unpack_bucket
 
         buckets, self._asyncrl_staged = getattr(self, "_asyncrl_staged", []), []
         names: list[str] = []
@@ -184,7 +184,7 @@ class WeightReceiver:
     def asyncrl_load_shared_weights(self, wire: str, in_place: bool = False) -> int:
         """Load a version from the shared-memory segment (`SharedWeights.to_wire()`): the model reads views of
         the mapped file, so nothing is deserialized; the file stays mapped for the next versions."""
-        from asyncrl.weight_sync.segment import SegmentReader, SharedWeights
+        from asyncrl.weights.segment import SegmentReader, SharedWeights
 
         shared = SharedWeights.from_wire(wire)
         if not hasattr(self, "_asyncrl_segments"):
@@ -199,7 +199,7 @@ class WeightReceiver:
         the group, the layout and the staging buffer are set up by the first call) and load it from the staging
         buffer. -> (tensors loaded, the version received: the learner's latest, which may be newer than asked).
         One worker per engine (the group has two ranks: the learner and this worker)."""
-        from asyncrl.weight_sync.group import CollectiveReceiver
+        from asyncrl.weights.group import CollectiveReceiver
 
         if not hasattr(self, "_asyncrl_receiver"):
             self._asyncrl_receiver = CollectiveReceiver(self.device)
@@ -461,8 +461,8 @@ async def load_weights(
     engine's process group `group_key`), in place or through vLLM's reload (`WeightReceiver`).
     Returns (the tensors loaded by worker 0, the version loaded: newer than `version` only when a collective
     pull found the learner had staged the next one)."""
-    from asyncrl.weight_sync.group import CollectiveWeights
-    from asyncrl.weight_sync.segment import SharedWeights
+    from asyncrl.weights.group import CollectiveWeights
+    from asyncrl.weights.segment import SharedWeights
 
     if len(payloads) == 1 and isinstance(payloads[0], CollectiveWeights):
         return await _pull_collective(llm, payloads[0], in_place, group_key, timeout_s)

@@ -49,7 +49,7 @@ def client(url: str, episode: str | None = None):
 def same_weights(model_dir) -> list[bytes]:
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.rollout.weights import hf_named_tensors, pack_buckets
+    from asyncrl.weights.buckets import hf_named_tensors, pack_buckets
 
     return pack_buckets(hf_named_tensors(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)), bucket_bytes=1 << 30)
 

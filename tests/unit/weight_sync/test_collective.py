@@ -5,9 +5,9 @@ import pytest
 
 from asyncrl.config import WeightSyncConfig
 from asyncrl.learner.pool import LearnerCall, LearnerCallError
-from tests.unit.weight_sync.fakes import FakeRollout
 from asyncrl.weight_sync.collective import CollectiveSync
-from asyncrl.weight_sync.group import CollectiveWeights
+from asyncrl.weights.group import CollectiveWeights
+from tests.unit.weight_sync.fakes import FakeRollout
 
 
 class FakeLearner:

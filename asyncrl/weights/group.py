@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncrl.weight_sync.segment import SegmentLayout, process_alive
+from asyncrl.weights.segment import SegmentLayout, process_alive
 
 __all__ = [
     "CollectiveReceiver",
@@ -350,8 +350,9 @@ class CollectiveReceiver:
             return f"the learner sends over {d['backend']}, this engine's weights are on {self.device}"
         if d.get("gpu") and d["gpu"] == gpu_identity(self.device):
             return (
-                f"this engine's weights are on the learner's GPU ({d['gpu']}): NCCL cannot connect two ranks on one GPU; "
-                "give the engines GPUs of their own, or set weight_sync.transport to object_store or shared_memory"
+                f"this engine's weights are on the learner's GPU ({d['gpu']}): "
+                "NCCL cannot connect two ranks on one GPU; give the engines GPUs of their own, "
+                "or set weight_sync.transport to object_store or shared_memory"
             )
         return ""
 

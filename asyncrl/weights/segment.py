@@ -79,8 +79,10 @@ class SegmentLayout:
 
     def difference(self, other: SegmentLayout) -> str:
         """The first place where `other` differs from this layout, for error messages."""
+        # strict=False: layouts of different lengths are told apart by the fallback message
         return next(
-            (f"{a} != {b}" for a, b in zip(self.places, other.places) if a != b), "a different number of tensors"
+            (f"{a} != {b}" for a, b in zip(self.places, other.places, strict=False) if a != b),
+            "a different number of tensors",
         )
 
     def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -98,7 +100,7 @@ class SegmentLayout:
     @property
     def digest(self) -> int:
         """A signed 64-bit hash of the layout (names, offsets, shapes, dtypes), small enough to travel with every
-        version in an int64 header (`weight_sync.group`)."""
+        version in an int64 header (`weights.group`)."""
         wire = json.dumps(self.to_json(), separators=(",", ":")).encode()
         return int.from_bytes(hashlib.sha256(wire).digest()[:8], "big", signed=True)
 
