@@ -160,7 +160,7 @@ class RolloutConfig(Section):
     """Template the endpoint renders conversations with: "" = the model's own, a shipped name (`default`,
     `qwen2_tools`) or a `.jinja` file."""
     openai_agent: str = ""
-    """`module:function` agent harness run for each request instead of one generation (`asyncrl.envs.openai_agent`):
+    """`module:function` agent harness run for each request instead of one generation (`asyncrl.rollout.openai_agent`):
     `async agent(client, prompt, episode) -> reward | (reward, info)`; needs `openai_port` != 0."""
 
     @model_validator(mode="after")

@@ -145,7 +145,7 @@ def test_loopback_binding_bad_fields_and_unknown_episodes(loop, worker):
 
 
 def test_agent_env_returns_the_harness_episode_scored_by_the_harness(loop, worker):
-    from asyncrl.envs.openai_agent import OpenAIAgentEnv
+    from asyncrl.rollout.openai_agent import OpenAIAgentEnv
     from asyncrl.testing import make_prompt, make_request
 
     async def agent(c, prompt, episode):
