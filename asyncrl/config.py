@@ -195,7 +195,7 @@ class EnvConfig(Section):
 
 class ToolsConfig(Section):
     """The sandboxed tool workers (asyncrl/envs/tools/pool.py): Ray actors that run the `python` tool and user
-    rewards in a sandbox (asyncrl/envs/sandbox.py, docs/tools.md), sized independently of the engines."""
+    rewards in a sandbox (asyncrl/envs/tools/sandbox.py, docs/tools.md), sized independently of the engines."""
 
     pool: Literal["auto", "on", "off"] = "auto"
     """`auto` starts the pool when the run needs it (a user `module:function` reward, or an environment that
@@ -230,7 +230,7 @@ class ToolsConfig(Section):
     """When running as root, each tool worker leases the first free block of 64 uids from here on its machine
     (a lock file per block in /tmp/asyncrl-sandbox-uids, released when the worker dies; a block that a live
     process still runs under is skipped) and gives each live process one of them (no account needed;
-    asyncrl/envs/sandbox.py). Runs that share a machine never share a uid."""
+    asyncrl/envs/tools/sandbox.py). Runs that share a machine never share a uid."""
 
 
 class BufferConfig(Section):

@@ -26,7 +26,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from asyncrl.cluster.calls import named_get
 from asyncrl.config import Config, ToolsConfig
-from asyncrl.envs.sandbox import Capabilities, ItemOutcome, RewardItem, Sandbox, SandboxLimits, lease_uid_block
+from asyncrl.envs.tools.sandbox import Capabilities, ItemOutcome, RewardItem, Sandbox, SandboxLimits, lease_uid_block
 from asyncrl.envs.tools.base import (
     InProcessTools,
     RewardError,
