@@ -26,7 +26,6 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from asyncrl.cluster.calls import named_get
 from asyncrl.config import Config, ToolsConfig
-from asyncrl.envs.tools.sandbox import Capabilities, ItemOutcome, RewardItem, Sandbox, SandboxLimits, lease_uid_block
 from asyncrl.envs.tools.base import (
     InProcessTools,
     RewardError,
@@ -36,6 +35,9 @@ from asyncrl.envs.tools.base import (
     check_reward_value,
 )
 from asyncrl.envs.tools.python import run_python
+from asyncrl.envs.tools.isolation import Capabilities, lease_uid_block
+from asyncrl.envs.tools.processes import ItemOutcome, RewardItem
+from asyncrl.envs.tools.sandbox import Sandbox, SandboxLimits
 
 HANDLE_TTL_S = 1.0
 """A client looks a worker's name up again after this long, so it reaches a replacement within a second."""

@@ -4,8 +4,8 @@ the result says so (`ok=False`, `error=<reason>`) and the episode goes on."""
 
 from __future__ import annotations
 
-from asyncrl.envs.tools.sandbox import RunOutcome, Sandbox
 from asyncrl.envs.tools.base import ToolResult
+from asyncrl.envs.tools.sandbox import RunOutcome, Sandbox
 
 
 async def run_python(sandbox: Sandbox, source: str, timeout_s: float) -> ToolResult:
