@@ -425,6 +425,6 @@ def test_the_engine_core_is_forked_from_the_preloaded_server_with_this_process_e
     with open(f"/proc/{server}/environ", "rb") as f:
         assert MARKER.encode() not in f.read()  # so the core's copy came from this process at engine start
     assert info["env"] == {MARKER: "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
-    assert info["torch_threads"] == vllm_compat._engine_threads(os.environ) > 0
+    assert info["torch_threads"] == vllm_compat.process._engine_threads(os.environ) > 0
     with open(f"/proc/{info['pid']}/comm") as f:
         assert f.read().strip() == "VLLM::EngineCor"  # vLLM's process title, which `ps` and py-spy users look for
