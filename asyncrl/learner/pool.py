@@ -24,8 +24,8 @@ import numpy as np
 from asyncrl.algo.metrics import lag_mismatch_figures
 from asyncrl.algo.sampling import RAW, SamplingDistribution
 from asyncrl.learner.batch import TrainBatch, build_batch, loss_needs_whole_groups, split_mini_batches, split_rows
+from asyncrl.learner.merge import merge_metrics
 from asyncrl.learner.rank import SEND_GROUP, SEND_THREADS, LearnerWorker
-from asyncrl.learner.step import merge_metrics
 from asyncrl.models.shipping import ShippedModel, materialise, ship
 from asyncrl.types import Group, StepStats
 from asyncrl.weights.group import CollectiveWeights
