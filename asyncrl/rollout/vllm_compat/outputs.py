@@ -67,7 +67,7 @@ def top_logprobs(logprobs: Any, k: int) -> list[dict[int, float]]:
         ]
     ids, values, ranks = logprobs.token_ids, logprobs.logprobs, logprobs.ranks
     return [
-        {int(ids[i]): float(values[i]) for i in range(start, end) if ranks[i] is not None and ranks[i] <= k}
+        {int(ids[i]): float(values[i]) for i in range(start, end) if (rank := ranks[i]) is not None and rank <= k}
         for start, end in zip(logprobs.start_indices, logprobs.end_indices, strict=True)
     ]
 

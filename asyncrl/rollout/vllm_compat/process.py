@@ -78,9 +78,9 @@ def engine_args(
     return AsyncEngineArgs(
         model=str(model_dir),
         tokenizer=str(model_dir),
-        dtype=dtype,
+        dtype=dtype,  # type: ignore[arg-type]  # vLLM types the names it accepts as a Literal; it checks the string
         seed=seed,
-        max_model_len=max_model_len,
+        max_model_len=max_model_len,  # type: ignore[arg-type]  # vLLM types it `int` but takes None: the model's own
         max_num_seqs=max_num_seqs,
         enforce_eager=cpu,
         enable_prefix_caching=False,
@@ -147,6 +147,9 @@ class _EnvForkServerContext:
 
 class _EnvForkServerProcess(multiprocessing.context.ForkServerProcess):
     """Hands the child this process's environment as it is at `start` (when `start` pickles the process)."""
+
+    _kwargs: dict[str, Any]
+    """The target's keyword arguments (`multiprocessing.BaseProcess` keeps them here; typeshed omits it)."""
 
     def start(self) -> None:
         self._kwargs["environ"] = dict(os.environ)

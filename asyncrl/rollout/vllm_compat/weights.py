@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.rollout.vllm_compat.process import on_cpu
+
+if TYPE_CHECKING:
+    import torch
 
 STAGE_BUCKET_RPC = "asyncrl_stage_weight_bucket"
 LOAD_STAGED_RPC = "asyncrl_load_staged_weights"
@@ -42,6 +45,11 @@ class WeightReceiver:
     processes; bytes are, so buckets stay safetensors bytes until they reach this class, staged one RPC each
     (bounded message size) and then loaded together.
     """
+
+    if TYPE_CHECKING:  # what vLLM's worker, which this class is mixed into, provides
+        device: torch.device
+        model_runner: Any
+        vllm_config: Any
 
     def asyncrl_process_info(self) -> dict[str, Any]:
         """Where the model runs: pid, parent pid, torch's intra-op threads, and the environment variables named
@@ -110,7 +118,7 @@ class WeightReceiver:
             return False
         if not _unpack_linear_layers(model):
             return False
-        loader = get_model_loader(self.vllm_config.load_config)
+        loader: Any = get_model_loader(self.vllm_config.load_config)  # the default loader: `get_all_weights`
         _load_in_place(model, loader.get_all_weights(self.vllm_config.model_config, model))
         return True
 
