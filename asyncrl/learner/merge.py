@@ -4,11 +4,14 @@ whitened with batch-global moments, and the record of one policy update (`step.R
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
+
+T = TypeVar("T")
 
 __all__ = [
     "Update",
@@ -122,9 +125,10 @@ def mean_over_updates(parts: Sequence[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def regroup(flat: list, like: Sequence[Sequence]) -> list[list]:
+def regroup(flat: list[T], like: Sequence[Sized]) -> list[list[T]]:
     """`flat` cut into consecutive runs of the lengths of `like`'s items."""
-    out, start = [], 0
+    out: list[list[T]] = []
+    start = 0
     for part in like:
         out.append(flat[start : start + len(part)])
         start += len(part)

@@ -34,7 +34,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -86,7 +86,7 @@ class MiniBatch:
     real: int
     advantages: list[torch.Tensor]
     returns: list[torch.Tensor] | None
-    old: list[torch.Tensor | None]
+    old: Sequence[torch.Tensor | None]
     weights: list[torch.Tensor]
     tis_stats: torch.Tensor | None
 
@@ -184,8 +184,9 @@ class RankStep:
                 critic.append(self._critic_step(batch, None))
         if any(u.stepped for u in updates):
             self.state.scheduler.step()
-        if any(not c["critic_skipped_step"] for c in critic):
-            self.state.critic_scheduler.step()
+        critic_scheduler = self.state.critic_scheduler
+        if critic_scheduler is not None and any(not c["critic_skipped_step"] for c in critic):
+            critic_scheduler.step()
         taken = [u for u in updates if not u.stopped]
         # update_metrics' global approx_kl (of the last update) replaces this rank's mean over updates.
         metrics = dict(
@@ -334,12 +335,15 @@ class RankStep:
 
         if not seen or not any(int(m.sum()) for _, _, m, _ in seen):
             return {}
-        olds, rollouts, masks = (pad_cat([x[j] for x in seen]) for j in range(3))
+        olds = pad_cat([old for old, _, _, _ in seen])
+        rollouts = pad_cat([rollout for _, rollout, _, _ in seen])
+        masks = pad_cat([mask for _, _, mask, _ in seen])
         out = {
             f"mismatch_{k}": v for k, v in mismatch_metrics(olds, rollouts, masks.bool(), self.recipe.tis_cap).items()
         }
-        if all(lags is not None for *_, lags in seen):
-            lags = torch.cat([lags for *_, lags in seen])
+        known = [lags for *_, lags in seen if lags is not None]
+        if len(known) == len(seen):
+            lags = torch.cat(known)
             keep = correction_keep(self.recipe, olds, rollouts, masks.bool())
             out.update(lag_mismatch_parts(olds, rollouts, masks.bool(), lags, self.recipe.tis_cap, keep))
         return out
@@ -348,10 +352,10 @@ class RankStep:
         """Clip to `grad_clip`, step (and the `scheduler` unless None) unless the norm is not finite;
         -> (pre-clip norm, stepped)."""
         began = time.perf_counter()
-        norm = torch.nn.utils.clip_grad_norm_(module.parameters(), self.config.grad_clip)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        norm = float(norm)
+        total = torch.nn.utils.clip_grad_norm_(module.parameters(), self.config.grad_clip)
+        if hasattr(total, "full_tensor"):  # a DTensor under FSDP2
+            total = total.full_tensor()
+        norm = float(total)
         stepped = bool(np.isfinite(norm))
         if stepped:
             optimizer.step()
@@ -365,10 +369,12 @@ class RankStep:
         """One value step on `batch` (its returns fixed before the step's first update)."""
         from asyncrl.algo.recipes import compute_value_loss
 
+        if batch.returns is None:
+            raise ValueError("a critic step needs the batch's value targets (a critic advantage estimator)")
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         parts = []
-        for i, mb in enumerate(batch.micro_batches):
-            loss, metrics = compute_value_loss(self._values(mb), batch.returns[i], mb.loss_mask, mb.value_weights)
+        for i, (mb, returns) in enumerate(zip(batch.micro_batches, batch.returns, strict=True)):
+            loss, metrics = compute_value_loss(self._values(mb), returns, mb.loss_mask, mb.value_weights)
             loss.backward()
             loss_sum += loss.detach().double()
             if i < batch.real:
@@ -388,10 +394,12 @@ class RankStep:
         return self.state.policy(mb.input_ids, mb.attention_mask, mb.position_ids, self.sampling)
 
     def _values(self, mb: TrainBatch) -> torch.Tensor:
+        if self.state.critic is None:
+            raise ValueError("values need a critic: set learner.critic = true")
         return self.state.critic(mb.input_ids, mb.attention_mask, mb.position_ids)
 
     def _to_device(self, mb: TrainBatch) -> TrainBatch:
-        moved = {
+        moved: dict[str, Any] = {  # every field, tensors on this rank's device
             f.name: (v.to(self.device) if isinstance(v := getattr(mb, f.name), torch.Tensor) else v)
             for f in dataclasses.fields(mb)
         }
@@ -421,7 +429,7 @@ class RankStep:
         if self.state.critic is None:
             raise ValueError(f"advantage {self.recipe.advantage!r} needs a critic: set learner.critic = true")
         advantages, returns = self._critic_advantages([mb for mbs in packed for mb in mbs])
-        return regroup(advantages, packed), regroup(returns, packed)
+        return regroup(advantages, packed), list(regroup(returns, packed))
 
     def _critic_advantages(self, mbs: list[TrainBatch]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """GAE / VAPO per sequence from the critic's current values; whitening uses batch-global moments."""
@@ -438,6 +446,8 @@ class RankStep:
                 adv, ret = compute_advantages(
                     recipe, mb.rewards, mb.group_ids, mb.loss_mask, values, mb.dones, bootstrap
                 )
+                if ret is None:
+                    raise ValueError(f"advantage {recipe.advantage!r} gives no value targets for the critic")
                 advantages.append(adv.float())
                 returns.append(ret.float())
         if self.recipe.whiten_advantages:
