@@ -24,6 +24,7 @@ from asyncrl.envs.tools.base import ToolInfraError
 
 __all__ = [
     "Capabilities",
+    "base_python",
     "bwrap_prefix",
     "clean_env",
     "detect_capabilities",
@@ -92,7 +93,13 @@ def detect_capabilities() -> Capabilities:
 
 def _nobody_can_run_python() -> bool:
     """Whether an unprivileged uid can start this interpreter in place (its prefix is world-readable)."""
-    return all(os.stat(p).st_mode & 0o005 == 0o005 for p in _parents(sys._base_executable))
+    return all(os.stat(p).st_mode & 0o005 == 0o005 for p in _parents(base_python()))
+
+
+def base_python() -> str:
+    """The interpreter outside any virtual environment (a sandboxed run starts it with `-I`): CPython's
+    `sys._base_executable`, which the standard library does not declare."""
+    return str(getattr(sys, "_base_executable", sys.executable))
 
 
 def _parents(path: str) -> list[str]:

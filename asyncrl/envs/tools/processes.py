@@ -16,7 +16,18 @@ from typing import Any
 
 from asyncrl.envs.tools.runner import MEMORY_EXIT
 
-__all__ = ["ItemOutcome", "RewardItem", "RewardProcess", "Started", "Tail", "drain", "exit_reason", "kill", "remove"]
+__all__ = [
+    "ItemOutcome",
+    "RewardItem",
+    "RewardProcess",
+    "Started",
+    "Tail",
+    "drain",
+    "exit_reason",
+    "kill",
+    "pipes",
+    "remove",
+]
 
 ITEM_GRACE_S = 1.0
 """How long past an item's own timeout the tool worker waits for its answer before killing the run: its timer
@@ -84,13 +95,15 @@ class RewardProcess:
     async def score(self, items: Sequence[RewardItem]) -> tuple[list[dict[str, Any]], ItemOutcome | None]:
         """Send one batch and read one JSON line per item, each within its item's `timeout_s` (+ grace). -> (the
         lines read, None; or the lines read and the outcome of the item the process went down on, then killed)."""
-        process, lines, timed_out = self.started.process, [], False
+        process, timed_out = self.started.process, False
+        stdin, stdout, _ = pipes(process)
+        lines: list[dict[str, Any]] = []
         began = time.perf_counter()
         try:
-            process.stdin.write(json.dumps([asdict(i) for i in items]).encode() + b"\n")
-            await process.stdin.drain()
+            stdin.write(json.dumps([asdict(i) for i in items]).encode() + b"\n")
+            await stdin.drain()
             while len(lines) < len(items):
-                line = await asyncio.wait_for(item_line(process.stdout), items[len(lines)].timeout_s + ITEM_GRACE_S)
+                line = await asyncio.wait_for(item_line(stdout), items[len(lines)].timeout_s + ITEM_GRACE_S)
                 if line is None:
                     break  # it exited
                 lines.append(line)
@@ -114,6 +127,15 @@ class RewardProcess:
         kill(self.started.process)
         await self.started.process.wait()
         remove(self.started.workdir)
+
+
+def pipes(
+    process: asyncio.subprocess.Process,
+) -> tuple[asyncio.StreamWriter, asyncio.StreamReader, asyncio.StreamReader]:
+    """(stdin, stdout, stderr) of a run's process: every run is started with all three piped."""
+    if process.stdin is None or process.stdout is None or process.stderr is None:
+        raise ValueError(f"process {process.pid} was started without its pipes")
+    return process.stdin, process.stdout, process.stderr
 
 
 async def drain(stream: asyncio.StreamReader, keep: int, tail: bool = False) -> tuple[str, int]:

@@ -41,6 +41,7 @@ from asyncrl.envs.tools.isolation import (
     RUNNER_MOUNT,
     UIDS_PER_SANDBOX,
     Capabilities,
+    base_python,
     bwrap_prefix,
     clean_env,
     detect_capabilities,
@@ -58,6 +59,7 @@ from asyncrl.envs.tools.processes import (
     drain,
     exit_reason,
     kill,
+    pipes,
     remove,
 )
 from asyncrl.envs.tools.runner import READY
@@ -192,8 +194,9 @@ class Sandbox:
             "limits": limits,
         }
         started = await self._take()
-        started.process.stdin.write(json.dumps(payload).encode() + b"\n")
-        return RewardProcess(started, Tail(started.process.stderr, self.limits.output_bytes))
+        stdin, _, stderr = pipes(started.process)
+        stdin.write(json.dumps(payload).encode() + b"\n")
+        return RewardProcess(started, Tail(stderr, self.limits.output_bytes))
 
     def warm(self) -> None:
         """Start the first process ahead, so that even the first call finds one ready."""
@@ -225,13 +228,14 @@ class Sandbox:
         payload["limits"] = self.limits.rlimits()
         began = time.perf_counter()
         process = started.process
+        stdin, stdout, stderr = pipes(process)
         try:
-            process.stdin.write(json.dumps(payload).encode())
-            process.stdin.close()
+            stdin.write(json.dumps(payload).encode())
+            stdin.close()
         except (BrokenPipeError, ConnectionResetError):
             pass  # it died before reading: its exit status says why
         keep = self.limits.output_bytes
-        reading = asyncio.gather(drain(process.stdout, keep), drain(process.stderr, keep, tail=True))
+        reading = asyncio.gather(drain(stdout, keep), drain(stderr, keep, tail=True))
         try:
             (out, out_cut), (err, err_cut) = await asyncio.wait_for(asyncio.shield(reading), timeout_s)
             await process.wait()
@@ -267,10 +271,11 @@ class Sandbox:
                 *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir or "/",
                 env=clean_env(workdir), start_new_session=True,
             )  # fmt: skip
-            ready = await process.stdout.read(1)
+            _, stdout, stderr = pipes(process)
+            ready = await stdout.read(1)
             if ready != READY:
                 await process.wait()
-                detail = (await process.stderr.read(2000)).decode(errors="replace").strip()
+                detail = (await stderr.read(2000)).decode(errors="replace").strip()
                 raise ToolInfraError("sandbox_start_failed", f"exit {process.returncode}: {detail}")
         except BaseException:
             self._leased.discard(uid)
@@ -295,12 +300,12 @@ class Sandbox:
         """argv, and the host work folder of an `rlimits` run (bwrap runs use their own tmpfs)."""
         caps = self.capabilities
         root = os.geteuid() == 0
-        if caps.method == "bwrap":
-            interpreter = inside_path(sys._base_executable)
-            prefix = bwrap_prefix(shutil.which("bwrap"), uid if root else None, self.limits.file_bytes, staged_runner())
-            return prefix + [interpreter, "-I", RUNNER_MOUNT], None
+        bwrap = shutil.which("bwrap") if caps.method == "bwrap" else None
+        if bwrap is not None:
+            prefix = bwrap_prefix(bwrap, uid if root else None, self.limits.file_bytes, staged_runner())
+            return prefix + [inside_path(base_python()), "-I", RUNNER_MOUNT], None
         user = uid if caps.uid_dropped else None
         workdir = tempfile.mkdtemp(prefix="asyncrl-sandbox-")
         if user is not None:
             os.chown(workdir, user, user)  # 0700: only this run's uid enters it
-        return drop_to(user) + [sys._base_executable, "-I", staged_runner()], workdir
+        return drop_to(user) + [base_python(), "-I", staged_runner()], workdir
