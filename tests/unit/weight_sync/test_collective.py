@@ -1,5 +1,5 @@
 """CollectiveSync with hand-written fakes: what the learner is asked for, what the engines are handed, and the
-loopback choice (the wire itself: test_group.py; a real engine: tests/integration/test_weight_sync_collective.py)."""
+loopback choice (the wire itself: tests/unit/weights/test_group.py; a real engine: tests/integration/test_weight_sync_collective.py)."""
 
 import pytest
 
