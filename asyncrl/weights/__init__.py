@@ -5,7 +5,7 @@ weight-sync transports between them.
 shared-memory segment's file layout and its reader and writer. `group`: the collective transport's wire over
 a torch.distributed group per engine. `published`: the records of one published version.
 
-This package sits low in the import order (above `types` and `config` only): `learner`, `rollout` and
-`weight_sync` all import it, and nothing here imports them. Nothing is imported here so that each module
-stays usable without Ray or vLLM.
+This package sits on the lowest layers (beside `cluster` and `algo`; it imports nothing of asyncrl):
+`learner`, `rollout` and `weight_sync` all import it, and nothing here imports them. Nothing is imported
+here so that each module stays usable without Ray or vLLM.
 """

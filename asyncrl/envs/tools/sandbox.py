@@ -10,8 +10,8 @@ How (see docs/tools.md):
 - inside, before any user code, the runner sets RLIMIT_CPU, RLIMIT_AS, RLIMIT_NPROC and RLIMIT_FSIZE; the
   parent enforces the wall time by killing the run's whole process group;
 - stdout and stderr are read in bounded chunks: only `output_bytes` of each are kept.
-Without bwrap only the resource limits (and a uid drop when possible) hold; `detect_capabilities` says exactly
-what this machine gives, and `asyncrl check` prints it.
+Without bwrap only the resource limits (and a uid drop when possible) hold; `isolation.detect_capabilities` says
+exactly what this machine gives, and `asyncrl check` prints it.
 
 The pieces: `isolation` (what confines a run, the uid lease), `processes` (a run's process and its pipes),
 `runner` (the program that runs inside, started as a file).
