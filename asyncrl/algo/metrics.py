@@ -113,7 +113,7 @@ def lag_mismatch_parts(
     """The mismatch of each staleness bucket (what a user reads to choose eta), as pieces that merge exactly.
 
     Inputs [B, T] log-probs and mask, `lags` [B] (each row's policy lag). Keys `lagpart/<lag>/<piece>`: token
-    sums ending in `_sum` (`learner.step.merge_metrics` adds them over ranks), `abs_diff_max` (max) and the
+    sums ending in `_sum` (`learner.merge.merge_metrics` adds them over ranks), `abs_diff_max` (max) and the
     kappa quantiles `is_weight_pXX` (a token-weighted mean over ranks: exact on one rank, like the batch ones).
     `keep` [B, T]: the tokens the correction keeps (`algo.recipes.correction_keep`), for the masked fraction."""
     mask = as_mask(mask)

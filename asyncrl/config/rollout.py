@@ -79,7 +79,7 @@ class RolloutConfig(Section):
     """Template the endpoint renders conversations with: "" = the model's own, a shipped name (`default`,
     `qwen2_tools`) or a `.jinja` file."""
     openai_agent: str = ""
-    """`module:function` agent harness run for each request instead of one generation (`asyncrl.envs.openai_agent`):
+    """`module:function` agent harness run for each request instead of one generation (`asyncrl.rollout.openai_agent`):
     `async agent(client, prompt, episode) -> reward | (reward, info)`; needs `openai_port` != 0."""
 
     @model_validator(mode="after")
@@ -114,7 +114,7 @@ class EnvConfig(Section):
 
 class ToolsConfig(Section):
     """The sandboxed tool workers (asyncrl/envs/tools/pool.py): Ray actors that run the `python` tool and user
-    rewards in a sandbox (asyncrl/envs/sandbox.py, docs/tools.md), sized independently of the engines."""
+    rewards in a sandbox (asyncrl/envs/tools/sandbox.py, docs/tools.md), sized independently of the engines."""
 
     pool: Literal["auto", "on", "off"] = "auto"
     """`auto` starts the pool when the run needs it (a user `module:function` reward, or an environment that
@@ -149,4 +149,4 @@ class ToolsConfig(Section):
     """When running as root, each tool worker leases the first free block of 64 uids from here on its machine
     (a lock file per block in /tmp/asyncrl-sandbox-uids, released when the worker dies; a block that a live
     process still runs under is skipped) and gives each live process one of them (no account needed;
-    asyncrl/envs/sandbox.py). Runs that share a machine never share a uid."""
+    asyncrl/envs/tools/sandbox.py). Runs that share a machine never share a uid."""

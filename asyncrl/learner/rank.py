@@ -3,7 +3,7 @@
 The ranks form ONE torch.distributed group (gloo on CPU, nccl on GPU) and shard the policy (and the
 optional critic) with FSDP2. A rank owns its process group, its shard of the train state and the step
 counter; the step itself is `step.RankStep`. Weights leave the rank as Hugging Face-named safetensors
-buckets (`export.py`) or in a shared-memory segment (`weight_sync.segment`), checkpoints as DCP shards
+buckets (`export.py`) or in a shared-memory segment (`weights.segment`), checkpoints as DCP shards
 (`checkpoint.py`).
 """
 
@@ -22,12 +22,12 @@ import torch
 
 from asyncrl.algo.sampling import SamplingDistribution
 from asyncrl.learner.batch import TrainBatch
-from asyncrl.learner.export import ExportedWeights
 from asyncrl.learner.state import build_train_state
 from asyncrl.learner.step import RankStep
 from asyncrl.types import StepStats
-from asyncrl.weight_sync.group import CollectiveSender, CollectiveWeights
-from asyncrl.weight_sync.segment import SegmentWriter, SharedWeights
+from asyncrl.weights.group import CollectiveSender, CollectiveWeights
+from asyncrl.weights.published import ExportedWeights
+from asyncrl.weights.segment import SegmentWriter, SharedWeights
 
 __all__ = ["LearnerWorker"]
 
@@ -206,7 +206,7 @@ class LearnerWorker:
         return ExportedWeights(refs=[ray.put(b) for b in buckets], num_bytes=num_bytes, num_tensors=num_tensors)
 
     def export_shared(self, root: str, version: int) -> SharedWeights | None:
-        """Rank 0 copies the HF-named weights into the shared-memory slot of `version` (`weight_sync.segment`)."""
+        """Rank 0 copies the HF-named weights into the shared-memory slot of `version` (`weights.segment`)."""
         from asyncrl.learner.export import cast_state
 
         state = self._hf_state()
@@ -220,7 +220,7 @@ class LearnerWorker:
         self, version: int, loopback: bool, bucket_bytes: int, timeout_s: float
     ) -> CollectiveWeights | None:
         """Rank 0 copies the HF-named weights into its staging buffer, which engines pull over their own process
-        group (`send_collective`; `weight_sync.group`). `loopback`: every engine is on this node (127.0.0.1)."""
+        group (`send_collective`; `weights.group`). `loopback`: every engine is on this node (127.0.0.1)."""
         from asyncrl.learner.export import cast_state
 
         state = self._hf_state()

@@ -31,7 +31,7 @@ from asyncrl.models.shipping import ShippedModel, materialise, ship
 from asyncrl.rollout.engine import EvalResult, SamplingSpec
 from asyncrl.rollout.worker import EpisodeScore, RolloutWorker, WorkerSpec
 from asyncrl.types import Prompt
-from asyncrl.weight_sync.base import PublishedWeights
+from asyncrl.weights.published import PublishedWeights
 
 
 class WorkerStartError(RuntimeError):

@@ -165,7 +165,7 @@ class RolloutWorker:
             self.engine, self.config, self.spec.model_dir, max_len, self.sampling, self.name
         )
         if self.config.openai_agent:
-            from asyncrl.envs.openai_agent import OpenAIAgentEnv, resolve_agent
+            from asyncrl.rollout.openai_agent import OpenAIAgentEnv, resolve_agent
 
             self.agent = OpenAIAgentEnv(
                 resolve_agent(self.config.openai_agent), self.openai, self.config.request_timeout_s
