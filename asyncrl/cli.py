@@ -139,7 +139,7 @@ def _load(args: argparse.Namespace):
 def _check(args: argparse.Namespace, cfg) -> int:
     import yaml
 
-    from asyncrl.envs.sandbox import detect_capabilities
+    from asyncrl.envs.tools.isolation import detect_capabilities
 
     print(yaml.safe_dump(cfg.dump(), sort_keys=False), end="")
     print(f"# {detect_capabilities()}")  # what isolation tool calls and user rewards get here (docs/tools.md)

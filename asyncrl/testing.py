@@ -150,7 +150,7 @@ TINY_RUN = [
 ]
 """Overrides for a short real run on the random tiny model (4 groups of 2 per step, all trained: a random
 model earns no reward, so zero-variance filtering would discard every group). Eager learner: compiling took
-7-12 s of a 3-step run's 33-47 s (2026-12-04); tests/integration/test_controller.py's runs keep the recipe's
+7-12 s of a 3-step run's 33-47 s; tests/integration/test_controller.py's runs keep the recipe's
 compiled layers, on one rank and two."""
 
 

@@ -11,7 +11,7 @@ import functools
 import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -86,7 +86,8 @@ class Trajectory:
         if not (len(self.rollout_logprobs) == len(self.loss_mask) == len(self.versions) == n):
             raise ValueError(
                 f"trajectory {self.group_id}/{self.sample_index}: per-token arrays differ in length "
-                f"(ids {n}, logprobs {len(self.rollout_logprobs)}, mask {len(self.loss_mask)}, versions {len(self.versions)})"
+                f"(ids {n}, logprobs {len(self.rollout_logprobs)}, mask {len(self.loss_mask)}, "
+                f"versions {len(self.versions)})"
             )
 
     @functools.cached_property
@@ -319,7 +320,8 @@ class TrajectoryColumns:
         out = np.fromiter((row[_DISPATCH_VERSION_AT] for row in self.scalar_rows), dtype=np.int64, count=len(lengths))
         has_tokens = lengths > 0
         if has_tokens.any():
-            # reduceat over the starts of the non-empty trajectories only: each segment then runs to the next one's start
+            # reduceat over the starts of the non-empty trajectories only:
+            # each segment then runs to the next one's start
             starts = (np.cumsum(lengths) - lengths)[has_tokens]
             oldest = np.minimum.reduceat(self.versions, starts)
             if not self.loss_mask.all():  # masked tokens do not count, unless a trajectory has no other
@@ -332,14 +334,15 @@ class TrajectoryColumns:
     def unpack(self) -> list[Trajectory]:
         """The trajectories; their arrays are views of the columns."""
         prompts = _split(self.prompt_ids, self.prompt_lengths)
-        per_token = zip(*(_split(getattr(self, name), self.response_lengths) for name in _PER_TOKEN_FIELDS))
+        columns = (_split(getattr(self, name), self.response_lengths) for name in _PER_TOKEN_FIELDS)
+        per_token = zip(*columns, strict=True)
         at = _ARRAYS_AT
         out = [
-            Trajectory(*row[:at], prompt, *arrays, *row[at:])
-            for prompt, arrays, row in zip(prompts, per_token, self.scalar_rows)
+            Trajectory(*(*row[:at], prompt, *arrays, *row[at:]))  # one tuple: mypy miscounts mixed star arguments
+            for prompt, arrays, row in zip(prompts, per_token, self.scalar_rows, strict=True)
         ]
         # Fills each `min_version` cache from one reduction for all, where each would cost a numpy call of its own.
-        for t, version in zip(out, self.min_versions().tolist()):
+        for t, version in zip(out, self.min_versions().tolist(), strict=True):
             t.__dict__["min_version"] = version
         return out
 
@@ -364,6 +367,7 @@ class PackedTrajectories(Sequence[Trajectory]):
 
     def trajectories(self) -> list[Trajectory]:
         if self._trajectories is None:
+            assert self._columns is not None  # the list is only ever dropped for the columns it arrived as
             self._trajectories = self._columns.unpack()
         return self._trajectories
 
@@ -373,7 +377,13 @@ class PackedTrajectories(Sequence[Trajectory]):
     def __iter__(self) -> Iterator[Trajectory]:
         return iter(self.trajectories())
 
-    def __getitem__(self, index):  # type: ignore[no-untyped-def]  # int -> Trajectory, slice -> list[Trajectory]
+    @overload
+    def __getitem__(self, index: int) -> Trajectory: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Trajectory]: ...
+
+    def __getitem__(self, index: int | slice) -> Trajectory | list[Trajectory]:
         return self.trajectories()[index]
 
 
@@ -398,6 +408,7 @@ def _unpack_batch(sizes: list[tuple[str, int]], columns: TrajectoryColumns, vers
     the columns in one reduction; the groups are built when first read (`Batch.__getattr__`), so a receiver that
     reads only the lags and counts, or sends the batch on, builds no per-trajectory objects."""
     batch = Batch.__new__(Batch)
-    batch.version, batch._packed = version, (sizes, columns)
+    batch.version = version
+    batch.__dict__["_packed"] = (sizes, columns)  # read from `__dict__` only, by `__reduce__` and `__getattr__`
     batch.lags = (version - columns.min_versions()).tolist()
     return batch

@@ -270,7 +270,7 @@ def main() -> None:
 def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_output_options(parser, "learning_add", "smoke run: a few steps per mode")
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps per run (200: the headline in RESULTS.md and README)")
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps per run (200: the headline in RESULTS.md)")
     parser.add_argument("--target", type=float, default=0.5, help="held-out accuracy whose wall-clock is reported")
     parser.add_argument("--replot", action="store_true", help="only redraw the PNG from the existing JSON")
     parser.add_argument("--mini-batches", type=int, default=1, help="N > 1: also run each mode with learner.mini_batches=N")

@@ -64,6 +64,8 @@ import common  # benchmarks/common.py: a script's own folder is on sys.path
 import async_speedup as w2  # W2's workload, its engine jobs and its per-mode config
 import wait_bound
 
+from asyncrl.staleness import Staleness
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # Ray's worker pickles the engine side by value: it gets W2's constants, not the `async_speedup` module.
@@ -555,7 +557,8 @@ def batches_of_jobs(args, stream: list) -> list[list]:
 
 def step_concurrency(args) -> list[int]:
     """Sequences decoding at once at which the decode step is timed: 1 up to all W2 lets in flight."""
-    most = min(MAX_REQUESTS_IN_FLIGHT, (args.max_staleness + 1) * args.prompts_per_step * args.samples_per_prompt)
+    window = Staleness(args.max_staleness).admission_limit(0, args.prompts_per_step)  # groups admitted at version 0
+    most = min(MAX_REQUESTS_IN_FLIGHT, window * args.samples_per_prompt)
     return sorted({1, args.samples_per_prompt, most // 4, most})
 
 

@@ -1,5 +1,6 @@
 """The best throughput the `wait` stale policy allows: the replay queue's admission control and wait gate
-(asyncrl/buffer/core.py) replayed on an ideal engine and an ideal learner (used by `limits.py`).
+(asyncrl/buffer/core.py; both ask the bound of asyncrl/staleness.py, as the replay does) replayed on an ideal
+engine and an ideal learner (used by `limits.py`).
 
 Why a replay: under `stale_policy: wait` a group admitted at version a must be trained at the latest at version
 a + eta, so the learner stops until the group's longest sample is done. How long that takes depends on how fast
@@ -24,6 +25,8 @@ together.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from asyncrl.staleness import Staleness
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ def replay_wait(
     tokens, tokens/s and the learner's total wait. eta = 0 replays `sync` (the engine idles while the
     learner trains: nothing else is admitted)."""
     B, G = batch_groups, stream.group_size
+    bound = Staleness(eta)
     t, version, trained_tokens, wait_s = 0.0, 0, 0, 0.0
     admitted_at: list[int] = []  # admission version of each admitted group
     left: dict[int, int] = {}  # running group -> tokens still to generate
@@ -83,19 +87,19 @@ def replay_wait(
     idle_since, busy = 0.0, None  # busy: [seconds of the step in progress still to go at full speed, tokens]
 
     def gated(v: int) -> bool:  # a step at version v waits for an unfinished group admitted at <= v - eta
-        return any(admitted_at[g] <= v - eta for g in left)
+        return any(bound.last_chance(admitted_at[g], v) for g in left)
 
     def lead_holds() -> bool:
         return ready_lead is not None and len(ready) >= ready_lead * B and not gated(version + (busy is not None))
 
     while version < steps:
-        while (n := len(admitted_at)) < len(stream.lengths) and n + 1 <= (version + eta + 1) * B and (len(left) + 1) * G <= max_in_flight and not lead_holds():
+        while (n := len(admitted_at)) < len(stream.lengths) and n + 1 <= bound.admission_limit(version, B) and (len(left) + 1) * G <= max_in_flight and not lead_holds():
             admitted_at.append(version)
             left[n] = stream.lengths[n]
         if busy is None and not gated(version) and len(ready) >= B:
             batch = sorted(ready)[:B]
             ready.difference_update(batch)
-            gate = [done_at[g] for g, a in enumerate(admitted_at) if a <= version - eta]
+            gate = [done_at[g] for g, a in enumerate(admitted_at) if bound.last_chance(a, version)]
             start = max([idle_since, *gate, *(done_at[g] for g in batch)])
             tokens = sum(stream.tokens[g] for g in batch)
             wait_s += start - idle_since

@@ -122,7 +122,7 @@ class WireSender:
     """Learner rank 0 on the collective wire: stage, hand the engine the record, send."""
 
     def __init__(self, size: str, device, to_receiver):
-        from asyncrl.weight_sync.group import CollectiveSender
+        from asyncrl.weights.group import CollectiveSender
 
         self.key, self.device, self.to_receiver = f"bench-{size}", device, to_receiver
         self.sender = CollectiveSender("127.0.0.1", device, BUCKET_BYTES, timeout_s=120.0)
@@ -146,7 +146,7 @@ class IpcSender:
     def sync(self, size: str, state, version: int) -> float:
         import torch
 
-        from asyncrl.weight_sync.segment import SegmentLayout
+        from asyncrl.weights.segment import SegmentLayout
 
         if self.views is None:
             layout = SegmentLayout.of(state)
@@ -203,8 +203,8 @@ def receiver_main(transport: str, device_name: str, to_receiver, replies, result
     """An engine's worker: take each version, copy it into its parameters, check it, acknowledge it."""
     import torch
 
-    from asyncrl.weight_sync.group import CollectiveReceiver
-    from asyncrl.weight_sync.segment import SegmentLayout
+    from asyncrl.weights.group import CollectiveReceiver
+    from asyncrl.weights.segment import SegmentLayout
 
     try:
         device = setup_process("receiver", transport, device_name)

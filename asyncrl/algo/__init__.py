@@ -10,10 +10,11 @@ Modules (each one family, shapes in docstrings, paper links in module docstrings
     sampling    the engines' processed distribution (temperature, top-k, top-p) recomputed by the learner
     metrics     mismatch metrics as floats
     evaluation  held-out scores of k samples: mean@k, unbiased pass@k
-    recipes     named recipes and the learner entry points
-    names       the valid names (imports nothing, so configs can validate cheaply)
-    params      which parameters each component takes, with types and ranges (imports only names)
+    recipe      the resolved algorithm choice (`Recipe`) and `resolve_recipe`
+    recipes     the learner entry points that apply a recipe
+    registry    every component and preset by name, the parameters each takes (types, ranges), the checks
+                of a choice (imports no torch, so configs can validate cheaply)
 
-This package imports only torch, and `import asyncrl.algo` / `asyncrl.algo.names` imports nothing at all.
+This package imports only torch, and `import asyncrl.algo` / `asyncrl.algo.registry` imports nothing heavy.
 Formulas, defaults and papers: docs/algorithms.md.
 """

@@ -119,7 +119,8 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
 
 
 def reinforce_baseline(rewards: torch.Tensor, baseline: float | torch.Tensor = 0.0) -> torch.Tensor:
-    """`A = R - b` (docs/algorithms.md#reinforce). rewards: [N] (or per-token returns [N, T]); baseline broadcastable."""
+    """`A = R - b` (docs/algorithms.md#reinforce). rewards: [N] (or per-token returns [N, T]); baseline
+    broadcastable."""
     b = baseline.detach() if isinstance(baseline, torch.Tensor) else baseline
     return fp32(rewards).detach() - b
 
@@ -173,7 +174,8 @@ def gae(
 def vapo_policy_lambda(lengths: torch.Tensor, alpha: float = 0.05) -> torch.Tensor:
     """Length-adaptive policy lambda `1 - 1/(alpha*l)` clamped to [0, 1] (docs/algorithms.md#vapo). lengths: [B] -> [B].
 
-    The clamp is asyncrl's choice (docs/algorithms.md#vapo): the paper's formula is negative for l < 1/alpha (20 tokens at 0.05).
+    The clamp is asyncrl's choice (docs/algorithms.md#vapo): the paper's formula is negative for l < 1/alpha
+    (20 tokens at 0.05).
     """
     lengths = fp32(lengths).detach()
     # l = 0 gives -inf, which the clamp maps to 0.
@@ -191,7 +193,8 @@ def vapo(
     dones: torch.Tensor | None = None,
     bootstrap_values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decoupled GAE (docs/algorithms.md#vapo): policy advantages with lambda_policy(|y_i|), value targets with critic_lam.
+    """Decoupled GAE (docs/algorithms.md#vapo): policy advantages with lambda_policy(|y_i|), value targets with
+    critic_lam.
 
     Shapes as `gae`. Returns (advantages [B, T], returns [B, T]).
     """
@@ -258,7 +261,8 @@ def batch_normalized(
     eps: float = 1e-4,
     batch_std: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """ScaleRL / TRL `scale_rewards="batch"`: `(R_i - mean_g R) / (std_batch R + eps)` (docs/algorithms.md#batch_norm). -> [N].
+    """ScaleRL / TRL `scale_rewards="batch"`: `(R_i - mean_g R) / (std_batch R + eps)`
+    (docs/algorithms.md#batch_norm). -> [N].
 
     std_batch is the Bessel std of the raw rewards of the whole batch (before zero-variance filtering).
     Pass `batch_std` when this process holds only part of the global batch.
@@ -290,8 +294,8 @@ def reinforce_pp(
     gamma: float = 1.0,
     token_rewards: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """REINFORCE++ (docs/algorithms.md#reinforce_pp): outcome reward on the last token (+ optional per-token rewards such as
-    `-beta*k1`), discounted return, then whitening over all valid tokens of the batch.
+    """REINFORCE++ (docs/algorithms.md#reinforce_pp): outcome reward on the last token (+ optional per-token rewards
+    such as `-beta*k1`), discounted return, then whitening over all valid tokens of the batch.
 
     rewards: [N]; mask: [N, T]; token_rewards: [N, T] or None. Returns advantages [N, T].
     """
@@ -303,7 +307,8 @@ def reinforce_pp(
 
 
 def reinforce_pp_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """REINFORCE++-baseline (docs/algorithms.md#reinforce_pp): subtract the group mean, broadcast, whiten over valid tokens.
+    """REINFORCE++-baseline (docs/algorithms.md#reinforce_pp): subtract the group mean, broadcast, whiten over valid
+    tokens.
 
     rewards: [N]; group_ids: [N]; mask: [N, T]. Returns advantages [N, T].
     """

@@ -114,7 +114,8 @@ def truncated_is_weights(
     level: str = "token",
     batch_normalize: bool = False,
 ) -> torch.Tensor:
-    """TIS (docs/algorithms.md#tis): `w = min(r, C)` per token, or `min(prod_t r_t, C)` per sequence. -> [B, T] detached."""
+    """TIS (docs/algorithms.md#tis): `w = min(r, C)` per token, or `min(prod_t r_t, C)` per sequence.
+    -> [B, T] detached."""
     mask = as_mask(mask)
     w = is_weights(log_ratio_, mask, level).clamp(max=cap)
     return batch_normalize_weights(w, mask) if batch_normalize else w
@@ -219,14 +220,16 @@ def veto_keep(log_kappa: torch.Tensor, mask: torch.Tensor, threshold: float) -> 
 def icepop(
     log_kappa: torch.Tensor, mask: torch.Tensor, alpha: float = 0.5, beta: float = 5.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """IcePop (docs/algorithms.md#icepop): `M = kappa if alpha <= kappa <= beta else 0`, per token. -> (weight, keep)."""
+    """IcePop (docs/algorithms.md#icepop): `M = kappa if alpha <= kappa <= beta else 0`, per token.
+    -> (weight, keep)."""
     return ratio_gate(is_weights(log_kappa, mask, "token"), mask, alpha, beta, mode="mask")
 
 
 def dis_gate(
     log_q: torch.Tensor, mask: torch.Tensor, eps_low: float = 0.3, eps_high: float = 5.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DIS double-sided gate (docs/algorithms.md#dis): keep `1 - eps_low < q < 1 + eps_high`, weight q. -> (weight, keep).
+    """DIS double-sided gate (docs/algorithms.md#dis): keep `1 - eps_low < q < 1 + eps_high`, weight q.
+    -> (weight, keep).
 
     log_q = learner_logprobs - rollout_logprobs (detached). With the REINFORCE surrogate this gives the
     DIS loss `-sg(f(q)) A logp`.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from asyncrl.algo._masked import LOG_RATIO_BOUND, as_mask, log_difference, valid
-from asyncrl.algo.names import KL_ESTIMATORS
+from asyncrl.algo.registry import KL_ESTIMATORS
 
 __all__ = ["KL_ESTIMATORS", "kl_in_reward", "kl_penalty"]
 

@@ -239,7 +239,8 @@ def sapo(
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
 ) -> tuple[torch.Tensor, Metrics]:
-    """SAPO soft gate (docs/algorithms.md#sapo): `l = -A * sigmoid(tau (rho - 1)) * 4 / tau`, tau = tau_pos if A > 0 else tau_neg.
+    """SAPO soft gate (docs/algorithms.md#sapo): `l = -A * sigmoid(tau (rho - 1)) * 4 / tau`,
+    tau = tau_pos if A > 0 else tau_neg.
 
     Shapes [B, T]. The gradient weight `4 s (1-s) rho` is exactly 1 at rho = 1 and decays smoothly.
     """

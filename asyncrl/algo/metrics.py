@@ -48,7 +48,7 @@ def _ratio_stats(prefix: str, lr: torch.Tensor, mask: torch.Tensor, cap: float) 
         # Normalised effective sample size in (0, 1]: 1 when all weights are equal.
         f"{prefix}_ess": sum_w**2 / ((valid_w**2).sum() * count).clamp(min=1e-30),
     }
-    for q, value in zip(QUANTILES, masked_quantiles(w, mask)):
+    for q, value in zip(QUANTILES, masked_quantiles(w, mask), strict=True):
         stats[f"{prefix}_is_weight_p{round(q * 100):02d}"] = value
     return stats
 
@@ -60,7 +60,8 @@ def mismatch_metrics(
     is_cap: float = 2.0,
     learner_logprobs: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """Every mismatch metric of docs/algorithms.md#mismatch-metrics. Inputs [B, T] log-probs and mask. Returns {name: float}.
+    """Every mismatch metric of docs/algorithms.md#mismatch-metrics. Inputs [B, T] log-probs and mask.
+    Returns {name: float}.
 
     Keys: kl (k1 of KL(mu||pi_train) = mean(rollout - old)), k3_kl, logprob_abs_diff_mean/max,
     training_ppl, rollout_ppl, ppl_ratio, chi2_token, chi2_seq, and for kappa (and q if
@@ -94,7 +95,7 @@ def mismatch_metrics(
         out.update(_ratio_stats("q", log_q, mask, is_cap))
     names = list(out)
     values = torch.stack([out[k].float().reshape(()) for k in names]).tolist()
-    return dict(zip(names, values))
+    return dict(zip(names, values, strict=True))
 
 
 LAG_PARTS = "lagpart/"
@@ -112,7 +113,7 @@ def lag_mismatch_parts(
     """The mismatch of each staleness bucket (what a user reads to choose eta), as pieces that merge exactly.
 
     Inputs [B, T] log-probs and mask, `lags` [B] (each row's policy lag). Keys `lagpart/<lag>/<piece>`: token
-    sums ending in `_sum` (`learner.step.merge_metrics` adds them over ranks), `abs_diff_max` (max) and the
+    sums ending in `_sum` (`learner.merge.merge_metrics` adds them over ranks), `abs_diff_max` (max) and the
     kappa quantiles `is_weight_pXX` (a token-weighted mean over ranks: exact on one rank, like the batch ones).
     `keep` [B, T]: the tokens the correction keeps (`algo.recipes.correction_keep`), for the masked fraction."""
     mask = as_mask(mask)
@@ -140,11 +141,11 @@ def lag_mismatch_parts(
         key = f"{LAG_PARTS}{lag}/"
         out.update({f"{key}{name}_sum": torch.where(rows, x, 0.0).sum() for name, x in pieces.items()})
         out[f"{key}abs_diff_max"] = torch.where(rows, diff, 0.0).max()
-        for q, value in zip(QUANTILES, masked_quantiles(kappa, rows)):
+        for q, value in zip(QUANTILES, masked_quantiles(kappa, rows), strict=True):
             out[f"{key}is_weight_p{round(q * 100):02d}"] = value
     names = list(out)
     values = torch.stack([out[k].double().reshape(()) for k in names]).tolist() if names else []
-    return dict(zip(names, values))
+    return dict(zip(names, values, strict=True))
 
 
 def lag_mismatch_figures(metrics: dict[str, float]) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """Named recipes: which advantage, surrogate, reduction and correction a run uses, with their numbers,
 and the three entry points the learner calls.
 
-A `Recipe` is resolved once from the config (`resolve_recipe`). Per optimizer step the learner then:
+A `Recipe` (recipe.py) is resolved once from the config (`resolve_recipe`). Per optimizer step the learner then:
 
 1. `advantages, returns = compute_advantages(recipe, rewards, group_ids, mask, values, dones, bootstrap_values)`
    over the whole batch (group and batch statistics must see the whole batch);
@@ -31,39 +31,19 @@ Papers are cited in the modules implementing each method; formulas: docs/algorit
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-from typing import Any
-
 import torch
 
 from asyncrl.algo import advantages as adv_lib
 from asyncrl.algo import correction as corr_lib
 from asyncrl.algo import losses as loss_lib
-from asyncrl.algo import params as params_lib
+from asyncrl.algo import registry
 from asyncrl.algo._masked import as_mask
 from asyncrl.algo.kl import kl_penalty
-from asyncrl.algo.names import (
-    ADVANTAGES,
-    CORRECTIONS,
-    KL_ESTIMATORS,
-    LOSSES,
-    PRESET_COMPONENTS,
-    PRESET_FILTERS,
-    PRESETS,
-    REDUCTIONS,
-)
+from asyncrl.algo.recipe import PARAM_NAMES, TIS_LEVEL, Recipe, resolve_recipe
 from asyncrl.algo.reduction import reduction_weights, weighted_sum
 from asyncrl.algo.shaping import overlong_penalty
 
 __all__ = [
-    "ADVANTAGES",
-    "CORRECTIONS",
-    "LOSSES",
-    "PRESETS",
-    "PRESET_FILTERS",
-    "PRESET_PARAMS",
-    "REDUCTIONS",
     "Recipe",
     "compute_advantages",
     "compute_policy_loss",
@@ -75,218 +55,15 @@ __all__ = [
     "tis_normalizer_stats",
 ]
 
-# Default clip range of each surrogate when eps_low / eps_high are not given.
-_LOSS_EPS = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "cispo": (0.2, 0.28)}
-_PPO_EPS = (0.2, 0.2)
-
-# TIS corrections and the level their truncated weight is taken at.
-_TIS_LEVEL = {"tis": "token", "tis_seq": "sequence"}
-
 # Corrections whose keep mask depends only on old and rollout log-probs, so it can be known before the
 # backward passes and may shrink the reduction denominator.
 _PRECOMPUTABLE_REJECTION = ("mis", "mis_seq", "mis_geo", "icepop", "decoupled")
 
-# Numbers each preset sets on top of the Recipe defaults (components are in names.PRESET_COMPONENTS).
-PRESET_PARAMS: dict[str, dict[str, Any]] = {
-    "dapo": {"eps_low": 0.2, "eps_high": 0.28, "overlong_max_length": 20480, "overlong_cache_length": 4096},
-    "vapo": {"eps_low": 0.2, "eps_high": 0.28},
-    "cispo": {"cispo_eps_max": 5.0},
-    "scalerl": {"cispo_eps_max": 5.0},
-    "ppo_gae": {"whiten_advantages": True},
-    "sao": {"dis_eps_low": 0.3, "dis_eps_high": 5.0},
-    "maxrl": {"maxrl_divide_by_group_size": False},
-}
-
-
-def _did_you_mean(value: str, valid) -> str:
-    close = difflib.get_close_matches(str(value), list(valid), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _check_name(kind: str, value: str, valid) -> None:
-    if value not in valid:
-        raise ValueError(f"unknown {kind} {value!r}{_did_you_mean(value, valid)}; valid: {', '.join(valid)}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Recipe:
-    """A fully resolved algorithm choice. Construct through `resolve_recipe`; fields left None are filled
-    with the selected surrogate's defaults and every value is validated on construction."""
-
-    advantage: str = "grpo"
-    """Advantage estimator, one of names.ADVANTAGES."""
-    loss: str = "ppo"
-    """Policy surrogate, one of names.LOSSES."""
-    reduction: str = "token_mean"
-    """Loss reduction, one of names.REDUCTIONS."""
-    correction: str = "none"
-    """Train-vs-rollout mismatch correction, one of names.CORRECTIONS."""
-
-    # --- advantages
-    gamma: float = 1.0
-    """Discount of GAE / REINFORCE++ returns."""
-    lam: float = 0.95
-    """GAE lambda (advantage `gae`)."""
-    critic_lam: float = 1.0
-    """Lambda of the value targets of `vapo` (1 = Monte-Carlo returns)."""
-    vapo_alpha: float = 0.05
-    """VAPO length-adaptive lambda 1 - 1/(alpha*l), clamped to [0, 1]."""
-    whiten_advantages: bool = False
-    """Whiten GAE / VAPO advantages over the valid tokens of the batch (verl does for GAE)."""
-    baseline: float = 0.0
-    """Constant baseline b of the `reinforce` advantage A = R - b."""
-    grpo_eps: float = 1e-6
-    """Added to the group std in GRPO (verl, slime); TRL uses 1e-4."""
-    grpo_unbiased: bool = True
-    """Bessel-corrected group std in GRPO (all reference implementations)."""
-    batch_norm_eps: float = 1e-4
-    """Added to the batch std of `batch_norm` (TRL)."""
-    maxrl_divide_by_group_size: bool = False
-    """MaxRL scaling: False = (r - r_hat)/r_hat for mean reductions (prime-rl), True = survey's /(N r_hat)."""
-
-    # --- surrogates
-    eps_low: float | None = None
-    """Lower clip epsilon; None = the surrogate's default (ppo/cispo 0.2, gspo 3e-4)."""
-    eps_high: float | None = None
-    """Upper clip epsilon; None = the surrogate's default (ppo 0.2, cispo 0.28, gspo 4e-4)."""
-    dual_clip_c: float | None = None
-    """PPO dual clip constant c > 1 (verl uses 3); None = off."""
-    cispo_eps_max: float | None = 5.0
-    """CISPO absolute cap w = min(rho, eps_max) (ScaleRL); None = band clip(rho, 1-eps_low, 1+eps_high).
-    The cap wins: giving eps_low / eps_high to CISPO without cispo_eps_max = None is rejected."""
-    sapo_tau_pos: float = 1.0
-    """SAPO gate temperature for A > 0."""
-    sapo_tau_neg: float = 1.05
-    """SAPO gate temperature for A <= 0."""
-    dppo_delta_low: float | None = None
-    """DPPO divergence threshold for A <= 0; None = 0.15 (TV) / 0.05 (KL)."""
-    dppo_delta_high: float | None = None
-    """DPPO divergence threshold for A > 0; None = 0.15 (TV) / 0.05 (KL)."""
-    dppo_clip_c: float = 20.0
-    """DPPO cap C of the IS weight min(q, C) (TRL default)."""
-    gvpo_beta: float = 0.1
-    """GVPO implicit-reward scale."""
-    kl_coef: float = 0.0
-    """Coefficient of the KL-to-reference loss term (0 = off, needs ref_logprobs otherwise)."""
-    kl_estimator: str = "k3"
-    """KL estimator of the loss term: k1, k2, k3, k3_plus."""
-
-    # --- corrections
-    tis_cap: float = 2.0
-    """C of truncated IS min(w, C) (`tis`, `tis_seq`, bypass with `reinforce`)."""
-    tis_batch_normalize: bool = False
-    """Divide the TIS weights by their mean over the whole optimizer batch, after truncation (verl). Only
-    the policy-gradient term is rescaled, never the KL or value terms; see `tis_normalizer_stats`."""
-    mis_upper: float = 2.0
-    """Upper bound of the MIS keep interval on kappa (token, sequence product or geometric mean)."""
-    mis_lower: float | None = None
-    """Lower bound of the MIS keep interval; None = 1 / mis_upper."""
-    veto_threshold: float | None = None
-    """Reject a whole sequence if any token has kappa below this; None = off."""
-    icepop_alpha: float = 0.5
-    """IcePop lower bound on kappa."""
-    icepop_beta: float = 5.0
-    """IcePop upper bound on kappa."""
-    dis_eps_low: float = 0.3
-    """DIS keeps 1 - eps_low < q < 1 + eps_high."""
-    dis_eps_high: float = 5.0
-    """DIS upper epsilon."""
-    decoupled_cap: float | None = 5.0
-    """AReaL decoupled PPO: tokens with kappa above this are masked; None = keep all."""
-    opsm_delta: float = 0.5
-    """OPSM drops sequences with A < 0 and mean(rollout - learner) > delta."""
-    denominator_after_rejection: bool = False
-    """Reduction denominators count tokens after the rejection mask (verl) instead of before (AReaL, slime)."""
-
-    # --- reduction
-    l_max: int | None = None
-    """Fixed max response length for `seq_mean_token_sum_norm` (Dr. GRPO); not the padded width."""
-
-    # --- reward shaping (before the advantages, see `shape_rewards`)
-    overlong_max_length: int | None = None
-    """DAPO soft overlong punishment L_max: responses longer than L_max - overlong_cache_length tokens lose
-    reward linearly, down to -overlong_penalty_factor at L_max and beyond; None = off."""
-    overlong_cache_length: int = 4096
-    """DAPO L_cache: the length of the penalty ramp below overlong_max_length."""
-    overlong_penalty_factor: float = 1.0
-    """Scale of the overlong penalty (verl `penalty_factor`)."""
-
-    def __post_init__(self) -> None:
-        _check_name("advantage", self.advantage, ADVANTAGES)
-        _check_name("loss", self.loss, LOSSES)
-        _check_name("reduction", self.reduction, REDUCTIONS)
-        _check_name("correction", self.correction, CORRECTIONS)
-        _check_name("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        default_low, default_high = _LOSS_EPS.get(self.loss, _PPO_EPS)
-        if self.eps_low is None:
-            object.__setattr__(self, "eps_low", default_low)
-        if self.eps_high is None:
-            object.__setattr__(self, "eps_high", default_high)
-        problems = params_lib.value_problems({name: getattr(self, name) for name in params_lib.PARAMS})
-        if self.reduction == "seq_mean_token_sum_norm" and self.l_max is None:
-            problems.append("reduction 'seq_mean_token_sum_norm' needs l_max > 0 (the fixed max response length)")
-        if not self.icepop_alpha < self.icepop_beta:
-            problems.append(f"need icepop_alpha < icepop_beta (got {self.icepop_alpha}, {self.icepop_beta})")
-        if self.overlong_max_length is not None and self.overlong_cache_length > self.overlong_max_length:
-            problems.append(
-                f"need overlong_cache_length <= overlong_max_length (got {self.overlong_cache_length}, {self.overlong_max_length})"
-            )
-        if self.denominator_after_rejection and self.correction in ("dis", "opsm"):
-            problems.append(
-                f"correction {self.correction!r} depends on the current policy, so its rejections cannot shrink "
-                "the reduction denominator: set denominator_after_rejection = false"
-            )
-        if problems:
-            raise ValueError("invalid recipe: " + "; ".join(problems))
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @property
-    def normalizes_tis(self) -> bool:
-        """True when the loss needs the batch-global `tis_normalizer_stats`."""
-        return self.tis_batch_normalize and self.correction in _TIS_LEVEL
-
-
-_PARAM_NAMES = tuple(
-    f.name for f in dataclasses.fields(Recipe) if f.name not in ("advantage", "loss", "reduction", "correction")
-)
-
-
-def resolve_recipe(
-    preset: str | None = None,
-    advantage: str | None = None,
-    loss: str | None = None,
-    reduction: str | None = None,
-    correction: str | None = None,
-    **params: Any,
-) -> Recipe:
-    """Build a Recipe from a preset and overrides. Raises ValueError naming any unknown preset, component
-    or parameter together with the valid names (and the closest one), and for eps_low / eps_high given to
-    CISPO while its cap is on (`params.cispo_band_conflict`). Parameters that the chosen components do
-    not read are accepted here (tests share parameter sets across components); `asyncrl.config` rejects
-    them in a run's config with `params.check_params`."""
-    unknown = sorted(set(params) - set(_PARAM_NAMES))
-    if unknown:
-        hints = "".join(_did_you_mean(name, _PARAM_NAMES) for name in unknown)
-        raise ValueError(f"unknown recipe parameter(s) {', '.join(unknown)}{hints}; valid: {', '.join(_PARAM_NAMES)}")
-    fields: dict[str, Any] = {}
-    if preset is not None:
-        _check_name("preset", preset, PRESETS)
-        fields.update(PRESET_COMPONENTS[preset])
-        fields.update(PRESET_PARAMS.get(preset, {}))
-    overrides = {"advantage": advantage, "loss": loss, "reduction": reduction, "correction": correction}
-    fields.update({k: v for k, v in overrides.items() if v is not None})
-    conflict = params_lib.cispo_band_conflict(fields.get("loss", Recipe.loss), params)
-    if conflict:
-        raise ValueError(conflict)
-    fields.update(params)
-    return Recipe(**fields)
-
 
 def shape_rewards(recipe: Recipe, rewards: torch.Tensor, response_lengths: list[int]) -> torch.Tensor:
-    """Task rewards [N] plus the recipe's DAPO overlong penalty of each response (docs/algorithms.md#reward-shaping-and-filters), before any
-    advantage sees them; `rewards` itself when the recipe shapes nothing. response_lengths: tokens [N]."""
+    """Task rewards [N] plus the recipe's DAPO overlong penalty of each response
+    (docs/algorithms.md#reward-shaping-and-filters), before any advantage sees them; `rewards` itself when the
+    recipe shapes nothing. response_lengths: tokens [N]."""
     if recipe.overlong_max_length is None:
         return rewards
     max_length, cache_length = recipe.overlong_max_length, recipe.overlong_cache_length
@@ -348,17 +125,20 @@ def compute_advantages(
             raise ValueError(f"advantage {name!r} needs group_ids")
         if name == "reinforce_pp_baseline":
             return adv_lib.reinforce_pp_baseline(rewards, group_ids, mask), None
-        if name == "grpo":
-            seq = adv_lib.grpo(rewards, group_ids, recipe.grpo_eps, recipe.grpo_unbiased)
-        elif name == "dr_grpo":
-            seq = adv_lib.dr_grpo(rewards, group_ids)
-        elif name == "rloo":
-            seq = adv_lib.rloo(rewards, group_ids)
-        elif name == "batch_norm":
-            seq = adv_lib.batch_normalized(rewards, group_ids, recipe.batch_norm_eps)
-        else:  # maxrl
-            seq = adv_lib.maxrl(rewards, group_ids, recipe.maxrl_divide_by_group_size)
+        seq = _SEQUENCE_ADVANTAGES[name](recipe, rewards, group_ids)
         return adv_lib.broadcast_to_tokens(seq, mask), None
+
+
+# Estimators of one advantage per sequence from its group's outcome rewards [N] (broadcast to its tokens).
+_SEQUENCE_ADVANTAGES = {
+    "grpo": lambda r, rewards, g: adv_lib.grpo(rewards, g, r.grpo_eps, r.grpo_unbiased),
+    "dr_grpo": lambda r, rewards, g: adv_lib.dr_grpo(rewards, g),
+    "rloo": lambda r, rewards, g: adv_lib.rloo(rewards, g),
+    "batch_norm": lambda r, rewards, g: adv_lib.batch_normalized(rewards, g, r.batch_norm_eps),
+    "maxrl": lambda r, rewards, g: adv_lib.maxrl(rewards, g, r.maxrl_divide_by_group_size),
+}
+# Estimators `compute_advantages` runs by name before the sequence ones (critic, token rewards, no group).
+_OTHER_ADVANTAGES = ("gae", "vapo", "reinforce", "reinforce_pp", "reinforce_pp_baseline")
 
 
 def denominator_mask(
@@ -371,15 +151,16 @@ def denominator_mask(
     `recipe.denominator_after_rejection` and the correction rejects tokens from old/rollout log-probs."""
     mask = as_mask(mask)
     precomputable = recipe.correction in _PRECOMPUTABLE_REJECTION
-    if not recipe.denominator_after_rejection or not (precomputable or recipe.veto_threshold is not None):
+    veto = recipe.veto_threshold
+    if not recipe.denominator_after_rejection or not (precomputable or veto is not None):
         return mask
     if old_logprobs is None or rollout_logprobs is None:
         raise ValueError("denominator_after_rejection needs old_logprobs and rollout_logprobs")
-    if precomputable:  # its keep mask already includes the veto
+    if precomputable or veto is None:  # a precomputable keep mask already includes the veto
         _, keep, _ = _correction(recipe, old_logprobs, old_logprobs, rollout_logprobs, None, mask)
         return keep
     log_kappa = corr_lib.detached_log_ratio(old_logprobs, rollout_logprobs, mask)
-    return corr_lib.veto_keep(log_kappa, mask, recipe.veto_threshold)
+    return corr_lib.veto_keep(log_kappa, mask, veto)
 
 
 def compute_token_weights(
@@ -401,7 +182,7 @@ def compute_token_weights(
 
 
 def _tis_weights(recipe: Recipe, log_kappa: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return corr_lib.truncated_is_weights(log_kappa, mask, recipe.tis_cap, _TIS_LEVEL[recipe.correction])
+    return corr_lib.truncated_is_weights(log_kappa, mask, recipe.tis_cap, TIS_LEVEL[recipe.correction])
 
 
 def tis_normalizer_stats(
@@ -446,7 +227,7 @@ def _correction(recipe, learner_logprobs, old_logprobs, rollout_logprobs, advant
     name = recipe.correction
     log_kappa = corr_lib.detached_log_ratio(old_logprobs, rollout_logprobs, mask)
     weight = keep = None
-    if name in _TIS_LEVEL:
+    if name in TIS_LEVEL:
         weight = _tis_weights(recipe, log_kappa, mask)
         if recipe.tis_batch_normalize:
             weight = _batch_normalized(weight, mask, tis_stats)
@@ -507,7 +288,7 @@ def _to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
         return {}
     names = list(metrics)
     values = torch.stack([metrics[k].detach().float().reshape(()) for k in names]).tolist()
-    return dict(zip(names, values))
+    return dict(zip(names, values, strict=True))
 
 
 def compute_policy_loss(
@@ -570,3 +351,19 @@ def compute_value_loss(
     loss = weighted_sum(per_token, token_weights)
     metrics["value_loss"] = loss.detach()
     return loss, _to_floats(metrics)
+
+
+def _check_registry() -> None:
+    """Every registered parameter is a `Recipe` field, and every registered advantage and loss is implemented here."""
+    advantages = {*_OTHER_ADVANTAGES, *_SEQUENCE_ADVANTAGES}
+    if advantages != set(registry.ADVANTAGES):
+        raise ImportError(f"advantages and registry.ADVANTAGES differ: {sorted(advantages ^ set(registry.ADVANTAGES))}")
+    if set(PARAM_NAMES) != set(registry.PARAMS):
+        raise ImportError(
+            f"Recipe fields and registry.PARAMS differ: {sorted(set(PARAM_NAMES) ^ set(registry.PARAMS))}"
+        )
+    if set(_SURROGATES) != set(registry.LOSSES):
+        raise ImportError(f"surrogates and registry.LOSSES differ: {sorted(set(_SURROGATES) ^ set(registry.LOSSES))}")
+
+
+_check_registry()

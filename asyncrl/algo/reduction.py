@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from asyncrl.algo._masked import as_mask, dense_groups, fp32
-from asyncrl.algo.names import REDUCTIONS
+from asyncrl.algo.registry import REDUCTIONS
 
 __all__ = ["aggregate", "global_reduction_stats", "reduction_stats", "reduction_weights", "weighted_sum"]
 
@@ -112,6 +112,7 @@ def reduction_weights(
         raise ValueError("reduction 'seq_mean_token_sum_norm' needs l_max > 0 (the fixed max response length)")
     if stats is None:
         if mode == "prompt_mean":
+            assert group_ids is not None  # checked on entry
             group_ids, num_groups = dense_groups(group_ids)
             stats = reduction_stats(mask, group_ids, num_groups)
         else:
@@ -125,12 +126,14 @@ def reduction_weights(
     elif mode == "seq_mean_token_sum":
         weights = m * _safe_reciprocal(stats[_NONEMPTY_SEQS])
     elif mode == "seq_mean_token_sum_norm":
+        assert l_max is not None  # checked on entry
         weights = m * _safe_reciprocal(stats[_SEQS] * l_max)
     else:  # prompt_mean
         group_tokens = stats[_GROUPS:]
         if group_tokens.numel() == 0:
             raise ValueError("reduction 'prompt_mean' needs stats with per-group token counts (pass num_groups)")
         num_prompts = (group_tokens > 0).sum()
+        assert group_ids is not None  # checked on entry
         per_row = _safe_reciprocal(group_tokens[group_ids.long()]) * _safe_reciprocal(num_prompts)
         weights = m * per_row[:, None]
     return weights.to(dtype)

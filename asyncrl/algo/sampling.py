@@ -9,7 +9,7 @@ the logits of a random-sampling request in this order:
        <= 1 - top_p is set to -inf (the most likely token is always kept)
     -> log_softmax over what is left.
 
-With `logprobs_mode="processed_logprobs"` (rollout/vllm_compat.py) the rollout log-prob of a sampled token
+With `logprobs_mode="processed_logprobs"` (rollout/vllm_compat/process.py) the rollout log-prob of a sampled token
 is its log-prob under that renormalised distribution, so the learner must score the same one:
 `processed_logits` reproduces the steps above on the learner's logits.
 

@@ -45,7 +45,8 @@ def group_has_variance(rewards: Sequence[float]) -> bool:
 
 
 def zero_variance_keep(groups: Sequence[Sequence[float]]) -> list[bool]:
-    """Dynamic sampling (DAPO) / zero-variance filtering (ScaleRL): keep flag per group (docs/algorithms.md#reward-shaping-and-filters)."""
+    """Dynamic sampling (DAPO) / zero-variance filtering (ScaleRL): keep flag per group
+    (docs/algorithms.md#reward-shaping-and-filters)."""
     return [group_has_variance(g) for g in groups]
 
 

@@ -78,8 +78,8 @@ class ReplayQueue:
         elif s["groups_ahead"] >= s["admission_limit_groups"] and s["backlog_groups"]:
             hint = (
                 f"; admission is closed (consumed + in flight + ready = {s['groups_ahead']} >= (admission version +"
-                f" max_staleness + 1) * batch_groups = {s['admission_limit_groups']}) until a weight sync is confirmed: is"
-                f" batch_groups ({s['batch_groups']}) the number of groups consumed per step?"
+                f" max_staleness + 1) * batch_groups = {s['admission_limit_groups']}) until a weight sync is"
+                f" confirmed: is batch_groups ({s['batch_groups']}) the number of groups consumed per step?"
             )
         return (
             f"ready groups {s['ready_groups']}, groups in flight {s['groups_in_flight']}, samples in flight "
@@ -97,10 +97,6 @@ class ReplayQueue:
 
     async def set_version(self, version: int) -> None:
         self.core.set_version(version)
-        self._notify()
-
-    async def set_batch_groups(self, batch_groups: int) -> None:
-        self.core.set_batch_groups(batch_groups)
         self._notify()
 
     # ------------------------------------------------------------------------------------------------
@@ -141,11 +137,6 @@ class ReplayQueue:
         self._notify()
         return requeued
 
-    async def abort_outstanding(self, include_ready: bool = True) -> int:
-        aborted = self.core.abort_outstanding(include_ready=include_ready)
-        self._notify()
-        return aborted
-
     # ------------------------------------------------------------------------------------------------
     # Learner side.
 
@@ -174,8 +165,9 @@ class ReplayQueue:
             if time.monotonic() >= deadline:
                 want = f"{num_groups} groups" if min_groups is None else f"{num_groups} (at least {min_groups}) groups"
                 raise TimeoutError(
-                    f"ReplayQueue '{self.name}': get_batch waited {time.monotonic() - start:.1f}s (timeout {timeout_s}s) "
-                    f"for {want} at learner version {learner_version}: {self._describe(learner_version)}"
+                    f"ReplayQueue '{self.name}': get_batch waited {time.monotonic() - start:.1f}s "
+                    f"(timeout {timeout_s}s) for {want} at learner version {learner_version}: "
+                    f"{self._describe(learner_version)}"
                 )
             await self._wait_change(deadline)
 
@@ -200,6 +192,14 @@ class ReplayQueue:
         if self.core.expire_stragglers():
             self._notify()
         return self.core.stats()
+
+    async def backlog_groups(self) -> int:
+        """Prompts queued and not yet started: the one figure the controller's prompt top-up needs, without
+        the percentiles and histograms `stats` computes. Expires stragglers first, as `stats` does, so a
+        controller polling this instead of `stats` keeps the same straggler timing."""
+        if self.core.expire_stragglers():
+            self._notify()
+        return self.core.backlog_groups()
 
     async def staleness_histogram(self) -> dict[int, int]:
         return self.core.staleness_histogram()

@@ -75,6 +75,10 @@ class QueueClient:
         `admission_version`, `staleness_mean`, latencies, ...)."""
         return self._get("stats", self.handle.stats.remote(), self.timeouts.call_s)
 
+    def backlog_groups(self) -> int:
+        """Prompts queued and not yet started as groups: one number, for the controller's prompt top-up."""
+        return self._get("backlog_groups", self.handle.backlog_groups.remote(), self.timeouts.call_s)
+
     def counters(self) -> dict[str, int]:
         """Terminal-state and informational counters (`ReplayQueueCore.counters`)."""
         return self._get("counters", self.handle.counters.remote(), self.timeouts.call_s)

@@ -46,129 +46,24 @@ Either way `ledger.response_lengths()` compares the lengths generated with those
 
 from __future__ import annotations
 
-import enum
 import heapq
-import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
-import numpy as np
-
 from asyncrl.buffer import filters
-from asyncrl.buffer.ledger import ConservationError, Ledger, ResponseLengths
-from asyncrl.config import BufferConfig
-from asyncrl.types import DROPPED_STALE, STALE_FAILURE, TRAINED, Batch, Exchange, Group, Prompt, Request, Trajectory
+from asyncrl.buffer.groups import ARRIVED, OUT, PENDING, READY, GroupBook, GroupState, Member, MemberState
+from asyncrl.buffer.ledger import ConservationError, ResponseLengths
+from asyncrl.types import Batch, Exchange, Prompt, Request, Trajectory
 
 __all__ = ["ConservationError", "Member", "MemberState", "ReplayQueueCore"]
 
 
-class MemberState(enum.Enum):
-    """Where one member of an admitted group is (the boxes of the diagram above). Every state but DONE is in flight."""
-
-    PENDING = "pending"
-    OUT = "out"
-    ARRIVED = "arrived"
-    READY = "ready"
-    DONE = "done"
-
-
-PENDING, OUT, ARRIVED, READY, DONE = MemberState
-"""Short names for the states, which this module spells on almost every line."""
-
-
-@dataclass
-class Member:
-    """One sample of an admitted group. `holder` is set only while OUT, `trajectory` only while ARRIVED or READY."""
-
-    state: MemberState = MemberState.PENDING
-    holder: str | None = None
-    attempt: int = 0
-    """Bumped each time the sample is re-dispatched, so a late answer of an earlier attempt is recognisable."""
-    trajectory: Trajectory | None = None
-    min_version: int = 0
-    """`trajectory.min_version`, taken once on arrival (a numpy reduction per call)."""
-    arrived_at: float = 0.0
-    acquired_at: float = 0.0
-
-
-@dataclass
-class _GroupState:
-    """One admitted group. Lives until every member is terminal (late members of a dropped group included)."""
-
-    group_id: str
-    prompt: Prompt
-    members: list[Member]
-    rewards_seen: list[float] = field(default_factory=list)
-    first_arrival_at: float | None = None
-    has_deadline: bool = False
-    resolved: bool = False
-    """Ready, filtered or dropped as a whole; members still out get `late_fate` when they arrive."""
-    late_fate: str = filters.FILTERED_STRAGGLER
-    min_version: int = 0
-    start_version: int = 0
-    """The admission version when the group started: no member's tokens can be older (`stale_policy: wait`)."""
-
-    @property
-    def size(self) -> int:
-        return len(self.members)
-
-    def indices(self, state: MemberState) -> list[int]:
-        return [i for i, m in enumerate(self.members) if m.state is state]
-
-    def count(self, state: MemberState) -> int:
-        return sum(1 for m in self.members if m.state is state)
-
-    def in_flight(self) -> int:
-        return sum(1 for m in self.members if m.state is not DONE)
-
-
-class ReplayQueueCore:
-    """Admission, readiness, filters, staleness check and conservation counters of the replay queue.
-
-    `clock` (seconds) times straggler deadlines and put-to-get latency; tests pass a fake one. With
-    `config.log_parquet` and a `log_dir`, every trajectory that reached the queue is appended with its
-    terminal state to `<log_dir>/trajectories.parquet` (samples that never came back have no row).
+class ReplayQueueCore(GroupBook):
+    """Admission, readiness, filters, staleness check and conservation counters of the replay queue, on the
+    books of `groups.GroupBook` (its constructor: config, batch_groups, clock, log_dir).
     """
-
-    def __init__(
-        self,
-        config: BufferConfig,
-        batch_groups: int = 1,
-        clock: Callable[[], float] = time.monotonic,
-        log_dir: str | Path | None = None,
-    ) -> None:
-        if batch_groups < 1:
-            raise ValueError(f"batch_groups must be >= 1 (got {batch_groups})")
-        self.config = config
-        self.batch_groups = batch_groups
-        """B: groups the learner consumes per optimizer step (admission control unit)."""
-        self.admission_version = 0
-        """The policy version every engine has confirmed (`set_version`, by the controller only); admission
-        counts from it. The learner version passed to `get_batch` may run ahead and never moves it."""
-        self.clock = clock
-        self.ledger = Ledger()
-        self._backlog: deque[tuple[Prompt, int]] = deque()
-        self._groups: dict[str, _GroupState] = {}
-        self._pending: deque[tuple[str, int]] = deque()
-        self._ready: deque[_GroupState] = deque()
-        self._by_worker: dict[str, set[tuple[str, int]]] = {}
-        self._deadlines: list[tuple[float, str]] = []
-        self._unresolved = 0
-        self._next_group = 0
-        self._dispatch_stopped = False
-        self._next_step_version: int | None = None
-        """The version the learner's next `get_batch` asks at (the last call's, plus one once it handed a batch
-        out): whether that step waits for an old group (`_enough_ready`)."""
-        threshold = config.pass_rate_threshold if config.pass_rate_curriculum else float("inf")
-        self._pass_rate = filters.PassRateTracker(threshold)
-        self._log = None
-        if config.log_parquet and log_dir is not None:
-            from asyncrl.buffer.storage import TrajectoryLog, next_log_path
-
-            self._log = TrajectoryLog(next_log_path(log_dir))
 
     # ------------------------------------------------------------------------------------------------
     # Controller side: prompts, versions.
@@ -193,11 +88,6 @@ class ReplayQueueCore:
         if version < self.admission_version:
             raise ValueError(f"policy version went back from {self.admission_version} to {version}")
         self.admission_version = version
-
-    def set_batch_groups(self, batch_groups: int) -> None:
-        if batch_groups < 1:
-            raise ValueError(f"batch_groups must be >= 1 (got {batch_groups})")
-        self.batch_groups = batch_groups
 
     # ------------------------------------------------------------------------------------------------
     # Rollout side: acquire requests, put trajectories, lose workers.
@@ -243,7 +133,7 @@ class ReplayQueueCore:
         """
         self.expire_stragglers()
         now = self.clock()
-        touched: dict[str, _GroupState] = {}
+        touched: dict[str, GroupState] = {}
         generated: list[int] = []
         accepted = 0
         for t in trajectories:
@@ -290,29 +180,6 @@ class ReplayQueueCore:
             requeued += 1
         self.ledger.count("requeued", requeued)
         return requeued
-
-    def abort_outstanding(self, include_ready: bool = True) -> int:
-        """Shutdown: end all in-flight samples as `failed:aborted` and stop dispatching; returns how many.
-
-        With `include_ready=False`, ready groups stay available to a last `get_batch`.
-        """
-        self._dispatch_stopped = True
-        aborted = 0
-        for g in list(self._groups.values()):
-            for i, m in enumerate(g.members):
-                if m.state is DONE or (m.state is READY and not include_ready):
-                    continue
-                if m.state is OUT:
-                    self._release(g, i)
-                self._finish(g, i, filters.FAILED_ABORTED)
-                aborted += 1
-            if not g.resolved:
-                g.resolved = True
-                self._unresolved -= 1
-            self._forget_if_done(g)
-        self._ready = deque(g for g in self._ready if g.group_id in self._groups)
-        self._pending.clear()
-        return aborted
 
     def expire_stragglers(self) -> int:
         """Resolve every group incomplete `group_timeout_s` after its first member arrived; returns how many.
@@ -400,7 +267,7 @@ class ReplayQueueCore:
         if self.config.stale_policy != "wait":
             return []
         oldest = next((g for g in self._groups.values() if not g.resolved), None)
-        if oldest is None or learner_version - oldest.start_version < self.config.max_staleness:
+        if oldest is None or not self.staleness.last_chance(oldest.start_version, learner_version):
             return []
         return [
             (f"{oldest.group_id}/{i}/{m.attempt}", m.holder)
@@ -414,7 +281,7 @@ class ReplayQueueCore:
 
     def drained(self) -> bool:
         """Nothing more can become ready without new prompts: empty backlog, every group resolved."""
-        return self._unresolved == 0 and (not self._backlog or self._dispatch_stopped)
+        return self._unresolved == 0 and not self._backlog
 
     # ------------------------------------------------------------------------------------------------
     # Accounting and metrics (the books are kept by `ledger.Ledger`).
@@ -434,7 +301,11 @@ class ReplayQueueCore:
 
     def admission_limit(self) -> int:
         """Groups that may have been started (consumed + in flight + ready) at the admission version."""
-        return (self.admission_version + self.config.max_staleness + 1) * self.batch_groups
+        return self.staleness.admission_limit(self.admission_version, self.batch_groups)
+
+    def backlog_groups(self) -> int:
+        """Prompts queued and not yet started as groups."""
+        return len(self._backlog)
 
     def groups_ahead(self) -> int:
         """consumed + in flight + ready groups: the position of the next group in consumption order."""
@@ -451,7 +322,8 @@ class ReplayQueueCore:
     def stats(self) -> dict[str, float]:
         """A flat dict of numbers for telemetry: `counters()`, the queue's state (`admission_version`,
         `batch_groups`, `max_staleness`, `admission_limit_groups`, `ready_limit_groups` (0: no cap),
-        `ready_hold` (1 while prompts wait because of it), `groups_ahead`, `ready_groups`, `ready_samples`, `groups_in_flight`, `backlog_groups`,
+        `ready_hold` (1 while prompts wait because of it), `groups_ahead`, `ready_groups`, `ready_samples`,
+        `groups_in_flight`, `backlog_groups`,
         `retired_prompts_total`), the staleness of
         trained samples (`staleness_mean`, `staleness_max`, `staleness_hist:<lag>`), the mean response length of
         generated and of trained samples (`response_len_{generated,trained}_mean`) and put-to-get latency
@@ -468,7 +340,7 @@ class ReplayQueueCore:
             ready_groups=len(self._ready),
             ready_samples=sum(g.count(READY) for g in self._ready),
             groups_in_flight=self._unresolved,
-            backlog_groups=len(self._backlog),
+            backlog_groups=self.backlog_groups(),
             retired_prompts_total=len(self._pass_rate.retired),
         )
         out.update(self.ledger.staleness_stats())
@@ -531,62 +403,10 @@ class ReplayQueueCore:
             self._log.close()
 
     # ------------------------------------------------------------------------------------------------
-    # Internals: arrivals.
-
-    def _match(self, t: Trajectory) -> _GroupState | None:
-        """The group whose member is waiting for `t`, or None if `t` answers no request currently out."""
-        g = self._groups.get(t.group_id)
-        if g is None or not 0 <= t.sample_index < g.size:
-            return None
-        m = g.members[t.sample_index]
-        if (
-            m.state is not OUT
-            or (t.worker and t.worker != m.holder)
-            or (t.attempt is not None and t.attempt != m.attempt)
-        ):
-            return None
-        return g
-
-    def _arrive(self, g: _GroupState, t: Trajectory, now: float) -> None:
-        """An accepted trajectory: its member ends at once (late, failed, overlong) or waits for its group."""
-        i = t.sample_index
-        self._release(g, i)
-        if g.first_arrival_at is None:
-            g.first_arrival_at = now
-        if g.resolved:
-            self._finish(g, i, g.late_fate, t)
-        elif t.failure is not None and filters.failure_reason(t.failure) == STALE_FAILURE:
-            self._drop_group_stale(g, i, t)
-        elif t.failure is not None:
-            self._finish(g, i, filters.failed_state(t.failure), t)
-        else:
-            g.rewards_seen.append(float(t.reward))
-            if self.config.filter_overlong and filters.is_overlong(t):
-                self._finish(g, i, filters.FILTERED_OVERLONG, t)
-            else:
-                m = g.members[i]
-                m.state, m.trajectory, m.min_version, m.arrived_at = ARRIVED, t, t.min_version, now
-
-    def _after_arrivals(self, g: _GroupState) -> None:
-        """Resolve a group nobody works on any more; otherwise start its straggler clock."""
-        if g.resolved:
-            self._forget_if_done(g)
-        elif g.count(PENDING) == 0 and g.count(OUT) == 0:
-            self._resolve(g, g.indices(ARRIVED))
-            self._forget_if_done(g)
-        elif not g.has_deadline:
-            g.has_deadline = True
-            heapq.heappush(self._deadlines, (g.first_arrival_at + self.config.group_timeout_s, g.group_id))
-
-    # ------------------------------------------------------------------------------------------------
-    # Internals: admission and member life.
-
-    def _is_zombie(self, g: _GroupState) -> bool:
-        """A resolved group kept only for members still out (they will be filtered when they arrive)."""
-        return g.resolved and g.count(READY) == 0
+    # Internals: admission.
 
     def _can_start(self) -> bool:
-        if self._dispatch_stopped or not self._backlog:
+        if not self._backlog:
             return False
         if len(self._ready) >= self.config.capacity_groups or self._enough_ready():
             return False
@@ -613,7 +433,7 @@ class ReplayQueueCore:
         prompt, size = self._backlog.popleft()
         gid = f"{prompt.prompt_id}#{self._next_group}"
         self._next_group += 1
-        self._groups[gid] = _GroupState(
+        self._groups[gid] = GroupState(
             gid, prompt, [Member() for _ in range(size)], start_version=self.admission_version
         )
         self._pending.extend((gid, i) for i in range(size))
@@ -621,116 +441,3 @@ class ReplayQueueCore:
         self.ledger.dispatch(size)
         self.ledger.count("groups_started")
         return True
-
-    def _next_pending(self) -> tuple[_GroupState, int] | None:
-        while self._pending:
-            gid, i = self._pending.popleft()
-            g = self._groups.get(gid)
-            if g is not None and g.members[i].state is PENDING:
-                return g, i
-        return None
-
-    def _release(self, g: _GroupState, i: int) -> None:
-        """Forget which worker holds member i."""
-        m = g.members[i]
-        if m.holder is not None:
-            self._by_worker.get(m.holder, set()).discard((g.group_id, i))
-            m.holder = None
-
-    def _finish(self, g: _GroupState, i: int, fate: str, arriving: Trajectory | None = None) -> None:
-        """Member i reaches its terminal state `fate`; its trajectory (the `arriving` one, else the one it
-        holds) is logged with that fate."""
-        m = g.members[i]
-        trajectory = arriving if arriving is not None else m.trajectory
-        m.state, m.trajectory = DONE, None
-        self.ledger.finish(fate)
-        if trajectory is not None and self._log is not None:
-            self._log.append(trajectory, fate)
-
-    # ------------------------------------------------------------------------------------------------
-    # Internals: a group's fate.
-
-    def _resolve(self, g: _GroupState, members: list[int]) -> None:
-        """The group is finished arriving: update the pass rate, filter it, or make `members` ready."""
-        g.resolved = True
-        self._unresolved -= 1
-        if g.rewards_seen and self._pass_rate.update(g.prompt.prompt_id, g.rewards_seen):
-            self.ledger.count("retired_prompts")
-        fate = None
-        if g.size >= 2 and 0 < len(members) < 2:
-            fate = filters.FILTERED_TOO_FEW_MEMBERS
-        elif (
-            g.size >= 2
-            and self.config.filter_zero_variance
-            and filters.is_zero_variance([g.members[i].trajectory.reward for i in members])
-        ):
-            fate = filters.FILTERED_ZERO_VARIANCE
-        if fate is not None:
-            for i in members:
-                self._finish(g, i, fate)
-            return
-        if members:
-            for i in members:
-                g.members[i].state = READY
-            g.min_version = min(g.members[i].min_version for i in members)
-            self._ready.append(g)
-
-    def _hand_out(self, g: _GroupState, now: float) -> tuple[Group, list[float]]:
-        """A ready group leaves for the learner: its members end `trained`; returns it with each member's
-        seconds since arrival (put-to-get latency)."""
-        members = g.indices(READY)
-        group = Group(g.group_id, [g.members[i].trajectory for i in members])
-        waited = [now - g.members[i].arrived_at for i in members]
-        for i in members:
-            self._finish(g, i, TRAINED)
-        self._forget_if_done(g)
-        return group, waited
-
-    def _mask_stale_tokens(self, learner_version: int) -> None:
-        """`stale_policy: continue`: in each ready group too old for a step at `learner_version`, mask out of the
-        loss every member's tokens sampled more than `max_staleness` versions ago (they stay as context). A group
-        with a member that would have no trained token left stays as it is, too old: `_drop_stale` drops it whole."""
-        oldest_allowed = learner_version - self.config.max_staleness
-        for g in self._ready:
-            if g.min_version >= oldest_allowed:
-                continue
-            members = [g.members[i] for i in g.indices(READY)]
-            trained = [m.trajectory.loss_mask != 0 for m in members]
-            stale = [(m.trajectory.versions < oldest_allowed) & mask for m, mask in zip(members, trained)]
-            if any(mask.any() and not (mask & ~old).any() for mask, old in zip(trained, stale)):
-                continue
-            for m, old in zip(members, stale):
-                if old.any():
-                    t = m.trajectory
-                    m.trajectory = t.replace(loss_mask=np.where(old, 0, t.loss_mask).astype(t.loss_mask.dtype))
-                    m.min_version = m.trajectory.min_version
-                    self.ledger.count("stale_tokens_masked", int(np.count_nonzero(old)))
-                    self.ledger.count("stale_samples_masked")
-            g.min_version = min(m.min_version for m in members)
-
-    def _drop_stale(self, learner_version: int) -> None:
-        eta = self.config.max_staleness
-        fresh: deque[_GroupState] = deque()
-        for g in self._ready:
-            if learner_version - g.min_version <= eta:
-                fresh.append(g)
-                continue
-            for i in g.indices(READY):
-                self._finish(g, i, DROPPED_STALE)
-            self.ledger.count("groups_dropped_stale")
-            self._forget_if_done(g)
-        self._ready = fresh
-
-    def _drop_group_stale(self, g: _GroupState, i: int, t: Trajectory) -> None:
-        """Member i was aborted by its engine as certain to exceed the bound: the whole group is
-        `dropped_stale` now (members not yet back take that fate when they arrive)."""
-        self._finish(g, i, DROPPED_STALE, t)
-        for j in g.indices(PENDING) + g.indices(ARRIVED):
-            self._finish(g, j, DROPPED_STALE)
-        g.resolved, g.late_fate = True, DROPPED_STALE
-        self._unresolved -= 1
-        self.ledger.count("groups_dropped_stale")
-
-    def _forget_if_done(self, g: _GroupState) -> None:
-        if g.resolved and g.in_flight() == 0:
-            self._groups.pop(g.group_id, None)

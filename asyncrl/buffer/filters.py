@@ -22,7 +22,6 @@ FILTERED_ZERO_VARIANCE = "filtered:zero_variance"
 FILTERED_STRAGGLER = "filtered:straggler"
 FILTERED_TOO_FEW_MEMBERS = "filtered:too_few_members"
 """A group of size >= 2 left with fewer than 2 usable members (group advantages need 2)."""
-FAILED_ABORTED = "failed:aborted"
 
 ZERO_VARIANCE_ATOL = 1e-9
 """Rewards closer than this count as equal (verifier rewards are exact 0/1; shaped ones may carry float noise)."""
@@ -66,7 +65,7 @@ class PassRateTracker:
             return False
         self._reward_sum[prompt_id] = self._reward_sum.get(prompt_id, 0.0) + float(sum(rewards))
         self._count[prompt_id] = self._count.get(prompt_id, 0) + len(rewards)
-        if prompt_id not in self.retired and self.pass_rate(prompt_id) >= self.threshold:
+        if prompt_id not in self.retired and self._reward_sum[prompt_id] / self._count[prompt_id] >= self.threshold:
             self.retired.add(prompt_id)
             return True
         return False

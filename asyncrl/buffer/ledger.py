@@ -84,7 +84,8 @@ class ResponseLengths:
 
 
 class ConservationError(AssertionError):
-    """dispatched != trained + dropped_stale + filtered + failed + in_flight, or in_flight disagrees with the members."""
+    """dispatched != trained + dropped_stale + filtered + failed + in_flight, or in_flight disagrees with the
+    members."""
 
 
 class Ledger:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -105,12 +106,9 @@ def trajectories_from_arrow(data: pa.RecordBatch | pa.Table) -> list[Trajectory]
         tokens = {name: _split_list_column(batch.column(name), dtype) for name, dtype in _TOKEN_COLUMNS.items()}
         scalars = {name: _column_or_default(batch, name) for name in _SCALAR_COLUMNS}
         for i in range(batch.num_rows):
-            out.append(
-                Trajectory(
-                    **{name: values[i] for name, values in scalars.items()},
-                    **{name: arrays[i] for name, arrays in tokens.items()},
-                )
-            )
+            fields: dict[str, Any] = {name: values[i] for name, values in scalars.items()}
+            fields.update({name: arrays[i] for name, arrays in tokens.items()})
+            out.append(Trajectory(**fields))
     return out
 
 

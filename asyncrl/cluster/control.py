@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from asyncrl.cluster.calls import named_get
 
@@ -47,7 +48,7 @@ class Control:
 class ControlClient:
     """The controller's side: creates the job's control actor and reads it at most every `POLL_S`."""
 
-    handle: object
+    handle: Any  # the Ray actor handle of `Control`: its remote methods are attributes made at run time
     last_poll: float = 0.0
 
     @classmethod
@@ -99,9 +100,8 @@ def _scale_from_inside(job_id: str, rollout: int) -> None:
         raise SystemExit(
             f"job {job_id} has no control actor (is it running, and was it started by `asyncrl submit`?)"
         ) from None
-    print(
-        f"{job_id}: rollout pool -> {named_get(control.set_rollout.remote(rollout), 30, f'control actor of job {job_id}: set_rollout')} workers"
-    )
+    workers = named_get(control.set_rollout.remote(rollout), 30, f"control actor of job {job_id}: set_rollout")
+    print(f"{job_id}: rollout pool -> {workers} workers")
 
 
 def parse_sizes(items: list[str]) -> dict[str, int]:
@@ -111,7 +111,8 @@ def parse_sizes(items: list[str]) -> dict[str, int]:
         pool, _, value = item.partition("=")
         if pool != "rollout" or not value.isdigit():
             raise ValueError(
-                f"cannot scale {item!r}: use rollout=N (the learner pool is resized by checkpoint and resume with learner.num_ranks)"
+                f"cannot scale {item!r}: use rollout=N "
+                "(the learner pool is resized by checkpoint and resume with learner.num_ranks)"
             )
         sizes[pool] = int(value)
     return sizes

@@ -40,7 +40,8 @@ def client(explicit_address: str | None):
         return JobSubmissionClient(url)
     except Exception as e:  # Ray raises ConnectionError or RuntimeError depending on what is missing
         raise ConnectionError(
-            f"cannot reach the Ray Jobs API at {url}: {e}. Start the head with `ray start --head --dashboard-host 127.0.0.1`"
+            f"cannot reach the Ray Jobs API at {url}: {e}. "
+            "Start the head with `ray start --head --dashboard-host 127.0.0.1`"
             " (needs ray[default]) or pass --address / set RAY_ADDRESS."
         ) from None
 

@@ -159,7 +159,7 @@ class Controller:
         """Wait for a batch, topping up prompts meanwhile (filters may discard groups as fast as they finish);
         None when a stop was requested meanwhile."""
         cfg = self.cfg
-        if cfg.buffer.max_staleness == 0:
+        if cfg.buffer.staleness.synchronous:
             self._close_sync()  # the queue admits this step's groups only once the engines confirmed the last sync
         deadline = time.monotonic() + cfg.rollout.request_timeout_s * 2
         while not self.stop_requested:
@@ -184,16 +184,12 @@ class Controller:
     def _top_up_prompts(self) -> None:
         """Keep enough prompts queued for the pool to run (eta + 2) batches ahead."""
         cfg = self.cfg
-        want = (cfg.buffer.max_staleness + 2) * cfg.learner.prompts_per_step
-        backlog = self._backlog_groups()
+        want = cfg.buffer.staleness.prompts_ahead(cfg.learner.prompts_per_step)
+        backlog = self.fleet.queue.backlog_groups()
         if backlog < want:
             batch = [next(self.prompts) for _ in range(want - backlog)]
             self.state.prompts_drawn += len(batch)
             self.fleet.queue.add_prompts(batch, cfg.rollout.samples_per_prompt)
-
-    def _backlog_groups(self) -> int:
-        """Groups the queue holds that no learner step has taken yet."""
-        return int(self.fleet.queue.stats()["backlog_groups"])
 
     def _evaluate(self, start: float) -> None:
         if self.evaluation.eval_set:

@@ -17,12 +17,12 @@ Built-ins are registered by name in `BUILTIN_ENVS`; users name their own class `
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from asyncrl.envs.tools.base import InProcessTools, ToolExecutor
+from asyncrl.lookup import load_plugin
 from asyncrl.types import Prompt
 
 
@@ -88,16 +88,7 @@ def resolve_env(name: str) -> type:
     naming what is wrong (unknown name, import failure, not a class, missing protocol methods). Resolved once
     per process: `make_env` runs once per episode (an import and four checks each time were ~4% of a W1 rollout
     worker's CPU)."""
-    path = BUILTIN_ENVS.get(name, name)
-    if ":" not in path:
-        raise ValueError(
-            f"unknown environment {name!r}: use one of {', '.join(BUILTIN_ENVS)} or 'package.module:Class'"
-        )
-    module, attr = path.split(":", 1)
-    try:
-        cls = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot import environment {name!r}: {e}") from None
+    cls = load_plugin(name, "environment", BUILTIN_ENVS, form="package.module:Class")
     if not inspect.isclass(cls):
         raise ValueError(f"environment {name!r} is not a class")
     for method in ("reset", "step"):

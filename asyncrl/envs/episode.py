@@ -40,7 +40,8 @@ class EpisodeBuilder:
     def add_model_turn(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
         if not len(ids) == len(logprobs) == len(versions):
             raise ValueError(
-                f"model turn arrays differ in length (ids {len(ids)}, logprobs {len(logprobs)}, versions {len(versions)})"
+                "model turn arrays differ in length "
+                f"(ids {len(ids)}, logprobs {len(logprobs)}, versions {len(versions)})"
             )
         self.turn_starts.append(len(self.ids))
         self.ids += [int(t) for t in ids]

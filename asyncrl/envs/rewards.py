@@ -7,9 +7,10 @@ A reward that raises marks its trajectory `failed:reward_error` (the run goes on
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any, Protocol
+
+from asyncrl.lookup import load_plugin
 
 
 class RewardFn(Protocol):
@@ -52,15 +53,7 @@ trajectory cost ~10% of a W1 rollout worker's CPU. Every other reward runs in a 
 
 def resolve_reward(name: str) -> RewardFn:
     """A built-in name or an import path `package.module:function`."""
-    if name in BUILTIN:
-        return BUILTIN[name]
-    if ":" not in name:
-        raise ValueError(f"unknown reward {name!r}: use one of {', '.join(BUILTIN)} or 'module:function'")
-    module, attr = name.split(":", 1)
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot import reward {name!r}: {e}") from None
+    fn = load_plugin(name, "reward", BUILTIN, form="module:function")
     if not callable(fn):
         raise ValueError(f"reward {name!r} is not callable")
     return fn

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import numpy as np
 import torch
@@ -178,7 +179,12 @@ def is_terminal(trajectory: Trajectory) -> bool:
     return trajectory.finish_reason in ("stop", "tool_error") and not trajectory.truncated
 
 
-def _reduction_weights(recipe, mask: torch.Tensor, group_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+class _ReductionWeights(TypedDict):
+    token_weights: torch.Tensor
+    value_weights: torch.Tensor
+
+
+def _reduction_weights(recipe, mask: torch.Tensor, group_ids: torch.Tensor) -> _ReductionWeights:
     """`token_weights` and `value_weights` of the optimizer batch whose rows are given (whole).
 
     When `recipe.denominator_after_rejection` is set the token weights count the mask before rejection:

@@ -16,11 +16,12 @@ the same folder: on several nodes it must be a shared file system.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -60,6 +61,7 @@ def _sharded_state(state: TrainState) -> dict[str, Any]:
     model_sd, optim_sd = get_state_dict(state.policy, state.optimizer)
     out = {"policy": {"model": model_sd, "optim": optim_sd}}
     if state.critic is not None:
+        assert state.critic_optimizer is not None  # a critic always comes with its optimizer (build_train_state)
         critic_sd, critic_optim_sd = get_state_dict(state.critic, state.critic_optimizer)
         out["critic"] = {"model": critic_sd, "optim": critic_optim_sd}
     return out
@@ -67,7 +69,8 @@ def _sharded_state(state: TrainState) -> dict[str, Any]:
 
 def _rng_state() -> dict[str, Any]:
     """Tensors, numbers and strings only, so that `torch.load(weights_only=True)` reads it back."""
-    name, keys, *rest = np.random.get_state()
+    # The legacy form: a tuple for numpy's global generator, which is always MT19937.
+    name, keys, *rest = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state(legacy=True))
     out = {
         "torch": torch.get_rng_state(),
         "numpy": (name, torch.from_numpy(keys.astype(np.int64)), *rest),
@@ -115,6 +118,7 @@ def load_train_state(folder: str | Path, state: TrainState, rank: int) -> int:
         optim_state_dict=sharded["policy"]["optim"],
     )
     if state.critic is not None:
+        assert state.critic_optimizer is not None  # a critic always comes with its optimizer (build_train_state)
         set_state_dict(
             state.critic,
             state.critic_optimizer,
@@ -135,7 +139,9 @@ def load_train_state(folder: str | Path, state: TrainState, rank: int) -> int:
     return int(local["step"])
 
 
-def write_learner_state(folder: str | Path, *, step: int, version: int, num_ranks: int, extra: dict[str, Any]) -> None:
+def write_learner_state(
+    folder: str | os.PathLike[str], *, step: int, version: int, num_ranks: int, extra: dict[str, Any]
+) -> None:
     """Driver side, after every rank saved: the controller's extra state, then the completion marker."""
     folder = Path(folder)
     (folder / EXTRA_FILE).write_text(json.dumps(extra, indent=2, sort_keys=True))
@@ -145,11 +151,11 @@ def write_learner_state(folder: str | Path, *, step: int, version: int, num_rank
     tmp.rename(folder / STATE_FILE)
 
 
-def is_complete(folder: str | Path) -> bool:
+def is_complete(folder: str | os.PathLike[str]) -> bool:
     return (Path(folder) / STATE_FILE).exists()
 
 
-def read_learner_state(folder: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def read_learner_state(folder: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """-> (learner state {step, version, num_ranks}, extra). Raises if the checkpoint is incomplete."""
     folder = Path(folder)
     if not is_complete(folder):

@@ -19,12 +19,16 @@ no multiply/divide rounding enters (exact for any dp_size, not only powers of tw
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from asyncrl.algo.sampling import SamplingDistribution, token_logprobs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = [
     "HF_PREFIX",
@@ -47,7 +51,7 @@ def hf_name(name: str) -> str:
     return name[len(HF_PREFIX) :] if name.startswith(HF_PREFIX) else name
 
 
-def load_causal_lm(model_dir: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_causal_lm(model_dir: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
@@ -65,7 +69,7 @@ class PolicyModel(nn.Module):
     """Wraps a causal LM so that the FSDP root is this module and its forward is the learner's log-prob
     recompute. (Calling the inner `model.model` directly would bypass the root's FSDP hooks.)"""
 
-    def __init__(self, causal_lm: nn.Module):
+    def __init__(self, causal_lm: PreTrainedModel):
         super().__init__()
         self.causal_lm = causal_lm
 
@@ -74,7 +78,7 @@ class PolicyModel(nn.Module):
         return self.causal_lm.model.layers
 
     @property
-    def transformer(self) -> nn.Module:
+    def transformer(self) -> PreTrainedModel:
         """The Hugging Face model whose attention implementation `shard` may switch."""
         return self.causal_lm
 
@@ -100,9 +104,9 @@ class ValueModel(nn.Module):
     """The critic: the policy's trunk (a copy, trained separately) and a linear value head on the final
     hidden state, in fp32. Column t holds V(s[:t+1]), aligned with the loss mask (batch.py)."""
 
-    def __init__(self, causal_lm: nn.Module, seed: int = 0):
+    def __init__(self, causal_lm: PreTrainedModel, seed: int = 0):
         super().__init__()
-        self.trunk = causal_lm.model
+        self.trunk: PreTrainedModel = causal_lm.model  # the decoder stack (e.g. `Qwen2Model`)
         hidden_size = causal_lm.config.hidden_size
         self.value_head = nn.Linear(hidden_size, 1, dtype=torch.float32)
         # Same init on every rank (fully_shard keeps each rank's slice of its local tensor).
@@ -113,10 +117,10 @@ class ValueModel(nn.Module):
 
     @property
     def decoder_layers(self) -> nn.ModuleList:
-        return self.trunk.layers
+        return cast(nn.ModuleList, self.trunk.layers)  # a Hugging Face decoder stack's blocks
 
     @property
-    def transformer(self) -> nn.Module:
+    def transformer(self) -> PreTrainedModel:
         return self.trunk
 
     def forward(
@@ -151,7 +155,7 @@ def shard(module: PolicyModel | ValueModel, mesh, compute_dtype: torch.dtype = t
 
     bf16 on CPU: attention runs as plain matmuls and a softmax (transformers' `eager`) instead of SDPA, whose CPU
     kernel for bf16 is flash attention with a slow backward on short rows (torch 2.13: 60 ms of a W1 layer's
-    backward, half of the step). A W1 step (`model.dtype=bfloat16`, 2026-12-04): 0.80 s with SDPA, 0.42-0.54 s
+    backward, half of the step). A W1 step with `model.dtype=bfloat16`: 0.80 s with SDPA, 0.42-0.54 s
     eager, 0.54-0.66 s in fp32 (docs/algorithms.md#mixed-precision)."""
     mixed = compute_dtype != torch.float32
     if mixed and mesh.device_type == "cpu":
@@ -194,8 +198,9 @@ def cast_layers(module: PolicyModel | ValueModel, dtype: torch.dtype) -> None:
 
 
 def _cast_in(layer: nn.Module, args: tuple, kwargs: dict, *, slots: list, dtype: torch.dtype) -> tuple:
-    layer._asyncrl_masters = [(owner, name, owner._parameters[name]) for owner, name in slots]
-    for owner, name, master in layer._asyncrl_masters:
+    # Set in the instance dict, where `nn.Module.__setattr__` puts a list (its stub takes tensors and modules only).
+    masters = layer.__dict__["_asyncrl_masters"] = [(owner, name, owner._parameters[name]) for owner, name in slots]
+    for owner, name, master in masters:
         owner._parameters[name] = master.to(dtype)
     return _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
 

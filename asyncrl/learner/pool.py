@@ -24,13 +24,13 @@ import numpy as np
 from asyncrl.algo.metrics import lag_mismatch_figures
 from asyncrl.algo.sampling import RAW, SamplingDistribution
 from asyncrl.learner.batch import TrainBatch, build_batch, loss_needs_whole_groups, split_mini_batches, split_rows
-from asyncrl.learner.export import ExportedWeights
+from asyncrl.learner.merge import merge_metrics
 from asyncrl.learner.rank import SEND_GROUP, SEND_THREADS, LearnerWorker
-from asyncrl.learner.step import merge_metrics
 from asyncrl.models.shipping import ShippedModel, materialise, ship
 from asyncrl.types import Group, StepStats
-from asyncrl.weight_sync.group import CollectiveWeights
-from asyncrl.weight_sync.segment import SharedWeights
+from asyncrl.weights.group import CollectiveWeights
+from asyncrl.weights.published import ExportedWeights
+from asyncrl.weights.segment import SharedWeights
 
 __all__ = ["LearnerCall", "LearnerCallError", "LearnerCheckpoint", "LearnerPool", "recipe_from_config"]
 
@@ -123,7 +123,8 @@ class LearnerPool:
         self.group = placement.reserve(
             "learner", [unit] * self.num_ranks, config.placement_strategy, placement_timeout_s
         )
-        actor = ray.remote(concurrency_groups={SEND_GROUP: SEND_THREADS})(NodeLocalLearnerWorker)
+        # Ray's typed overloads of `remote` leave out its documented `concurrency_groups` option.
+        actor = ray.remote(concurrency_groups={SEND_GROUP: SEND_THREADS})(NodeLocalLearnerWorker)  # type: ignore[call-overload]
         model = ship(model_dir)
         self.workers = [
             actor.options(
@@ -203,7 +204,8 @@ class LearnerPool:
             raise LearnerCallError(f"learner rank {failed[0]}: {method} failed: {failed[1]}")
         if pending:
             raise LearnerCallError(
-                f"learner rank {rank_of[pending[0]]}: {method} did not answer within {timeout_s}s (learner.call_timeout_s)"
+                f"learner rank {rank_of[pending[0]]}: {method} did not answer within {timeout_s}s "
+                "(learner.call_timeout_s)"
             )
         return ray.get(refs)
 
@@ -274,7 +276,7 @@ class LearnerPool:
 
     def export_shared(self, root: str, version: int) -> SharedWeights:
         """Gather the policy and copy it (HF names, tied lm_head explicit) into the shared-memory slot of
-        `version` under `root` (rank 0 writes; `asyncrl.weight_sync.segment`)."""
+        `version` under `root` (rank 0 writes; `asyncrl.weights.segment`)."""
         return self._call("export_shared", root, version)[0]
 
     def start_export_shared(self, root: str, version: int) -> LearnerCall:
@@ -285,7 +287,7 @@ class LearnerPool:
 
     def export_collective(self, version: int, loopback: bool, bucket_bytes: int, timeout_s: float) -> CollectiveWeights:
         """Gather the policy and stage it (HF names, tied lm_head explicit) on rank 0, for engines to pull over
-        their own process group (`asyncrl.weight_sync.group`); -> rank 0's record, its actor handle included."""
+        their own process group (`asyncrl.weights.group`); -> rank 0's record, its actor handle included."""
         return self.finish_call(self.start_export_collective(version, loopback, bucket_bytes, timeout_s))[0]
 
     def start_export_collective(self, version: int, loopback: bool, bucket_bytes: int, timeout_s: float) -> LearnerCall:

@@ -3,7 +3,8 @@
 The ranks form ONE torch.distributed group (gloo on CPU, nccl on GPU) and shard the policy (and the
 optional critic) with FSDP2. A rank owns its process group, its shard of the train state and the step
 counter; the step itself is `step.RankStep`. Weights leave the rank as Hugging Face-named safetensors
-buckets (`export.py`) or in a shared-memory segment (`weight_sync.segment`), checkpoints as DCP shards (`checkpoint.py`).
+buckets (`export.py`) or in a shared-memory segment (`weights.segment`), checkpoints as DCP shards
+(`checkpoint.py`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import socket
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import ray
@@ -21,12 +22,12 @@ import torch
 
 from asyncrl.algo.sampling import SamplingDistribution
 from asyncrl.learner.batch import TrainBatch
-from asyncrl.learner.export import ExportedWeights
 from asyncrl.learner.state import build_train_state
 from asyncrl.learner.step import RankStep
 from asyncrl.types import StepStats
-from asyncrl.weight_sync.group import CollectiveSender, CollectiveWeights
-from asyncrl.weight_sync.segment import SegmentWriter, SharedWeights
+from asyncrl.weights.group import CollectiveSender, CollectiveWeights
+from asyncrl.weights.published import ExportedWeights
+from asyncrl.weights.segment import SegmentWriter, SharedWeights
 
 __all__ = ["LearnerWorker"]
 
@@ -205,7 +206,7 @@ class LearnerWorker:
         return ExportedWeights(refs=[ray.put(b) for b in buckets], num_bytes=num_bytes, num_tensors=num_tensors)
 
     def export_shared(self, root: str, version: int) -> SharedWeights | None:
-        """Rank 0 copies the HF-named weights into the shared-memory slot of `version` (`weight_sync.segment`)."""
+        """Rank 0 copies the HF-named weights into the shared-memory slot of `version` (`weights.segment`)."""
         from asyncrl.learner.export import cast_state
 
         state = self._hf_state()
@@ -219,7 +220,7 @@ class LearnerWorker:
         self, version: int, loopback: bool, bucket_bytes: int, timeout_s: float
     ) -> CollectiveWeights | None:
         """Rank 0 copies the HF-named weights into its staging buffer, which engines pull over their own process
-        group (`send_collective`; `weight_sync.group`). `loopback`: every engine is on this node (127.0.0.1)."""
+        group (`send_collective`; `weights.group`). `loopback`: every engine is on this node (127.0.0.1)."""
         from asyncrl.learner.export import cast_state
 
         state = self._hf_state()
@@ -236,6 +237,7 @@ class LearnerWorker:
         """Broadcast the staged version to the engine that asked (its group `key`); -> that version. Runs in its
         own threads (`SEND_GROUP`), next to the rank's calls in order (the next `train_step`), and only on
         rank 0, which `export_collective` names in its record."""
+        assert self._sender is not None, "send_collective before export_collective staged a version"
         return self._sender.send(key)
 
     def state_snapshot(self) -> dict[str, Any] | None:
@@ -250,7 +252,8 @@ class LearnerWorker:
             return None
         moments = {
             f"{hf_name_}/{key}": torch.as_tensor(value).float().numpy()
-            for name, entry in optim["state"].items()
+            # a torch optimizer's state: parameter name -> {moment name: tensor or scalar}
+            for name, entry in cast(dict[str, dict[str, Any]], optim["state"]).items()
             for key, value in entry.items()
             for hf_name_ in [name.removeprefix("causal_lm.")]
         }

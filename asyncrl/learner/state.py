@@ -76,7 +76,7 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         group["lr"] = 0.0
     optimizer.step()
-    for group, lr in zip(optimizer.param_groups, lrs):
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
     for state in optimizer.state.values():
@@ -111,6 +111,7 @@ def _require_cxx() -> None:
     candidates = [c for c in (os.environ.get("CXX"), "g++", "clang++", "c++") if c]
     if not any(shutil.which(c) for c in candidates):
         raise RuntimeError(
-            f"learner.compile needs a C++ compiler where the learner runs (torch.compile builds its kernels with one): none of "
-            f"{', '.join(candidates)} is on PATH here; install one (apt-get install g++) or set learner.compile=false"
+            "learner.compile needs a C++ compiler where the learner runs "
+            f"(torch.compile builds its kernels with one): none of {', '.join(candidates)} is on PATH here; "
+            "install one (apt-get install g++) or set learner.compile=false"
         )

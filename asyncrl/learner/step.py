@@ -1,4 +1,5 @@
-"""The optimizer steps of one learner rank, and the math that merges them across micro-batches and ranks.
+"""The optimizer steps of one learner rank (the math that merges them across micro-batches, ranks and updates:
+`merge.py`).
 
     rank: micro_batches by token budget, padded to the same count on every rank (FSDP collectives)
           [critic: values -> GAE/VAPO advantages per sequence, whitening with global statistics]
@@ -33,7 +34,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -46,6 +47,16 @@ from asyncrl.learner.batch import (
     loss_needs_whole_groups,
     micro_batches,
 )
+from asyncrl.learner.merge import (
+    Update,
+    apply_whitening,
+    mean_over_updates,
+    merge_metrics,
+    pad_cat,
+    regroup,
+    update_metrics,
+    whitening_moments,
+)
 from asyncrl.types import StepStats
 
 if TYPE_CHECKING:
@@ -53,70 +64,10 @@ if TYPE_CHECKING:
     from asyncrl.config import LearnerConfig
     from asyncrl.learner.checkpoint import TrainState
 
-__all__ = [
-    "Accumulated",
-    "AllReduce",
-    "MiniBatch",
-    "RankStep",
-    "Update",
-    "apply_whitening",
-    "mean_over_updates",
-    "merge_metrics",
-    "update_metrics",
-    "whitening_moments",
-]
+__all__ = ["Accumulated", "AllReduce", "MiniBatch", "RankStep"]
 
 AllReduce = Callable[[torch.Tensor, str], torch.Tensor]
 """`(tensor, "sum" | "max") -> tensor` reduced over every rank, on the rank's device (a collective)."""
-
-# Metrics that are partial sums of the batch loss (added up over micro-batches and ranks); `*_max` and
-# `*_min` take the extreme; everything else is a loss-token-weighted mean.
-_SUMMED = ("pg_loss", "kl_loss", "value_loss")
-
-
-def merge_metrics(parts: Sequence[tuple[dict[str, float], float]]) -> dict[str, float]:
-    """Combine (metrics, weight) pairs of micro-batches or ranks; weight = valid loss tokens."""
-    keys = {k for metrics, _ in parts for k in metrics}
-    out: dict[str, float] = {}
-    for key in sorted(keys):
-        pairs = [(m[key], w) for m, w in parts if key in m]
-        values = [v for v, _ in pairs]
-        if key in _SUMMED or key.endswith("_sum"):
-            out[key] = float(sum(values))
-        elif key.endswith("_max"):
-            out[key] = float(max(values))
-        elif key.endswith("_min"):
-            out[key] = float(min(values))
-        else:
-            total = sum(w for _, w in pairs)
-            out[key] = float(sum(v * w for v, w in pairs) / total) if total > 0 else float(np.mean(values))
-    return out
-
-
-def whitening_moments(advantages: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> torch.Tensor:
-    """(count, sum, sum of squares) of the valid entries, float64 [3]; sum them over ranks."""
-    moments = torch.zeros(3, dtype=torch.float64)
-    for adv, mask in zip(advantages, masks):
-        x = adv[mask.bool()].double().cpu()
-        moments += torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64), x.sum(), (x * x).sum()])
-    return moments
-
-
-def apply_whitening(
-    advantages: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], moments: torch.Tensor, eps: float = 1e-8
-) -> list[torch.Tensor]:
-    """`algo.advantages.masked_whiten` with batch-global moments: (x - mean) / sqrt(var_unbiased + eps),
-    0 at masked positions (and everywhere when fewer than 2 entries are valid)."""
-    count, total, total_sq = moments.tolist()
-    mean = total / max(count, 1.0)
-    var = max(total_sq - count * mean * mean, 0.0) / max(count - 1.0, 1.0)
-    scale = (var + eps) ** -0.5 if count >= 2 else 0.0
-    return [torch.where(m.bool(), (a - mean) * scale, torch.zeros_like(a)).float() for a, m in zip(advantages, masks)]
-
-
-def _pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    width = max(t.shape[1] for t in tensors)
-    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors])
 
 
 @dataclass
@@ -135,7 +86,7 @@ class MiniBatch:
     real: int
     advantages: list[torch.Tensor]
     returns: list[torch.Tensor] | None
-    old: list[torch.Tensor | None]
+    old: Sequence[torch.Tensor | None]
     weights: list[torch.Tensor]
     tis_stats: torch.Tensor | None
 
@@ -153,63 +104,6 @@ class Accumulated:
     metrics: dict[str, float]
     """This rank's loss-token-weighted policy metrics (`merge_metrics` combines the ranks)."""
     batch: MiniBatch
-
-
-@dataclass(frozen=True)
-class Update:
-    """One policy update of a step. `loss`, `grad_norm`, `clipfrac` and `approx_kl` are global (every rank
-    holds the same values); `metrics` are this rank's. `stopped`: approx-KL exceeded `learner.kl_stop`, so
-    the gradients were discarded and the step ends here."""
-
-    loss: float
-    grad_norm: float
-    stepped: bool
-    clipfrac: float
-    approx_kl: float
-    metrics: dict[str, float]
-    stopped: bool = False
-
-
-def update_metrics(updates: Sequence[Update]) -> dict[str, float]:
-    """Per-step report of several updates: `clipfrac_mb{i}`, `approx_kl_mb{i}`, `loss_mb{i}` per update i
-    (epoch-major: i = epoch * mini_batches + k), `approx_kl` of the last one measured and `approx_kl_max`,
-    `updates` (optimizer steps taken), `kl_stopped` (0/1) and `skipped_step` (1 if any update had a
-    non-finite gradient norm)."""
-    taken = [u for u in updates if not u.stopped]
-    out = {
-        "updates": float(sum(u.stepped for u in taken)),
-        "kl_stopped": float(any(u.stopped for u in updates)),
-        "skipped_step": float(any(not u.stepped for u in taken)),
-    }
-    for i, u in enumerate(updates):
-        out.update({f"clipfrac_mb{i}": u.clipfrac, f"approx_kl_mb{i}": u.approx_kl, f"loss_mb{i}": u.loss})
-    if updates:
-        out.update(approx_kl=updates[-1].approx_kl, approx_kl_max=max(u.approx_kl for u in updates))
-    return out
-
-
-def mean_over_updates(parts: Sequence[dict[str, float]]) -> dict[str, float]:
-    """One rank's metrics of several updates as one step's: every update is an equal optimizer step, so
-    the plain mean over the updates that report a key; `*_max` / `*_min` take the extreme."""
-    out: dict[str, float] = {}
-    for key in sorted({k for metrics in parts for k in metrics}):
-        values = [metrics[key] for metrics in parts if key in metrics]
-        if key.endswith("_max"):
-            out[key] = float(max(values))
-        elif key.endswith("_min"):
-            out[key] = float(min(values))
-        else:
-            out[key] = float(np.mean(values))
-    return out
-
-
-def _regroup(flat: list, like: Sequence[Sequence]) -> list[list]:
-    """`flat` cut into consecutive runs of the lengths of `like`'s items."""
-    out, start = [], 0
-    for part in like:
-        out.append(flat[start : start + len(part)])
-        start += len(part)
-    return out
 
 
 @dataclass(frozen=True)
@@ -290,8 +184,9 @@ class RankStep:
                 critic.append(self._critic_step(batch, None))
         if any(u.stepped for u in updates):
             self.state.scheduler.step()
-        if any(not c["critic_skipped_step"] for c in critic):
-            self.state.critic_scheduler.step()
+        critic_scheduler = self.state.critic_scheduler
+        if critic_scheduler is not None and any(not c["critic_skipped_step"] for c in critic):
+            critic_scheduler.step()
         taken = [u for u in updates if not u.stopped]
         # update_metrics' global approx_kl (of the last update) replaces this rank's mean over updates.
         metrics = dict(
@@ -353,7 +248,7 @@ class RankStep:
         advantages, returns = self._rollout_advantages([mbs for mbs, _ in packed])
         return [
             self._with_old(mbs, real, adv, ret) if policy else MiniBatch(mbs, real, adv, ret, [], [], None)
-            for (mbs, real), adv, ret in zip(packed, advantages, returns)
+            for (mbs, real), adv, ret in zip(packed, advantages, returns, strict=True)
         ]
 
     def _with_old(self, mbs: list[TrainBatch], real: int, advantages: list[torch.Tensor], returns) -> MiniBatch:
@@ -362,7 +257,7 @@ class RankStep:
         with torch.no_grad():
             old = [self._logprobs(mb) for mb in mbs]
         # A token outside pi_old's kept set (-inf) counts in these statistics with a ratio of 1 to mu.
-        finite = [torch.where(torch.isfinite(o), o, mb.rollout_logprobs) for mb, o in zip(mbs, old)]
+        finite = [torch.where(torch.isfinite(o), o, mb.rollout_logprobs) for mb, o in zip(mbs, old, strict=True)]
         weights = (
             self._weights_after_rejection(mbs, real, finite)
             if self.recipe.denominator_after_rejection
@@ -377,7 +272,7 @@ class RankStep:
         from asyncrl.algo.recipes import tis_normalizer_stats
 
         stats = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for mb, o in zip(mbs, old):
+        for mb, o in zip(mbs, old, strict=True):
             stats += tis_normalizer_stats(self.recipe, mb.loss_mask, o, mb.rollout_logprobs).to(self.device)
         return self.all_reduce(stats, "sum")
 
@@ -440,12 +335,15 @@ class RankStep:
 
         if not seen or not any(int(m.sum()) for _, _, m, _ in seen):
             return {}
-        olds, rollouts, masks = (_pad_cat([x[j] for x in seen]) for j in range(3))
+        olds = pad_cat([old for old, _, _, _ in seen])
+        rollouts = pad_cat([rollout for _, rollout, _, _ in seen])
+        masks = pad_cat([mask for _, _, mask, _ in seen])
         out = {
             f"mismatch_{k}": v for k, v in mismatch_metrics(olds, rollouts, masks.bool(), self.recipe.tis_cap).items()
         }
-        if all(lags is not None for *_, lags in seen):
-            lags = torch.cat([lags for *_, lags in seen])
+        known = [lags for *_, lags in seen if lags is not None]
+        if len(known) == len(seen):
+            lags = torch.cat(known)
             keep = correction_keep(self.recipe, olds, rollouts, masks.bool())
             out.update(lag_mismatch_parts(olds, rollouts, masks.bool(), lags, self.recipe.tis_cap, keep))
         return out
@@ -454,10 +352,10 @@ class RankStep:
         """Clip to `grad_clip`, step (and the `scheduler` unless None) unless the norm is not finite;
         -> (pre-clip norm, stepped)."""
         began = time.perf_counter()
-        norm = torch.nn.utils.clip_grad_norm_(module.parameters(), self.config.grad_clip)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        norm = float(norm)
+        total = torch.nn.utils.clip_grad_norm_(module.parameters(), self.config.grad_clip)
+        if hasattr(total, "full_tensor"):  # a DTensor under FSDP2
+            total = total.full_tensor()
+        norm = float(total)
         stepped = bool(np.isfinite(norm))
         if stepped:
             optimizer.step()
@@ -471,10 +369,12 @@ class RankStep:
         """One value step on `batch` (its returns fixed before the step's first update)."""
         from asyncrl.algo.recipes import compute_value_loss
 
+        if batch.returns is None:
+            raise ValueError("a critic step needs the batch's value targets (a critic advantage estimator)")
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         parts = []
-        for i, mb in enumerate(batch.micro_batches):
-            loss, metrics = compute_value_loss(self._values(mb), batch.returns[i], mb.loss_mask, mb.value_weights)
+        for i, (mb, returns) in enumerate(zip(batch.micro_batches, batch.returns, strict=True)):
+            loss, metrics = compute_value_loss(self._values(mb), returns, mb.loss_mask, mb.value_weights)
             loss.backward()
             loss_sum += loss.detach().double()
             if i < batch.real:
@@ -494,10 +394,12 @@ class RankStep:
         return self.state.policy(mb.input_ids, mb.attention_mask, mb.position_ids, self.sampling)
 
     def _values(self, mb: TrainBatch) -> torch.Tensor:
+        if self.state.critic is None:
+            raise ValueError("values need a critic: set learner.critic = true")
         return self.state.critic(mb.input_ids, mb.attention_mask, mb.position_ids)
 
     def _to_device(self, mb: TrainBatch) -> TrainBatch:
-        moved = {
+        moved: dict[str, Any] = {  # every field, tensors on this rank's device
             f.name: (v.to(self.device) if isinstance(v := getattr(mb, f.name), torch.Tensor) else v)
             for f in dataclasses.fields(mb)
         }
@@ -527,7 +429,7 @@ class RankStep:
         if self.state.critic is None:
             raise ValueError(f"advantage {self.recipe.advantage!r} needs a critic: set learner.critic = true")
         advantages, returns = self._critic_advantages([mb for mbs in packed for mb in mbs])
-        return _regroup(advantages, packed), _regroup(returns, packed)
+        return regroup(advantages, packed), list(regroup(returns, packed))
 
     def _critic_advantages(self, mbs: list[TrainBatch]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """GAE / VAPO per sequence from the critic's current values; whitening uses batch-global moments."""
@@ -544,6 +446,8 @@ class RankStep:
                 adv, ret = compute_advantages(
                     recipe, mb.rewards, mb.group_ids, mb.loss_mask, values, mb.dones, bootstrap
                 )
+                if ret is None:
+                    raise ValueError(f"advantage {recipe.advantage!r} gives no value targets for the critic")
                 advantages.append(adv.float())
                 returns.append(ret.float())
         if self.recipe.whiten_advantages:
@@ -558,15 +462,17 @@ class RankStep:
         from asyncrl.algo.recipes import denominator_mask
         from asyncrl.algo.reduction import reduction_stats, reduction_weights
 
-        masks = [denominator_mask(self.recipe, mb.loss_mask, o, mb.rollout_logprobs) for mb, o in zip(mbs, old)]
+        masks = [
+            denominator_mask(self.recipe, mb.loss_mask, o, mb.rollout_logprobs) for mb, o in zip(mbs, old, strict=True)
+        ]
         num_groups = mbs[0].num_groups if mbs else 1
         stats = torch.zeros(3 + num_groups, dtype=torch.int64, device=self.device)
-        for mb, mask in zip(mbs[:real], masks[:real]):  # dummies must not count as sequences
+        for mb, mask in zip(mbs[:real], masks[:real], strict=True):  # dummies must not count as sequences
             stats += reduction_stats(mask, mb.group_ids, num_groups)
         stats = self.all_reduce(stats, "sum")
         return [
             reduction_weights(self.recipe.reduction, m, mb.group_ids, self.recipe.l_max, stats)
             if i < real
             else mb.token_weights
-            for i, (mb, m) in enumerate(zip(mbs, masks))
+            for i, (mb, m) in enumerate(zip(mbs, masks, strict=True))
         ]

@@ -15,8 +15,12 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from asyncrl.models.tokenizer import ADD_ALPHABET, ASCII_ALPHABET, CALC_ALPHABET, SPECIAL_TOKENS, build_char_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import Qwen2Config
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("ASYNCRL_CACHE", Path.home() / ".cache" / "asyncrl"))
 
 
-def qwen2_config(preset: Preset):
+def qwen2_config(preset: Preset) -> Qwen2Config:
     from transformers import Qwen2Config
 
     vocab = len(SPECIAL_TOKENS) + len(preset.alphabet)
@@ -67,11 +71,11 @@ def qwen2_config(preset: Preset):
         max_position_embeddings=preset.max_position_embeddings,
         tie_word_embeddings=preset.tie_word_embeddings,
         rms_norm_eps=1e-6,
-        rope_theta=10000.0,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
-        torch_dtype="float32",
+        dtype="float32",
     )
 
 
@@ -84,7 +88,8 @@ def build_model(preset_name: str, out_dir: str | Path, seed: int = 0) -> Path:
         raise ValueError(f"unknown model preset {preset_name!r}; valid: {', '.join(PRESETS)}")
     preset = PRESETS[preset_name]
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(qwen2_config(preset)).to(torch.float32)
+    # transformers wraps `PreTrainedModel.to` with functools.wraps(Module.to), which types it as unbound.
+    model = Qwen2ForCausalLM(qwen2_config(preset)).to(torch.float32)  # type: ignore[arg-type]
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)
     build_char_tokenizer(preset.alphabet).save_pretrained(out_dir)

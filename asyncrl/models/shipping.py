@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import shutil
 import tarfile
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ def pack(folder: str | Path) -> bytes:
     return buffer.getvalue()
 
 
-def ship(model_dir: str | Path) -> ShippedModel | None:
+def ship(model_dir: str | os.PathLike[str]) -> ShippedModel | None:
     """Put a preset from the driver's cache into the object store (once per Ray job); None for any other
     folder (the user's `model.path`, read in place on every node)."""
     import ray

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 ADD_ALPHABET = "0123456789+="
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0..3
-# The `calc` agent task: sums, tool calls `[...]`, observations `=1368;` and `=?;` for a failed call (`;`, not a newline:
-# the character pre-tokenizer's `.` does not match one).
+# The `calc` agent task: sums, tool calls `[...]`, observations `=1368;` and `=?;` for a failed call
+# (`;`, not a newline: the character pre-tokenizer's `.` does not match one).
 CALC_ALPHABET = ADD_ALPHABET + "-*[]?;"
 # A wider alphabet for user prompts in chat form (printable ASCII and newline).
 ASCII_ALPHABET = "".join(chr(c) for c in range(32, 127)) + "\n"

@@ -1,33 +1,33 @@
 """Supervised warm start for W1 `add`, and transformers-only generation, sampling and greedy evaluation.
 
 The warm start stops early, so the RL run starts from a model with low but non-zero held-out accuracy
-(WORKLOADS.md W1, which allows at most 2,000 examples: the default). Loss is on answer tokens (and EOS) only.
+(W1 allows at most 2,000 examples, benchmarks/README.md: the default). Loss is on answer tokens (and EOS) only.
 It trains with attention dropout 0.2 (`model.warm_start_dropout`; the saved model has none): at the same
 validation target, that start is one RL lifts about twice as far as the one trained without (below).
 
 `add` has a sharp supervised learning curve (2,000 examples, batch 32, lr 1e-3: held-out 0.18 / 0.20 / 0.29 /
-0.39 / 0.53 after epochs 14-18; 20,000 examples: validation 0.125 -> 0.300 within 50 steps), and where an
-epoch count lands used to move with thread scheduling. The warm start therefore runs on one thread with
+0.39 / 0.53 after epochs 14-18; 20,000 examples: validation 0.125 -> 0.300 within 50 steps), and where a fixed
+epoch count lands on it moves with thread scheduling. The warm start therefore runs on one thread with
 deterministic kernels (the same settings give the same weights) and stops at a validation accuracy target,
 which also holds on a CPU whose kernels round differently. What was measured about the result goes into its
 metadata: greedy held-out accuracy, the reward of 8 samples per prompt at T=1 (~0.6x greedy here) and the
 per-token answer entropy along them, since GRPO updates only learn from groups whose samples disagree.
 
-Why dropout (issue #18; every variant, its command and its curve: benchmarks/RESULTS.md, "W1 `add` — how far
-RL lifts a warm start"): a start that has memorised its examples is one RL cannot lift far. Without dropout,
-2,000 examples seen ~15 times gave a start the plain GRPO loop (benchmarks/plain_grpo.py, lr 2e-4) lifted
-+0.26 in 200 steps before a plateau near 0.6, whatever changed on the RL side (advantages, batch shape, Adam
-beta2, lr; 5e-4 collapses it) or in the start (its accuracy, depth, width, full epochs, label smoothing, a loss
-on the prompt too); an annealed, converged start got worse under RL. 20,000 examples seen 2.4 times lifted
-+0.40 (the `add_20k` recipe, outside W1's rule). Within 2,000, attention dropout 0.2 lifted +0.47 at 200
-steps (+0.56 at 300; asyncrl's default job +0.50 in 240), weight decay 0.1 or dropout 0.1 about +0.34.
+Why dropout (every variant, its command and its curve: benchmarks/RESULTS.md, "W1 `add` — how far RL lifts a
+warm start"): a start that has memorised its examples is one RL cannot lift far. Without dropout, 2,000
+examples seen ~15 times gave a start the plain GRPO loop (benchmarks/plain_grpo.py, lr 2e-4) lifted +0.26 in
+200 steps before a plateau near 0.6, whatever changed on the RL side (advantages, batch shape, Adam beta2, lr;
+5e-4 collapses it) or in the start (its accuracy, depth, width, full epochs, label smoothing, a loss on the
+prompt too); an annealed, converged start got worse under RL. 20,000 examples seen 2.4 times lifted +0.40 (the
+`add_20k` recipe, outside W1's rule). Within 2,000, attention dropout 0.2 lifted +0.47 at 200 steps (+0.56 at
+300), weight decay 0.1 or dropout 0.1 about +0.34.
 
 Dropout also delays the supervised transition (26 epochs instead of 14.7 for seed 0), and for seeds 1 and 2 it
-did not come within the 40-epoch budget; going on without dropout from there reached the target for seed 1
+does not come within the 40-epoch budget; going on without dropout from there reaches the target for seed 1
 (+0.27) but not for seed 2 (0.084 held-out after 40 more epochs: RL cannot start). So a dropout run that misses
 its target is given up and the start is trained again from its initial weights without dropout, which is the
 start without dropout exactly (`_train_to_target`; the metadata records `dropout_given_up_after`): never worse
-than before dropout, and for seed 0, the default, the dropout start.
+than a start without dropout, and for seed 0, the default, the dropout start.
 """
 
 from __future__ import annotations

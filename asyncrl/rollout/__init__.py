@@ -1,5 +1,6 @@
 """Rollout side: the vLLM engine wrapper (`engine`), the worker actor (`worker`), the pool (`pool`), the
-weight transport format shared with the learner (`weights`), and every vLLM workaround (`vllm_compat`).
+OpenAI-compatible endpoint and the agent environment that drives it (`openai_*`), and every vLLM workaround
+(`vllm_compat`). The weights' wire formats it loads are `asyncrl.weights`.
 
-Nothing is imported here so that `asyncrl.rollout.weights` stays usable without Ray or vLLM.
+Nothing is imported here so that importing one module does not import Ray or vLLM.
 """

@@ -19,102 +19,30 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import itertools
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from asyncrl.rollout import vllm_compat
+from asyncrl.rollout.sampling import (
+    GREEDY_BELOW,
+    EvalResult,
+    Member,
+    SamplingSpec,
+    Stream,
+    finish_reason,
+    shared_spec,
+    vllm_sampling_params,
+)
+from asyncrl.staleness import Staleness
 from asyncrl.types import STALE_FAILURE, Prompt, Request, Trajectory
 
+__all__ = ["Engine", "EvalResult", "SamplingSpec"]
 
-@dataclass(frozen=True)
-class SamplingSpec:
-    """How one request is sampled. `temperature`/`top_p`/`top_k` define the distribution the rollout
-    log-probs refer to (the learner must divide logits by the same `temperature`)."""
-
-    max_tokens: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    """0 = no top-k."""
-    timeout_s: float | None = None
-    """Abort the request after this many seconds; its trajectory comes back `failure="timeout: ..."`."""
-    ignore_eos: bool = False
-    """Keep generating past end-of-sequence (benchmarks and tests that need long requests)."""
-    seed: int | None = None
-    stream_interval: int = 16
-    """A running request reports its new tokens every this many tokens, and always its first and last ones
-    (vLLM `SamplingParams.stream_interval`): fewer wake-ups of the worker per request. The first token's
-    report is what `Engine.abort_stale` needs; `Engine.progress` advances in these steps."""
-    stop: tuple[str, ...] = ()
-    """Strings that end the generation (a tool call's close marker, the OpenAI endpoint's `stop`). The tokens
-    sampled up to and including the one that completed the string stay in the trajectory exactly as sampled
-    (`include_stop_str_in_output`); vLLM detokenizes only requests that have stop strings."""
-    top_logprobs: int = 0
-    """Alternatives reported per position (`generate(..., top_logprobs=...)`); 0 = only the sampled token."""
-
-    @classmethod
-    def from_rollout_config(cls, rollout: Any) -> SamplingSpec:
-        return cls(
-            max_tokens=rollout.max_tokens,
-            temperature=rollout.temperature,
-            top_p=rollout.top_p,
-            top_k=rollout.top_k,
-            timeout_s=rollout.request_timeout_s,
-        )
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    """One held-out prompt's completions and every policy version its requests ran under: the engine's
-    version when each was submitted and the per-token versions vLLM reports. More than one version means
-    the evaluation straddled a weight update; the caller must not credit it to a single version."""
-
-    texts: tuple[str, ...]
-    finish_reasons: tuple[str, ...]
-    """One per completion, aligned with `texts`."""
-    versions: frozenset[int]
-
-
-@dataclass(eq=False)
-class _Member:
-    """One sample being generated (`Engine.generate`): completion `index` of a vLLM request (`_Stream`) of one or
-    more samples, and what came back for it."""
-
-    request: Request
-    top: list[dict[int, float]] | None = None
-    top_k: int = 0
-    index: int = 0
-    stream: _Stream | None = None
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    spans: Any = None
-    finish_reason: str = "abort"
-    error: str | None = None
-    first_version: int | None = None
-    """The engine's version when the first token came back."""
-    left: bool = False
-    """The caller was cancelled."""
-    done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-
-
-@dataclass(eq=False)
-class _Stream:
-    """One vLLM request and the members it samples (completion index i -> `members[i]`)."""
-
-    vllm_id: str
-    members: list[_Member]
-    task: asyncio.Task | None = None
-
-
-GREEDY_BELOW = 1e-5
-"""vLLM samples greedily below this temperature (and then refuses `n > 1`)."""
 WARM_UP_REQUESTS = 32
 """Requests `Engine.start` runs before serving (see `Engine._warm_up`)."""
 WARM_UP_TOKENS = 512
@@ -142,7 +70,7 @@ class Engine:
     ) -> None:
         self.model_dir = str(model_dir)
         self.name = name
-        self._engine_kwargs = dict(
+        self._engine_kwargs: dict[str, Any] = dict(
             dtype=dtype,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
@@ -166,9 +94,9 @@ class Engine:
         """This engine's process group with learner rank 0 (the collective transport); renewed after a failure."""
         self._ids = itertools.count()
         self._progress: dict[str, int] = {}
-        self._running: dict[str, _Member] = {}
+        self._running: dict[str, Member] = {}
         """`Request.request_id` -> its running sample."""
-        self._pending: dict[tuple[tuple[int, ...], SamplingSpec], list[_Member]] = {}
+        self._pending: dict[tuple[tuple[int, ...], SamplingSpec], list[Member]] = {}
         """Samples asked for in this event-loop turn, by prompt ids and sampling (`_submit`)."""
         self._abort_reasons: dict[str, str] = {}
         self.num_tokens_generated = 0
@@ -242,45 +170,10 @@ class Engine:
     # ---------------------------------------------------------------------------------------------
     # Generation
 
-    def _sampling_params(
-        self,
-        spec: SamplingSpec,
-        *,
-        logprobs: int | None = 0,
-        prompt_logprobs: int | None = None,
-        logprob_token_ids: list[int] | None = None,
-        flat: bool = False,
-        n: int = 1,
-    ) -> Any:
-        """Fresh `SamplingParams` for exactly one request of `n` samples (vLLM keeps the object: never pass it
-        twice). `flat`: log-probs in vLLM's flat lists (`vllm_compat.sampled_logprobs` reads them) instead of a
-        dict and a `Logprob` object per token."""
-        # From the submodule: `from vllm import ...` runs vLLM's lazy module `__getattr__` (an import) per call.
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
-
-        return SamplingParams(
-            n=n,
-            max_tokens=spec.max_tokens,
-            temperature=spec.temperature,
-            top_p=spec.top_p,
-            top_k=spec.top_k,
-            ignore_eos=spec.ignore_eos,
-            seed=spec.seed,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            stop=list(spec.stop) or None,
-            include_stop_str_in_output=True,
-            logprob_token_ids=logprob_token_ids,
-            detokenize=bool(spec.stop),  # vLLM matches stop strings on detokenized text only
-            skip_special_tokens=True,
-            output_kind=RequestOutputKind.DELTA,
-            stream_interval=spec.stream_interval,
-            # Every call site builds its params for one request and never reuses them, so vLLM may keep this
-            # object instead of deep-copying it per request (vLLM 0.32 `skip_clone`: ~80 us of the worker's
-            # CPU per request on this loaded 2-core machine).
-            skip_clone=True,
-            flat_logprobs=flat,
-        )
+    @staticmethod
+    def _sampling_params(spec: SamplingSpec, **options: Any) -> Any:
+        """`sampling.vllm_sampling_params`: fresh vLLM parameters for exactly one request."""
+        return vllm_sampling_params(spec, **options)
 
     async def generate(
         self, request: Request, sampling: SamplingSpec, top_logprobs: list[dict[int, float]] | None = None
@@ -295,7 +188,7 @@ class Engine:
         prompt: Prompt = request.prompt
         dispatch_version = self._version
         submitted_at = time.time()
-        member = _Member(request, top=top_logprobs, top_k=sampling.top_logprobs)
+        member = Member(request, top=top_logprobs, top_k=sampling.top_logprobs)
         failure: str | None = None
         self._progress[request.request_id] = 0
         self._running[request.request_id] = member
@@ -333,7 +226,7 @@ class Engine:
         return self._trajectory(member, dispatch_version, submitted_at, failure)
 
     def _trajectory(
-        self, member: _Member, dispatch_version: int, submitted_at: float, failure: str | None
+        self, member: Member, dispatch_version: int, submitted_at: float, failure: str | None
     ) -> Trajectory:
         request, prompt = member.request, member.request.prompt
         n = len(member.token_ids)
@@ -361,7 +254,7 @@ class Engine:
 
     # One vLLM request for the members of a group.
 
-    def _submit(self, member: _Member, prompt_ids: Sequence[int], sampling: SamplingSpec, shareable: bool) -> None:
+    def _submit(self, member: Member, prompt_ids: Sequence[int], sampling: SamplingSpec, shareable: bool) -> None:
         """Start `member`'s generation: alone, or (`shareable`) with the other members asking for the same
         prompt ids and sampling in this event-loop turn, as one `n`-sample request when the turn ends."""
         if not shareable:
@@ -369,7 +262,7 @@ class Engine:
             return
         if not self._pending:
             asyncio.get_running_loop().call_soon(self._start_pending)
-        self._pending.setdefault((tuple(prompt_ids), _shared_spec(sampling)), []).append(member)
+        self._pending.setdefault((tuple(prompt_ids), shared_spec(sampling)), []).append(member)
 
     def _start_pending(self) -> None:
         pending, self._pending = self._pending, {}
@@ -378,14 +271,14 @@ class Engine:
             if members:
                 self._start_stream(prompt_ids, sampling, members)
 
-    def _start_stream(self, prompt_ids: Sequence[int], sampling: SamplingSpec, members: list[_Member]) -> None:
-        stream = _Stream(f"{members[0].request.request_id}#{next(self._ids)}", members)  # unique inside vLLM
+    def _start_stream(self, prompt_ids: Sequence[int], sampling: SamplingSpec, members: list[Member]) -> None:
+        stream = Stream(f"{members[0].request.request_id}#{next(self._ids)}", members)  # unique inside vLLM
         self.num_vllm_requests += 1
         for index, member in enumerate(members):
             member.index, member.stream = index, stream
         stream.task = asyncio.ensure_future(self._consume(stream, list(prompt_ids), sampling))
 
-    async def _consume(self, stream: _Stream, prompt_ids: list[int], sampling: SamplingSpec) -> None:
+    async def _consume(self, stream: Stream, prompt_ids: list[int], sampling: SamplingSpec) -> None:
         """Route the request's outputs to its members (by completion index) until every one finished; an
         engine that dies or rejects the request fails every member still running."""
         try:
@@ -401,7 +294,7 @@ class Engine:
             for member in stream.members:
                 member.done.set()
 
-    def _receive(self, member: _Member, completion: Any) -> None:
+    def _receive(self, member: Member, completion: Any) -> None:
         rid = member.request.request_id
         new = list(completion.token_ids)
         if new and rid in self._progress:
@@ -416,10 +309,10 @@ class Engine:
             self._progress[rid] = len(member.token_ids)
         if completion.finish_reason is not None:
             member.spans = completion.weight_versions
-            member.finish_reason = _finish_reason(completion.finish_reason)
+            member.finish_reason = finish_reason(completion.finish_reason)
             member.done.set()
 
-    async def _abort(self, members: Sequence[_Member]) -> None:
+    async def _abort(self, members: Sequence[Member]) -> None:
         """Abort these members' samples in vLLM (which then emits each one's final "abort" output), their
         siblings in an `n`-sample request going on."""
         whole, children = [], []
@@ -436,14 +329,15 @@ class Engine:
         if children:
             await self._llm.abort(children, internal=True)
 
-    def _leave(self, member: _Member) -> None:
+    def _leave(self, member: Member) -> None:
         """`member`'s caller was cancelled: end its sample; the whole request once no member waits for it."""
         member.left = True
         stream = member.stream
         if stream is None:
             return  # still pending: `_start_pending` skips it
         if all(m.left or m.done.is_set() for m in stream.members):
-            stream.task.cancel()  # vLLM aborts the request when its output stream is closed
+            if stream.task is not None:
+                stream.task.cancel()  # vLLM aborts the request when its output stream is closed
         else:
             asyncio.ensure_future(self._abort([member]))
 
@@ -479,6 +373,8 @@ class Engine:
         async for out in self._llm.generate(vllm_compat.token_input(list(token_ids)), params, request_id):
             if out.prompt_logprobs is not None:
                 prompt_logprobs = out.prompt_logprobs  # position 0 is None: nothing predicts the first token
+        if prompt_logprobs is None:
+            raise RuntimeError(f"engine {self.name}: vLLM returned no prompt log-probs for {request_id}")
         return np.asarray(
             [float(prompt_logprobs[t][token_ids[t]].logprob) for t in range(prompt_len, len(token_ids))],
             dtype=np.float32,
@@ -515,10 +411,10 @@ class Engine:
                 for completion in out.outputs:
                     tokens[completion.index].extend(completion.token_ids)
                     if completion.finish_reason is not None:
-                        reasons[completion.index] = _finish_reason(completion.finish_reason)
+                        reasons[completion.index] = finish_reason(completion.finish_reason)
                         spans[completion.index] = completion.weight_versions
             versions = {dispatch_version}
-            for sample, sample_spans in zip(tokens, spans):
+            for sample, sample_spans in zip(tokens, spans, strict=True):
                 versions.update(vllm_compat.version_per_token(sample_spans, len(sample), dispatch_version).tolist())
             texts = [self.decode(t) for t in tokens] * (samples // n)
             return EvalResult(
@@ -558,26 +454,28 @@ class Engine:
                 await vllm_compat.resume_after_update(self._llm)
         return num_tensors
 
-    async def abort_stale(self, max_staleness: int) -> int:
-        """Abort every running request that is certain to exceed `max_staleness`; returns how many.
+    async def abort_stale(self, abort_after_lag: int) -> int:
+        """Abort every running request that is certain to exceed the staleness bound `abort_after_lag` (η);
+        returns how many.
 
         A request whose first token came back while the engine served version `f` has min_version <= f, and
-        any learner step that could consume it runs at a version >= the one served now, so its lag will be
-        more than `max_staleness` if `version - f > max_staleness`. Its trajectory comes back with the partial
-        response and `failure="stale: ..."` (`STALE_FAILURE`). Requests without a token yet are left alone.
+        any learner step that could consume it runs at a version >= the one served now
+        (`Staleness.certain_to_exceed`). Its trajectory comes back with the partial response and
+        `failure="stale: ..."` (`STALE_FAILURE`). Requests without a token yet are left alone.
         """
         self._require_started()
+        bound = Staleness(abort_after_lag)
         doomed = [
             member
             for rid, member in self._running.items()
             if member.first_version is not None
-            and self._version - member.first_version > max_staleness
+            and bound.certain_to_exceed(member.first_version, self._version)
             and rid not in self._abort_reasons
         ]
         for member in doomed:
             self._abort_reasons[member.request.request_id] = (
                 f"{STALE_FAILURE}: first token at version {member.first_version}, engine serves {self._version}, "
-                f"max_staleness {max_staleness}"
+                f"max_staleness {abort_after_lag}"
             )
         # An abort makes vLLM emit the sample's final "abort" output: `generate` returns the partial response.
         await self._abort(doomed)
@@ -588,20 +486,6 @@ class Engine:
             raise RuntimeError(f"engine {self.name} is not started (call `await engine.start()`)")
 
 
-@functools.lru_cache(maxsize=64)
-def _shared_spec(sampling: SamplingSpec) -> SamplingSpec:
-    """The sampling a group's shared request runs with: the members' own without its timeout (each member keeps
-    its own). Cached: a run has a handful of specs, and `dataclasses.replace` per sample showed in profiles."""
-    return sampling if sampling.timeout_s is None else dataclasses.replace(sampling, timeout_s=None)
-
-
 def _group_key(name: str) -> str:
     """A fresh process-group key: a group's rendezvous keys in the learner's store are never reused."""
     return f"{name}-{secrets.token_hex(4)}"
-
-
-def _finish_reason(reason: str | None) -> str:
-    """vLLM reports stop (EOS or stop string), length or abort; anything else is an error."""
-    if reason in ("stop", "length", "abort"):
-        return reason
-    return "error"

@@ -115,7 +115,7 @@ class EpisodeRunner:
     ) -> tuple[str, str | None]:
         """A turn the engine cut short: the episode's wall-time limit (truncated, not failed) or a failure."""
         episode_clock = sampling.timeout_s is None or (turn_sampling.timeout_s or 0) < sampling.timeout_s
-        if turn.failure.startswith("timeout") and episode_clock:
+        if (turn.failure or "").startswith("timeout") and episode_clock:
             return "timeout", None
         return turn.finish_reason, turn.failure
 
@@ -146,7 +146,7 @@ class EpisodeRunner:
             failure=failure,
             worker=last.worker if last else "",
             attempt=request.attempt,
-            submitted_at=last.submitted_at if ep.builder.num_turns == 1 else started,
+            submitted_at=last.submitted_at if last and ep.builder.num_turns == 1 else started,
             finished_at=last.finished_at if last else time.time(),
             response_text=self.engine.decode(ep.builder.ids)
             if ep.builder.num_turns > 1

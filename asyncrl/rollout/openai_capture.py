@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from asyncrl.envs.episode import EpisodeBuilder
 from asyncrl.types import Trajectory
 
@@ -52,7 +54,7 @@ class ChatRenderer:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
-    def decode(self, ids: Sequence[int], *, specials: bool = False) -> str:
+    def decode(self, ids: Sequence[int] | np.ndarray, *, specials: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=not specials)
 
 
@@ -118,7 +120,7 @@ class EpisodeCapture:
 
     def plan(self, episode_id: str | None, rendered: str) -> PromptPlan:
         episode = self.episodes.get(episode_id) if episode_id is not None else None
-        if episode is not None and episode.last is not None:
+        if episode is not None and episode.builder is not None and episode.last is not None:
             suffix = episode.last.continuation(rendered)
             if suffix is not None:
                 observation = self.renderer.encode(suffix)
@@ -130,11 +132,18 @@ class EpisodeCapture:
         episode = self.episodes.setdefault(episode_id, CapturedEpisode())
         if plan.restart:
             if episode.builder is not None:
-                self._count_drift(episode)
-            episode.builder, episode.texts = EpisodeBuilder(plan.prompt_ids, completion.dispatch_version), []
+                self._count_drift(episode, episode.builder)
+            builder = EpisodeBuilder(plan.prompt_ids, completion.dispatch_version)
+            episode.builder, episode.texts = builder, []
+        elif episode.builder is None:
+            raise ValueError(f"episode {episode_id!r} continues a call that was never recorded")
         else:
-            episode.builder.add_observation(plan.observation)
-        episode.builder.add_model_turn(completion.response_ids, completion.rollout_logprobs, completion.versions)
+            builder = episode.builder
+            builder.add_observation(plan.observation)
+        # tolist: the builder takes sequences of Python numbers (it converts each element either way)
+        builder.add_model_turn(
+            completion.response_ids.tolist(), completion.rollout_logprobs.tolist(), completion.versions.tolist()
+        )
         full = self.renderer.decode(completion.response_ids, specials=True)
         episode.last = SampledTurn(plan.rendered, full, visible)
         episode.last_finish_reason = completion.finish_reason
@@ -142,9 +151,9 @@ class EpisodeCapture:
         episode.texts.append(visible)
         return episode
 
-    def _count_drift(self, episode: CapturedEpisode) -> None:
+    def _count_drift(self, episode: CapturedEpisode, builder: EpisodeBuilder) -> None:
         episode.drifts += 1
-        episode.dropped_model_tokens += sum(episode.builder.mask)
+        episode.dropped_model_tokens += sum(builder.mask)
         self.drifts += 1
 
     def finish(self, episode_id: str) -> CapturedEpisode:

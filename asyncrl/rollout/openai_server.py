@@ -343,12 +343,13 @@ class OpenAIServer:
             token = self.renderer.decode([token_id], specials=True)
             return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
+        # strict: the engine reports the alternatives of every position it sampled
         return [
             {
                 **entry(int(t), float(lp)),
                 "top_logprobs": [entry(a, b) for a, b in sorted(top.items(), key=lambda kv: -kv[1])],
             }
-            for t, lp, top in zip(completion.response_ids, completion.rollout_logprobs, tops)
+            for t, lp, top in zip(completion.response_ids, completion.rollout_logprobs, tops, strict=True)
         ]
 
 

@@ -40,7 +40,7 @@ from asyncrl.rollout.membership import (
 )
 from asyncrl.rollout.spread import CONTROL_TIMEOUT_S, EvaluationTimeout, WorkerCalls
 from asyncrl.rollout.worker import WorkerSpec
-from asyncrl.weight_sync.base import PublishedWeights
+from asyncrl.weights.published import PublishedWeights
 
 __all__ = [
     "EvaluationTimeout",
@@ -80,7 +80,7 @@ class RolloutPool(WorkerCalls):
         max_model_len: int | None = None,
         seed: int = 0,
         sampling: SamplingSpec | None = None,
-        max_staleness: int | None = None,
+        abort_after_lag: int | None = None,
         latest: Callable[[], PublishedWeights | None] = lambda: None,
         replace_dead: bool = False,
         placement_timeout_s: float = 300.0,
@@ -95,7 +95,7 @@ class RolloutPool(WorkerCalls):
             max_model_len=max_model_len,
             seed=seed,
             sampling=sampling,
-            max_staleness=max_staleness,
+            abort_after_lag=abort_after_lag,
             tools=tools,
         )
         self.rollout = rollout
@@ -139,7 +139,7 @@ class RolloutPool(WorkerCalls):
         tools: ToolExecutor | None = None,
     ) -> RolloutPool:
         """The run's pool: engines, sampling and reward from `cfg`; engines abort requests certain to exceed
-        `buffer.max_staleness` when `buffer.abort_staleness` says so (`stale_policy: drop`). A preset model from
+        `buffer.max_staleness` when `buffer.abort_after_lag` says so (`stale_policy: drop`). A preset model from
         the driver's cache travels through the object store to workers on nodes that lack it. `tools` (the tool
         pool's client) runs tools and rewards; None: in each worker's process."""
         return cls(
@@ -150,7 +150,7 @@ class RolloutPool(WorkerCalls):
             dtype=cfg.model.dtype,
             max_model_len=cfg.rollout.max_model_len,
             seed=cfg.seed,
-            max_staleness=cfg.buffer.abort_staleness,
+            abort_after_lag=cfg.buffer.abort_after_lag,
             latest=latest,
             replace_dead=cfg.rollout.replace_dead_workers,
             placement_timeout_s=cfg.cluster.placement_timeout_s,

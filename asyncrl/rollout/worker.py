@@ -58,9 +58,9 @@ class WorkerSpec:
     seed: int = 0
     sampling: SamplingSpec | None = None
     """Overrides the sampling derived from `rollout` (e.g. `ignore_eos` for benchmarks)."""
-    max_staleness: int | None = None
+    abort_after_lag: int | None = None
     """After each in-flight weight update, abort the running requests certain to exceed this staleness
-    (`Engine.abort_stale`; `buffer.abort_staleness`); None never aborts."""
+    (`Engine.abort_stale`; `buffer.abort_after_lag`); None never aborts."""
     tools: ToolExecutor | None = None
     """Runs tools and the reward (asyncrl/envs/tools); None: in this process (`InProcessTools`)."""
 
@@ -165,7 +165,7 @@ class RolloutWorker:
             self.engine, self.config, self.spec.model_dir, max_len, self.sampling, self.name
         )
         if self.config.openai_agent:
-            from asyncrl.envs.openai_agent import OpenAIAgentEnv, resolve_agent
+            from asyncrl.rollout.openai_agent import OpenAIAgentEnv, resolve_agent
 
             self.agent = OpenAIAgentEnv(
                 resolve_agent(self.config.openai_agent), self.openai, self.config.request_timeout_s
@@ -347,8 +347,8 @@ class RolloutWorker:
         buckets = [await ref if not isinstance(ref, (bytes, bytearray, memoryview)) else ref for ref in bucket_refs]
         await self.engine.update_weights(buckets, version, in_flight=in_flight)
         load = WeightLoad(self.engine.version, time.time())
-        if in_flight and self.spec.max_staleness is not None:
-            self._stale_aborts += await self.engine.abort_stale(self.spec.max_staleness)
+        if in_flight and self.spec.abort_after_lag is not None:
+            self._stale_aborts += await self.engine.abort_stale(self.spec.abort_after_lag)
         return load
 
     async def score(self, token_ids: Sequence[int], prompt_len: int, processed: bool = False) -> np.ndarray:

@@ -1,1 +1,2 @@
-"""Telemetry: console progress now; Prometheus metrics and dashboards hang off the same records."""
+"""Telemetry: the console progress view, the event log, Prometheus metrics, the dashboard page, alarms and
+TensorBoard/W&B, all fed the same run events through one seam (`sinks.py`)."""

@@ -13,7 +13,7 @@ import json
 import sys
 import types
 import typing
-from typing import Any
+from typing import Any, TypeGuard
 
 from annotated_types import Ge, Gt, Le, Lt, MaxLen, MinLen, MultipleOf
 from pydantic import BaseModel
@@ -23,7 +23,7 @@ from pydantic_core import PydanticUndefined
 from asyncrl.config import Config
 
 
-def _is_section(annotation: Any) -> bool:
+def _is_section(annotation: Any) -> TypeGuard[type[BaseModel]]:
     return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
@@ -48,7 +48,7 @@ def type_name(annotation: Any) -> str:
 def default_text(field: FieldInfo) -> str:
     """The default as it would be written in YAML (`null`, `true`, `1.0`, `[0.9, 0.99]`, `{}`)."""
     if field.default_factory is not None:
-        value = field.default_factory()
+        value = field.get_default(call_default_factory=True, validated_data={})
     elif field.default is PydanticUndefined:
         return "(required)"
     else:
@@ -127,7 +127,8 @@ def markdown() -> str:
     lines = [
         "# asyncrl configuration reference",
         "",
-        "Generated from `asyncrl.config.Config` by `python -m asyncrl.telemetry.config_reference`; do not edit by hand.",
+        "Generated from `asyncrl.config.Config` by `python -m asyncrl.telemetry.config_reference`; "
+        "do not edit by hand.",
         "Set any key in a YAML recipe (`configs/*.yaml`) or on the command line as `section.key=value`,",
         "e.g. `asyncrl run configs/scalerl.yaml rollout.num_workers=8 learner.num_ranks=8`. Unknown keys are rejected.",
         "",

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qs, urlparse
 
 from asyncrl.telemetry.record import Record, Recorder, RunLog, load_run
@@ -62,7 +62,8 @@ class DashboardServer:
         except OSError:  # another run (or a test) holds the port: any free one will do, the address is printed
             self.httpd = ThreadingHTTPServer((host, 0), handler)
         self.httpd.daemon_threads = True
-        bound_host, bound_port = self.httpd.server_address[:2]
+        # An AF_INET(6) socket names its host as a str (typeshed also allows bytes, for other address families).
+        bound_host, bound_port = cast(tuple[str, int], self.httpd.server_address[:2])
         self.url = f"http://{bound_host}:{bound_port}/"
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="asyncrl-dashboard", daemon=True)
         self.thread.start()

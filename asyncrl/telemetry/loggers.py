@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from asyncrl.telemetry.record import pool_point
 from asyncrl.telemetry.sinks import PoolSnapshot, Sink, SyncEvent
@@ -70,7 +70,7 @@ class WandbSink(Sink):
 
     X_KEYS = {"train": "train/step", "eval": "eval/step", "sync": "sync/version", "pool": "pool/wall_s"}
 
-    def __init__(self, project: str, mode: str, out: Path, name: str, config: dict[str, Any]):
+    def __init__(self, project: str, mode: Literal["offline", "online"], out: Path, name: str, config: dict[str, Any]):
         import wandb
 
         self.run = wandb.init(project=project, mode=mode, dir=str(out), name=name, config=config, reinit="create_new")

@@ -1,11 +1,12 @@
 """Prometheus metrics of a run, served by the controller when `telemetry.prometheus_port` > 0.
 
 Names follow `asyncrl_<area>_<what>_<unit>`; counters (`_total`) for counts, gauges for levels, histograms for
-distributions. `METRICS` is the one list: `RunMetrics` registers it, the README's metric table is printed from it
-(`python -m asyncrl.telemetry.metrics`), and tests/unit/test_deploy_files.py checks every Grafana query against
-the registry. `RunMetrics` is a telemetry `Sink`: the controller's step, sync, eval, pool-snapshot and alarm events
-set the series while the run goes on (asyncrl/telemetry/sinks.py). Counters follow the run's cumulative totals
-(the queue's conservation counters, the engines' token counts): each snapshot adds what grew since the last.
+distributions. `METRICS` is the one list: `RunMetrics` registers it, the metric table of docs/metrics.md is
+printed from it (`python -m asyncrl.telemetry.metrics`), and tests/unit/test_deploy_files.py checks every Grafana
+query against the registry. `RunMetrics` is a telemetry `Sink`: the controller's step, sync, eval, pool-snapshot
+and alarm events set the series while the run goes on (asyncrl/telemetry/sinks.py). Counters follow the run's
+cumulative totals (the queue's conservation counters, the engines' token counts): each snapshot adds what grew
+since the last.
 """
 
 from __future__ import annotations
@@ -141,7 +142,8 @@ METRICS: list[MetricSpec] = [
     MetricSpec(
         "asyncrl_rollout_samples_total",
         "counter",
-        "Generations the engines finished: one per sample, or per model turn of an agent episode (failed ones included)",
+        "Generations the engines finished: one per sample, or per model turn of an agent episode "
+        "(failed ones included)",
     ),
     MetricSpec(
         "asyncrl_rollout_vllm_requests_total",
@@ -200,7 +202,8 @@ MISMATCH_ROW_KEYS = {
     "asyncrl_correction_clipped_fraction": "mismatch_kappa_clipped_fraction",
     "asyncrl_correction_masked_fraction": "correction_masked_fraction",
 }
-"""Metric -> the step row's key (`mismatch_<figure>`; per lag `mismatch_<figure>/lag=<lag>`, asyncrl/algo/metrics.py)."""
+"""Metric -> the step row's key (`mismatch_<figure>`; per lag `mismatch_<figure>/lag=<lag>`,
+asyncrl/algo/metrics.py)."""
 STEP_GAUGES = {
     "asyncrl_rollout_reward_mean": "reward",
     "asyncrl_learner_loss": "loss",
@@ -361,7 +364,7 @@ class RunMetrics(Sink):
 
 
 def markdown() -> str:
-    """The README's metric table: every metric with its type, labels and meaning."""
+    """The metric table of docs/metrics.md: every metric with its type, labels and meaning."""
     lines = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
     for spec in METRICS:
         labels = ", ".join(f"`{label}`" for label in spec.labels)

@@ -38,8 +38,10 @@ class ProgressState:
     def eta_s(self) -> float | None:
         """Steps left times the mean step time of this process so far (the run's pace is steady once engines are
         warm; a resumed run's earlier steps took none of this process's time)."""
-        done = self.row["step"] - (self.steps_before or 0) if self.row else 0
-        if not self.max_steps or done <= 0:
+        if not self.row or not self.max_steps:
+            return None
+        done = self.row["step"] - (self.steps_before or 0)
+        if done <= 0:
             return None
         return max(0, self.max_steps - self.row["step"]) * self.row["wall_s"] / done
 
@@ -62,8 +64,9 @@ def step_text(state: ProgressState) -> str:
     k3 = row.get("mismatch_k3_kl", float("nan"))
     return (
         f"step {row['step']:4d}/{state.max_steps}  v{row['version']:<4d} reward {row['reward']:.3f}  heldout {acc}  "
-        f"staleness {row['staleness_mean']:.2f} (max {row['staleness_max']})  mismatch k3 {k3:.1e}  loss {row['loss']:+.4f}  "
-        f"tok/s {_rate(state.trained_per_s())} trained {_rate(state.generated_per_s)} generated  ETA {_duration(state.eta_s())}"
+        f"staleness {row['staleness_mean']:.2f} (max {row['staleness_max']})  mismatch k3 {k3:.1e}  "
+        f"loss {row['loss']:+.4f}  tok/s {_rate(state.trained_per_s())} trained "
+        f"{_rate(state.generated_per_s)} generated  ETA {_duration(state.eta_s())}"
     )
 
 
@@ -115,7 +118,8 @@ class Progress(Sink):
     def eval(self, record: dict) -> None:
         self.state.accuracy = record["accuracy"]
         self._print(
-            f"eval  v{record['version']:<4d} held-out accuracy {record['accuracy']:.3f} after {record['samples_trained']} samples"
+            f"eval  v{record['version']:<4d} held-out accuracy {record['accuracy']:.3f} "
+            f"after {record['samples_trained']} samples"
         )
 
     def close(self, summary: dict) -> None:

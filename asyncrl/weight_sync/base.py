@@ -17,25 +17,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.weights.published import PublishedWeights
+
 if TYPE_CHECKING:
     from asyncrl.config import Mode, WeightSyncConfig
 
-__all__ = ["PendingSync", "PublishedWeights", "SyncResult", "WeightSync"]
-
-
-@dataclass(frozen=True)
-class PublishedWeights:
-    """The weights of one published policy version, in the form the transport's engines load."""
-
-    version: int
-    refs: list[Any]
-    """Bucket payloads: object refs of safetensors bytes, or the bytes (`asyncrl.rollout.weights`)."""
-    num_bytes: int
-    num_tensors: int
-
-    @property
-    def num_buckets(self) -> int:
-        return len(self.refs)
+__all__ = ["PendingSync", "SyncResult", "WeightSync"]
 
 
 @dataclass(frozen=True)
@@ -99,7 +86,7 @@ class WeightSync(ABC):
     def latest(self) -> PublishedWeights | None:
         """The last weights started (None before the first): an engine started later loads them first."""
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 -- optional hook: most transports hold nothing to release
         """Release what the transport holds outside the engines and the learner (shared-memory segments)."""
 
     def overlaps(self) -> bool:

@@ -8,7 +8,7 @@ version -> resume) it asks rank 0 to send (`LearnerWorker.send_collective`, in t
 so the send runs next to the learner's next `train_step`) while its vLLM worker receives into a staging
 buffer of its own and loads from it (`vllm_compat.WeightReceiver.asyncrl_receive_collective`). The group,
 the layout and both staging buffers are set up by an engine's first pull and reused; the wire is
-`weight_sync.group`.
+`weights.group`.
 
 An engine that joins later loads `latest()` the same way, opening its own group; no other group changes.
 If the learner staged the next version before such an engine pulled, the engine gets that one and serves
@@ -28,13 +28,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from asyncrl.weight_sync.group import CollectiveWeights
 from asyncrl.weight_sync.staged import StagedSync
+from asyncrl.weights.group import CollectiveWeights
 
 if TYPE_CHECKING:
     from asyncrl.config import Mode, WeightSyncConfig
-    from asyncrl.learner.pool import LearnerCall, LearnerPool
-    from asyncrl.rollout.pool import RolloutPool
+    from asyncrl.weight_sync.ends import ExportCall, WeightLoaders, WeightPublisher
 
 __all__ = ["CollectiveSync"]
 
@@ -43,7 +42,7 @@ class CollectiveSync(StagedSync):
     """Publishes rank 0's `CollectiveWeights` record; every engine pulls the weights over its own group."""
 
     def __init__(
-        self, learner: LearnerPool, rollout: RolloutPool, config: WeightSyncConfig, mode: Mode, loopback: bool
+        self, learner: WeightPublisher, rollout: WeightLoaders, config: WeightSyncConfig, mode: Mode, loopback: bool
     ):
         super().__init__(learner, rollout, config, mode)
         self.loopback = loopback
@@ -52,7 +51,7 @@ class CollectiveSync(StagedSync):
     def _export(self, version: int) -> CollectiveWeights:
         return self.learner.export_collective(version, self.loopback, self.config.bucket_bytes, self.config.timeout_s)
 
-    def _start_export(self, version: int) -> LearnerCall:
+    def _start_export(self, version: int) -> ExportCall:
         return self.learner.start_export_collective(
             version, self.loopback, self.config.bucket_bytes, self.config.timeout_s
         )

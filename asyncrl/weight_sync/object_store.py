@@ -11,18 +11,18 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from asyncrl.weight_sync.base import PendingSync, PublishedWeights, SyncResult, WeightSync
+from asyncrl.weight_sync.base import PendingSync, SyncResult, WeightSync
+from asyncrl.weights.published import PublishedWeights
 
 if TYPE_CHECKING:
     from asyncrl.config import Mode, WeightSyncConfig
-    from asyncrl.learner.pool import LearnerPool
-    from asyncrl.rollout.pool import RolloutPool
+    from asyncrl.weight_sync.ends import WeightLoaders, WeightPublisher
 
 __all__ = ["ObjectStoreSync"]
 
 
 class ObjectStoreSync(WeightSync):
-    def __init__(self, learner: LearnerPool, rollout: RolloutPool, config: WeightSyncConfig, mode: Mode):
+    def __init__(self, learner: WeightPublisher, rollout: WeightLoaders, config: WeightSyncConfig, mode: Mode):
         super().__init__(config, mode)
         self.learner = learner
         self.rollout = rollout

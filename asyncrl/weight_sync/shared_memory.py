@@ -1,7 +1,7 @@
 """`SharedMemorySync`: weights through one shared-memory segment on the node (no serialization, no object store).
 
 Learner rank 0 gathers the full, Hugging Face-named state and copies it into the slot of the version
-(`segment.SegmentWriter`, layout fixed at the first sync); what travels to the engines through Ray is a
+(`weights.segment.SegmentWriter`, layout fixed at the first sync); what travels to the engines through Ray is a
 small `SharedWeights` record (path, version, layout). Each engine's vLLM worker maps the file and loads from
 views of it (`vllm_compat.WeightReceiver.asyncrl_load_shared_weights`): a copy into its parameters, or vLLM's
 layerwise `reload_weights`, which re-runs the CPU kernels' weight packing (`rollout.weight_load`). Versions,
@@ -30,13 +30,12 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from asyncrl.weight_sync.segment import SharedWeights, process_alive, slot_path
 from asyncrl.weight_sync.staged import StagedSync
+from asyncrl.weights.segment import SharedWeights, process_alive, slot_path
 
 if TYPE_CHECKING:
     from asyncrl.config import Mode, WeightSyncConfig
-    from asyncrl.learner.pool import LearnerCall, LearnerPool
-    from asyncrl.rollout.pool import RolloutPool
+    from asyncrl.weight_sync.ends import ExportCall, WeightLoaders, WeightPublisher
 
 __all__ = ["SHM_DIR", "SharedMemorySync", "segment_root", "sweep_orphans"]
 
@@ -71,7 +70,12 @@ class SharedMemorySync(StagedSync):
     """Publishes a `SharedWeights` record (through the object store, a few kB) instead of the weights."""
 
     def __init__(
-        self, learner: LearnerPool, rollout: RolloutPool, config: WeightSyncConfig, mode: Mode, shm_dir: str = SHM_DIR
+        self,
+        learner: WeightPublisher,
+        rollout: WeightLoaders,
+        config: WeightSyncConfig,
+        mode: Mode,
+        shm_dir: str = SHM_DIR,
     ):
         super().__init__(learner, rollout, config, mode)
         sweep_orphans(shm_dir)
@@ -81,7 +85,7 @@ class SharedMemorySync(StagedSync):
     def _export(self, version: int) -> SharedWeights:
         return self.learner.export_shared(self.root, version)
 
-    def _start_export(self, version: int) -> LearnerCall:
+    def _start_export(self, version: int) -> ExportCall:
         return self.learner.start_export_shared(self.root, version)
 
     def shutdown(self) -> None:

@@ -15,11 +15,12 @@ import time
 from abc import abstractmethod
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.weight_sync.base import PendingSync, PublishedWeights
+from asyncrl.weight_sync.base import PendingSync
 from asyncrl.weight_sync.object_store import ObjectStoreSync
+from asyncrl.weights.published import PublishedWeights
 
 if TYPE_CHECKING:
-    from asyncrl.learner.pool import LearnerCall
+    from asyncrl.weight_sync.ends import ExportCall
 
 __all__ = ["StagedSync"]
 
@@ -35,7 +36,7 @@ class StagedSync(ObjectStoreSync):
         """Stage `version` and wait: -> rank 0's record (`num_bytes`, `num_tensors`)."""
 
     @abstractmethod
-    def _start_export(self, version: int) -> LearnerCall:
+    def _start_export(self, version: int) -> ExportCall:
         """Stage `version` without waiting: `refs[0]` resolves to rank 0's record."""
 
     def start(self, version: int, in_flight: bool | None = None) -> PendingSync:

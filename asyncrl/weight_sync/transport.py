@@ -6,9 +6,8 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from asyncrl.config import Mode, WeightSyncConfig
-    from asyncrl.learner.pool import LearnerPool
-    from asyncrl.rollout.pool import RolloutPool
     from asyncrl.weight_sync.base import WeightSync
+    from asyncrl.weight_sync.ends import WeightLoaders, WeightPublisher
 
 __all__ = ["make_weight_sync", "resolve_transport"]
 
@@ -26,7 +25,9 @@ def resolve_transport(choice: str, num_nodes: int) -> Transport:
     return choice  # type: ignore[return-value]
 
 
-def make_weight_sync(learner: LearnerPool, rollout: RolloutPool, config: WeightSyncConfig, mode: Mode) -> WeightSync:
+def make_weight_sync(
+    learner: WeightPublisher, rollout: WeightLoaders, config: WeightSyncConfig, mode: Mode
+) -> WeightSync:
     import ray
 
     from asyncrl.weight_sync.collective import CollectiveSync

@@ -1,4 +1,4 @@
-"""The collective transport's wire (`weight_sync.group`) over NCCL, between two processes as learner rank 0 and an
+"""The collective transport's wire (`weights.group`) over NCCL, between two processes as learner rank 0 and an
 engine's worker, on CUDA (skipped without a GPU; `make test-gpu`).
 
 A lent GPU machine has one GPU, and NCCL refuses two ranks on one GPU. Giving each process its own `NCCL_HOSTID`
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KEY = "rollout-0-a"
 SIDE = """
 import faulthandler, os, sys, time, torch
-from asyncrl.weight_sync.group import CollectiveReceiver, CollectiveSender
+from asyncrl.weights.group import CollectiveReceiver, CollectiveSender
 
 role, folder, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
 faulthandler.dump_traceback_later(2 * timeout + 10, exit=True)  # a side stuck past its timeouts says where, and ends

@@ -139,3 +139,11 @@ def test_packed_trajectories_go_through_the_actor_with_their_tokens_versions_and
     assert batch.lags == [1, 1, 0, 0]  # learner version 1 - min_version 0 (group a), 1 - 1 (group b)
     c = client.check_conservation()
     assert (c["trained"], c["in_flight"]) == (4, 0)
+
+
+def test_the_client_reads_the_backlog_with_one_cheap_call(ray_cluster):
+    client = start_replay_queue(BufferConfig(max_staleness=0, log_parquet=False), batch_groups=1, name="rq-backlog")
+    client.add_prompts([make_prompt("a"), make_prompt("b")], 2)
+    assert client.backlog_groups() == 2 == client.stats()["backlog_groups"]
+    ray_cluster.get(client.handle.acquire.remote("w0", 2))  # admission (0 + 0 + 1) * 1: one group starts
+    assert client.backlog_groups() == 1

@@ -114,7 +114,7 @@ def test_turns_ending_at_a_stop_string_keep_it_and_stay_token_exact(loop, engine
 def test_an_in_flight_update_between_turns_labels_the_later_turns_with_the_new_version(loop, engine, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.rollout.weights import hf_named_tensors, pack_buckets
+    from asyncrl.weights.buckets import hf_named_tensors, pack_buckets
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with torch.no_grad():

@@ -141,7 +141,7 @@ class _FakeRolloutPool:
     def start_update(self, refs, version, in_flight):
         import ray
 
-        from asyncrl.rollout.weights import unpack_bucket
+        from asyncrl.weights.buckets import unpack_bucket
 
         tensors = {}
         for data in ray.get(list(refs)):

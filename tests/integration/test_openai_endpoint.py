@@ -49,7 +49,7 @@ def client(url: str, episode: str | None = None):
 def same_weights(model_dir) -> list[bytes]:
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.rollout.weights import hf_named_tensors, pack_buckets
+    from asyncrl.weights.buckets import hf_named_tensors, pack_buckets
 
     return pack_buckets(hf_named_tensors(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)), bucket_bytes=1 << 30)
 
@@ -145,7 +145,7 @@ def test_loopback_binding_bad_fields_and_unknown_episodes(loop, worker):
 
 
 def test_agent_env_returns_the_harness_episode_scored_by_the_harness(loop, worker):
-    from asyncrl.envs.openai_agent import OpenAIAgentEnv
+    from asyncrl.rollout.openai_agent import OpenAIAgentEnv
     from asyncrl.testing import make_prompt, make_request
 
     async def agent(c, prompt, episode):

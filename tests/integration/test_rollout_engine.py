@@ -166,7 +166,7 @@ def test_score_matches_transformers(loop, engine, hf_model):
 
 def test_in_flight_update_keeps_running_requests_and_labels_later_tokens_with_the_new_version(loop, engine, hf_model):
     from asyncrl.rollout.engine import SamplingSpec
-    from asyncrl.rollout.weights import hf_named_tensors, pack_buckets
+    from asyncrl.weights.buckets import hf_named_tensors, pack_buckets
 
     _perturb(hf_model, scale=0.05, seed=1)
     buckets = pack_buckets(hf_named_tensors(hf_model), bucket_bytes=1 << 16)  # several buckets
@@ -208,7 +208,7 @@ def test_in_flight_update_keeps_running_requests_and_labels_later_tokens_with_th
 
 def test_blocking_update_lets_running_requests_finish_on_the_old_version(loop, engine, hf_model):
     from asyncrl.rollout.engine import SamplingSpec
-    from asyncrl.rollout.weights import hf_named_tensors, pack_buckets
+    from asyncrl.weights.buckets import hf_named_tensors, pack_buckets
 
     _perturb(hf_model, scale=0.05, seed=2)
     buckets = pack_buckets(hf_named_tensors(hf_model), bucket_bytes=1 << 30)
@@ -230,7 +230,7 @@ def test_blocking_update_lets_running_requests_finish_on_the_old_version(loop, e
 
 def test_abort_stale_ends_only_the_requests_certain_to_exceed_the_bound(loop, engine, hf_model):
     from asyncrl.rollout.engine import SamplingSpec
-    from asyncrl.rollout.weights import hf_named_tensors, pack_buckets
+    from asyncrl.weights.buckets import hf_named_tensors, pack_buckets
 
     buckets = pack_buckets(hf_named_tensors(hf_model), bucket_bytes=1 << 30)  # the weights it serves already
     v0 = engine.version
@@ -246,8 +246,8 @@ def test_abort_stale_ends_only_the_requests_certain_to_exceed_the_bound(loop, en
             await asyncio.sleep(0.005)
         await engine.update_weights(buckets, version=v0 + 2, in_flight=True)
         # old: first token at v0, lag >= 2 at any later consumption; new: first token at v0 + 1, lag may be 1.
-        aborted = await engine.abort_stale(max_staleness=1)
-        again = await engine.abort_stale(max_staleness=1)
+        aborted = await engine.abort_stale(abort_after_lag=1)
+        again = await engine.abort_stale(abort_after_lag=1)
         return await old, await new, aborted, again
 
     old, new, aborted, again = loop.run_until_complete(scenario())
@@ -318,7 +318,7 @@ def test_one_member_of_a_group_request_is_cancelled_alone_and_the_others_carry_a
     "abort" output comes back), while the other three run to their full length across an in-flight weight
     update, each with its own version boundary."""
     from asyncrl.rollout.engine import SamplingSpec
-    from asyncrl.rollout.weights import hf_named_tensors, pack_buckets
+    from asyncrl.weights.buckets import hf_named_tensors, pack_buckets
 
     buckets = pack_buckets(hf_named_tensors(hf_model), bucket_bytes=1 << 30)  # the weights it serves already
     v0 = engine.version
@@ -425,6 +425,6 @@ def test_the_engine_core_is_forked_from_the_preloaded_server_with_this_process_e
     with open(f"/proc/{server}/environ", "rb") as f:
         assert MARKER.encode() not in f.read()  # so the core's copy came from this process at engine start
     assert info["env"] == {MARKER: "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
-    assert info["torch_threads"] == vllm_compat._engine_threads(os.environ) > 0
+    assert info["torch_threads"] == vllm_compat.process._engine_threads(os.environ) > 0
     with open(f"/proc/{info['pid']}/comm") as f:
         assert f.read().strip() == "VLLM::EngineCor"  # vLLM's process title, which `ps` and py-spy users look for

@@ -76,8 +76,8 @@ class LatestWeights:
 
     def publish(self, pool, buckets, version: int, timeout_s: float) -> None:
         """Publish as a weight sync does: record the weights as the latest, then update every engine."""
-        from asyncrl.rollout.weights import unpack_bucket
-        from asyncrl.weight_sync.base import PublishedWeights
+        from asyncrl.weights.buckets import unpack_bucket
+        from asyncrl.weights.published import PublishedWeights
 
         num_tensors = sum(len(unpack_bucket(b)) for b in buckets)
         self.weights = PublishedWeights(version, list(buckets), sum(len(b) for b in buckets), num_tensors)
@@ -122,7 +122,7 @@ def hf_model(tiny_model_dir):
 @pytest.fixture(scope="module")
 def published(hf_model):
     """Weights the test publishes as version 1 (the model perturbed), and the model they came from."""
-    from asyncrl.rollout.weights import hf_named_tensors, pack_buckets
+    from asyncrl.weights.buckets import hf_named_tensors, pack_buckets
 
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():

@@ -117,7 +117,7 @@ def test_preset_filters_are_buffer_defaults_that_explicit_values_override():
 
 
 def test_preset_filter_fields_document_the_presets_that_set_them():
-    from asyncrl.algo.names import PRESET_FILTERS
+    from asyncrl.algo.registry import PRESET_FILTERS
     from asyncrl.config import BufferConfig
 
     for preset, filters in PRESET_FILTERS.items():
@@ -136,9 +136,9 @@ def test_mini_batches_must_split_the_prompt_groups_evenly():
 
 
 def test_engines_abort_stale_requests_only_under_the_drop_policy():
-    assert load_config(None, ["buffer.max_staleness=3"]).buffer.abort_staleness is None  # default `wait` aborts nothing
-    assert load_config(None, ["buffer.max_staleness=3", "buffer.stale_policy=drop"]).buffer.abort_staleness == 3
+    assert load_config(None, ["buffer.max_staleness=3"]).buffer.abort_after_lag is None  # default `wait` aborts nothing
+    assert load_config(None, ["buffer.max_staleness=3", "buffer.stale_policy=drop"]).buffer.abort_after_lag == 3
     off = ["buffer.max_staleness=3", "buffer.stale_policy=drop", "buffer.abort_stale_in_flight=false"]
-    assert load_config(None, off).buffer.abort_staleness is None
+    assert load_config(None, off).buffer.abort_after_lag is None
     with pytest.raises(ConfigError):
         load_config(None, ["buffer.stale_policy=late"])

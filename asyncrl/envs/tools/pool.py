@@ -26,7 +26,6 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from asyncrl.cluster.calls import named_get
 from asyncrl.config import Config, ToolsConfig
-from asyncrl.envs.sandbox import Capabilities, ItemOutcome, RewardItem, Sandbox, SandboxLimits, lease_uid_block
 from asyncrl.envs.tools.base import (
     InProcessTools,
     RewardError,
@@ -35,7 +34,10 @@ from asyncrl.envs.tools.base import (
     ToolResult,
     check_reward_value,
 )
+from asyncrl.envs.tools.isolation import Capabilities, lease_uid_block
+from asyncrl.envs.tools.processes import ItemOutcome, RewardItem
 from asyncrl.envs.tools.python import run_python
+from asyncrl.envs.tools.sandbox import Sandbox, SandboxLimits
 
 HANDLE_TTL_S = 1.0
 """A client looks a worker's name up again after this long, so it reaches a replacement within a second."""
@@ -169,7 +171,7 @@ class ToolWorker:
             for _, answer in batch:
                 answer.set_exception(e)
             return
-        for (_, answer), outcome in zip(batch, outcomes):
+        for (_, answer), outcome in zip(batch, outcomes, strict=True):  # one outcome per item
             result = _reward_outcome(outcome)
             self.tally.count("reward", None if result.error is None else (outcome.reason or "bad_value"))
             answer.set_result(result)
@@ -200,7 +202,7 @@ class ToolClient:
         return {"names": self.names, "namespace": self.namespace}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(**state)
+        ToolClient.__init__(self, **state)
 
     async def call(self, call: ToolCall, timeout_s: float) -> ToolResult:
         return await self._on_worker("call", (call, timeout_s))
@@ -397,7 +399,7 @@ class ToolPool:
         self.replaced += 1
 
     def _refresh_tallies(self) -> None:
-        for name, slot in self._slots.items():
+        for slot in self._slots.values():
             try:
                 slot.tally = ray.get(slot.handle.ping.remote(), timeout=self.config.heartbeat_timeout_s)
             except (GetTimeoutError, RayActorError):

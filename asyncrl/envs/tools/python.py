@@ -1,11 +1,11 @@
-"""The `python` tool: the model's program runs in a sandbox (asyncrl/envs/sandbox.py); what it printed comes
+"""The `python` tool: the model's program runs in a sandbox (asyncrl/envs/tools/sandbox.py); what it printed comes
 back as the next observation. A program that fails, times out, or runs out of memory is the model's problem:
 the result says so (`ok=False`, `error=<reason>`) and the episode goes on."""
 
 from __future__ import annotations
 
-from asyncrl.envs.sandbox import RunOutcome, Sandbox
 from asyncrl.envs.tools.base import ToolResult
+from asyncrl.envs.tools.sandbox import RunOutcome, Sandbox
 
 
 async def run_python(sandbox: Sandbox, source: str, timeout_s: float) -> ToolResult:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from asyncrl.algo.metrics import lag_mismatch_figures, lag_mismatch_parts
-from asyncrl.learner.step import merge_metrics
+from asyncrl.learner.merge import merge_metrics
 
 LOG2 = math.log(2.0)
 # Row 0 (lag 0): learner == rollout on 2 tokens. Row 1 (lag 1): kappa = 2 on its first token, 1 on its second.

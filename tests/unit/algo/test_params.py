@@ -8,15 +8,15 @@ import sys
 
 import pytest
 
-from asyncrl.algo import names
-from asyncrl.algo import params as P
+from asyncrl.algo import registry
+from asyncrl.algo import registry as P
 from asyncrl.algo.recipes import Recipe, resolve_recipe
 
 SCALERL = {"advantage": "batch_norm", "loss": "cispo", "reduction": "prompt_mean", "correction": "tis"}
 
 
 def test_params_module_imports_nothing_heavy():
-    code = "import sys, asyncrl.algo.params; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, asyncrl.algo.registry; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -24,10 +24,10 @@ def test_the_schema_covers_every_recipe_parameter_and_every_component():
     components = {"advantage", "loss", "reduction", "correction"}
     assert set(P.PARAMS) == {f.name for f in dataclasses.fields(Recipe)} - components
     for table, valid in (
-        (P.ADVANTAGE_PARAMS, names.ADVANTAGES),
-        (P.LOSS_PARAMS, names.LOSSES),
-        (P.REDUCTION_PARAMS, names.REDUCTIONS),
-        (P.CORRECTION_PARAMS, names.CORRECTIONS),
+        (P.ADVANTAGE_PARAMS, registry.ADVANTAGES),
+        (P.LOSS_PARAMS, registry.LOSSES),
+        (P.REDUCTION_PARAMS, registry.REDUCTIONS),
+        (P.CORRECTION_PARAMS, registry.CORRECTIONS),
     ):
         assert set(table) == set(valid)
         assert {p for taken in table.values() for p in taken} <= set(P.PARAMS)

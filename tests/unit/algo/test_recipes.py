@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.algo import names, recipes
+from asyncrl.algo import recipes, registry
 from asyncrl.algo.recipes import (
     Recipe,
     compute_advantages,
@@ -31,14 +31,14 @@ NEEDS_L_MAX = {"l_max": L_MAX}
 
 
 def test_names_module_imports_nothing_heavy():
-    code = "import sys, asyncrl.algo.names; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, asyncrl.algo.registry; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("preset", names.PRESETS)
+@pytest.mark.parametrize("preset", registry.PRESETS)
 def test_every_preset_resolves_to_its_components(preset):
     recipe = resolve_recipe(preset, **NEEDS_L_MAX)
-    for key, value in names.PRESET_COMPONENTS[preset].items():
+    for key, value in registry.PRESET_COMPONENTS[preset].items():
         assert getattr(recipe, key) == value
 
 
@@ -86,16 +86,16 @@ def test_recipe_is_frozen_and_serialisable():
 
 
 def test_every_name_has_an_implementation():
-    assert set(recipes._SURROGATES) == set(names.LOSSES)
-    assert set(recipes.PRESET_PARAMS) <= set(names.PRESETS)
-    for preset, params in recipes.PRESET_PARAMS.items():
+    assert set(recipes._SURROGATES) == set(registry.LOSSES)
+    assert set(registry.PRESET_PARAMS) <= set(registry.PRESETS)
+    for preset, params in registry.PRESET_PARAMS.items():
         resolve_recipe(preset, **params)
 
 
 # ---------------------------------------------------------------- compute_advantages
 
 
-@pytest.mark.parametrize("advantage", names.ADVANTAGES)
+@pytest.mark.parametrize("advantage", registry.ADVANTAGES)
 def test_every_advantage_estimator_returns_token_advantages_zero_at_pads(advantage):
     recipe = resolve_recipe(None, advantage=advantage)
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.25])
@@ -175,7 +175,7 @@ def test_kl_term_is_added_with_its_coefficient(fpol):
         run(resolve_recipe("grpo", kl_coef=0.5), make_fpol())
 
 
-LOSS_CORRECTION_PAIRS = [(loss, corr) for loss in names.LOSSES for corr in names.CORRECTIONS]
+LOSS_CORRECTION_PAIRS = [(loss, corr) for loss in registry.LOSSES for corr in registry.CORRECTIONS]
 
 
 @pytest.mark.parametrize("loss, correction", LOSS_CORRECTION_PAIRS)
@@ -192,7 +192,7 @@ def test_masked_garbage_never_reaches_loss_or_gradient(loss, correction, fpol, f
     close(g_dirty, g_clean, atol=1e-7)
 
 
-@pytest.mark.parametrize("loss", names.LOSSES)
+@pytest.mark.parametrize("loss", registry.LOSSES)
 def test_bf16_inputs_are_upcast_and_give_an_fp32_loss(loss):
     pol = make_fpol()
     recipe = resolve_recipe(None, advantage="grpo", loss=loss, reduction="token_mean")
@@ -228,7 +228,7 @@ def split_batches(draw):
 
 
 @settings(max_examples=30, deadline=None)
-@given(split_batches(), st.sampled_from(names.LOSSES), st.sampled_from(names.REDUCTIONS), st.sampled_from(names.CORRECTIONS))
+@given(split_batches(), st.sampled_from(registry.LOSSES), st.sampled_from(registry.REDUCTIONS), st.sampled_from(registry.CORRECTIONS))
 def test_micro_batched_policy_loss_equals_the_whole_batch(batch, loss, reduction, correction):
     mask, old, logp, rollout, adv, group_ids, cuts = batch
     recipe = resolve_recipe(None, advantage="grpo", loss=loss, reduction=reduction, correction=correction, l_max=5)

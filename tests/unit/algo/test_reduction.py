@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncrl.algo import losses
-from asyncrl.algo.names import REDUCTIONS
+from asyncrl.algo.registry import REDUCTIONS
 from asyncrl.algo.reduction import aggregate, reduction_stats, reduction_weights, weighted_sum
 
 from .helpers import close, make_fpol

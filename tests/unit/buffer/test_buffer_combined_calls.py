@@ -102,3 +102,16 @@ def test_a_waiting_acquire_ends_empty_when_its_worker_is_requeued_and_the_work_g
     assert (requeued, dead.requests) == (0, [])  # nothing was held; nothing handed to a caller that is gone
     assert [r.request_id for r in taken] == ["p1#1/0/0", "p1#1/1/0"]
     assert (counters["acquired"], counters["in_flight"]) == (4, 2)
+
+
+def test_backlog_groups_answers_the_backlog_that_stats_reports():
+    async def scenario() -> list[tuple[int, float]]:
+        queue = ReplayQueue(make_config(max_staleness=0), batch_groups=1, name="rq-backlog")
+        seen = [(await queue.backlog_groups(), (await queue.stats())["backlog_groups"])]
+        await queue.add_prompts(make_prompts(3), samples_per_prompt=2)
+        seen.append((await queue.backlog_groups(), (await queue.stats())["backlog_groups"]))
+        await queue.acquire("w0", 2)  # admission (0 + 0 + 1) * 1 starts one group
+        seen.append((await queue.backlog_groups(), (await queue.stats())["backlog_groups"]))
+        return seen
+
+    assert asyncio.run(scenario()) == [(0, 0), (3, 3), (2, 2)]

@@ -357,16 +357,6 @@ def test_a_restarted_worker_with_the_same_name_is_told_apart_by_the_attempt():
     assert (c["dispatched"], c["trained"], c["stale_attempt"], c["requeued"], c["in_flight"]) == (2, 2, 3, 2, 0)
 
 
-def test_abort_outstanding_ends_every_in_flight_sample_and_stops_dispatch():
-    core = started_queue(num_prompts=4, group_size=2, batch_groups=4)
-    requests = core.acquire("w0", 4) + core.acquire("w1", 1)  # w1 holds nothing: it gets one member of a group
-    put_all(core, requests[:2])  # one ready group, one half-arrived group, one pending member
-    assert core.abort_outstanding() == 5 + 1  # 5 acquired or ready + 1 never acquired
-    c = core.check_conservation()
-    assert (c["failed:aborted"], c["in_flight"], c["dispatched"]) == (6, 0, 6)
-    assert core.acquire("w0", 5) == []
-
-
 def test_check_conservation_raises_when_a_count_goes_missing():
     core = started_queue(group_size=2)
     core.acquire("w0", 2)

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.envs.sandbox import UIDS_PER_SANDBOX, RewardItem, Sandbox, SandboxLimits, detect_capabilities, lease_uid_block
+from asyncrl.envs.tools.isolation import UIDS_PER_SANDBOX, detect_capabilities, lease_uid_block
+from asyncrl.envs.tools.processes import RewardItem
+from asyncrl.envs.tools.sandbox import Sandbox, SandboxLimits
 from asyncrl.envs.tools.base import ToolCall, ToolInfraError
 from asyncrl.envs.tools.pool import ToolWorker
 from asyncrl.envs.tools.python import run_python
@@ -151,7 +153,7 @@ def test_uids_are_leased_round_robin_one_per_live_process_and_run_out_with_a_cle
         sandbox._lease_uid()
 
 
-HOLDER = "import sys, time\nfrom pathlib import Path\nfrom asyncrl.envs.sandbox import lease_uid_block\nprint(lease_uid_block(310_000, Path(sys.argv[1]))[0], flush=True)\ntime.sleep(60)"
+HOLDER = "import sys, time\nfrom pathlib import Path\nfrom asyncrl.envs.tools.isolation import lease_uid_block\nprint(lease_uid_block(310_000, Path(sys.argv[1]))[0], flush=True)\ntime.sleep(60)"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="uids are leased only as root (there is no uid drop otherwise)")

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.algo.names import REDUCTIONS
+from asyncrl.algo.registry import REDUCTIONS
 from asyncrl.algo.recipes import resolve_recipe
 from asyncrl.learner.batch import build_batch, dummy_microbatch, micro_batches, split_mini_batches, split_rows
 from asyncrl.testing import make_trajectory

@@ -93,7 +93,7 @@ def test_master_weights_and_optimizer_state_are_fp32_and_a_tiny_update_accumulat
 
 def test_weights_leave_for_the_engines_as_bf16_roundings_of_the_fp32_masters(rank):
     from asyncrl.learner.export import pack_state_dict
-    from asyncrl.rollout.weights import unpack_bucket
+    from asyncrl.weights.buckets import unpack_bucket
 
     state = rank._hf_state()
     buckets, _, num_tensors = pack_state_dict(state, 1 << 20, rank.dtype)

@@ -6,7 +6,7 @@ from asyncrl.algo.recipes import compute_policy_loss, resolve_recipe
 from asyncrl.algo.sampling import RAW, SamplingDistribution
 from asyncrl.learner.batch import build_batch, dummy_microbatch, micro_batches
 from asyncrl.learner.policy import PolicyModel, ValueModel, load_causal_lm
-from asyncrl.learner.step import Update, apply_whitening, mean_over_updates, merge_metrics, update_metrics, whitening_moments
+from asyncrl.learner.merge import Update, apply_whitening, mean_over_updates, merge_metrics, update_metrics, whitening_moments
 
 from .helpers import random_groups
 

@@ -8,7 +8,7 @@ import pytest
 
 from asyncrl.rollout.engine import Engine
 from asyncrl.rollout.vllm_compat import RECEIVE_COLLECTIVE_RPC
-from asyncrl.weight_sync.group import CollectiveWeights
+from asyncrl.weights.group import CollectiveWeights
 from tests.unit.rollout.fakes import InProcessHandle
 
 

@@ -57,7 +57,7 @@ def test_template_names_and_paths(tmp_path):
 
 
 def test_agent_import_path_must_name_an_async_function():
-    from asyncrl.envs.openai_agent import resolve_agent
+    from asyncrl.rollout.openai_agent import resolve_agent
 
     assert resolve_agent("asyncio:sleep").__name__ == "sleep"
     with pytest.raises(ValueError, match="async function"):

@@ -270,7 +270,7 @@ def test_an_in_flight_weight_update_aborts_requests_certain_to_exceed_the_bound(
             return 3
 
     engine = UpdatingEngine("rollout-0")
-    worker = RolloutWorker("rollout-0", WorkerSpec("unused", max_staleness=max_staleness), None, engine=engine)
+    worker = RolloutWorker("rollout-0", WorkerSpec("unused", abort_after_lag=max_staleness), None, engine=engine)
     before = time.time()
     load = asyncio.run(worker.update_weights([b""], 5, in_flight=in_flight))
     assert load.version == 5 and before <= load.served_at <= time.time()

@@ -1,13 +1,13 @@
 """CollectiveSync with hand-written fakes: what the learner is asked for, what the engines are handed, and the
-loopback choice (the wire itself: test_group.py; a real engine: tests/integration/test_weight_sync_collective.py)."""
+loopback choice (the wire itself: tests/unit/weights/test_group.py; a real engine: tests/integration/test_weight_sync_collective.py)."""
 
 import pytest
 
 from asyncrl.config import WeightSyncConfig
 from asyncrl.learner.pool import LearnerCall, LearnerCallError
-from tests.unit.weight_sync.fakes import FakeRollout
 from asyncrl.weight_sync.collective import CollectiveSync
-from asyncrl.weight_sync.group import CollectiveWeights
+from asyncrl.weights.group import CollectiveWeights
+from tests.unit.weight_sync.fakes import FakeRollout
 
 
 class FakeLearner:

@@ -6,9 +6,9 @@ import time
 import pytest
 
 from asyncrl.config import WeightSyncConfig
-from asyncrl.learner.export import ExportedWeights
 from asyncrl.rollout.pool import WeightSyncError
 from asyncrl.weight_sync.object_store import ObjectStoreSync
+from asyncrl.weights.published import ExportedWeights
 
 
 class FakeLearner:

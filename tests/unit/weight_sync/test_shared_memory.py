@@ -9,10 +9,10 @@ import torch
 
 from asyncrl.config import WeightSyncConfig
 from asyncrl.learner.pool import LearnerCall, LearnerCallError
-from tests.unit.weight_sync.fakes import FakeRollout
-from asyncrl.weight_sync.segment import SegmentWriter
 from asyncrl.weight_sync.shared_memory import SharedMemorySync, segment_root, sweep_orphans
 from asyncrl.weight_sync.transport import resolve_transport
+from asyncrl.weights.segment import SegmentWriter
+from tests.unit.weight_sync.fakes import FakeRollout
 
 
 class FakeLearner:
@@ -85,7 +85,7 @@ def test_shutdown_unlinks_both_slots(tmp_path, ray_put):
 def test_the_segments_of_a_killed_run_are_swept_and_a_live_runs_are_kept(tmp_path):
     # A process that writes a segment under its own pid and is then SIGKILLed: nothing of it cleans up.
     code = (
-        "import os, sys, torch; from asyncrl.weight_sync.segment import SegmentWriter;"
+        "import os, sys, torch; from asyncrl.weights.segment import SegmentWriter;"
         "from asyncrl.weight_sync.shared_memory import segment_root;"
         "SegmentWriter(segment_root(sys.argv[1])).write({'w': torch.ones(8)}, 0); os.kill(os.getpid(), 9)"
     )

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.weight_sync.group import CollectiveReceiver, CollectiveSender, backend_for, bucket_ranges
-from asyncrl.weight_sync.segment import SegmentLayout
+from asyncrl.weights.group import CollectiveReceiver, CollectiveSender, backend_for, bucket_ranges
+from asyncrl.weights.segment import SegmentLayout
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -54,7 +54,7 @@ def test_the_nccl_branch_builds_a_two_rank_nccl_group_under_the_engines_prefix(m
     """Structure only: this CPU build has no NCCL, so a stand-in records what the group is built from."""
     import torch.distributed as dist
 
-    from asyncrl.weight_sync.group import open_group
+    from asyncrl.weights.group import open_group
 
     class FakeNCCL:
         class Options:
@@ -103,7 +103,7 @@ def test_an_engine_on_the_learners_gpu_refuses_before_it_joins(monkeypatch):
     """NCCL refuses two ranks on one GPU ("Duplicate GPU detected", seen on an H200: benchmarks/RESULTS.md) with an
     error that names neither side's role, after the sender entered a set-up that has no timeout. The receiver
     compares GPU identities first; a stand-in gives this CPU build's devices one."""
-    from asyncrl.weight_sync import group
+    from asyncrl.weights import group
 
     sender = CollectiveSender("127.0.0.1", torch.device("cpu"), 1 << 20, 5.0)
     monkeypatch.setattr(group, "backend_for", lambda device: "nccl")
@@ -118,7 +118,7 @@ def test_an_engine_on_the_learners_gpu_refuses_before_it_joins(monkeypatch):
 
 def test_the_gpu_identity_is_the_one_nccl_compares(monkeypatch):
     """NCCL's host is NCCL_HOSTID when set: processes with different ones may share a GPU (tests/gpu does)."""
-    from asyncrl.weight_sync.group import gpu_identity
+    from asyncrl.weights.group import gpu_identity
 
     class Properties:
         uuid = "44e51268-0f85"
@@ -143,7 +143,7 @@ def test_staging_a_state_that_no_longer_fits_names_the_tensor():
 
 RECEIVER = """
 import sys, torch
-from asyncrl.weight_sync.group import CollectiveReceiver
+from asyncrl.weights.group import CollectiveReceiver
 receiver = CollectiveReceiver(torch.device("cpu"))
 for i, wire in enumerate(sys.argv[2:]):
     try:
@@ -185,7 +185,7 @@ def test_two_processes_exchange_two_versions_bit_for_bit_over_gloo(tmp_path, hos
 
 
 def test_a_header_whose_layout_digest_differs_from_the_setup_fails_the_receive(tmp_path):
-    from asyncrl.weight_sync.group import _broadcast
+    from asyncrl.weights.group import _broadcast
 
     sender = CollectiveSender("127.0.0.1", torch.device("cpu"), 1 << 20, 60.0)
     record = sender.stage(_state(), 1)
@@ -210,7 +210,7 @@ def test_a_single_node_sender_meets_its_engines_in_a_file_it_removes():
 
 
 def test_the_store_file_of_a_killed_sender_is_swept_by_the_next_one(tmp_path):
-    from asyncrl.weight_sync.group import STORE_PREFIX, _sweep_stores
+    from asyncrl.weights.group import STORE_PREFIX, _sweep_stores
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     orphan, ours = tmp_path / f"{STORE_PREFIX}{dead.stdout.strip()}-ab", tmp_path / f"{STORE_PREFIX}{os.getpid()}-cd"

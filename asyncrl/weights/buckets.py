@@ -36,8 +36,9 @@ def hf_named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
 def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[bytes]:
     """Serialize tensors into safetensors buckets whose payload is at most `bucket_bytes` each.
 
-    Tensors keep their dtype; buckets follow the input order (inside a bucket safetensors orders names). A single tensor larger than `bucket_bytes` gets a bucket of its own
-    (tensors are never split). The bound is on tensor payload; each bucket adds a small JSON header.
+    Tensors keep their dtype; buckets follow the input order (inside a bucket safetensors orders names). A single
+    tensor larger than `bucket_bytes` gets a bucket of its own (tensors are never split). The bound is on tensor
+    payload; each bucket adds a small JSON header.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive (got {bucket_bytes})")

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from asyncrl.weight_sync.segment import HEADER_BYTES, SegmentLayout, SegmentReader, SegmentWriter, SharedWeights, slot_path
+from asyncrl.weights.segment import HEADER_BYTES, SegmentLayout, SegmentReader, SegmentWriter, SharedWeights, slot_path
 
 
 def _state(scale: float = 1.0) -> dict[str, torch.Tensor]:

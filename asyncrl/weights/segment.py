@@ -79,8 +79,10 @@ class SegmentLayout:
 
     def difference(self, other: SegmentLayout) -> str:
         """The first place where `other` differs from this layout, for error messages."""
+        # strict=False: layouts of different lengths are told apart by the fallback message
         return next(
-            (f"{a} != {b}" for a, b in zip(self.places, other.places) if a != b), "a different number of tensors"
+            (f"{a} != {b}" for a, b in zip(self.places, other.places, strict=False) if a != b),
+            "a different number of tensors",
         )
 
     def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -98,7 +100,7 @@ class SegmentLayout:
     @property
     def digest(self) -> int:
         """A signed 64-bit hash of the layout (names, offsets, shapes, dtypes), small enough to travel with every
-        version in an int64 header (`weight_sync.group`)."""
+        version in an int64 header (`weights.group`)."""
         wire = json.dumps(self.to_json(), separators=(",", ":")).encode()
         return int.from_bytes(hashlib.sha256(wire).digest()[:8], "big", signed=True)
 
@@ -168,7 +170,7 @@ class SegmentWriter:
             self.layout = SegmentLayout.of(state)
         self.layout.check(state)
         if not self._slots:
-            self._open_slots()
+            self._open_slots(self.layout)
         path = slot_path(self.root, version)
         slot = self._slots[path]
         slot.stamp.fill_(WRITING)
@@ -177,13 +179,13 @@ class SegmentWriter:
         slot.stamp.fill_(version)
         return SharedWeights(path, version, self.layout)
 
-    def _open_slots(self) -> None:
+    def _open_slots(self, layout: SegmentLayout) -> None:
         """Create both slots and fault their pages in now, with the first (waited-for) export: a slot's first
         write otherwise made a later sync 8x slower (0.36B parameters: 3.5 s against 0.4 s). Stamped as being
         written until they hold a version."""
         for parity in (0, 1):
             slot = self._slots[slot_path(self.root, parity)] = _Mapping(
-                slot_path(self.root, parity), self.layout, create=True
+                slot_path(self.root, parity), layout, create=True
             )
             slot.buffer.fill_(0)
             slot.stamp.fill_(WRITING)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.rollout.weights import bucket_names, hf_named_tensors, pack_buckets, unpack_bucket
+from asyncrl.weights.buckets import bucket_names, hf_named_tensors, pack_buckets, unpack_bucket
 
 
 def _tensors() -> list[tuple[str, torch.Tensor]]:
@@ -51,8 +51,9 @@ def test_duplicate_names_are_rejected():
 
 
 def test_tied_model_sends_lm_head_explicitly_and_equal_to_the_embedding():
-    from asyncrl.models import PRESETS, qwen2_config
     from transformers import Qwen2ForCausalLM
+
+    from asyncrl.models import PRESETS, qwen2_config
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(qwen2_config(PRESETS["tiny-0.3m"]))

@@ -44,12 +44,12 @@ import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 
-from asyncrl.weight_sync.segment import SegmentLayout, process_alive
+from asyncrl.weights.segment import SegmentLayout, process_alive
 
 __all__ = [
     "CollectiveReceiver",
@@ -140,19 +140,26 @@ def bucket_ranges(layout: SegmentLayout, bucket_bytes: int) -> list[tuple[int, i
     return ranges
 
 
-def open_group(
-    store: dist.Store, key: str, rank: int, backend: str, bind_host: str, timeout_s: float
-) -> dist.ProcessGroup:
+class Group(Protocol):
+    """What the wire uses of a c10d backend (`ProcessGroupGloo`, `ProcessGroupNCCL`): torch's type stubs leave
+    `broadcast` off their base class `Backend`, which has it."""
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work: ...
+
+    def shutdown(self) -> None: ...
+
+
+def open_group(store: dist.Store, key: str, rank: int, backend: str, bind_host: str, timeout_s: float) -> Group:
     """The two-rank group named `key`; blocks until both ranks joined (at most `timeout_s`)."""
     timeout, prefixed = timedelta(seconds=timeout_s), dist.PrefixStore(key, store)
     if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, 2, options)
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
-    return dist.ProcessGroupGloo(prefixed, rank, 2, options)
+        nccl = dist.ProcessGroupNCCL.Options()
+        nccl._timeout = timeout
+        return cast(Group, dist.ProcessGroupNCCL(prefixed, rank, 2, nccl))
+    gloo = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the runtime name; the stubs say Options
+    gloo._timeout = timeout
+    gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+    return cast(Group, dist.ProcessGroupGloo(prefixed, rank, 2, gloo))
 
 
 def _shut_down(groups: dict[str, Any]) -> None:
@@ -165,7 +172,7 @@ def _shut_down(groups: dict[str, Any]) -> None:
     groups.clear()
 
 
-def _broadcast(group: dist.ProcessGroup, tensors: list[torch.Tensor], timeout_s: float) -> None:
+def _broadcast(group: Group, tensors: list[torch.Tensor], timeout_s: float) -> None:
     """Broadcast each tensor from the sender, all in flight at once, and wait for every one."""
     options = dist.BroadcastOptions()
     options.rootRank = SENDER
@@ -220,7 +227,7 @@ class CollectiveSender:
         self.layout: SegmentLayout | None = None
         self.version = -1
         self._staging: torch.Tensor | None = None
-        self._groups: dict[str, dist.ProcessGroup] = {}
+        self._groups: dict[str, Group] = {}
         self._readers = _Readers()
         weakref.finalize(self, _shut_down, self._groups)
 
@@ -228,8 +235,9 @@ class CollectiveSender:
         if self.layout is None:
             self.layout = SegmentLayout.of(state)
             self._staging = torch.zeros(self.layout.size, dtype=torch.uint8, device=self.device)
-        self.layout.check(state)
-        views = self.layout.views(self._staging)
+        layout, staging = self._staged()
+        layout.check(state)
+        views = layout.views(staging)
         try:
             with self._readers.exclusive(SEND_WAIT_FACTOR * self.timeout_s):
                 for name, tensor in state.items():
@@ -237,7 +245,6 @@ class CollectiveSender:
                 self.version = version
         except TimeoutError as e:
             raise TimeoutError(f"staging version {version}: {e}") from None
-        layout = self.layout
         return CollectiveWeights(
             version,
             self.host,
@@ -256,8 +263,9 @@ class CollectiveSender:
         with self._readers.reading(key):
             try:
                 group = self._groups[key] if key in self._groups else self._open(key)
-                header = torch.tensor([self.version, self.layout.digest], dtype=torch.int64, device=self.device)
-                buckets = [self._staging[start:end] for start, end in bucket_ranges(self.layout, self.bucket_bytes)]
+                layout, staging = self._staged()
+                header = torch.tensor([self.version, layout.digest], dtype=torch.int64, device=self.device)
+                buckets = [staging[start:end] for start, end in bucket_ranges(layout, self.bucket_bytes)]
                 _broadcast(group, [header, *buckets], self.timeout_s)
                 return int(self.version)
             except Exception as e:
@@ -266,10 +274,16 @@ class CollectiveSender:
                     f"weight send of version {self.version} to {key} failed: {type(e).__name__}: {e}"
                 ) from e
 
-    def _open(self, key: str) -> dist.ProcessGroup:
+    def _staged(self) -> tuple[SegmentLayout, torch.Tensor]:
+        """The layout and the staging buffer, both set by the first `stage`."""
+        if self.layout is None or self._staging is None:
+            raise RuntimeError("nothing was staged yet")
+        return self.layout, self._staging
+
+    def _open(self, key: str) -> Group:
         await_receiver(self.store, key, self.timeout_s)
         group = open_group(self.store, key, SENDER, backend_for(self.device), self.host, self.timeout_s)
-        wire = torch.frombuffer(bytearray(json.dumps(self.layout.to_json()).encode()), dtype=torch.uint8).to(
+        wire = torch.frombuffer(bytearray(json.dumps(self._staged()[0].to_json()).encode()), dtype=torch.uint8).to(
             self.device
         )
         _broadcast(group, [torch.tensor([wire.numel()], dtype=torch.int64, device=self.device)], self.timeout_s)
@@ -284,7 +298,7 @@ class _Link:
 
     address: str
     """The sender's store: a key reused with a new learner (a restart) opens a new group."""
-    group: dist.ProcessGroup
+    group: Group
     layout: SegmentLayout
     staging: torch.Tensor
     views: dict[str, torch.Tensor]
@@ -350,8 +364,9 @@ class CollectiveReceiver:
             return f"the learner sends over {d['backend']}, this engine's weights are on {self.device}"
         if d.get("gpu") and d["gpu"] == gpu_identity(self.device):
             return (
-                f"this engine's weights are on the learner's GPU ({d['gpu']}): NCCL cannot connect two ranks on one GPU; "
-                "give the engines GPUs of their own, or set weight_sync.transport to object_store or shared_memory"
+                f"this engine's weights are on the learner's GPU ({d['gpu']}): "
+                "NCCL cannot connect two ranks on one GPU; give the engines GPUs of their own, "
+                "or set weight_sync.transport to object_store or shared_memory"
             )
         return ""
 
@@ -366,8 +381,8 @@ def _serve_store(host: str, timeout_s: float) -> tuple[dist.Store, str]:
         store = dist.FileStore(path, -1)
         store.set_timeout(timeout)
         return store, f"file://{path}"
-    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
-    return store, f"tcp://{host}:{store.port}"
+    tcp = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    return tcp, f"tcp://{host}:{tcp.port}"
 
 
 def connect_store(address: str, timeout_s: float) -> tuple[dist.Store, str]:

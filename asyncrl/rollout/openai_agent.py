@@ -17,7 +17,6 @@ calls train as a `timeout` episode, truncated.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 from collections.abc import Awaitable, Callable
@@ -26,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.lookup import load_plugin
 from asyncrl.rollout.openai_server import EPISODE_HEADER, OpenAIServer
 from asyncrl.types import Prompt, Request, Trajectory
 
@@ -44,10 +44,7 @@ AgentFn = Callable[[Any, str, AgentEpisode], Awaitable[Any]]
 
 def resolve_agent(path: str) -> AgentFn:
     """Import `module:function`; it must be an async function (the harness awaits the client)."""
-    module, _, name = path.partition(":")
-    if not module or not name:
-        raise ValueError(f"agent {path!r} must be an import path `package.module:function`")
-    fn = getattr(importlib.import_module(module), name, None)
+    fn = load_plugin(path, "agent", form="package.module:function")
     if not inspect.iscoroutinefunction(fn):
         raise ValueError(f"agent {path!r} must name an async function `agent(client, prompt, episode)`")
     return fn

@@ -1,0 +1,117 @@
+"""Sections of training: the learner ranks (`learner`) and how weights reach the engines (`weight_sync`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from asyncrl.config.base import Section
+
+
+class LearnerConfig(Section):
+    num_ranks: int = Field(1, ge=1, le=4096)
+    """Learner processes forming one torch.distributed group (FSDP2; a single fp32 rank runs unwrapped).
+    Independent of the rollout pool."""
+    prompts_per_step: int = Field(16, ge=1)
+    """Prompt groups (or single trajectories in `sao`) consumed per optimizer step."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per epoch over one rollout batch: its prompt groups are dealt in order into this
+    many mini-batches of `prompts_per_step / mini_batches` whole groups. From the second update on the
+    PPO ratio pi_theta / pi_old leaves 1, so clipping and DIS act. The policy version still advances
+    once per rollout batch. Lower `lr` with it: each update is a full Adam step, so N updates of the same
+    lr move the policy about N times as far per batch (W1, N = 4: the same lr learned less per sample than
+    N = 1, lr / 4 learned at least as much; benchmarks/RESULTS.md)."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the rollout batch's mini-batches (PPO epochs); updates per step = epochs x mini_batches."""
+    kl_stop: float | None = Field(None, gt=0)
+    """Stop the remaining updates of a step once a mini-batch's approx-KL(pi_old || pi_theta) (k3, mean
+    over its loss tokens, measured before its update) exceeds this; None = never stop early."""
+    tokens_per_microbatch: int = Field(4096, ge=1)
+    """Token budget of one micro-batch (sequences are packed up to it)."""
+    compile: bool = False
+    """`torch.compile` the decoder layers of the policy (and the critic) for the passes with gradients, with dynamic
+    shapes (one graph for every batch size and length); passes without gradients (pi_old, the parity probe) stay
+    eager. The graphs are built during set-up, before the first rollout: ~10-40 s on a 2-vCPU host for a Qwen2
+    layer (two ranks compile at once), more for larger models. In fp32 the gradients match the eager ones to
+    float rounding, with FSDP2 too. Needs a C++ compiler where the learner runs (inductor); benchmarks/RESULTS.md
+    has W1's step with and without it."""
+    max_steps: int = Field(100, ge=0)
+    """Learner steps of the run (one per rollout batch, whatever `mini_batches` and `epochs`)."""
+    max_wall_s: float = Field(0.0, ge=0)
+    """Stop after this many seconds (0 = no limit)."""
+    lr: float = Field(1e-3, gt=0)
+    """AdamW learning rate of the policy."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up steps (learner steps: the schedule advances once per rollout batch)."""
+    lr_decay: Literal["constant", "linear", "cosine"] = "constant"
+    """The learning rate after the warm-up, over the rest of `max_steps`: `constant`, or down from `lr` to
+    `min_lr_ratio` x `lr` in a straight line (`linear`) or along a half cosine (`cosine`), reached after the
+    last step. The critic's learning rate follows the same shape."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Where `linear` and `cosine` decay end, as a fraction of `lr` (and of `critic_lr`)."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Max global gradient norm."""
+    critic: bool = False
+    """Train a value head (needed by `gae`/`vapo` advantages, e.g. `sao` and `ppo_gae`)."""
+    critic_lr: float = Field(1e-3, gt=0)
+    """Learning rate of the value head."""
+    critic_warmup_steps: int = Field(0, ge=0)
+    """Value pre-training (VAPO): for the first N steps only the critic learns; the policy is not
+    stepped (versions still advance so staleness accounting is unchanged)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend: auto = nccl on GPU, gloo on CPU."""
+    num_cpus_per_rank: float = Field(1.0, gt=0)
+    """Ray CPUs reserved by each learner rank."""
+    num_gpus_per_rank: float = Field(0.0, ge=0)
+    """Ray GPUs reserved by each learner rank."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each learner rank's placement bundle asks for (pins the pool to nodes that have them)."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How the ranks' bundles share nodes (Ray placement group strategy): PACK keeps ranks together (fast
+    collectives), SPREAD puts them on different nodes where it can."""
+    max_skipped_steps: int = Field(3, ge=1)
+    """A step whose loss or gradient is not finite is skipped (the weights and optimizer state stay as they
+    were) and its batch kept in `<output_dir>/bad_batches/`; this many such steps in a row stop the run."""
+    call_timeout_s: float = Field(900.0, gt=0)
+    """Every call on the learner ranks (a step, an export, a checkpoint) must answer within this; otherwise the
+    run stops with an error naming the rank and the call (a dead or hung rank never hangs the run)."""
+    seed: int = 0
+    """Seed of model init noise and micro-batch order."""
+
+    @model_validator(mode="after")
+    def _decay_needs_steps_after_warmup(self) -> LearnerConfig:
+        if self.lr_decay != "constant" and self.max_steps <= self.warmup_steps:
+            raise ValueError(
+                f"lr_decay = {self.lr_decay!r} decays over the steps after the warm-up: max_steps "
+                f"({self.max_steps}) must exceed warmup_steps ({self.warmup_steps})"
+            )
+        return self
+
+
+class WeightSyncConfig(Section):
+    every_steps: int = Field(1, ge=1)
+    """Publish weights after every k optimizer steps (a published step increments the policy version)."""
+    bucket_bytes: int = Field(64 << 20, ge=1 << 16)
+    """Weights travel in buckets of at most this many bytes."""
+    timeout_s: float = Field(120.0, gt=0)
+    """A sync not confirmed by every engine within this time fails naming the engine."""
+    in_flight: bool = True
+    """Update engines without draining running requests (their later tokens carry the new version)."""
+    overlap: bool = True
+    """With `in_flight` (streaming, sao): the learner starts its next step while the engines load; the next
+    publication, evaluation or checkpoint first waits for the confirmation. At most one sync is in flight."""
+    parity_probe: bool = True
+    """Compare engine and learner log-probs on one fixed sequence after a sync (waits for that sync)."""
+    parity_probe_every: int = Field(10, ge=1)
+    """Probe after the first sync and after every k-th one."""
+    transport: Literal["object_store", "shared_memory", "collective", "auto"] = "auto"
+    """How weights reach the engines: `object_store` (safetensors buckets through Ray; any cluster),
+    `shared_memory` (one segment in /dev/shm that every engine maps: every engine must run on the learner's
+    node), `collective` (learner rank 0 broadcasts to each engine over its own torch.distributed group, in
+    buckets of `bucket_bytes`: gloo on CPU, NCCL on GPU, where every engine needs a GPU the learner's rank 0
+    does not use; any cluster), `auto` (shared memory on a single-node Ray cluster, else the object store)."""

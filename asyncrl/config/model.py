@@ -1,0 +1,64 @@
+"""Sections of what is trained on: the model (`model`) and the prompts (`data`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from asyncrl.config.base import Section
+
+
+class ModelConfig(Section):
+    path: str | None = None
+    """A Hugging Face model directory. When unset, the `preset` tiny model is built locally (and cached)."""
+    preset: str = "add-1m"
+    """Tiny Qwen2-architecture preset from `asyncrl.models` (used when `path` is unset)."""
+    warm_start_examples: int = Field(2000, ge=0, le=100_000)
+    """Supervised warm-start examples for the built-in task (0 = start from random weights). W1 allows at most
+    2,000. Without dropout, 20,000 seen ~2.4 times give a start RL lifts further than 2,000 seen ~15 times
+    (the `add_20k` recipe; benchmarks/RESULTS.md); within 2,000, `warm_start_dropout` does it."""
+    warm_start_epochs: int = Field(40, ge=0, le=1000)
+    """Upper bound on epochs of the supervised warm start (it stops earlier once `warm_start_target` is met)."""
+    warm_start_lr: float = Field(1e-3, gt=0)
+    """Learning rate of the supervised warm start (linear warm-up over 50 steps, then constant)."""
+    warm_start_target: float | None = Field(0.2, gt=0, le=1)
+    """Stop the warm start once greedy accuracy on 200 validation prompts (disjoint from the held-out set)
+    reaches this (checked every 25 steps). `add`'s learning curve is so sharp (validation 0.125 -> 0.300 within
+    50 steps on 20,000 examples; 2,000 examples: held-out 0.18 -> 0.39 between epochs 14 and 17) that a fixed
+    epoch count may land anywhere on it on a CPU whose kernels round differently; a target does not. With 0.2 the
+    check first passes at 0.250 on 2,000 examples with dropout 0.2 (0.202 held-out, 26 epochs; without dropout
+    0.315, 0.312 held-out, 14.7 epochs), at 0.300 on 20,000 (0.226 held-out, 2.36 epochs). None = run all epochs."""
+    warm_start_dropout: float = Field(0.2, ge=0, lt=1)
+    """Attention dropout during the `add` warm start (the saved model has none). It is what makes W1's
+    2,000-example start one RL can lift: at the same validation target, 0.2 gave a start the plain
+    GRPO loop lifts +0.47 in 200 steps, against +0.26 without (asyncrl/models/warm_start.py; seed 0). Dropout
+    delays the supervised transition: a start that has not met `warm_start_target` within `warm_start_epochs`
+    is trained again from its initial weights without dropout (as seeds 1 and 2 are). 0 = none."""
+    warm_start_tool_fraction: float = Field(0.3, ge=0, le=1)
+    """`calc` task: fraction of warm-start examples that call the calculator (the rest answer in the head);
+    the `calc` warm start runs `warm_start_epochs` epochs (no accuracy target)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype of the learner's decoder layers and weight dtype of the engines. With `bfloat16` the
+    learner keeps fp32 master weights, optimizer state, gradient reductions and head (FSDP2 mixed
+    precision, or its casts without FSDP on one rank; docs/algorithms.md#mixed-precision) and sends the
+    engines bf16 roundings of its weights. fp32 gives 1e-5 log-prob parity on CPU."""
+
+
+class DataConfig(Section):
+    task: Literal["add", "parquet", "calc", "word_problems"] = "add"
+    """`add` generates the W1 task; `parquet` reads verl-layout files from `train_path` / `eval_path`; `calc`
+    (multi-operand sums to solve with the calculator) and `word_problems` (templated arithmetic stories) are
+    generated locally for the agent environments (docs/environments.md)."""
+    train_path: str | None = None
+    """Parquet file of training prompts (verl column layout) when `task: parquet`."""
+    eval_path: str | None = None
+    """Parquet file of held-out prompts when `task: parquet`."""
+    eval_prompts: int = Field(500, ge=1)
+    """Number of held-out prompts used for evaluation."""
+    max_operand: int = Field(999, ge=1)
+    """Largest operand of the `add` task (operands are uniform in [0, max_operand])."""
+    operands: int = Field(3, ge=2, le=8)
+    """Operands of one `calc` problem (each a 3-digit number)."""
+    seed: int = 0
+    """Seed of the prompt stream; the held-out set uses its own fixed seed."""

@@ -1,0 +1,183 @@
+"""The root of the tree (`Config`: a run is one) and the sections of running it: checkpoints, cluster placement,
+storage, fault injection."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, model_validator
+
+from asyncrl.algo import registry
+from asyncrl.config.algorithm import AlgorithmConfig
+from asyncrl.config.base import Mode, Section
+from asyncrl.config.buffer import BufferConfig
+from asyncrl.config.learner import LearnerConfig, WeightSyncConfig
+from asyncrl.config.model import DataConfig, ModelConfig
+from asyncrl.config.observe import EvalConfig, TelemetryConfig
+from asyncrl.config.rollout import EnvConfig, RolloutConfig, ToolsConfig
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(50, ge=0)
+    """Checkpoint period in optimizer steps (0 = only at the end). A run killed between checkpoints resumes
+    from the last one (`resume_from: latest`) with its version, counters and queue."""
+    resume_from: str | None = None
+    """A checkpoint folder to resume from, or `latest` for the newest in the output folder."""
+    export_hf: bool = True
+    """Export the final policy as a Hugging Face safetensors folder (`final_model/`)."""
+    export_best: bool = False
+    """Also keep the best policy the run evaluated: each held-out evaluation that beats every earlier one
+    exports it to `best_model/` (replacing it whole; `best_model/asyncrl_eval.json` names the evaluation).
+    `summary.json`'s `best_eval` names the best evaluation either way."""
+
+
+class ClusterConfig(Section):
+    """How the pools are placed on a Ray cluster (each pool gets its own placement group)."""
+
+    placement_timeout_s: float = Field(300.0, gt=0)
+    """A pool whose placement group is not placed within this time fails, naming the pool, what its bundles
+    ask for and what the cluster has free."""
+
+
+class StorageConfig(Section):
+    """Where a run's files go. Every node that writes them (the driver, learner rank 0, the replay queue)
+    must see the same folder on a multi-node cluster."""
+
+    uri: str | None = None
+    """A folder every node mounts (NFS, a Kubernetes volume; `file://` URIs too): the run directory becomes
+    `<uri>/<output_dir>` (checkpoints, final_model, metrics.jsonl, summary.json, trajectories). None = the
+    local `output_dir`, as on one machine."""
+
+    @model_validator(mode="after")
+    def _filesystem_only(self) -> StorageConfig:
+        scheme = self.uri.split("://", 1)[0] if self.uri and "://" in self.uri else None
+        if scheme not in (None, "file"):
+            raise ValueError(
+                f"storage.uri {self.uri!r}: only mounted folders (a path or file://) are supported, not {scheme}://"
+            )
+        return self
+
+
+class FaultsConfig(Section):
+    """Fault injection for tests and soak runs: real processes are killed, nothing is mocked."""
+
+    kill_rollout_worker_at_steps: list[int] = Field(default_factory=list)
+    """After each of these optimizer steps, right after its weight sync starts (so the engine dies while it
+    loads), SIGKILL the process of one rollout worker (the oldest)."""
+    nan_reward_at_steps: list[int] = Field(default_factory=list)
+    """Give one trajectory of the batch of each of these optimizer steps a NaN reward before the learner sees
+    it (a broken reward path): the step must be skipped and the weights stay finite."""
+
+
+class Config(Section):
+    mode: Mode = "streaming"
+    """`sync` (eta = 0 baseline), `streaming` (ScaleRL/PipelineRL), or `sao` (single rollout, critic, DIS)."""
+    output_dir: str = "runs/default"
+    """Folder for the resolved config, summary, logs and checkpoints of this run."""
+    seed: int = 0
+    """Global seed."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
+
+    @model_validator(mode="after")
+    def _preset_filters(self) -> Config:
+        """The chosen preset's buffer filters become the defaults of those `buffer.*` fields: a value the
+        user set (in the file or an override) wins."""
+        for key, value in registry.PRESET_FILTERS.get(self.algorithm.preset or "", {}).items():
+            if key not in self.buffer.model_fields_set:
+                setattr(self.buffer, key, value)
+        return self
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> Config:
+        names = self.algorithm.resolved_names()
+        advantage, loss = (
+            registry.COMPONENTS["advantage"][names["advantage"]],
+            registry.COMPONENTS["loss"][names["loss"]],
+        )
+        if advantage.needs_group and self.rollout.samples_per_prompt < 2:
+            raise ValueError(
+                f"advantage {names['advantage']!r} needs a group: set rollout.samples_per_prompt >= 2 "
+                f"(got {self.rollout.samples_per_prompt})"
+            )
+        if loss.needs_group and self.rollout.samples_per_prompt < 2:
+            raise ValueError(f"loss {loss.name!r} needs rollout.samples_per_prompt >= 2")
+        if advantage.needs_critic and not self.learner.critic:
+            raise ValueError(f"advantage {names['advantage']!r} needs a critic: set learner.critic = true")
+        if self.mode == "sync" and not self.buffer.staleness.synchronous:
+            raise ValueError(
+                f"mode 'sync' is on-policy: buffer.max_staleness must be 0 (got {self.buffer.max_staleness})"
+            )
+        if self.mode == "sao" and self.rollout.samples_per_prompt != 1:
+            raise ValueError(
+                "mode 'sao' is single-rollout: rollout.samples_per_prompt must be 1 "
+                f"(got {self.rollout.samples_per_prompt})"
+            )
+        if self.learner.prompts_per_step % self.learner.mini_batches:
+            raise ValueError(
+                f"learner.prompts_per_step ({self.learner.prompts_per_step}) must split into learner.mini_batches "
+                f"({self.learner.mini_batches}) equal mini-batches of whole groups"
+            )
+        if (self.env.max_total_tokens or 0) > self.rollout.max_model_len:
+            raise ValueError(
+                f"env.max_total_tokens ({self.env.max_total_tokens}) exceeds "
+                f"rollout.max_model_len ({self.rollout.max_model_len})"
+            )
+        if self.data.task == "parquet" and not self.data.train_path:
+            raise ValueError("data.task 'parquet' needs data.train_path")
+        self._collective_placement()
+        return self
+
+    def _collective_placement(self) -> None:
+        """`weight_sync.transport: collective` joins learner rank 0 and each engine in a group of their own: gloo
+        between CPUs, NCCL between GPUs, so both sides need the same kind of device; and NCCL refuses two ranks on
+        one GPU, so the learner rank needs whole GPUs (with a share, Ray can put an engine on rank 0's GPU)."""
+        if self.weight_sync.transport != "collective":
+            return
+        learner_gpus, engine_gpus = self.learner.num_gpus_per_rank, self.rollout.num_gpus_per_worker
+        if (learner_gpus > 0) != (engine_gpus > 0):
+            raise ValueError(
+                "weight_sync.transport 'collective' connects the learner and the engines over gloo (CPU to CPU) "
+                f"or NCCL (GPU to GPU): learner.num_gpus_per_rank ({learner_gpus:g}) and "
+                f"rollout.num_gpus_per_worker ({engine_gpus:g}) must both be 0 or both be > 0"
+            )
+        if learner_gpus % 1:
+            raise ValueError(
+                "weight_sync.transport 'collective' on GPUs needs whole GPUs per learner rank: "
+                f"learner.num_gpus_per_rank is {learner_gpus:g}, so an engine can share rank 0's GPU, where NCCL "
+                "refuses two ranks; use a whole number, or transport shared_memory or object_store"
+            )
+
+    def run_dir(self) -> Path:
+        """The run's folder: `output_dir`, under `storage.uri` when one is set."""
+        if self.storage.uri is None:
+            return Path(self.output_dir)
+        root = self.storage.uri.removeprefix("file://")
+        return Path(root) / self.output_dir.lstrip("/")
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def save(self, folder: str | Path) -> Path:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "config.yaml"
+        path.write_text(yaml.safe_dump(self.dump(), sort_keys=False))
+        (folder / "config.json").write_text(json.dumps(self.dump(), indent=2))
+        return path

@@ -1,0 +1,85 @@
+"""Every vLLM-specific workaround of asyncrl, in one place (written against vLLM 0.32.0, CPU and CUDA).
+
+Each item names the vLLM version it was checked with. When vLLM is upgraded, this is the only package whose
+assumptions need re-checking; `engine.py` talks to vLLM through the public `AsyncLLM` API plus what is here,
+by role: `process` (the engine's process), `weights` (loading weights into it), `outputs` (requests in, tokens
+and log-probs out). Every name below is importable from here.
+
+Contents:
+- `configure_process_env`: environment variables that must be set before the engine process starts.
+- `engine_args`: the `AsyncEngineArgs` that give fp32 log-prob parity with the learner.
+- `create_async_llm`: the engine, with the model in the engine-core process on CPU (no busy-waiting worker),
+  that process forked from a server that imported vLLM beside the engine's own import (`start_engine_core_server`).
+- `WeightReceiver`: the worker extension (`worker_extension_cls`) that loads safetensors buckets, a
+  shared-memory segment or a broadcast over a process group, in place or through vLLM's reload (`load_weights`).
+- `token_input`: a prompt of token ids in the form `AsyncLLM.generate` takes without a thread hop.
+- `version_per_token`: per-token policy versions from vLLM's weight-version spans.
+- `sampled_logprobs` / `top_logprobs`: per-token log-probs from vLLM's flat (or per-position dict) layout.
+- `pause_for_update` / `resume_after_update`: in-flight (keep running requests) and draining pauses.
+"""
+
+from asyncrl.rollout.vllm_compat.outputs import (
+    child_request_id,
+    sampled_logprobs,
+    token_input,
+    top_logprobs,
+    version_per_token,
+)
+from asyncrl.rollout.vllm_compat.process import (
+    ENGINE_CORE_PRELOAD,
+    WEIGHT_RECEIVER_QUALNAME,
+    configure_process_env,
+    cpu_build,
+    create_async_llm,
+    engine_args,
+    freeze_startup_heap,
+    on_cpu,
+    start_engine_core_server,
+    unfreeze_heap,
+)
+from asyncrl.rollout.vllm_compat.weights import (
+    AUTO_IN_PLACE_MAX_HIDDEN,
+    LOAD_SHARED_RPC,
+    LOAD_STAGED_RPC,
+    PREPARE_IN_PLACE_RPC,
+    PROCESS_INFO_RPC,
+    RECEIVE_COLLECTIVE_RPC,
+    STAGE_BUCKET_RPC,
+    WeightReceiver,
+    load_weights,
+    pause_for_update,
+    prepare_in_place,
+    resume_after_update,
+    set_weight_version,
+)
+
+__all__ = [
+    "AUTO_IN_PLACE_MAX_HIDDEN",
+    "ENGINE_CORE_PRELOAD",
+    "LOAD_SHARED_RPC",
+    "LOAD_STAGED_RPC",
+    "PREPARE_IN_PLACE_RPC",
+    "PROCESS_INFO_RPC",
+    "RECEIVE_COLLECTIVE_RPC",
+    "STAGE_BUCKET_RPC",
+    "WEIGHT_RECEIVER_QUALNAME",
+    "WeightReceiver",
+    "child_request_id",
+    "configure_process_env",
+    "cpu_build",
+    "create_async_llm",
+    "engine_args",
+    "freeze_startup_heap",
+    "load_weights",
+    "on_cpu",
+    "pause_for_update",
+    "prepare_in_place",
+    "resume_after_update",
+    "sampled_logprobs",
+    "set_weight_version",
+    "start_engine_core_server",
+    "token_input",
+    "top_logprobs",
+    "unfreeze_heap",
+    "version_per_token",
+]
