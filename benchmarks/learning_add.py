@@ -95,7 +95,7 @@ def plain_run(steps: int, every: int, target: float) -> dict:
     from plain_grpo import train  # benchmarks/ is on sys.path when a script there runs
 
     from asyncrl.config import RECIPES, load_config
-    from asyncrl.models import ensure_model
+    from asyncrl.envs.model_dir import ensure_model
 
     torch.set_num_threads(2)
     evals = train(ensure_model(load_config(RECIPES / "default.yaml")), steps, every, log=lambda line: None)
@@ -134,7 +134,7 @@ def learner_alone(batches: list[list], cfg, threads: Sequence[int] = (1, 2)) -> 
     median of the others per 256 samples."""
     from limits import rank_trainer
 
-    from asyncrl.models import ensure_model
+    from asyncrl.envs.model_dir import ensure_model
 
     model_dir, step_s = ensure_model(cfg), {}
     for n in threads:
@@ -180,7 +180,7 @@ def mode_limit(run_dir: Path, cfg, batches: list[list], step_s: dict[str, list[f
     """`limits.w1_limit` of the run in `run_dir`, with the samples it generated per sample it trained."""
     from limits import W1_TOGETHER_S, w1_limit
 
-    from asyncrl.models import ensure_model
+    from asyncrl.envs.model_dir import ensure_model
 
     counters = json.loads((run_dir / "summary.json").read_text())["counters"]
     filtered = sum(v for k, v in counters.items() if k.startswith("filtered:"))

@@ -5,7 +5,7 @@ Trains from the same cached warm-start checkpoint, on the same prompt stream, wi
 sampling temperature and completion length as asyncrl's default run (configs/default.yaml). TRL runs
 synchronously in one process on the CPU: generate with transformers, score, one optimizer step, repeat.
 
-The held-out set (500 prompts) is scored greedily with `asyncrl.models.warm_start.greedy_accuracy` at step 0
+The held-out set (500 prompts) is scored greedily with `asyncrl.envs.warm_start.greedy_accuracy` at step 0
 and every `--eval-every` steps. The reported wall-clock EXCLUDES that evaluation time (asyncrl's own
 records include its vLLM evaluation, which is a small part of a step); the total is kept in `eval_s`.
 Writes benchmarks/results/peer_trl.json (peer_trl_quick.json with --quick).
@@ -116,7 +116,7 @@ def run_settings(grpo: dict, cfg, model_dir, every: int, eval_prompts: int) -> d
         "seed": grpo["seed"],
         "eval_every": every,
         "eval_prompts": eval_prompts,
-        "eval": "greedy, transformers (asyncrl.models.warm_start.greedy_accuracy); excluded from wall_s",
+        "eval": "greedy, transformers (asyncrl.envs.warm_start.greedy_accuracy); excluded from wall_s",
         "torch_threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
         "loadavg_1m_start": round(common.load_average(), 2),
@@ -329,8 +329,8 @@ def main() -> None:
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     from asyncrl.config import RECIPES, load_config
-    from asyncrl.models import ensure_model
-    from asyncrl.models.warm_start import greedy_accuracy
+    from asyncrl.envs.model_dir import ensure_model
+    from asyncrl.envs.warm_start import greedy_accuracy
 
     cfg = load_config(RECIPES / "default.yaml")
     model_dir = ensure_model(cfg)

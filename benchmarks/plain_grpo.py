@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from asyncrl.envs.data import add_prompt_stream, heldout_add_prompts
-from asyncrl.models.warm_start import generate, greedy_accuracy, response_logits
+from asyncrl.envs.warm_start import generate, greedy_accuracy, response_logits
 
 MAX_TOKENS = 6  # configs/default.yaml rollout.max_tokens
 
@@ -126,7 +126,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.model is None:
         from asyncrl.config import RECIPES, load_config
-        from asyncrl.models import ensure_model
+        from asyncrl.envs.model_dir import ensure_model
 
         args.model = ensure_model(load_config(RECIPES / "default.yaml"))
     settings = loop_settings(args)

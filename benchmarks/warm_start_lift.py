@@ -63,7 +63,7 @@ def main() -> None:
 
     import plain_grpo
     from asyncrl.models import build_model, num_parameters
-    from asyncrl.models.warm_start import warm_start
+    from asyncrl.envs.warm_start import warm_start
 
     args = parse_args(plain_grpo.add_loop_options)
     load = common.load_average()

@@ -32,7 +32,7 @@ class ModelConfig(Section):
     warm_start_dropout: float = Field(0.2, ge=0, lt=1)
     """Attention dropout during the `add` warm start (the saved model has none). It is what makes W1's
     2,000-example start one RL can lift: at the same validation target, 0.2 gave a start the plain
-    GRPO loop lifts +0.47 in 200 steps, against +0.26 without (asyncrl/models/warm_start.py; seed 0). Dropout
+    GRPO loop lifts +0.47 in 200 steps, against +0.26 without (asyncrl/envs/warm_start.py; seed 0). Dropout
     delays the supervised transition: a start that has not met `warm_start_target` within `warm_start_epochs`
     is trained again from its initial weights without dropout (as seeds 1 and 2 are). 0 = none."""
     warm_start_tool_fraction: float = Field(0.3, ge=0, le=1)

@@ -44,7 +44,7 @@ def run(cfg: Config) -> dict:
 
 def _run(cfg: Config, telemetry: Telemetry) -> dict:
     from asyncrl.controller.loop import Controller
-    from asyncrl.models import ensure_model
+    from asyncrl.envs.model_dir import ensure_model
 
     telemetry.phase("resolving the model")
     model_dir = ensure_model(cfg, report=telemetry.phase)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.cluster.calls import named_get
-from asyncrl.models import _file_lock, cache_root
+from asyncrl.models import cache_root, file_lock
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def materialise(model: ShippedModel) -> Path:
     if Path(cache_root()).resolve() in Path(model.source).parents and (Path(model.source) / "config.json").is_file():
         return Path(model.source)
     target = cache_root() / "shipped" / model.folder_name
-    with _file_lock(target.with_name(target.name + ".lock")):
+    with file_lock(target.with_name(target.name + ".lock")):
         if not (target / "config.json").is_file():
             unpack(
                 named_get(

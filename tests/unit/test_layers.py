@@ -5,9 +5,8 @@ Layers, bottom to top (packages on one layer do not import each other):
 
     types, lookup
     staleness, weights, cluster, algo
-    config
+    config, models
     envs, buffer, telemetry, testing
-    models
     learner, rollout
     weight_sync
     controller
@@ -25,9 +24,8 @@ SOURCE = Path(__file__).resolve().parents[2] / "asyncrl"
 LAYERS = [
     {"types", "lookup"},
     {"staleness", "weights", "cluster", "algo"},
-    {"config"},
+    {"config", "models"},
     {"envs", "buffer", "telemetry", "testing"},
-    {"models"},
     {"learner", "rollout"},
     {"weight_sync"},
     {"controller"},

@@ -4,7 +4,7 @@ from asyncrl.envs import add
 from asyncrl.envs.data import add_prompt
 from asyncrl.models import build_model
 from asyncrl.models.tokenizer import build_char_tokenizer
-from asyncrl.models.warm_start import _examples, _validation_prompts, generate, left_pad, response_logits, warm_start
+from asyncrl.envs.warm_start import _examples, _validation_prompts, generate, left_pad, response_logits, warm_start
 
 
 def _operands(tok, prompt_ids) -> tuple[int, int]:
@@ -100,7 +100,7 @@ def test_a_dropout_warm_start_that_misses_its_target_is_trained_again_without_dr
 
 def test_a_calc_example_supervises_the_model_turns_but_not_the_observation():
     from asyncrl.models.tokenizer import CALC_ALPHABET
-    from asyncrl.models.warm_start import calc_example
+    from asyncrl.envs.warm_start import calc_example
 
     tok = build_char_tokenizer(CALC_ALPHABET)
     ids, flags = calc_example(tok, "1+2=", "3", use_tool=True)

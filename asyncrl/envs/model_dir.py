@@ -1,0 +1,91 @@
+"""The model directory a run starts from: the user's `model.path` as is, or a preset built and, for the
+built-in `add` and `calc` tasks, supervised warm-started (`asyncrl.envs.warm_start`) once and cached under
+$ASYNCRL_CACHE. The cache key is the warm start's whole specification, so a changed setting builds anew.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from asyncrl.models import build_model, cache_root, file_lock
+
+WARM_STARTED_TASKS = ("add", "calc")
+"""Built-in tasks with a supervised warm start (`add`: `warm_start`; `calc`: `warm_start_calc`)."""
+
+
+def ensure_model(cfg, report: Callable[[str], None] | None = None) -> Path:
+    """The model directory for a config: `model.path`, or a cached (warm-started) preset. `report` is told what
+    it does (a first warm start takes minutes, and a user should see it progress)."""
+    report = report or (lambda _text: None)
+    if cfg.model.path:
+        path = Path(cfg.model.path)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model.path {path} has no config.json (not a Hugging Face model folder)")
+        return path
+    spec = {
+        "preset": cfg.model.preset,
+        "examples": cfg.model.warm_start_examples if cfg.data.task in WARM_STARTED_TASKS else 0,
+        "epochs": cfg.model.warm_start_epochs,
+        "lr": cfg.model.warm_start_lr,
+        "max_operand": cfg.data.max_operand,
+        "target": cfg.model.warm_start_target,
+        "seed": cfg.seed,
+        "v": 3,  # 3: deterministic (one thread), sampled reward and entropy recorded
+    }
+    if cfg.data.task == "calc":  # keys only calc has: the `add` starts keep their cache names
+        spec.update(task="calc", operands=cfg.data.operands, tool_fraction=cfg.model.warm_start_tool_fraction)
+    elif cfg.model.warm_start_dropout > 0:
+        spec["dropout"] = cfg.model.warm_start_dropout
+    key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
+    path = cache_root() / "models" / f"{cfg.model.preset}-{key}"
+    with file_lock(path.with_suffix(".lock")):
+        if (path / "warm_start.json").exists():
+            report(f"model: {path} (cached)")
+            return path
+        tmp = path.with_name(path.name + ".tmp")
+        report(f"building model {cfg.model.preset} in {path}")
+        build_model(cfg.model.preset, tmp, seed=cfg.seed)
+        record = {"spec": spec, "heldout_accuracy": None}
+        if spec["examples"] > 0 and spec["epochs"] > 0:
+            record.update(_warm_start(cfg, spec, tmp, report))
+        (tmp / "warm_start.json").write_text(json.dumps(record, indent=2))
+        if path.exists():
+            import shutil
+
+            shutil.rmtree(path)
+        tmp.rename(path)
+    return path
+
+
+def _warm_start(cfg, spec: dict, model_dir: Path, report: Callable[[str], None]) -> dict:
+    """The supervised warm start of the config's task, in place; returns what it measured. `report` is told its
+    progress."""
+    from asyncrl.envs import warm_start as ws
+
+    if cfg.data.task == "calc":
+        return ws.warm_start_calc(
+            model_dir, spec["examples"], spec["epochs"], spec["lr"], spec["operands"], cfg.seed, spec["tool_fraction"]
+        )
+    measured = ws.warm_start(
+        model_dir,
+        spec["examples"],
+        spec["epochs"],
+        spec["lr"],
+        spec["max_operand"],
+        target=spec["target"],
+        seed=cfg.seed,
+        dropout=spec.get("dropout", 0.0),
+        report=report,
+    )
+    if not measured["target_reached"]:
+        import warnings
+
+        warnings.warn(
+            f"warm start of {cfg.model.preset} stopped after {spec['epochs']} epochs at validation accuracy "
+            f"{measured['validation_accuracy']} < model.warm_start_target {spec['target']}",
+            stacklevel=3,
+        )
+    return measured
