@@ -38,10 +38,11 @@ class ShippedModel:
         return f"{Path(self.source).name}-{self.digest}"
 
 
-_shipped: dict[tuple[str, str], ShippedModel] = {}
+_shipped: dict[tuple[str, str, str], ShippedModel] = {}
+"""One archive per model folder, Ray session and job (both pools ship the same model). Job ids restart in each
+session, so a process that starts a second Ray session must not get the first one's (dead) object ref."""
 _FETCH_TIMEOUT_S = 300.0
 """Longest wait for the archive from the object store (a few MB; it is only slow if its owner, the driver, is gone)."""
-"""One archive per model folder and Ray job (both pools ship the same model)."""
 
 
 def pack(folder: str | Path) -> bytes:
@@ -63,7 +64,8 @@ def ship(model_dir: str | os.PathLike[str]) -> ShippedModel | None:
     folder = Path(model_dir).resolve()
     if cache_root().resolve() not in folder.parents:
         return None
-    key = (str(folder), ray.get_runtime_context().get_job_id())
+    context = ray.get_runtime_context()
+    key = (str(folder), context.get_session_name(), context.get_job_id())
     if key not in _shipped:
         data = pack(folder)
         _shipped[key] = ShippedModel(str(folder), hashlib.sha256(data).hexdigest()[:16], ray.put(data))
