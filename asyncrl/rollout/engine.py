@@ -170,9 +170,9 @@ class Engine:
     # ---------------------------------------------------------------------------------------------
     # Generation
 
-    @staticmethod
-    def _sampling_params(spec: SamplingSpec, **options: Any) -> Any:
-        """`sampling.vllm_sampling_params`: fresh vLLM parameters for exactly one request."""
+    def _sampling_params(self, spec: SamplingSpec, **options: Any) -> Any:
+        """`sampling.vllm_sampling_params`: fresh vLLM parameters for exactly one request (a method, so that a
+        benchmark can swap the layout per engine class: benchmarks/logprob_layout.py)."""
         return vllm_sampling_params(spec, **options)
 
     async def generate(
