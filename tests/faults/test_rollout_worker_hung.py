@@ -96,5 +96,8 @@ def test_the_hung_engines_requests_are_re_dispatched_and_none_is_lost(hung_run):
         + sum(v for k, v in c.items() if k.startswith(("filtered:", "failed:")))
     )
     assert c["dispatched"] == ended
-    assert c["requeued"] >= 1  # the hung engine held requests, and they were handed out again
+    # What the hung engine held when it stopped was handed out again, and nothing else was: how much it held
+    # depends on where its generation stood (an engine held back by the ready lead holds none).
+    (hung,) = [e for e in hung_run[0]["pool_events"] if e["kind"] == "hung"]
+    assert c["requeued"] == hung["requeued"]
     assert c["trained"] == hung_run[0]["samples_trained"]
