@@ -317,17 +317,6 @@ class RolloutPool(WorkerCalls):
             self._replace(name, kind="hung", detail=f"no heartbeat answer within {self.heartbeat.timeout_s:g}s")
         return hung
 
-    def check_health(self, timeout_s: float = 10.0) -> list[str]:
-        """Find dead workers (a `ready` ping fails), re-queue their requests and replace them, waiting until
-        the replacements serve. Returns the dead workers' names. A worker that is alive but does not answer
-        within `timeout_s` (busy loading weights, say) is left alone."""
-        calls = {handle.ready.remote(): name for name, handle in self._workers.items()}
-        done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
-        dead = [calls[ref] for ref in done if died(ref)]
-        replacements = [self._replace(name, force=True).replacement for name in dead]
-        self._await_joined([r for r in replacements if r], self.rollout.engine_start_timeout_s)
-        return dead
-
     def _dead_runners(self) -> list[str]:
         refs = {ref: name for name, ref in self._run_refs.items()}
         done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0) if refs else ([], [])

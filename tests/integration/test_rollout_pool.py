@@ -224,6 +224,16 @@ def _descendants(pid: int) -> dict[int, str]:
     return {p.pid: " ".join(p.cmdline()) or p.name() for p in psutil.Process(pid).children(recursive=True)}
 
 
+def _poll_until(pool, condition, timeout_s: float, what: str) -> list:
+    """The pool's events from its upkeep calls (`poll`, as the controller makes them) until one meets `condition`."""
+    deadline, events = time.monotonic() + timeout_s, []
+    while not any(condition(e) for e in events):
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}; events {events}"
+        events += pool.poll()
+        time.sleep(0.2)
+    return events
+
+
 def _wait_until(condition, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -231,10 +241,15 @@ def _wait_until(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def test_the_health_check_replaces_a_dead_worker_and_its_requests_are_served(pool, queue):
+def test_upkeep_replaces_a_dead_worker_and_its_requests_are_served(pool, queue):
     import ray
 
-    dead = pool.check_health(timeout_s=30)
+    pool.replace_dead = True  # as `rollout.replace_dead_workers` sets it (the module's pool starts without)
+    try:
+        events = _poll_until(pool, lambda e: e.kind == "joined", 300, "the replacement to join")
+    finally:
+        pool.replace_dead = False
+    dead = [e.worker for e in events if e.kind == "died"]
     assert dead == ["rollout-1"]
     assert pool.names == ["rollout-2"]
     assert set(pool.retired) == {"rollout-0", "rollout-1"} and pool.retired["rollout-1"]["requests_done"] > 0  # kept from its last report
