@@ -16,6 +16,7 @@ from typing import Any
 
 from asyncrl.buffer.core import ReplayQueueCore
 from asyncrl.buffer.ledger import ResponseLengths
+from asyncrl.buffer.starvation import Starvation
 from asyncrl.config import BufferConfig
 from asyncrl.types import Batch, Exchange, Prompt, Request, Trajectory
 
@@ -73,6 +74,8 @@ class ReplayQueue:
             hint = "; stale_policy wait: this step is the last within max_staleness for " + ", ".join(
                 f"{rid} ({'held by ' + worker if worker else 'not yet acquired'})" for rid, worker in awaited
             )
+        elif (starvation := self.core.starvation()).groups_since_ready and not s["ready_groups"]:
+            hint = f"; {starvation.describe()}: {starvation.advice()}"
         elif s["groups_in_flight"] == 0 and s["backlog_groups"] == 0 and s["ready_groups"] == 0:
             hint = "; nothing in flight and the backlog is empty (were prompts added?)"
         elif s["groups_ahead"] >= s["admission_limit_groups"] and s["backlog_groups"]:
@@ -200,6 +203,13 @@ class ReplayQueue:
         if self.core.expire_stragglers():
             self._notify()
         return self.core.backlog_groups()
+
+    async def starvation(self) -> Starvation:
+        """How groups were resolved since the last ready one: the cheap call a waiting controller polls to tell a
+        starved learner (every group filtered) from a slow one. Expires stragglers first, as `stats` does."""
+        if self.core.expire_stragglers():
+            self._notify()
+        return self.core.starvation()
 
     async def staleness_histogram(self) -> dict[int, int]:
         return self.core.staleness_histogram()

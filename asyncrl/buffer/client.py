@@ -14,6 +14,7 @@ from typing import Any
 
 from asyncrl.buffer.actor import ReplayQueue
 from asyncrl.buffer.ledger import ResponseLengths
+from asyncrl.buffer.starvation import Starvation
 from asyncrl.config import BufferConfig
 from asyncrl.types import Batch, Prompt
 
@@ -78,6 +79,10 @@ class QueueClient:
     def backlog_groups(self) -> int:
         """Prompts queued and not yet started as groups: one number, for the controller's prompt top-up."""
         return self._get("backlog_groups", self.handle.backlog_groups.remote(), self.timeouts.call_s)
+
+    def starvation(self) -> Starvation:
+        """How groups were resolved since the last ready one (`starvation.Starvation`): one small record."""
+        return self._get("starvation", self.handle.starvation.remote(), self.timeouts.call_s)
 
     def counters(self) -> dict[str, int]:
         """Terminal-state and informational counters (`ReplayQueueCore.counters`)."""

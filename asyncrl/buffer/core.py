@@ -55,6 +55,7 @@ from typing import Any
 from asyncrl.buffer import filters
 from asyncrl.buffer.groups import ARRIVED, OUT, PENDING, READY, GroupBook, GroupState, Member, MemberState
 from asyncrl.buffer.ledger import ConservationError, ResponseLengths
+from asyncrl.buffer.starvation import Starvation
 from asyncrl.types import Batch, Exchange, Prompt, Request, Trajectory
 
 __all__ = ["ConservationError", "Member", "MemberState", "ReplayQueueCore"]
@@ -201,7 +202,7 @@ class ReplayQueueCore(GroupBook):
             if self.config.straggler_policy == "partial" and len(arrived) >= 2:
                 self._resolve(g, arrived)
             else:
-                self._resolve(g, [])
+                self._resolve(g, [], empty_fate=filters.FILTERED_STRAGGLER)
                 for i in arrived:
                     self._finish(g, i, filters.FILTERED_STRAGGLER)
             self._forget_if_done(g)
@@ -294,6 +295,10 @@ class ReplayQueueCore(GroupBook):
         `groups_started`, `groups_consumed`, `groups_dropped_stale`.
         """
         return self.ledger.counters()
+
+    def starvation(self) -> Starvation:
+        """How groups were resolved, in all and since the last ready one (`starvation.Starvation`)."""
+        return self.outcomes.snapshot(self.clock())
 
     def check_conservation(self) -> dict[str, int]:
         """Raise `ConservationError` unless invariant 3 holds; returns the counters."""

@@ -21,6 +21,8 @@ import numpy as np
 
 from asyncrl.buffer import filters
 from asyncrl.buffer.ledger import Ledger
+from asyncrl.buffer.starvation import READY as READY_OUTCOME
+from asyncrl.buffer.starvation import GroupOutcomes
 from asyncrl.config import BufferConfig
 from asyncrl.types import DROPPED_STALE, STALE_FAILURE, TRAINED, Group, Prompt, Trajectory
 
@@ -76,6 +78,8 @@ class GroupState:
     resolved: bool = False
     """Ready, filtered or dropped as a whole; members still out get `late_fate` when they arrive."""
     late_fate: str = filters.FILTERED_STRAGGLER
+    last_fate: str = filters.FILTERED_STRAGGLER
+    """The terminal state a member reached last: why a group with no usable member ended."""
     min_version: int = 0
     start_version: int = 0
     """The admission version when the group started: no member's tokens can be older (`stale_policy: wait`)."""
@@ -121,6 +125,8 @@ class GroupBook:
         counts from it. The learner version passed to `get_batch` may run ahead and never moves it."""
         self.clock = clock
         self.ledger = Ledger()
+        self.outcomes = GroupOutcomes(clock())
+        """How each group was resolved: whether the learner is starved (`starvation.Starvation`)."""
         self._backlog: deque[tuple[Prompt, int]] = deque()
         self._groups: dict[str, GroupState] = {}
         self._pending: deque[tuple[str, int]] = deque()
@@ -216,6 +222,7 @@ class GroupBook:
         m = g.members[i]
         trajectory = arriving if arriving is not None else m.trajectory
         m.state, m.trajectory = DONE, None
+        g.last_fate = fate
         self.ledger.finish(fate)
         if trajectory is not None and self._log is not None:
             self._log.append(trajectory, fate)
@@ -223,8 +230,9 @@ class GroupBook:
     # ------------------------------------------------------------------------------------------------
     # A group's fate.
 
-    def _resolve(self, g: GroupState, members: list[int]) -> None:
-        """The group is finished arriving: update the pass rate, filter it, or make `members` ready."""
+    def _resolve(self, g: GroupState, members: list[int], empty_fate: str | None = None) -> None:
+        """The group is finished arriving: update the pass rate, filter it, or make `members` ready. With no
+        `members`, its outcome is `empty_fate`, else the fate its members reached at arrival."""
         g.resolved = True
         self._unresolved -= 1
         if g.rewards_seen and self._pass_rate.update(g.prompt.prompt_id, g.rewards_seen):
@@ -239,14 +247,19 @@ class GroupBook:
         ):
             fate = filters.FILTERED_ZERO_VARIANCE
         if fate is not None:
+            reward = g.members[members[0]].arrived().reward
             for i in members:
                 self._finish(g, i, fate)
+            self.outcomes.record(fate, self.clock(), float(reward))
             return
-        if members:
-            for i in members:
-                g.members[i].state = READY
-            g.min_version = min(g.members[i].min_version for i in members)
-            self._ready.append(g)
+        if not members:
+            self.outcomes.record(empty_fate or g.last_fate, self.clock())
+            return
+        for i in members:
+            g.members[i].state = READY
+        g.min_version = min(g.members[i].min_version for i in members)
+        self._ready.append(g)
+        self.outcomes.record(READY_OUTCOME, self.clock())
 
     def _hand_out(self, g: GroupState, now: float) -> tuple[Group, list[float]]:
         """A ready group leaves for the learner: its members end `trained`; returns it with each member's

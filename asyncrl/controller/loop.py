@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.buffer.starvation import Starvation, StarvedError, starved_message
 from asyncrl.config import Config
 from asyncrl.controller.evaluation import Evaluation
 from asyncrl.controller.faults import poison_batch
@@ -25,7 +26,7 @@ from asyncrl.controller.fleet import Fleet
 from asyncrl.controller.records import Records, RunState, build_telemetry
 from asyncrl.telemetry.alarms import Alarms
 from asyncrl.telemetry.dashboard import Dashboard
-from asyncrl.telemetry.sinks import SyncEvent, Telemetry
+from asyncrl.telemetry.sinks import AlarmEvent, SyncEvent, Telemetry
 
 if TYPE_CHECKING:
     from asyncrl.types import Batch, Prompt, StepStats
@@ -80,6 +81,8 @@ class Controller:
         """The training prompt stream (deterministic: a resumed run skips what its predecessor drew)."""
         self.stop_requested: str | None = None
         """Why the run was asked to stop early (a signal); the loop ends at the next step boundary."""
+        self.starved_groups_noted = 0
+        """Groups in a row filtered when the learner's starvation was last noted (0: not starved)."""
 
     def start(self) -> None:
         """Load the tokenizer and prompts, start the fleet, resume if asked, and let the engines generate."""
@@ -161,17 +164,42 @@ class Controller:
         cfg = self.cfg
         if cfg.buffer.staleness.synchronous:
             self._close_sync()  # the queue admits this step's groups only once the engines confirmed the last sync
-        deadline = time.monotonic() + cfg.rollout.request_timeout_s * 2
+        began = time.monotonic()
+        deadline = began + cfg.rollout.request_timeout_s * 2
         while not self.stop_requested:
             self._top_up_prompts()
             timeout = min(2.0, max(0.1, deadline - time.monotonic()))
             try:
-                return self.fleet.queue.get_batch(cfg.learner.prompts_per_step, self.state.version, timeout)
-            except TimeoutError:
+                batch = self.fleet.queue.get_batch(cfg.learner.prompts_per_step, self.state.version, timeout)
+            except TimeoutError as e:
+                starvation = self._watch_starvation()
                 if time.monotonic() >= deadline:
+                    if starvation.starved(cfg.learner.prompts_per_step):
+                        raise StarvedError(starved_message(starvation, time.monotonic() - began)) from e
                     raise
                 self.fleet.upkeep()  # nothing ready yet: a dead or hung engine is a likely cause
+                continue
+            self._watch_starvation(fed=True)
+            return batch
         return None
+
+    def _watch_starvation(self, fed: bool = False) -> Starvation:
+        """While the learner waits: say once (and again each time the count doubles) that every recent group was
+        filtered, as a note and a `starved` alarm; clear the alarm once a group became ready or a batch came (`fed`).
+        """
+        starvation = Starvation() if fed else self.fleet.queue.starvation()
+        count, threshold = starvation.groups_since_ready, self.cfg.learner.prompts_per_step
+        if not starvation.starved(threshold):
+            if self.starved_groups_noted:
+                self.starved_groups_noted = 0
+                self.telemetry.alarm(AlarmEvent("starved", count, threshold, "no longer starved", active=False))
+        elif count >= 2 * self.starved_groups_noted:
+            message = f"learner starved: {starvation.describe()} — {starvation.advice()}"
+            self.telemetry.note(message)
+            if not self.starved_groups_noted:
+                self.telemetry.alarm(AlarmEvent("starved", count, threshold, message))
+            self.starved_groups_noted = count
+        return starvation
 
     def _record(self, stats: StepStats, batch: Batch, learner_wait_s: float) -> None:
         """The step's outcome: a skipped step counted (too many in a row stop the run), its row kept."""

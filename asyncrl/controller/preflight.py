@@ -1,7 +1,8 @@
 """Pre-flight checks of a resolved config: what `asyncrl check` verifies before anything heavy starts.
 
 The schema (`asyncrl.config`) already rejects wrong types, ranges and unknown keys; these checks look at the
-world outside the config: the model folder, the data files and their columns, the reward's import path, a
+world outside the config: the model folder (and, on vLLM's CPU build, whether its engines can serve the model's
+head size and the run's dtype), the data files and their columns, the reward's import path, a
 checkpoint to resume from, and whether the pools' resources fit the cluster (or this machine). Every problem
 names the config key and the reason, and all problems are reported at once.
 """
@@ -9,6 +10,7 @@ names the config key and the reason, and all problems are reported at once.
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -118,7 +120,7 @@ def paths_every_node_reads(cfg: Config) -> dict[str, str]:
 def preflight(cfg: Config, resources: Resources | None = None, placement: bool = True) -> list[Problem]:
     """Every problem found, in config order; an empty list means the job can start. `placement=False` leaves
     the resources and shared paths to the cluster that runs the job (`asyncrl submit`)."""
-    problems = [*_model(cfg), *_data(cfg), *_reward(cfg), *_env(cfg), *_resume(cfg)]
+    problems = [*_model(cfg), *_engine(cfg), *_data(cfg), *_reward(cfg), *_env(cfg), *_resume(cfg)]
     if placement:
         resources = resources or local_resources()
         problems += [*_placement(cfg, resources), *_storage(cfg, resources)]
@@ -164,6 +166,37 @@ def _model(cfg: Config) -> list[Problem]:
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         return [Problem("model.path", f"{path} has no tokenizer (tokenizer.json or tokenizer_config.json)")]
     return []
+
+
+def _engine(cfg: Config) -> list[Problem]:
+    """What the engines' vLLM build cannot serve: on CPU, the model's head size and the run's dtype."""
+    from asyncrl.rollout.vllm_compat.limits import cpu_dtypes, cpu_head_size_problem
+    from asyncrl.rollout.vllm_compat.process import cpu_build
+
+    if cfg.rollout.num_gpus_per_worker > 0 and not cpu_build():
+        return []
+    problems = []
+    if cfg.model.dtype not in cpu_dtypes():
+        problems.append(
+            Problem("model.dtype", f"{cfg.model.dtype} is not a dtype vLLM's CPU build computes in on this machine")
+        )
+    if cfg.model.path is None or _model(cfg):
+        return problems  # presets keep head sizes the CPU build serves; a broken folder is reported by `_model`
+    config_file = Path(cfg.model.path) / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        return [*problems, Problem("model.path", f"{config_file} is not readable JSON: {e}")]
+    reason = cpu_head_size_problem(config) if isinstance(config, dict) else None
+    if reason is not None:
+        problems.append(
+            Problem(
+                "model.path",
+                f"{config_file}: {reason}; use a model with a served head size, or engines on GPUs"
+                " (rollout.num_gpus_per_worker)",
+            )
+        )
+    return problems
 
 
 def _data(cfg: Config) -> list[Problem]:

@@ -3,9 +3,12 @@
 Each item names the vLLM version it was checked with. When vLLM is upgraded, this is the only package whose
 assumptions need re-checking; `engine.py` talks to vLLM through the public `AsyncLLM` API plus what is here,
 by role: `process` (the engine's process), `weights` (loading weights into it), `outputs` (requests in, tokens
-and log-probs out). Every name below is importable from here.
+and log-probs out), `errors` (vLLM's own error of an engine that died at start), `limits` (what the CPU build
+serves, read from `config.json` for `asyncrl check`). Every name below is importable from here.
 
 Contents:
+- `mark_output` / `start_failure_cause`: vLLM's own error when the engine dies at start (it says "see above").
+- `cpu_head_size_problem` / `cpu_dtypes`: the head sizes and dtypes vLLM's CPU build serves.
 - `configure_process_env`: environment variables that must be set before the engine process starts.
 - `engine_args`: the `AsyncEngineArgs` that give fp32 log-prob parity with the learner.
 - `create_async_llm`: the engine, with the model in the engine-core process on CPU (no busy-waiting worker),
@@ -18,6 +21,8 @@ Contents:
 - `pause_for_update` / `resume_after_update`: in-flight (keep running requests) and draining pauses.
 """
 
+from asyncrl.rollout.vllm_compat.errors import mark_output, start_failure_cause
+from asyncrl.rollout.vllm_compat.limits import CPU_ATTENTION_HEAD_SIZES, cpu_dtypes, cpu_head_size_problem
 from asyncrl.rollout.vllm_compat.outputs import (
     child_request_id,
     sampled_logprobs,
@@ -55,6 +60,7 @@ from asyncrl.rollout.vllm_compat.weights import (
 
 __all__ = [
     "AUTO_IN_PLACE_MAX_HIDDEN",
+    "CPU_ATTENTION_HEAD_SIZES",
     "ENGINE_CORE_PRELOAD",
     "LOAD_SHARED_RPC",
     "LOAD_STAGED_RPC",
@@ -67,10 +73,13 @@ __all__ = [
     "child_request_id",
     "configure_process_env",
     "cpu_build",
+    "cpu_dtypes",
+    "cpu_head_size_problem",
     "create_async_llm",
     "engine_args",
     "freeze_startup_heap",
     "load_weights",
+    "mark_output",
     "on_cpu",
     "pause_for_update",
     "prepare_in_place",
@@ -78,6 +87,7 @@ __all__ = [
     "sampled_logprobs",
     "set_weight_version",
     "start_engine_core_server",
+    "start_failure_cause",
     "token_input",
     "top_logprobs",
     "unfreeze_heap",

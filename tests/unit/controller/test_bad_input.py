@@ -60,11 +60,11 @@ def _file(name: str, data: bytes, *overrides: str) -> Callable[[Path], list[str]
     return make
 
 
-def _model_folder(*files: str) -> Callable[[Path], list[str]]:
+def _model_folder(*files: str, config: str = "{}") -> Callable[[Path], list[str]]:
     def make(tmp: Path) -> list[str]:
         (tmp / "model").mkdir()
         for name in files:
-            (tmp / "model" / name).write_text("{}")
+            (tmp / "model" / name).write_text(config if name == "config.json" else "{}")
         return [f"model.path={tmp / 'model'}"]
 
     return make
@@ -127,6 +127,8 @@ CASES = [
     Case("missing model folder", lambda tmp: [f"model.path={tmp / 'nope'}"], "model.path: {tmp}/nope does not exist or is not a directory"),
     Case("model folder without config.json", _model_folder(), "model.path: {tmp}/model has no config.json"),
     Case("model folder without a tokenizer", _model_folder("config.json"), "model.path: {tmp}/model has no tokenizer"),
+    Case("a head size vLLM's CPU attention cannot serve", _model_folder("config.json", "tokenizer.json", config='{"hidden_size": 64, "num_attention_heads": 4}'),
+         "model.path: {tmp}/model/config.json: head size 16 (hidden_size 64 / num_attention_heads 4) is not one vLLM's CPU attention serves"),
     Case("unknown model preset", _overrides("model.preset=huge"), "model.preset: unknown preset 'huge'"),
     Case("parquet task without a file", _overrides("data.task=parquet"), "data.task 'parquet' needs data.train_path"),
     Case("missing Parquet file", lambda tmp: ["data.task=parquet", f"data.train_path={tmp / 'train.parquet'}"], "data.train_path: {tmp}/train.parquet does not exist"),

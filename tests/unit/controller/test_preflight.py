@@ -115,3 +115,44 @@ def test_the_agent_recipes_pass(capsys):
 def test_an_environment_that_cannot_be_built_is_rejected_naming_the_key(capsys, override, key, reason):
     code, err = _check(capsys, "env.name=calc", override) if key == "env.kwargs" else _check(capsys, override)
     assert code == 2 and f"{key}: " in err and reason in err
+
+
+def _model_dir(tmp_path, config: str):
+    (tmp_path / "config.json").write_text(config)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    return f"model.path={tmp_path}"
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ('{"head_dim": 16, "hidden_size": 64, "num_attention_heads": 2}', "head size 16 (head_dim)"),  # head_dim wins
+        ('{"hidden_size": 96, "num_attention_heads": 2}', "head size 48 (hidden_size 96 / num_attention_heads 2)"),
+        ('{"text_config": {"head_dim": 8}}', "head size 8 (text_config.head_dim)"),
+    ],
+)
+def test_a_head_size_the_cpu_engine_cannot_serve_is_rejected_naming_the_file_and_key(capsys, tmp_path, config, named):
+    code, err = _check(capsys, _model_dir(tmp_path, config))
+    assert code == 2 and f"model.path: {tmp_path / 'config.json'}: {named} is not one vLLM's CPU attention serves" in err
+    assert "Unsupported CPU attention configuration" in err and "rollout.num_gpus_per_worker" in err
+
+
+@pytest.mark.parametrize("config", ['{"head_dim": 64}', '{"hidden_size": 896, "num_attention_heads": 14}', "{}"])
+def test_a_served_or_undeclared_head_size_passes(tmp_path, config):
+    cfg = load_config(None, [_model_dir(tmp_path, config)])
+    assert [p for p in preflight(cfg, placement=False) if "head size" in p.reason] == []
+
+
+def test_an_unreadable_config_json_is_named(tmp_path):
+    cfg = load_config(None, [_model_dir(tmp_path, "{not json")])
+    assert any(str(p).startswith(f"model.path: {tmp_path / 'config.json'} is not readable JSON") for p in preflight(cfg, placement=False))
+
+
+def test_bfloat16_is_rejected_only_where_the_cpu_build_has_no_bfloat16(monkeypatch):
+    from asyncrl.controller import preflight as module
+    from asyncrl.rollout.vllm_compat import limits
+
+    assert limits.cpu_dtypes() == ("float32", "bfloat16", "float16") or limits.sys.platform == "darwin"
+    monkeypatch.setattr(limits, "cpu_dtypes", lambda: ("float32", "float16"))  # an Apple CPU without FEAT_BF16
+    problems = module.preflight(load_config(None, ["model.dtype=bfloat16"]), placement=False)
+    assert [str(p) for p in problems] == ["model.dtype: bfloat16 is not a dtype vLLM's CPU build computes in on this machine"]
