@@ -38,6 +38,7 @@ from asyncrl.rollout.sampling import (
     shared_spec,
     vllm_sampling_params,
 )
+from asyncrl.rollout.vllm_compat import EngineStartError
 from asyncrl.staleness import Staleness
 from asyncrl.types import STALE_FAILURE, Prompt, Request, Trajectory
 
@@ -47,11 +48,6 @@ WARM_UP_REQUESTS = 32
 """Requests `Engine.start` runs before serving (see `Engine._warm_up`)."""
 WARM_UP_TOKENS = 512
 """The longest of them, in generated tokens (capped by the context)."""
-
-
-class EngineStartError(RuntimeError):
-    """The vLLM engine died while starting; the message ends with vLLM's own error (e.g. a head size its CPU
-    attention does not serve), which vLLM itself only prints to the engine core's output."""
 
 
 class Engine:
@@ -118,14 +114,8 @@ class Engine:
     async def start(self) -> None:
         """Start the vLLM engine and warm it up. An engine that dies meanwhile raises `EngineStartError` carrying
         vLLM's own error, read back from the output its engine core shares with this process."""
-        marks = vllm_compat.mark_output()
-        try:
+        with vllm_compat.start_failures_explained():
             await self._start()
-        except Exception as e:
-            cause = vllm_compat.start_failure_cause(marks)
-            if cause is None or cause in str(e):
-                raise
-            raise EngineStartError(f"{type(e).__name__}: {e} — the engine's own error: {cause}") from e
 
     async def _start(self) -> None:
         vllm_compat.configure_process_env(self._kv_cache_gib)

@@ -21,7 +21,12 @@ Contents:
 - `pause_for_update` / `resume_after_update`: in-flight (keep running requests) and draining pauses.
 """
 
-from asyncrl.rollout.vllm_compat.errors import mark_output, start_failure_cause
+from asyncrl.rollout.vllm_compat.errors import (
+    EngineStartError,
+    mark_output,
+    start_failure_cause,
+    start_failures_explained,
+)
 from asyncrl.rollout.vllm_compat.limits import CPU_ATTENTION_HEAD_SIZES, cpu_dtypes, cpu_head_size_problem
 from asyncrl.rollout.vllm_compat.outputs import (
     child_request_id,
@@ -59,6 +64,7 @@ from asyncrl.rollout.vllm_compat.weights import (
 )
 
 __all__ = [
+    "EngineStartError",
     "AUTO_IN_PLACE_MAX_HIDDEN",
     "CPU_ATTENTION_HEAD_SIZES",
     "ENGINE_CORE_PRELOAD",
@@ -77,6 +83,7 @@ __all__ = [
     "cpu_head_size_problem",
     "create_async_llm",
     "engine_args",
+    "start_failures_explained",
     "freeze_startup_heap",
     "load_weights",
     "mark_output",

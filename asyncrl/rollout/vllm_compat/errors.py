@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import re
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 OUTPUT_FDS = (1, 2)
 TAIL_BYTES = 256 * 1024
@@ -64,3 +66,22 @@ def root_cause(text: str) -> str | None:
 def start_failure_cause(marks: dict[int, int]) -> str | None:
     """The engine's own error, from what was written since `marks`; None when nothing names one."""
     return root_cause(output_since(marks))
+
+
+class EngineStartError(RuntimeError):
+    """The vLLM engine died while starting; the message ends with vLLM's own error (e.g. a head size its CPU
+    attention does not serve), which vLLM itself only prints to the engine core's output."""
+
+
+@contextmanager
+def start_failures_explained() -> Iterator[None]:
+    """Around an engine's start: a failure whose message lacks vLLM's own error is raised again as
+    `EngineStartError` carrying it, read back from the output the engine core shares with this process."""
+    marks = mark_output()
+    try:
+        yield
+    except Exception as e:
+        cause = start_failure_cause(marks)
+        if cause is None or cause in str(e):
+            raise
+        raise EngineStartError(f"{type(e).__name__}: {e} — the engine's own error: {cause}") from e
