@@ -225,13 +225,20 @@ def _descendants(pid: int) -> dict[int, str]:
 
 
 def _poll_until(pool, condition, timeout_s: float, what: str) -> list:
-    """The pool's events from its upkeep calls (`poll`, as the controller makes them) until one meets `condition`."""
+    """The pool's events from its upkeep calls (`poll`, as the controller makes them) until they meet `condition`
+    (the first call also returns events earlier tests left queued)."""
     deadline, events = time.monotonic() + timeout_s, []
-    while not any(condition(e) for e in events):
+    while not condition(events):
         assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}; events {events}"
         events += pool.poll()
         time.sleep(0.2)
     return events
+
+
+def _replacement_joined(events: list) -> bool:
+    """A worker died and the replacement started for it joined."""
+    replacements = {e.replacement for e in events if e.kind == "died" and e.replacement}
+    return any(e.kind == "joined" and e.worker in replacements for e in events)
 
 
 def _wait_until(condition, timeout_s: float, what: str) -> None:
@@ -246,7 +253,7 @@ def test_upkeep_replaces_a_dead_worker_and_its_requests_are_served(pool, queue):
 
     pool.replace_dead = True  # as `rollout.replace_dead_workers` sets it (the module's pool starts without)
     try:
-        events = _poll_until(pool, lambda e: e.kind == "joined", 300, "the replacement to join")
+        events = _poll_until(pool, _replacement_joined, 300, "the dead worker's replacement to join")
     finally:
         pool.replace_dead = False
     dead = [e.worker for e in events if e.kind == "died"]
