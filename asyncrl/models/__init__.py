@@ -32,7 +32,7 @@ class Preset:
     max_position_embeddings: int = 1024
 
 
-# head_dim = hidden / heads stays >= 32: vLLM's CPU attention supports head sizes 32..256.
+# head_dim = hidden / heads is a size vLLM's CPU attention serves (rollout/vllm_compat/limits.py).
 PRESETS: dict[str, Preset] = {
     "tiny-0.3m": Preset(64, 4, 2, 1, 256),
     "add-1m": Preset(128, 4, 4, 2, 512),
