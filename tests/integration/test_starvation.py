@@ -10,8 +10,8 @@ import pytest
 
 from asyncrl.buffer import StarvedError, start_replay_queue
 from asyncrl.config import load_config
-from asyncrl.telemetry.sinks import AlarmEvent, Sink
 from asyncrl.testing import make_answer, make_prompt
+from tests.sinks import RecordingSink
 
 pytestmark = pytest.mark.integration
 
@@ -19,18 +19,6 @@ pytestmark = pytest.mark.integration
 def never_solved(*_: object) -> float:
     """The reward of a model that never solves a prompt."""
     return 0.0
-
-
-class Seen(Sink):
-    def __init__(self) -> None:
-        self.notes: list[str] = []
-        self.alarms: list[AlarmEvent] = []
-
-    def note(self, text: str) -> None:
-        self.notes.append(text)
-
-    def alarm(self, event: AlarmEvent) -> None:
-        self.alarms.append(event)
 
 
 def _produce(handle, stop: threading.Event) -> None:
@@ -57,7 +45,7 @@ def test_a_reward_that_is_always_zero_stops_the_run_naming_the_zero_variance_fil
     queue = controller.fleet.queue = start_replay_queue(cfg.buffer, batch_groups=2, name="rq-starved")
     controller.fleet.upkeep = lambda: None  # no engines to look after
     controller.prompts = (make_prompt(f"p{k}") for k in itertools.count())
-    seen = Seen()
+    seen = RecordingSink()
     controller.telemetry.sinks.append(seen)
     stop = threading.Event()
     producer = threading.Thread(target=_produce, args=(queue.handle, stop), daemon=True)

@@ -8,19 +8,7 @@ import pytest
 from asyncrl.buffer.starvation import Starvation, StarvedError
 from asyncrl.config import load_config
 from asyncrl.controller.loop import Controller
-from asyncrl.telemetry.sinks import AlarmEvent, Sink
-
-
-class Seen(Sink):
-    def __init__(self) -> None:
-        self.notes: list[str] = []
-        self.alarms: list[AlarmEvent] = []
-
-    def note(self, text: str) -> None:
-        self.notes.append(text)
-
-    def alarm(self, event: AlarmEvent) -> None:
-        self.alarms.append(event)
+from tests.sinks import RecordingSink
 
 
 class NeverReadyQueue:
@@ -41,7 +29,7 @@ class NeverReadyQueue:
         return self.records[min(self.calls, len(self.records)) - 1]
 
 
-def _controller(tmp_path, records: list[Starvation]) -> tuple[Controller, Seen]:
+def _controller(tmp_path, records: list[Starvation]) -> tuple[Controller, RecordingSink]:
     cfg = load_config(
         None,
         [f"output_dir={tmp_path}", "telemetry.progress=false", "telemetry.dashboard_port=0",
@@ -50,7 +38,7 @@ def _controller(tmp_path, records: list[Starvation]) -> tuple[Controller, Seen]:
     controller = Controller(cfg, tmp_path)
     controller.fleet.queue = NeverReadyQueue(records)  # type: ignore[assignment]
     controller.fleet.upkeep = lambda: None  # type: ignore[method-assign]
-    seen = Seen()
+    seen = RecordingSink()
     controller.telemetry.sinks.append(seen)
     return controller, seen
 

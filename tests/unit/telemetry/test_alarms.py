@@ -5,23 +5,12 @@ import pytest
 
 from asyncrl.config import AlarmRule
 from asyncrl.telemetry.alarms import Alarms
-from asyncrl.telemetry.sinks import AlarmEvent, LiveRates, PoolSnapshot, Sink, SyncEvent
+from asyncrl.telemetry.sinks import LiveRates, PoolSnapshot, SyncEvent
+from tests.sinks import RecordingSink
 
 
-class Recorder(Sink):
-    def __init__(self):
-        self.notes: list[str] = []
-        self.alarms: list[AlarmEvent] = []
-
-    def note(self, text: str) -> None:
-        self.notes.append(text)
-
-    def alarm(self, event: AlarmEvent) -> None:
-        self.alarms.append(event)
-
-
-def _alarms(**rules) -> tuple[Alarms, Recorder, list[str]]:
-    report, stops = Recorder(), []
+def _alarms(**rules) -> tuple[Alarms, RecordingSink, list[str]]:
+    report, stops = RecordingSink(), []
     return Alarms({name: AlarmRule(**rule) for name, rule in rules.items()}, report, stops.append), report, stops
 
 
