@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +117,20 @@ class Heartbeat:
         if ping is None or time.monotonic() - ping[1] <= SILENT_S:
             return False
         return not ray.wait([ping[0]], timeout=0)[0]
+
+
+def wait_in_turns(refs: list[Any], timeout_s: float, between: Callable[[list[Any]], list[Any]]) -> tuple[list, list]:
+    """`ray.wait` for all of `refs` for at most `timeout_s`, in turns of `HEARTBEAT_TURN_S`: after each turn that
+    leaves calls waiting, `between(waiting)` runs (the heartbeat's kill-and-replace, say) and returns the calls
+    still worth waiting for. -> (finished, still waiting)."""
+    done: list[Any] = []
+    waiting, deadline = list(refs), time.monotonic() + timeout_s
+    while waiting and (left := deadline - time.monotonic()) > 0:
+        ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=min(left, HEARTBEAT_TURN_S))
+        done += ready
+        if waiting:
+            waiting = between(waiting)
+    return done, waiting
 
 
 def died(ref: Any) -> bool:

@@ -28,7 +28,6 @@ from asyncrl.envs.tools.base import ToolExecutor
 from asyncrl.models.shipping import ShippedModel, ship
 from asyncrl.rollout.engine import SamplingSpec
 from asyncrl.rollout.membership import (
-    HEARTBEAT_TURN_S,
     Heartbeat,
     Joining,
     NodeLocalRolloutWorker,
@@ -36,6 +35,7 @@ from asyncrl.rollout.membership import (
     WorkerDiedError,
     WorkerStartError,
     died,
+    wait_in_turns,
     wait_or_say,
 )
 from asyncrl.rollout.spread import CONTROL_TIMEOUT_S, EvaluationTimeout, WorkerCalls
@@ -224,13 +224,11 @@ class RolloutPool(WorkerCalls):
         calls = {ref: name for ref, name in calls.items() if name not in self._removed}
         if not calls:
             return None
-        done, waiting, deadline = [], list(calls), time.monotonic() + timeout_s
-        while waiting and (left := deadline - time.monotonic()) > 0:
-            # In turns, so that an engine that hangs meanwhile is killed and replaced, not waited for.
-            ready, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=min(left, HEARTBEAT_TURN_S))
-            done += ready
-            if waiting and self._replace_hung():
-                waiting = [ref for ref in waiting if calls[ref] not in self._removed]
+
+        def drop_hung(waiting: list[Any]) -> list[Any]:  # an engine that hangs meanwhile is replaced, not waited for
+            return [ref for ref in waiting if calls[ref] not in self._removed] if self._replace_hung() else waiting
+
+        done, waiting = wait_in_turns(list(calls), timeout_s, drop_hung)
         problems: list[str] = []
         dead: list[str] = []
         served_at: list[float] = []

@@ -15,7 +15,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from asyncrl.cluster.calls import named_get
 from asyncrl.config import RolloutConfig
 from asyncrl.rollout.engine import EvalResult
-from asyncrl.rollout.membership import HEARTBEAT_TURN_S, Heartbeat
+from asyncrl.rollout.membership import Heartbeat, wait_in_turns
 from asyncrl.rollout.worker import EpisodeScore, WorkerSpec
 from asyncrl.types import Prompt
 
@@ -133,14 +133,13 @@ class WorkerCalls(ABC):
     def _get_all(self, refs: list[Any], timeout_s: float) -> list[Any]:
         """`ray.get(refs, timeout=timeout_s)`, waited in turns that kill hung workers: a hung worker's call then
         fails with its death (`RayActorError`) instead of running into the timeout."""
-        deadline, waiting = time.monotonic() + timeout_s, refs
-        while waiting:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise GetTimeoutError(f"no answer within {timeout_s}s")
-            _, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=min(left, HEARTBEAT_TURN_S))
-            if waiting:
-                self._replace_hung()
+
+        def replace_hung(waiting: list[Any]) -> list[Any]:
+            self._replace_hung()
+            return waiting
+
+        if wait_in_turns(refs, timeout_s, replace_hung)[1]:
+            raise GetTimeoutError(f"no answer within {timeout_s}s")
         return ray.get(refs)
 
     def stats(self, timeout_s: float = CONTROL_TIMEOUT_S) -> dict[str, dict[str, Any]]:
@@ -149,13 +148,12 @@ class WorkerCalls(ABC):
         totals never step back; so does one that leaves its heartbeat unanswered (hung, until the heartbeat
         replaces it). Workers that died or were removed are in `retired`."""
         calls = {h.stats.remote(): name for name, h in self._workers.items() if not self.heartbeat.silent(name)}
-        waiting, deadline = list(calls), time.monotonic() + timeout_s
-        while waiting and (left := deadline - time.monotonic()) > 0:
-            done, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=min(left, HEARTBEAT_TURN_S))
-            for ref in done:
-                try:
-                    self._last_stats[calls[ref]] = ray.get(ref)
-                except RayActorError:
-                    continue
-            waiting = [ref for ref in waiting if not self.heartbeat.silent(calls[ref])]
+        done, _ = wait_in_turns(
+            list(calls), timeout_s, lambda waiting: [ref for ref in waiting if not self.heartbeat.silent(calls[ref])]
+        )
+        for ref in done:
+            try:
+                self._last_stats[calls[ref]] = ray.get(ref)
+            except RayActorError:
+                continue
         return {name: self._last_stats[name] for name in self._workers if name in self._last_stats}
