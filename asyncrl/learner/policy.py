@@ -36,6 +36,8 @@ __all__ = [
     "ValueModel",
     "cast_layers",
     "compile_layers",
+    "decoder_stack",
+    "final_logits",
     "hf_name",
     "load_causal_lm",
     "shard",
@@ -52,11 +54,49 @@ def hf_name(name: str) -> str:
 
 
 def load_causal_lm(model_dir: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    from transformers import AutoModelForCausalLM
+    """The checkpoint in `model_dir` as a transformers causal LM. A model that soft-caps its attention scores
+    (Gemma 2's `attn_logit_softcapping`) gets transformers' `eager` attention: its SDPA path drops the cap,
+    which vLLM applies."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    config = AutoConfig.from_pretrained(model_dir)
+    eager = getattr(config, "attn_logit_softcapping", None) is not None
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, config=config, dtype=dtype, **({"attn_implementation": "eager"} if eager else {})
+    )
     model.config.use_cache = False
     return model
+
+
+def decoder_stack(causal_lm: PreTrainedModel) -> tuple[PreTrainedModel, nn.ModuleList]:
+    """(the decoder model under the LM head, e.g. `Qwen2Model`; its blocks), found through transformers'
+    `get_decoder()`; a ValueError naming the architecture when the model has no such stack."""
+    decoder = causal_lm.get_decoder() if hasattr(causal_lm, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if decoder is None or not isinstance(layers, nn.ModuleList):
+        architecture = type(causal_lm).__name__
+        raise ValueError(
+            f"{architecture}: the learner needs a decoder stack (`get_decoder().layers`, a ModuleList of blocks); "
+            "this architecture has none (supported families: docs/models.md)"
+        )
+    return decoder, layers
+
+
+_UNHANDLED_HEAD_SCALES = ("logit_scale", "logits_scaling")
+"""Config fields of architectures that scale their logits (Cohere, Granite), which `final_logits` does not apply."""
+
+
+def final_logits(config, logits: torch.Tensor) -> torch.Tensor:
+    """What the model's own forward does to `lm_head(hidden)`: Gemma 2's (and 3's) soft-capping,
+    `cap * tanh(logits / cap)` with `final_logit_softcapping`; the identity for the other families."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _check_head(causal_lm: PreTrainedModel) -> None:
+    scaled = [f for f in _UNHANDLED_HEAD_SCALES if getattr(causal_lm.config, f, None) not in (None, 1, 1.0)]
+    if scaled:
+        raise ValueError(f"{type(causal_lm).__name__}: the learner does not apply the logit scaling {scaled}")
 
 
 def _shifted_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, sampling: SamplingDistribution) -> torch.Tensor:
@@ -71,11 +111,13 @@ class PolicyModel(nn.Module):
 
     def __init__(self, causal_lm: PreTrainedModel):
         super().__init__()
+        decoder_stack(causal_lm)
+        _check_head(causal_lm)
         self.causal_lm = causal_lm
 
     @property
     def decoder_layers(self) -> nn.ModuleList:
-        return self.causal_lm.model.layers
+        return decoder_stack(self.causal_lm)[1]
 
     @property
     def transformer(self) -> PreTrainedModel:
@@ -92,11 +134,11 @@ class PolicyModel(nn.Module):
         """input_ids, attention_mask, position_ids: [B, L] -> learner log-probs [B, L] (fp32) under the
         processed `sampling` distribution, aligned so column t scores token t+1 (batch.py); -inf for a
         token outside the kept set; padding columns hold garbage (possibly -inf)."""
-        hidden = self.causal_lm.model(
+        hidden = decoder_stack(self.causal_lm)[0](
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
         head = self.causal_lm.get_output_embeddings().weight
-        logits = F.linear(hidden.float(), head.float())
+        logits = final_logits(self.causal_lm.config, F.linear(hidden.float(), head.float()))
         return _shifted_logprobs(logits, input_ids, sampling)
 
 
@@ -106,7 +148,7 @@ class ValueModel(nn.Module):
 
     def __init__(self, causal_lm: PreTrainedModel, seed: int = 0):
         super().__init__()
-        self.trunk: PreTrainedModel = causal_lm.model  # the decoder stack (e.g. `Qwen2Model`)
+        self.trunk: PreTrainedModel = decoder_stack(causal_lm)[0]  # e.g. `Qwen2Model`
         hidden_size = causal_lm.config.hidden_size
         self.value_head = nn.Linear(hidden_size, 1, dtype=torch.float32)
         # Same init on every rank (fully_shard keeps each rank's slice of its local tensor).
