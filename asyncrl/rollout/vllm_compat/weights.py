@@ -119,15 +119,49 @@ class WeightReceiver:
         if not _unpack_linear_layers(model):
             return False
         loader: Any = get_model_loader(self.vllm_config.load_config)  # the default loader: `get_all_weights`
-        _load_in_place(model, loader.get_all_weights(self.vllm_config.model_config, model))
+        checkpoint = loader.get_all_weights(self.vllm_config.model_config, model)
+        _load_in_place(model, _without_retied_head(model, checkpoint, self.vllm_config.model_config.hf_text_config))
         return True
 
     def _asyncrl_load(self, named: Iterator[tuple[str, Any]], in_place: bool) -> None:
         model = self.model_runner.get_model()
+        named = _without_retied_head(model, named, self.vllm_config.model_config.hf_text_config)
         if in_place and _unpack_linear_layers(model):
             _load_in_place(model, named)
         else:
             self.model_runner.reload_weights(weights_iterator=named)
+
+
+TIED_HEAD = "lm_head.weight"
+TIED_EMBEDDING = "model.embed_tokens.weight"
+
+
+def _without_retied_head(model: Any, named: Iterator[tuple[str, Any]], config: Any) -> Iterator[tuple[str, Any]]:
+    """`named` without the tied head for a model that has no `lm_head` module and computes its logits from the
+    embedding (vLLM's Gemma 2): the learner sends `lm_head.weight` for every tied model (weights/buckets.py),
+    which such a model's loader rejects. Only a tied model's head is left out, and only when it equals the
+    embedding that travels with it; anything else goes to the model's loader, which names what it lacks."""
+    if not getattr(config, "tie_word_embeddings", False) or hasattr(model, "lm_head"):
+        yield from named
+        return
+    head = embedding = None
+    for name, tensor in named:
+        if name == TIED_HEAD:
+            head = tensor
+            continue
+        if name == TIED_EMBEDDING:
+            embedding = tensor
+        yield name, tensor
+    if head is not None and embedding is not None and not _same_tensor(head, embedding):
+        raise ValueError(
+            f"{TIED_HEAD} differs from {TIED_EMBEDDING} in a tied model that computes logits from the embedding"
+        )
+
+
+def _same_tensor(a: Any, b: Any) -> bool:
+    import torch
+
+    return a.shape == b.shape and bool(torch.equal(a, b))
 
 
 def _load_in_place(model: Any, named: Iterator[tuple[str, Any]]) -> None:
@@ -143,15 +177,23 @@ def _unpack_linear_layers(model: Any) -> bool:
     """Make `model` loadable in place (`WeightReceiver`): every CPU linear layer whose weight vLLM packed away
     gets its model-format parameter back (vLLM's own reload metadata, weight loaders unwrapped) and runs
     `torch.nn.functional.linear` on it (`_plain_linear`). Idempotent. False (nothing changed) off CPU or when a
-    layer is not an unquantized linear/embedding, whose weights need vLLM's processing after every load."""
+    layer with a quantization method is not an unquantized linear/embedding: its weights need vLLM's processing
+    after every load. A fused MoE layer is one: vLLM's CPU experts read a prepacked layout
+    (`cpu_prepack_moe_weight`), so checkpoint-format weights copied in place gave a tiny Qwen3-MoE log-probs
+    off by 3e-2 to 5e-2, where a reload matches transformers to 5e-7."""
     from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader, get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
 
     if getattr(model, "_asyncrl_in_place", None) is not None:
         return model._asyncrl_in_place
     layers = [m for m in model.modules() if hasattr(m, "cpu_linear")]
+    methods = [
+        getattr(m, "quant_method", None)
+        for m in model.modules()
+        if hasattr(m, "cpu_linear") or getattr(m, "quant_method", None) is not None
+    ]
     plain = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
-    model._asyncrl_in_place = on_cpu() and all(type(getattr(m, "quant_method", None)).__name__ in plain for m in layers)
+    model._asyncrl_in_place = on_cpu() and all(type(method).__name__ in plain for method in methods)
     for layer in layers if model._asyncrl_in_place else []:
         if layer.weight.numel() == 0:  # packed for oneDNN: restore the parameter the checkpoint loads into
             info = get_layerwise_info(layer)
