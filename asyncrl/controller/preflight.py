@@ -152,6 +152,58 @@ def _storage(cfg: Config, resources: Resources) -> list[Problem]:
 
 
 def _model(cfg: Config) -> list[Problem]:
+    """The preset exists, or `model.path` is a Hugging Face folder of a supported architecture whose tokenizer has
+    a chat template."""
+    folder = _model_folder(cfg)
+    if folder or cfg.model.path is None:
+        return folder
+    return _supported(Path(cfg.model.path))
+
+
+def _supported(path: Path) -> list[Problem]:
+    """An architecture the learner and engines are tested with (`asyncrl.models.families`, docs/models.md), and a
+    chat template (prompts are chat messages: Parquet rows, multi-turn environments, the OpenAI endpoint)."""
+    from asyncrl.models.families import SUPPORTED_ARCHITECTURES
+
+    problems = []
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        config = None  # `_engine` names the unreadable file
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    if isinstance(config, dict) and not (isinstance(architectures, list) and architectures):
+        problems.append(Problem("model.path", f"{path / 'config.json'} names no architecture (`architectures`)"))
+    elif isinstance(architectures, list) and architectures[0] not in SUPPORTED_ARCHITECTURES:
+        problems.append(
+            Problem(
+                "model.path",
+                f"{path / 'config.json'}: architecture {architectures[0]} is not one asyncrl supports "
+                f"({', '.join(SUPPORTED_ARCHITECTURES)}; docs/models.md says how to add a family)",
+            )
+        )
+    if not _has_chat_template(path):
+        problems.append(
+            Problem(
+                "model.path",
+                f"{path} has a tokenizer without a chat template (no chat_template.jinja, no chat_template in "
+                "tokenizer_config.json); add the model's chat format (docs/tokenizers.md)",
+            )
+        )
+    return problems
+
+
+def _has_chat_template(path: Path) -> bool:
+    if (path / "chat_template.jinja").is_file():
+        return True
+    try:
+        tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(tokenizer_config, dict) and bool(tokenizer_config.get("chat_template"))
+
+
+def _model_folder(cfg: Config) -> list[Problem]:
+    """The preset exists, or `model.path` is a folder with a config.json and a tokenizer."""
     from asyncrl.models import PRESETS
 
     if cfg.model.path is None:
@@ -180,7 +232,7 @@ def _engine(cfg: Config) -> list[Problem]:
         problems.append(
             Problem("model.dtype", f"{cfg.model.dtype} is not a dtype vLLM's CPU build computes in on this machine")
         )
-    if cfg.model.path is None or _model(cfg):
+    if cfg.model.path is None or _model_folder(cfg):
         return problems  # presets keep head sizes the CPU build serves; a broken folder is reported by `_model`
     config_file = Path(cfg.model.path) / "config.json"
     try:
@@ -242,7 +294,7 @@ def _tokenizer(cfg: Config):
 
     if cfg.model.path is None:
         return build_char_tokenizer(PRESETS[cfg.model.preset].alphabet) if cfg.model.preset in PRESETS else None
-    if _model(cfg):
+    if _model_folder(cfg):
         return None
     from transformers import AutoTokenizer
 

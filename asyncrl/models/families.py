@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["FAMILIES", "Family", "build_family", "family_config", "separate_routers"]
+__all__ = ["FAMILIES", "SUPPORTED_ARCHITECTURES", "Family", "build_family", "family_config", "separate_routers"]
 
 _SHAPE: dict[str, Any] = {
     "hidden_size": 64,
@@ -95,6 +95,11 @@ FAMILIES: dict[str, Family] = {
         moe=True,
     ),
 }
+
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(dict.fromkeys(f.architecture for f in FAMILIES.values()))
+"""The Hugging Face architectures a run supports: those of the families above, each tested through every path of a
+run (tests/integration/test_model_families.py); `asyncrl check` refuses another."""
 
 
 def family_config(name: str, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
