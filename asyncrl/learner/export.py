@@ -19,7 +19,9 @@ __all__ = ["cast_state", "hf_state_dict", "pack_state_dict"]
 
 def hf_state_dict(full_state: Mapping[str, torch.Tensor], tie_word_embeddings: bool) -> dict[str, torch.Tensor]:
     """The policy's full state dict under Hugging Face names, with `lm_head.weight` present for tied models
-    (engines do not re-tie on reload; see weights/buckets.py)."""
+    (engines do not re-tie on reload; see weights/buckets.py). An engine model without an `lm_head` module, which
+    computes its logits from the embedding (vLLM's Gemma 2), leaves that tensor out after checking it equals the
+    embedding (`asyncrl.rollout.vllm_compat.weights`)."""
     out = {hf_name(k): v for k, v in full_state.items()}
     if tie_word_embeddings and "lm_head.weight" not in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
