@@ -14,7 +14,7 @@ import torch
 
 from asyncrl.learner.policy import hf_name
 
-__all__ = ["cast_state", "hf_state_dict", "pack_state_dict"]
+__all__ = ["cast_state", "checkpoint_layout", "hf_state_dict", "pack_state_dict"]
 
 
 def hf_state_dict(full_state: Mapping[str, torch.Tensor], tie_word_embeddings: bool) -> dict[str, torch.Tensor]:
@@ -26,6 +26,17 @@ def hf_state_dict(full_state: Mapping[str, torch.Tensor], tie_word_embeddings: b
     if tie_word_embeddings and "lm_head.weight" not in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
+
+
+def checkpoint_layout(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (the in-memory names of `model`, a transformers causal LM) in the layout of the model's checkpoints,
+    which engines load: transformers 5 keeps some weights otherwise in memory (an MoE layer's experts fused into 3-D
+    `experts.gate_up_proj` and `experts.down_proj`; on disk `experts.<i>.{gate,up,down}_proj.weight`), and reverts
+    them with `revert_weight_conversion` when it saves. The same tensors for a model without such conversions (the
+    dense families)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(revert_weight_conversion(model, state))
 
 
 def cast_state(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -183,15 +183,16 @@ class LearnerWorker:
                 full[name] = value.detach().to("cpu")
         return full
 
-    def _hf_state(self) -> dict[str, torch.Tensor]:
-        from asyncrl.learner.export import hf_state_dict
+    def _hf_state(self, checkpoint: bool = False) -> dict[str, torch.Tensor]:
+        """The policy under Hugging Face names on rank 0 ({} elsewhere); `checkpoint`: in a checkpoint's layout,
+        what engines load (`export.checkpoint_layout`)."""
+        from asyncrl.learner.export import checkpoint_layout, hf_state_dict
 
         full = self._full_model_state(self.state.policy)
-        return (
-            hf_state_dict(full, bool(getattr(self.model_config, "tie_word_embeddings", False)))
-            if self.rank == 0
-            else {}
-        )
+        if self.rank != 0:
+            return {}
+        state = hf_state_dict(full, bool(getattr(self.model_config, "tie_word_embeddings", False)))
+        return checkpoint_layout(self.state.policy.causal_lm, state) if checkpoint else state
 
     def export_weights(self, bucket_bytes: int) -> ExportedWeights | None:
         """Rank 0 packs the HF-named weights into safetensors buckets and puts them in the object store."""
@@ -199,7 +200,7 @@ class LearnerWorker:
 
         from asyncrl.learner.export import pack_state_dict
 
-        state = self._hf_state()
+        state = self._hf_state(checkpoint=True)
         if self.rank != 0:
             return None
         buckets, num_bytes, num_tensors = pack_state_dict(state, bucket_bytes, self.dtype)
@@ -209,7 +210,7 @@ class LearnerWorker:
         """Rank 0 copies the HF-named weights into the shared-memory slot of `version` (`weights.segment`)."""
         from asyncrl.learner.export import cast_state
 
-        state = self._hf_state()
+        state = self._hf_state(checkpoint=True)
         if self.rank != 0:
             return None
         if self._segment is None or self._segment.root != root:
@@ -223,7 +224,7 @@ class LearnerWorker:
         group (`send_collective`; `weights.group`). `loopback`: every engine is on this node (127.0.0.1)."""
         from asyncrl.learner.export import cast_state
 
-        state = self._hf_state()
+        state = self._hf_state(checkpoint=True)
         if self.rank != 0:
             return None
         if self._sender is None:

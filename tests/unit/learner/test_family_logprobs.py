@@ -70,3 +70,24 @@ def test_a_model_that_scales_its_logits_is_refused():
     config = GraniteConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64, logits_scaling=4.0)
     with pytest.raises(ValueError, match=r"GraniteForCausalLM: the learner does not apply the logit scaling \['logits_scaling'\]"):
         PolicyModel(GraniteForCausalLM(config))
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_what_engines_are_sent_has_the_checkpoints_names_and_tensors(family_dirs, name):
+    """The weight sync sends the layout on disk (transformers keeps Qwen3-MoE's experts fused in memory): the same
+    names and tensors as the family's safetensors file, plus the tied head of a tied model."""
+    from safetensors.torch import load_file
+
+    from asyncrl.learner.export import checkpoint_layout, hf_state_dict
+
+    causal_lm = load_causal_lm(str(family_dirs[name]))
+    full = {f"causal_lm.{k}": v for k, v in causal_lm.state_dict().items()}
+    sent = checkpoint_layout(causal_lm, hf_state_dict(full, causal_lm.config.tie_word_embeddings))
+    on_disk = load_file(str(family_dirs[name] / "model.safetensors"))
+    if causal_lm.config.tie_word_embeddings:
+        on_disk["lm_head.weight"] = on_disk["model.embed_tokens.weight"]
+    assert sorted(sent) == sorted(on_disk)
+    assert all(torch.equal(sent[k], on_disk[k]) for k in on_disk)
+    if name == "qwen3-moe":  # fused in memory, one tensor per expert and projection on disk and on the wire
+        assert "causal_lm.model.layers.0.mlp.experts.gate_up_proj" in full
+        assert "model.layers.0.mlp.experts.3.up_proj.weight" in sent
