@@ -130,6 +130,29 @@ class WeightReceiver:
             _load_in_place(model, named)
         else:
             self.model_runner.reload_weights(weights_iterator=named)
+            _prepack_cpu_experts(model)
+
+
+def _prepack_cpu_experts(model: Any) -> int:
+    """Put the fused MoE experts reloaded on CPU back into their kernel's layout; -> layers repacked.
+
+    vLLM 0.32: `UnquantizedFusedMoEMethod._setup_kernel` runs the experts' own `process_weights_after_loading` (the
+    CPU kernel's `cpu_prepack_moe_weight`) only on the first load; on a weight update it copies checkpoint-format
+    weights into the prepacked storage and stops there. Reloading a tiny Qwen3-MoE's own checkpoint then moved its
+    log-probs by 8e-2; repacked here, by 0."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    repacked = 0
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts: Any = getattr(kernel, "fused_experts", None)
+        if type(experts).__name__ != "CPUUnquantizedExperts" or getattr(experts, "_use_zentorch", False):
+            continue
+        for name in ("w13_weight", "w2_weight"):
+            weight = getattr(layer, name)
+            weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
+        repacked += 1
+    return repacked
 
 
 TIED_HEAD = "lm_head.weight"
@@ -180,7 +203,7 @@ def _unpack_linear_layers(model: Any) -> bool:
     layer with a quantization method is not an unquantized linear/embedding: its weights need vLLM's processing
     after every load. A fused MoE layer is one: vLLM's CPU experts read a prepacked layout
     (`cpu_prepack_moe_weight`), so checkpoint-format weights copied in place gave a tiny Qwen3-MoE log-probs
-    off by 3e-2 to 5e-2, where a reload matches transformers to 5e-7."""
+    off by 3e-2 to 5e-2, where a fresh load matches transformers to 5e-7."""
     from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader, get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
 

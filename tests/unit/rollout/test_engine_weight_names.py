@@ -70,3 +70,24 @@ def test_a_dense_model_of_plain_linear_layers_loads_in_place():
     model.attn = nn.Module()  # a module without a quantization method (attention) does not count
     assert _unpack_linear_layers(model) is True
     assert model.qkv.cpu_linear is _plain_linear
+
+
+def test_reloaded_cpu_moe_experts_are_prepacked_again():
+    """vLLM 0.32 prepacks CPU experts only on the first load; after a reload their storage holds checkpoint-format
+    weights, which `_prepack_cpu_experts` packs (the kernel's own `cpu_prepack_moe_weight`)."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    from asyncrl.rollout.vllm_compat.weights import _prepack_cpu_experts
+
+    experts_cls = type("CPUUnquantizedExperts", (), {"isa": "vec", "_use_zentorch": False})
+    layer = nn.Module()
+    layer.quant_method = SimpleNamespace(moe_kernel=SimpleNamespace(fused_experts=experts_cls()))
+    w13, w2 = torch.randn(4, 128, 64), torch.randn(4, 64, 64)
+    layer.w13_weight, layer.w2_weight = nn.Parameter(w13.clone()), nn.Parameter(w2.clone())
+    dense = nn.Module()
+    dense.quant_method = _method("UnquantizedLinearMethod")
+    model = nn.Sequential(layer, dense)
+    assert _prepack_cpu_experts(model) == 1
+    assert torch.equal(layer.w13_weight.data, cpu_prepack_moe_weight(w13, "vec"))
+    assert torch.equal(layer.w2_weight.data, cpu_prepack_moe_weight(w2, "vec"))
+    assert not torch.equal(layer.w13_weight.data, w13)
