@@ -18,3 +18,9 @@ def build_families(root: Path, names=None, seed: int = 0) -> dict[str, Path]:
             tokenizers[chat_format] = train_bpe(chat_format)
         out[name] = build_family(name, Path(root) / name, tokenizer=tokenizers[chat_format], seed=seed)
     return out
+
+
+def even_length_reward(response: str, ground_truth: str, *, finish_reason: str, extra_info: dict) -> float:
+    """1 for a response of an even number of characters: a random-init model earns it about half the time, so
+    its groups have reward variance (`env.reward: tests.families:even_length_reward`)."""
+    return float(len(response) % 2 == 0)
