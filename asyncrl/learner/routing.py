@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +56,8 @@ def route_shape(model: nn.Module) -> tuple[int, int]:
             f"routing replay: {type(model).__name__} has no MoE router of a supported family"
             f" ({', '.join(ROUTER_CLASSES)})"
         )
-    return len(routers), int(routers[0].top_k)
+    first: Any = routers[0]  # a transformers router (`ROUTER_CLASSES`)
+    return len(routers), int(first.top_k)
 
 
 @contextlib.contextmanager
@@ -110,7 +112,7 @@ def _install(router: nn.Module) -> None:
     router.forward = functools.partial(_routed_forward, router)
 
 
-def _routed_forward(router: nn.Module, hidden_states: torch.Tensor):
+def _routed_forward(router: Any, hidden_states: torch.Tensor):
     """The router's forward with the replayed experts where a route is set (see the module docstring)."""
     routes = router.__dict__.get("_asyncrl_routes")
     if routes is None:
