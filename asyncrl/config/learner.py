@@ -36,6 +36,12 @@ class LearnerConfig(Section):
     layer (two ranks compile at once), more for larger models. In fp32 the gradients match the eager ones to
     float rounding, with FSDP2 too. Needs a C++ compiler where the learner runs (inductor); benchmarks/RESULTS.md
     has W1's step with and without it."""
+    routing_replay: bool = False
+    """MoE routing replay (R3): the learner routes each token to the experts the engine chose for it (carried in the
+    trajectory), with gate weights from its own router over those experts, so a near-tie that rounds the other way
+    on the learner does not score a token with another sub-network (`asyncrl.learner.routing`; Qwen3-MoE and
+    Mixtral). Needs an MoE model and engines that return routed experts: `asyncrl check` says why vLLM 0.32's do
+    not here (`asyncrl.rollout.vllm_compat.routes`)."""
     max_steps: int = Field(100, ge=0)
     """Learner steps of the run (one per rollout batch, whatever `mini_batches` and `epochs`)."""
     max_wall_s: float = Field(0.0, ge=0)

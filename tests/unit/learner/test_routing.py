@@ -16,7 +16,7 @@ def qwen3_moe(seed: int = 0):
     )  # fmt: skip
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(config).eval()
-    for router in moe_routers(model):  # transformers initialises the router at zero: every expert ties
+    for router in moe_routers(model):  # wider than the 0.02 init: no route is a near-tie
         torch.nn.init.normal_(router.weight, std=0.5)
     return model
 
@@ -103,3 +103,30 @@ def test_routes_that_do_not_fit_the_model_are_refused():
         pass
     with pytest.raises(ValueError, match="has no MoE router"):
         route_shape(torch.nn.Linear(2, 2))
+
+
+def test_the_learner_step_scores_with_the_routes_its_batch_carries():
+    from types import SimpleNamespace
+
+    from asyncrl.algo.recipes import resolve_recipe
+    from asyncrl.algo.sampling import SamplingDistribution
+    from asyncrl.learner.batch import build_batch
+    from asyncrl.learner.policy import PolicyModel
+    from asyncrl.learner.step import RankStep
+    from asyncrl.testing import make_trajectory
+    from asyncrl.types import Group
+
+    policy = PolicyModel(qwen3_moe())
+    step = RankStep(SimpleNamespace(policy=policy), None, None, SamplingDistribution(), torch.device("cpu"), None)
+    plain_batch = build_batch([Group("g", [make_trajectory([5, 6, 7, 8])])], resolve_recipe("grpo"))
+    with torch.no_grad():
+        plain = step._logprobs(plain_batch)  # no routes: the learner's own routing
+        _, own = own_routes(policy.causal_lm, plain_batch.input_ids)
+        flipped = own[0, :6].numpy().astype("uint8")  # the engine's routes: 6 of the 7 tokens
+        flipped[4, 1] = [e for e in range(8) if e not in set(flipped[4, 1].tolist())][:2]  # token 4, second MoE layer
+        replayed_batch = build_batch(
+            [Group("g", [make_trajectory([5, 6, 7, 8], routed_experts=flipped)])], resolve_recipe("grpo")
+        )
+        replayed = step._logprobs(replayed_batch)
+    torch.testing.assert_close(replayed[0, :4], plain[0, :4], rtol=0, atol=1e-6)  # columns before token 4
+    assert (replayed[0, 4] - plain[0, 4]).abs() > 1e-4  # column 4 runs token 4's hidden state: rerouted
