@@ -623,6 +623,25 @@ def generic(name: str, d: dict) -> list[str]:
     return lines
 
 
+def moe_routing_replay(d: dict) -> list[str]:
+    rows = d["rows"]
+    flips = sum(r["figures"]["flipped_token_fraction"] > 0 for r in rows)
+    worst = max(r["figures"]["with_replay"]["logprob_abs_diff_max"] for r in rows)
+    return [
+        "## MoE engine ↔ learner parity with and without routing replay (`benchmarks/moe_routing_replay.py`)",
+        "",
+        f"{d['model']}; {d['prompts']} prompts of {d['prompt_len']} random tokens, {d['tokens']} sampled tokens each "
+        "(temperature 1), one in-process vLLM engine recording its routes per MoE layer, scored by the learner "
+        "(`PolicyModel`) routing itself and replaying vLLM's routes. dlogp: |learner - rollout log-prob| over the "
+        "sampled tokens (`mismatch_metrics`); flipped: tokens routed to another expert set in some layer; "
+        "no flip / after flip: tokens with no flip at or before them in their row / the others.",
+        "",
+        f"**Headline:** {flips} of {len(rows)} configurations had a route flip; max |dlogp| with replay ≤ {worst:.1e}.",
+        "",
+        d["table"],
+    ]
+
+
 FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "weight_sync": weight_sync,
     "weight_sync_0.5b": lambda d: weight_sync(d, "## W3 `sync` at 0.36B parameters (`benchmarks/weight_sync.py --presets qwen-0.5b`)"),
@@ -652,6 +671,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "client_floor": client_floor,
     "client_floor_no_freeze": client_floor,
     "engine_start": engine_start,
+    "moe_routing_replay": moe_routing_replay,
 }
 
 
@@ -664,6 +684,7 @@ LAYOUT = [
     "learning_add", "learning_add_120", "learning_add_informative", "learning_add_compile", "learner_compile", "learning_add_bf16", "learning_add_ready_cap", "learning_add_mb4", "learning_add_mb4_same_lr", "lr_decay", "correction", "dtype", "ready_cap", "staleness_w1", "warm_start_lift",
     "async_speedup", "async_speedup_continue", "limits", "limits_busy",
     "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "weight_sync_gpu",
+    "moe_routing_replay",
     "queue_throughput", "algo_throughput",
     "profile_before", "profile", "profile_w1_quiet", "profile_w1_quiet_after", "profile_w1_afternoon",
     "profile_w1_ungrouped_1", "profile_w1_grouped_1", "profile_w1_ungrouped_2", "profile_w1_grouped_2",
