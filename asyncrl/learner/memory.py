@@ -6,7 +6,9 @@ The train state is fp32 whatever `model.dtype` (master weights, `policy.shard`):
 4 of gradient and 8 of AdamW moments (`exp_avg`, `exp_avg_sq`). FSDP2 shards every tensor along its first
 dimension, padded to a multiple of the ranks, so the largest share (rank 0's) holds ceil(rows / ranks) rows of
 each. Before sharding every rank loads the whole fp32 model (`state.build_train_state`): that bounds the need
-from below however many ranks share it.
+from below however many ranks share it. Not counted, like the activations: bf16 compute's copies of the decoder
+layers' weights (under FSDP2 a layer's gathered copy at a time; on a plain rank `policy.cast_layers` keeps every
+layer's, 2 bytes per parameter, through the backward).
 """
 
 from __future__ import annotations
