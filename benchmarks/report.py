@@ -634,13 +634,20 @@ def fsdp_rank(d: dict) -> list[str]:
     )  # fmt: skip
     lines += [""]
     lines += table(
-        ["ranks", "`learner.fsdp`", "rank", "params + AdamW held, MB", "÷ one rank", "computed need, MB", "RSS growth, MB", "÷ one rank", "peak RSS, MB"],
+        ["ranks", "`learner.fsdp`", "rank", "params + AdamW held, MB", "÷ one rank", "computed need, MB", "RSS growth, MB", "÷ one rank",
+         "peak RSS, MB", "peak over the RSS before loading, MB", "÷ one rank"],
         [[m["num_ranks"], m["fsdp"], r["rank"], f"{(r['param_bytes'] + r['optimizer_bytes']) / 1e6:.1f}",
           f"{(r['param_bytes'] + r['optimizer_bytes']) / held_whole:.3f}", f"{m['need_bytes'] / 1e6:.1f}",
-          f"{r['rss_growth_bytes'] / 1e6:.0f}", f"{r['rss_growth_bytes'] / whole['rss_growth_bytes']:.2f}", f"{r['peak_rss_bytes'] / 1e6:.0f}"]
+          f"{r['rss_growth_bytes'] / 1e6:.0f}", f"{r['rss_growth_bytes'] / whole['rss_growth_bytes']:.2f}", f"{r['peak_rss_bytes'] / 1e6:.0f}",
+          f"{_peak_growth(r) / 1e6:.0f}", f"{_peak_growth(r) / _peak_growth(whole):.2f}"]
          for m in memory for r in m["ranks"]],
     )  # fmt: skip
     return lines
+
+
+def _peak_growth(rank: dict) -> int:
+    """A rank's peak resident memory above what it had before loading the model (`fsdp_rank.py`)."""
+    return rank["peak_rss_bytes"] - (rank["rss_bytes"] - rank["rss_growth_bytes"])
 
 
 def _spread(values: list[float]) -> str:
