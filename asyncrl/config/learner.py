@@ -15,11 +15,11 @@ class LearnerConfig(Section):
     Independent of the rollout pool."""
     fsdp: Literal["auto", "always", "never"] = "auto"
     """Whether the ranks wrap the policy (and the critic) with FSDP2's `fully_shard`: `auto` = with several ranks;
-    one rank then runs a plain module (in bf16 its decoder layers get FSDP2's mixed-precision casts from two hooks,
-    the same numerics, ~20% faster per step on CPU). `always` wraps one rank too: FSDP2's mixed-precision policy,
-    DTensor parameters and sharded state on a one-device mesh (what several ranks run, on one). `never` keeps a
-    plain module and needs `num_ranks` = 1 (several ranks shard). Checkpoints, exports and weight syncs are
-    the same either way; a checkpoint loads into any other setting and number of ranks."""
+    one rank then runs a plain module (in bf16 its decoder layers get FSDP2's mixed-precision casts from two hooks:
+    the same numerics, 5-20% faster per step on CPU, benchmarks/RESULTS.md). `always` wraps one rank too: FSDP2's
+    mixed-precision policy, DTensor parameters and sharded state on a one-device mesh (what several ranks run, on
+    one). `never` keeps a plain module and needs `num_ranks` = 1 (several ranks shard). Checkpoints, exports and
+    weight syncs are the same either way; a checkpoint loads into any other setting and number of ranks."""
     rank_memory_gb: float | None = Field(None, gt=0)
     """Memory one rank may use for its train state, in GB (1e9 bytes); None = unchecked. Before any rank starts, the
     pool computes each rank's share from the model's parameter shapes: fp32 parameters, gradients and AdamW's two
