@@ -8,6 +8,11 @@ skips the experts' packing on a weight update (`UnquantizedFusedMoEMethod._setup
 `load_weights` writes checkpoint-layout slices into them. The kernel then reads unpacked weights as packed ones:
 after one weight sync a tiny Qwen3-MoE scored log-probs 0.79 away from the learner's (a fresh engine on the same
 weights: 9.5e-7). `repack_cpu_experts` packs them again; the weight receiver calls it after every load.
+
+Not handled: experts whose intermediate size vLLM pads to its kernel's alignment (not a multiple of 32) cannot be
+reloaded at all: vLLM 0.32's layerwise reload copies the checkpoint-shaped tensor into the padded one and raises
+("The size of tensor a (128) must match the size of tensor b (96)", `_copy_and_restore_kernel_tensors`); in-place
+loads of such a model keep parity (4.8e-7 -> 9.5e-7 across a sync, moe_intermediate_size 48).
 """
 
 from __future__ import annotations
