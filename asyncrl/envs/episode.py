@@ -118,13 +118,27 @@ class ChatTurns:
         is the eos (the template's end-of-turn token) the returned text does not repeat it."""
         if not text:
             return ""
-        if role not in self._frames:
-            self._frames[role] = self._probe(role)
-        close, before, after = self._frames[role]
+        close, before, after = self._frame(role)
         eos = self.tokenizer.eos_token or ""
         if last_sampled is not None and last_sampled == self.tokenizer.eos_token_id and close.startswith(eos):
             close = close[len(eos) :]
         return close + before + text + after
+
+    def check(self) -> None:
+        """Raise ValueError now, naming the problem, if the template cannot write observations between turns."""
+        self._frame("user")
+        self._frame("tool")
+
+    def _frame(self, role: str) -> tuple[str, str, str]:
+        """A `tool` message falls back to a `user` one when the template cannot write it."""
+        if role not in self._frames:
+            try:
+                self._frames[role] = self._probe(role)
+            except ValueError:
+                if role == "user":
+                    raise
+                self._frames[role] = self._frame("user")
+        return self._frames[role]
 
     def _probe(self, role: str) -> tuple[str, str, str]:
         """(close of the model turn, text before the observation, text after it)."""
@@ -132,11 +146,16 @@ class ChatTurns:
             return "", "", ""
         user, assistant, observation = self.PROBE
         messages = [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
-        closed = self._render(messages, generation_prompt=False)
         message = {"role": role, "content": observation}
         if role == "tool":
             message["tool_call_id"] = "call_0"
-        full = self._render([*messages, message], generation_prompt=True)
+        try:
+            closed = self._render(messages, generation_prompt=False)
+            full = self._render([*messages, message], generation_prompt=True)
+        except Exception as e:  # jinja's TemplateError, or what the template raises itself
+            raise ValueError(
+                f"the chat template cannot render a {role!r} message after an assistant turn: {type(e).__name__}: {e}"
+            ) from e
         if not full.startswith(closed) or assistant not in closed or observation not in full[len(closed) :]:
             raise ValueError(
                 f"the chat template does not write a {role!r} message after an assistant turn as an extension of "

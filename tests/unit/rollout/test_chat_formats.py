@@ -151,3 +151,16 @@ def completion(ids: list[int]) -> Trajectory:
         response_ids=np.asarray(ids, np.int32), rollout_logprobs=np.full(n, -0.5, np.float32),
         loss_mask=np.ones(n, np.int8), versions=np.zeros(n, np.int32), finish_reason="stop", dispatch_version=0,
     )
+
+
+def test_a_template_that_cannot_write_an_observation_is_named_and_tool_falls_back_to_user():
+    tok = train_bpe("chatml", vocab_size=512)
+    no_tools = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}" \
+               "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}" \
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    chat = ChatTurns(tok, no_tools)
+    chat.check()
+    assert chat.observation_text("5", "tool") == chat.observation_text("5", "user")
+    rewrites = "{% for m in messages %}{% if loop.last %}{{ m.content }}{% endif %}{% endfor %}"  # last message only
+    with pytest.raises(ValueError, match="does not write a 'user' message after an assistant turn"):
+        ChatTurns(tok, rewrites).check()
