@@ -104,6 +104,20 @@ def test_a_multi_turn_episode_is_written_in_the_chat_format_and_keeps_the_sample
     assert naive(tok, prompt + expected) != prompt + expected  # re-tokenized, "An" "swer" becomes "Answer"
 
 
+def test_parquet_and_built_in_prompts_are_written_in_the_chat_format(tok, tmp_path):
+    from asyncrl.envs.data import add_prompt, verl_prompts, write_verl_parquet
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
+    row = {"data_source": "d", "prompt": messages, "reward_model": {"style": "rule", "ground_truth": "5"}}
+    write_verl_parquet([row], tmp_path / "train.parquet")
+    (prompt,) = verl_prompts(tok, tmp_path / "train.parquet")
+    assert tok.decode(prompt.prompt_ids) == tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert tok.eos_token_id in prompt.prompt_ids  # the template's markup is special tokens, one id each
+    sum_prompt = add_prompt(tok, 12, 34, "a")
+    user = [{"role": "user", "content": "12+34="}]
+    assert tok.decode(sum_prompt.prompt_ids) == tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+
+
 def test_an_observation_after_the_sampled_eos_does_not_repeat_it(tok):
     chat = ChatTurns(tok)
     closed = chat.observation_text("hi", "user")
