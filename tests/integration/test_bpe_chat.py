@@ -1,9 +1,9 @@
-"""A model folder with a trained byte-level BPE tokenizer and the ChatML format, on a real vLLM CPU engine: a
-multi-turn environment episode and an OpenAI-endpoint episode through the real `openai` client, both token-exact.
+"""Model folders with a trained byte-level BPE tokenizer and a chat format, on a real vLLM CPU engine: a multi-turn
+environment episode and an OpenAI-endpoint episode through the real `openai` client, both token-exact.
 
-One rollout worker (engine + endpoint) for the module: a random-init 2-layer Qwen2 (head size 32, untied head)
-saved with `save_pretrained` beside `train_bpe("chatml")`; vLLM loads the tokenizer with `AutoTokenizer`, as
-transformers rebuilds a qwen2 folder's tokenizer. The model is random, so the checks hold for any sample: the
+One rollout worker (engine + endpoint) per format: a random-init 2-layer model (head size 32, untied head) saved
+with `save_pretrained` beside `train_bpe(<format>)` — Qwen2 with ChatML (vLLM loads the tokenizer with
+`AutoTokenizer`, which rebuilds a qwen2 folder's tokenizer as `Qwen2Tokenizer`), Llama with Llama 3's headers. The model is random, so the checks hold for any sample: the
 chat markup between turns, the engine's own log-probs of the final sequence equal to the rollout log-probs of every
 model token (each turn was sampled from exactly the tokens before it), and zero endpoint drift.
 """
@@ -25,22 +25,41 @@ pytestmark = pytest.mark.integration
 QUESTION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
 
 
+FORMATS = {"chatml": "qwen2", "llama3": "llama"}  # chat format -> the family its model folder is
+USER_TURN = {
+    "chatml": "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
+    "llama3": "<|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+}
+TOOL_TURN = {
+    "chatml": "<|im_start|>user\n<tool_response>\n=5;\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+    "llama3": "<|start_header_id|>ipython<|end_header_id|>\n\n=5;<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+}
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def chat_format(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def model_dir(tmp_path_factory, chat_format):
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from asyncrl.models.bpe import train_bpe
 
-    tok = train_bpe("chatml")
-    config = Qwen2Config(
+    tok = train_bpe(chat_format)
+    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[
+        FORMATS[chat_format]
+    ]
+    config = config_class(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=1024, tie_word_embeddings=False,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
     )
     torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("bpe-chatml")
-    Qwen2ForCausalLM(config).save_pretrained(out)
+    out = tmp_path_factory.mktemp(f"bpe-{chat_format}")
+    model_class(config).save_pretrained(out)
     tok.save_pretrained(out)
     return out
 
@@ -77,7 +96,7 @@ class ToolTurns:
         return StepResult(Observation("=5;"), info=StepInfo(tool="calculator"))
 
 
-def test_a_multi_turn_episode_is_written_in_chatml_and_token_exact(loop, worker, model_dir):
+def test_a_multi_turn_episode_is_written_in_the_chat_format_and_token_exact(loop, worker, model_dir, chat_format):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -89,18 +108,18 @@ def test_a_multi_turn_episode_is_written_in_chatml_and_token_exact(loop, worker,
     t = loop.run_until_complete(runner.run(make_request(make_prompt("bpe", prompt, "5")), sampling))
     assert (t.num_turns, t.reward, t.failure) == (3, 1.0, None)
     ends = [*t.turn_starts[1:], len(t.response_ids)]
-    for k in range(2):  # each observation is the tool turn in ChatML, after the turn's last sampled token
+    for k in range(2):  # each observation is the format's tool turn, after the turn's last sampled token
         model = t.response_ids[t.turn_starts[k] : ends[k]][t.loss_mask[t.turn_starts[k] : ends[k]] == 1]
         observation = t.response_ids[t.turn_starts[k] + len(model) : ends[k]].tolist()
         text = chat.observation_text("=5;", "tool", int(model[-1]))
         assert observation == tok.encode(text, add_special_tokens=False)
-        assert text.endswith("<|im_start|>user\n<tool_response>\n=5;\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        assert text.endswith(TOOL_TURN[chat_format])
     scored = loop.run_until_complete(engine.score(prompt + t.response_ids.tolist(), len(prompt)))
     model = np.flatnonzero(t.loss_mask == 1)
     assert len(model) >= 3 and np.allclose(scored[model], t.rollout_logprobs[model], atol=1e-4)
 
 
-def test_an_endpoint_episode_through_the_openai_client_has_zero_drift(loop, worker):
+def test_an_endpoint_episode_through_the_openai_client_has_zero_drift(loop, worker, chat_format):
     import openai
 
     url = worker.openai.url
@@ -125,5 +144,5 @@ def test_an_endpoint_episode_through_the_openai_client_has_zero_drift(loop, work
         assert np.array_equal(t.rollout_logprobs[start : start + len(ids)], logprobs)
     first_end = t.turn_starts[0] + len(replies[0].choices[0].token_ids)
     observation = renderer.decode(t.response_ids[first_end : t.turn_starts[1]], specials=True)
-    assert observation.endswith("<|im_start|>user\nand 0?<|im_end|>\n<|im_start|>assistant\n")
+    assert observation.endswith(USER_TURN[chat_format].format("and 0?"))
     assert worker.openai.capture.drifts == 0 and worker.openai.stats()["openai_drift"] == 0
