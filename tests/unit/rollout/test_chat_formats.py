@@ -178,3 +178,19 @@ def test_a_template_that_cannot_write_an_observation_is_named_and_tool_falls_bac
     rewrites = "{% for m in messages %}{% if loop.last %}{{ m.content }}{% endif %}{% endfor %}"  # last message only
     with pytest.raises(ValueError, match="does not write a 'user' message after an assistant turn"):
         ChatTurns(tok, rewrites).check()
+
+
+def test_a_production_vocabulary_endpoint_conversation_has_zero_drift():
+    from asyncrl.models.bpe import production_tokenizer
+
+    tok = production_tokenizer("chatml")  # Mistral's 131k tekken vocabulary, ChatML added
+    capture = EpisodeCapture(ChatRenderer(tok))
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    assert len(tok.encode(" answer", add_special_tokens=False)) == 1
+    first = pieces(tok, "The", " ans", "wer is 5.", eos=True)  # non-canonical: " answer" is one token
+    plan1, reply = call(capture, messages, completion(first))
+    messages += [reply, {"role": "user", "content": "Sure?"}]
+    plan2, _ = call(capture, messages, completion(pieces(tok, "Yes.", eos=True)))
+    rendered = capture.renderer.render(messages)
+    assert not plan2.restart and capture.drifts == 0 and plan2.prompt_ids == plan1.prompt_ids + first + plan2.observation
+    assert tok.decode(plan2.prompt_ids) == rendered and capture.renderer.encode(rendered) != plan2.prompt_ids
