@@ -194,3 +194,10 @@ def test_a_production_vocabulary_endpoint_conversation_has_zero_drift():
     rendered = capture.renderer.render(messages)
     assert not plan2.restart and capture.drifts == 0 and plan2.prompt_ids == plan1.prompt_ids + first + plan2.observation
     assert tok.decode(plan2.prompt_ids) == rendered and capture.renderer.encode(rendered) != plan2.prompt_ids
+
+
+def test_a_model_folder_without_a_chat_template_gets_observations_as_they_are(tmp_path):
+    assert ChatTurns.for_model(str(tmp_path)) is None
+    train_bpe("gemma", vocab_size=512).save_pretrained(tmp_path)
+    chat = ChatTurns.for_model(str(tmp_path))
+    assert chat is not None and chat.observation_text("ok") == "<end_of_turn>\n<start_of_turn>user\nok<end_of_turn>\n<start_of_turn>model\n"
