@@ -9,6 +9,7 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.rollout.vllm_compat.moe import repack_cpu_experts
 from asyncrl.rollout.vllm_compat.process import on_cpu
 
 if TYPE_CHECKING:
@@ -121,6 +122,7 @@ class WeightReceiver:
         loader: Any = get_model_loader(self.vllm_config.load_config)  # the default loader: `get_all_weights`
         checkpoint = loader.get_all_weights(self.vllm_config.model_config, model)
         _load_in_place(model, _without_retied_head(model, checkpoint, self.vllm_config.model_config.hf_text_config))
+        repack_cpu_experts(model)
         return True
 
     def _asyncrl_load(self, named: Iterator[tuple[str, Any]], in_place: bool) -> None:
@@ -130,29 +132,7 @@ class WeightReceiver:
             _load_in_place(model, named)
         else:
             self.model_runner.reload_weights(weights_iterator=named)
-            _prepack_cpu_experts(model)
-
-
-def _prepack_cpu_experts(model: Any) -> int:
-    """Put the fused MoE experts reloaded on CPU back into their kernel's layout; -> layers repacked.
-
-    vLLM 0.32: `UnquantizedFusedMoEMethod._setup_kernel` runs the experts' own `process_weights_after_loading` (the
-    CPU kernel's `cpu_prepack_moe_weight`) only on the first load; on a weight update it copies checkpoint-format
-    weights into the prepacked storage and stops there. Reloading a tiny Qwen3-MoE's own checkpoint then moved its
-    log-probs by 8e-2; repacked here, by 0."""
-    from vllm._custom_ops import cpu_prepack_moe_weight
-
-    repacked = 0
-    for layer in model.modules():
-        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
-        experts: Any = getattr(kernel, "fused_experts", None)
-        if type(experts).__name__ != "CPUUnquantizedExperts" or getattr(experts, "_use_zentorch", False):
-            continue
-        for name in ("w13_weight", "w2_weight"):
-            weight = getattr(layer, name)
-            weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
-        repacked += 1
-    return repacked
+        repack_cpu_experts(model)
 
 
 TIED_HEAD = "lm_head.weight"
@@ -200,23 +180,15 @@ def _unpack_linear_layers(model: Any) -> bool:
     """Make `model` loadable in place (`WeightReceiver`): every CPU linear layer whose weight vLLM packed away
     gets its model-format parameter back (vLLM's own reload metadata, weight loaders unwrapped) and runs
     `torch.nn.functional.linear` on it (`_plain_linear`). Idempotent. False (nothing changed) off CPU or when a
-    layer with a quantization method is not an unquantized linear/embedding: its weights need vLLM's processing
-    after every load. A fused MoE layer is one: vLLM's CPU experts read a prepacked layout
-    (`cpu_prepack_moe_weight`), so checkpoint-format weights copied in place gave a tiny Qwen3-MoE log-probs
-    off by 3e-2 to 5e-2, where a fresh load matches transformers to 5e-7."""
+    layer is not an unquantized linear/embedding, whose weights need vLLM's processing after every load."""
     from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader, get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import materialize_layer, restore_layer_on_meta
 
     if getattr(model, "_asyncrl_in_place", None) is not None:
         return model._asyncrl_in_place
     layers = [m for m in model.modules() if hasattr(m, "cpu_linear")]
-    methods = [
-        getattr(m, "quant_method", None)
-        for m in model.modules()
-        if hasattr(m, "cpu_linear") or getattr(m, "quant_method", None) is not None
-    ]
     plain = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
-    model._asyncrl_in_place = on_cpu() and all(type(method).__name__ in plain for method in methods)
+    model._asyncrl_in_place = on_cpu() and all(type(getattr(m, "quant_method", None)).__name__ in plain for m in layers)
     for layer in layers if model._asyncrl_in_place else []:
         if layer.weight.numel() == 0:  # packed for oneDNN: restore the parameter the checkpoint loads into
             info = get_layerwise_info(layer)
