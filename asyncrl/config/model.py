@@ -12,6 +12,11 @@ from asyncrl.config.base import Section
 class ModelConfig(Section):
     path: str | None = None
     """A Hugging Face model directory. When unset, the `preset` tiny model is built locally (and cached)."""
+    allow_untested_architecture: bool = False
+    """Start a `path` whose architecture is not one of the families asyncrl tests (docs/models.md): `asyncrl check`
+    then notes it instead of refusing it. The learner runs any Hugging Face causal LM with a decoder stack
+    (`get_decoder()`); what is untested is whether vLLM's module takes the learner's weight names and matches its
+    log-probs: watch the weight-sync parity (`weight_sync.parity_probe`) of the first steps."""
     preset: str = "add-1m"
     """Tiny Qwen2-architecture preset from `asyncrl.models` (used when `path` is unset)."""
     warm_start_examples: int = Field(2000, ge=0, le=100_000)

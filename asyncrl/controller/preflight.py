@@ -121,11 +121,25 @@ def preflight(cfg: Config, resources: Resources | None = None, placement: bool =
     """Every problem found, in config order; an empty list means the job can start. `placement=False` leaves
     the resources and shared paths to the cluster that runs the job (`asyncrl submit`)."""
     problems = [*_model(cfg), *_engine(cfg), *_data(cfg), *_reward(cfg), *_env(cfg), *_resume(cfg)]
-    problems += _routing_replay(cfg)
+    problems += [*_routing_replay(cfg), *_rank_memory(cfg)]
     if placement:
         resources = resources or local_resources()
         problems += [*_placement(cfg, resources), *_storage(cfg, resources)]
     return problems
+
+
+def _rank_memory(cfg: Config) -> list[Problem]:
+    """`learner.rank_memory_gb` holds each rank's train state at `learner.num_ranks` (a `model.path` folder; a preset
+    is checked when the learner starts, once it is built)."""
+    from asyncrl.learner.memory import check_rank_memory
+
+    if cfg.learner.rank_memory_gb is None or not cfg.model.path or not (Path(cfg.model.path) / "config.json").is_file():
+        return []
+    try:
+        check_rank_memory(cfg.learner, cfg.model.path)
+    except ValueError as e:
+        return [Problem("learner.rank_memory_gb", str(e).removeprefix("learner.rank_memory_gb = "))]
+    return []
 
 
 def _storage(cfg: Config, resources: Resources) -> list[Problem]:
@@ -158,10 +172,10 @@ def _model(cfg: Config) -> list[Problem]:
     folder = _model_folder(cfg)
     if folder or cfg.model.path is None:
         return folder
-    return _supported(Path(cfg.model.path))
+    return _supported(Path(cfg.model.path), cfg.model.allow_untested_architecture)
 
 
-def _supported(path: Path) -> list[Problem]:
+def _supported(path: Path, allow_untested: bool = False) -> list[Problem]:
     """An architecture the learner and engines are tested with (`asyncrl.models.families`, docs/models.md), and a
     chat template (prompts are chat messages: Parquet rows, multi-turn environments, the OpenAI endpoint)."""
     from asyncrl.models.families import SUPPORTED_ARCHITECTURES
@@ -174,12 +188,13 @@ def _supported(path: Path) -> list[Problem]:
     architectures = config.get("architectures") if isinstance(config, dict) else None
     if isinstance(config, dict) and not (isinstance(architectures, list) and architectures):
         problems.append(Problem("model.path", f"{path / 'config.json'} names no architecture (`architectures`)"))
-    elif isinstance(architectures, list) and architectures[0] not in SUPPORTED_ARCHITECTURES:
+    elif isinstance(architectures, list) and architectures[0] not in SUPPORTED_ARCHITECTURES and not allow_untested:
         problems.append(
             Problem(
                 "model.path",
                 f"{path / 'config.json'}: architecture {architectures[0]} is not one asyncrl supports "
-                f"({', '.join(SUPPORTED_ARCHITECTURES)}; docs/models.md says how to add a family)",
+                f"({', '.join(SUPPORTED_ARCHITECTURES)}; docs/models.md says how to add a family, and "
+                "model.allow_untested_architecture=true starts it anyway)",
             )
         )
     if not _has_chat_template(path):

@@ -32,6 +32,28 @@ def test_an_unsupported_architecture_is_named_with_the_supported_ones(capsys, tm
     err = capsys.readouterr().err
     assert f"model.path: {folder / 'config.json'}: architecture GPT2LMHeadModel is not one asyncrl supports" in err
     assert "Qwen2ForCausalLM, Qwen3ForCausalLM, LlamaForCausalLM" in err and "docs/models.md" in err
+    assert "model.allow_untested_architecture=true starts it anyway" in err
+
+
+def test_an_untested_architecture_starts_when_allowed(tmp_path):
+    folder = _folder(tmp_path, {"architectures": ["Phi3ForCausalLM"], "head_dim": 64})
+    cfg = load_config(None, [f"model.path={folder}", "model.allow_untested_architecture=true"])
+    assert [p for p in preflight(cfg, placement=False) if p.key == "model.path"] == []
+
+
+def test_a_rank_memory_budget_a_model_path_exceeds_is_named_with_the_ranks_that_fit(tmp_path):
+    from safetensors.torch import load_file
+
+    from asyncrl.models.families import build_family
+
+    folder = build_family("llama3", tmp_path / "llama3")
+    n = sum(v.numel() for v in load_file(folder / "model.safetensors").values())
+    need_gb = 16 * n / 1e9  # fp32 weights, gradients and AdamW's two moments on one rank
+    tight = [f"model.path={folder}", f"learner.rank_memory_gb={need_gb * 0.9:.6f}"]
+    (problem,) = [p for p in preflight(load_config(None, tight), placement=False) if p.key == "learner.rank_memory_gb"]
+    assert f"each rank needs {need_gb:.3g} GB" in problem.reason and "fits from learner.num_ranks = 2" in problem.reason
+    roomy = [f"model.path={folder}", f"learner.rank_memory_gb={need_gb * 1.1:.6f}"]
+    assert [p for p in preflight(load_config(None, roomy), placement=False) if p.key == "learner.rank_memory_gb"] == []
 
 
 def test_a_config_without_architectures_is_named(tmp_path):
