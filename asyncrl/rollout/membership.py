@@ -35,6 +35,15 @@ class WorkerStartError(RuntimeError):
     """A rollout worker's engine did not come up within `engine_start_timeout_s` (the message names it)."""
 
 
+def start_failure(e: BaseException) -> str:
+    """What a worker's failed start reports: the worker's own exception, not Ray's wrapper of it (whose text is
+    the remote traceback, tens of lines for one cause)."""
+    cause = getattr(e, "cause", None)
+    if not isinstance(cause, BaseException):
+        cause = e
+    return f"{type(cause).__name__}: {cause}"
+
+
 class WorkerDiedError(RuntimeError):
     """A rollout worker died and the pool does not replace dead workers (`rollout.replace_dead_workers`)."""
 

@@ -35,6 +35,7 @@ from asyncrl.rollout.membership import (
     WorkerDiedError,
     WorkerStartError,
     died,
+    start_failure,
     wait_in_turns,
     wait_or_say,
 )
@@ -408,7 +409,7 @@ class RolloutPool(WorkerCalls):
             try:
                 ray.get(ref)
             except Exception as e:
-                events.append(self._failed_start(name, f"{name} failed to start: {type(e).__name__}: {e}"))
+                events.append(self._failed_start(name, f"{name} failed to start: {start_failure(e)}"))
                 continue
             latest = self._latest()
             if j.sync is None and latest is not None:

@@ -46,7 +46,8 @@ class Alarms(Sink):
         self.active: dict[str, AlarmEvent] = {}
         """Alarms beyond their threshold now, by name."""
         self.fired: list[AlarmEvent] = []
-        """Every crossing of the run, in order."""
+        """Every crossing of the run, in order: this sink's own and those raised elsewhere (`starved`, by the
+        controller), which reach it through the run's Telemetry."""
         self.first_step_s: float | None = None
         """Run time of the first step row: windows that start before it measure start-up, not training."""
 
@@ -73,6 +74,11 @@ class Alarms(Sink):
         where = f"the last {live.window_s:.0f} s"
         self.check(STALE_DROPS, live.stale_drop_fraction, where)
         self.check(LEARNER_IDLE, live.learner_idle_fraction, where)
+
+    def alarm(self, event: AlarmEvent) -> None:
+        """An alarm raised anywhere in the run (its own come back through the Telemetry: kept once)."""
+        if event.active and not any(seen is event for seen in self.fired):
+            self.fired.append(event)
 
     def check(self, check: Check, value: float | None, where: str) -> None:
         """Compare `value` with the rule of `check` (nothing when the rule is off or the figure unknown)."""

@@ -1,7 +1,9 @@
 """Chat templates shipped with asyncrl, by name; `load_chat_template` also reads a user's `.jinja` file.
 
 `default` is the char tokenizer's own template (`asyncrl.models.tokenizer.CHAT_TEMPLATE`): message contents
-concatenated. `qwen2_tools` is a Qwen2-style ChatML template with function calling.
+concatenated. `chatml` (Qwen), `llama3` (Llama 3's headers) and `gemma` (Gemma's turns) are the chat formats of
+`asyncrl.models.bpe`, each with function calling as <tool_call> JSON blocks. `qwen2_tools` is another name for
+`chatml`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from pathlib import Path
 from asyncrl.models.tokenizer import CHAT_TEMPLATE
 
 _HERE = Path(__file__).resolve().parent
-SHIPPED = ("default", "qwen2_tools")
+_ALIASES = {"qwen2_tools": "chatml"}
+SHIPPED = ("default", "chatml", "llama3", "gemma", "qwen2_tools")
 
 
 def load_chat_template(name_or_path: str) -> str:
@@ -19,7 +22,7 @@ def load_chat_template(name_or_path: str) -> str:
     if name_or_path == "default":
         return CHAT_TEMPLATE
     if name_or_path in SHIPPED:
-        return (_HERE / f"{name_or_path}.jinja").read_text()
+        return (_HERE / f"{_ALIASES.get(name_or_path, name_or_path)}.jinja").read_text()
     path = Path(name_or_path)
     if not path.is_file():
         raise FileNotFoundError(

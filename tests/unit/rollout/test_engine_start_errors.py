@@ -49,3 +49,17 @@ def test_only_what_was_written_since_the_mark_is_read(tmp_path):
             os.close(saved)
     assert 2 in marks and "old error" not in since
     assert root_cause(since) == "RuntimeError: Unsupported CPU attention configuration: head_dim=16"
+
+
+def test_a_failed_start_reports_the_workers_own_exception_not_rays_traceback():
+    from ray.exceptions import RayTaskError
+
+    from asyncrl.rollout.membership import start_failure
+    from asyncrl.rollout.vllm_compat.errors import EngineStartError
+
+    cause = EngineStartError("the engine's own error: RuntimeError: head_dim=16")
+    traceback = "Traceback (most recent call last):\n" + '  File "worker.py", line 1, in ready\n' * 30
+    wrapped = RayTaskError("RolloutWorker.ready", traceback, cause)
+    assert "worker.py" in str(wrapped)  # what the report used to carry
+    assert start_failure(wrapped) == "EngineStartError: the engine's own error: RuntimeError: head_dim=16"
+    assert start_failure(TimeoutError("no answer")) == "TimeoutError: no answer"

@@ -53,7 +53,7 @@ def test_template_names_and_paths(tmp_path):
     (tmp_path / "t.jinja").write_text("{{ messages[0].content }}")
     assert load_chat_template(str(tmp_path / "t.jinja")) == "{{ messages[0].content }}"
     with pytest.raises(FileNotFoundError, match="qwen2_tools"):
-        load_chat_template("chatml")
+        load_chat_template("vicuna")
 
 
 def test_agent_import_path_must_name_an_async_function():

@@ -85,3 +85,18 @@ def test_config_overrides_reach_the_rules():
         load_config(None, ["telemetry.alarms.k3_above.threshhold=0"])
     with pytest.raises(Exception, match="k3_abov"):
         load_config(None, ["telemetry.alarms.k3_abov.threshold=0"])
+
+
+def test_fired_lists_every_crossing_of_the_run_once_the_controllers_starved_included():
+    from asyncrl.telemetry.sinks import AlarmEvent, Telemetry
+
+    report = RecordingSink()
+    telemetry = Telemetry([report])
+    alarms = Alarms({"k3_above": AlarmRule(threshold=0.01)}, telemetry, [].append)
+    telemetry.sinks.append(alarms)  # as the controller wires it: its own events come back through the fan-out
+    alarms.step({"step": 1, "mismatch_k3_kl": 0.02})
+    starved = AlarmEvent("starved", 64, 8, "learner starved: 64 groups in a row filtered")
+    telemetry.alarm(starved)
+    telemetry.alarm(AlarmEvent("starved", 64, 8, "no longer starved", active=False))
+    assert [(e.name, e.value) for e in alarms.fired] == [("k3_above", 0.02), ("starved", 64)]
+    assert [e.name for e in report.alarms] == ["k3_above", "starved", "starved"]
