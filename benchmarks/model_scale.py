@@ -4,7 +4,7 @@ process's peak memory.
 The model is Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, tied
 embeddings, rope theta 1e6), random init, fp32, with a production byte-level BPE vocabulary and a ChatML template
 (`asyncrl.models.bpe.production_tokenizer`); it is built once with `save_pretrained` under
-$ASYNCRL_CACHE/model_scale/ in a child process (so the build's memory is nobody's peak). The run is the real
+$TMPDIR/asyncrl-model-scale/ in a child process (so the build's memory is nobody's peak). The run is the real
 thing: `Controller` with Ray, one vLLM CPU engine, two FSDP2 learner ranks over gloo, verl Parquet prompts (~32
 prompt tokens, a rule reward), a weight sync and a parity probe after every step.
 
@@ -15,7 +15,13 @@ learner rank, the rollout worker, the engine core, the rest: Ray's own processes
 RSS (the kernel's high-water mark, VmHWM) and the peak PSS (shared pages split between their users: the figures
 add up), sampled every 0.5 s, and the peak of all processes' PSS summed.
 
-    python benchmarks/model_scale.py [--steps 3] [--quick]     # ~10 min and ~12 GB on 2 cores (quick: ~2 min)
+Weights reach the engine over the `collective` transport (gloo, in 64 MiB buckets from rank 0's staging buffer)
+unless `--transport` says otherwise: `auto` picks shared memory on one node, whose two slots of the whole model
+in /dev/shm (3.8 GB at this size) come on top of rank 0's gathered copy; on this 24 GB machine, shared with other
+work, Ray's memory monitor killed that run at its first sync (benchmarks/notes/model_scale.md). A run that dies
+is written too, with its error and the peaks up to then; `--transport X` writes `model_scale_X.json`.
+
+    python benchmarks/model_scale.py [--steps 3] [--transport collective] [--quick]     # ~10 min and ~12 GB on 2 cores (quick: ~2 min)
 """
 
 from __future__ import annotations
@@ -80,12 +86,18 @@ def build_checkpoint(out: Path, shape: Shape, seed: int = 0) -> None:
     tmp.rename(out)
 
 
+MODELS = Path(tempfile.gettempdir()) / "asyncrl-model-scale"
+"""Where the checkpoints are kept between runs: outside asyncrl's cache (`asyncrl.models.cache_root`), so the run
+reads the folder in place as it reads a user's `model.path` (a folder inside the cache is a preset, which the
+driver packs into the object store for other nodes: `asyncrl.models.shipping`)."""
+
+
 def ensure_checkpoint(shape: Shape) -> tuple[Path, float | None]:
-    """(folder, build seconds or None when cached); built in a child process under a file lock."""
-    from asyncrl.models import cache_root, file_lock
+    """(folder, build seconds or None when kept from an earlier run); built in a child process under a file lock."""
+    from asyncrl.models import file_lock
 
     name = f"qwen2-h{shape.hidden}-l{shape.layers}-bpe-chatml"
-    out = cache_root() / "model_scale" / name
+    out = MODELS / name
     with file_lock(out.with_name(name + ".lock")):
         if (out / "config.json").exists():
             return out, None
@@ -210,8 +222,16 @@ def process_roles(controller: Any) -> dict[int, str]:
         pid = actor_pid(worker)
         roles[pid] = f"rollout worker {name}"
         for child in psutil.Process(pid).children(recursive=True):
-            roles[child.pid] = "engine core" if "EngineCore" in " ".join(child.cmdline()) else "engine fork server"
+            roles[child.pid] = engine_role(" ".join(child.cmdline()))
     return roles
+
+
+def engine_role(command: str) -> str:
+    """The role of a process under the rollout worker, from its command line."""
+    for marker, role in (("EngineCore", "engine core"), ("forkserver", "engine fork server"), ("resource_tracker", "engine resource tracker")):
+        if marker in command:
+            return role
+    return f"engine child ({command[:40]})"
 
 
 def memory_rows(sampler: MemorySampler, roles: dict[int, str]) -> list[dict[str, Any]]:
@@ -230,16 +250,16 @@ def memory_rows(sampler: MemorySampler, roles: dict[int, str]) -> list[dict[str,
 # The run
 
 
-def run_config(tmp: Path, model_dir: Path, steps: int) -> Any:
+def run_config(tmp: Path, model_dir: Path, steps: int, transport: str, weight_load: str) -> Any:
     from asyncrl.config import load_config
 
     overrides = {
         "mode": "streaming", "output_dir": str(tmp / "run"), "model.path": str(model_dir),
         "data.task": "parquet", "data.train_path": str(tmp / "train.parquet"), "data.eval_prompts": 1,
-        "rollout.num_workers": 1, "rollout.samples_per_prompt": 4, "rollout.max_tokens": 32, "rollout.max_model_len": 128,
+        "rollout.num_workers": 1, "rollout.samples_per_prompt": 4, "rollout.max_tokens": 32, "rollout.max_model_len": 128, "rollout.weight_load": weight_load,
         "learner.num_ranks": 2, "learner.prompts_per_step": 2, "learner.max_steps": steps,
         "buffer.max_staleness": 1, "buffer.filter_zero_variance": False,
-        "weight_sync.parity_probe_every": 1, "eval.every_steps": 0, "telemetry.progress": True, "checkpoint.export_hf": False,
+        "weight_sync.transport": transport, "weight_sync.parity_probe_every": 1, "eval.every_steps": 0, "telemetry.progress": True, "checkpoint.export_hf": False,
     }  # fmt: skip
     return load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
 
@@ -254,27 +274,32 @@ def phase_times(run_dir: Path) -> dict[str, float]:
     return times
 
 
-def run(model_dir: Path, steps: int, tmp: Path) -> dict[str, Any]:
+def run(model_dir: Path, steps: int, transport: str, weight_load: str, tmp: Path) -> dict[str, Any]:
     from asyncrl.controller.loop import Controller
 
     write_prompts(tmp / "train.parquet", 64)
-    cfg = run_config(tmp, model_dir, steps)
+    cfg = run_config(tmp, model_dir, steps, transport, weight_load)
     sampler = MemorySampler()
     sampler.start()
     controller = Controller(cfg, model_dir)
+    load_s, roles, error = None, {os.getpid(): "driver"}, None
     try:
         began, wall_began = time.perf_counter(), time.time()
         controller.start()
         load_s = time.perf_counter() - began
         roles = process_roles(controller)
-        summary = controller.run()
-        history = controller.records.history
+        summary, error = controller.run(), None
+    except Exception as e:  # noqa: BLE001 - a run that dies (e.g. out of memory) is a result: its peaks so far
+        summary, error = None, f"{type(e).__name__}: {str(e)[:600]}"
     finally:
-        controller.shutdown()
+        try:
+            controller.shutdown()
+        except Exception as e:  # noqa: BLE001 - after a death the shutdown fails too; the first error is the one
+            error = error or f"shutdown: {type(e).__name__}: {str(e)[:600]}"
         sampler.stop()
     phases = {text: t - wall_began for text, t in phase_times(Path(cfg.output_dir)).items()}
-    return {"load_s": load_s, "phases_s": phases, "summary": summary, "history": history, "memory": memory_rows(sampler, roles),
-            "total_pss_peak_gb": sampler.total_pss_peak_kib / 2**20}  # fmt: skip
+    return {"load_s": load_s, "phases_s": phases, "summary": summary, "error": error, "history": controller.records.history,
+            "memory": memory_rows(sampler, roles), "total_pss_peak_gb": sampler.total_pss_peak_kib / 2**20}  # fmt: skip
 
 
 def step_rows(history: list[dict[str, Any]], load_done_s: float) -> list[dict[str, Any]]:
@@ -306,7 +331,7 @@ def num_parameters(model_dir: Path) -> int:
 def print_tables(result: dict[str, Any]) -> None:
     c = result["config"]
     print(f"\n{c['parameters'] / 1e6:.0f}M parameters (vocab {c['vocab_size']}), {c['steps']} steps, 2 learner ranks, 1 engine")
-    print(f"load {result['load_s']:.1f} s (engines ready {result['phases_s'].get('engines ready', float('nan')):.1f} s, "
+    print(f"load {result['load_s'] or float('nan'):.1f} s (engines ready {result['phases_s'].get('engines ready', float('nan')):.1f} s, "
           f"learner ready {result['phases_s'].get('learner ready', float('nan')):.1f} s); build "
           + ("cached" if result["build_s"] is None else f"{result['build_s']:.1f} s"))  # fmt: skip
     print(f"{'step':>4} {'step s':>8} {'wait s':>8} {'sync s':>8} {'sync GB':>8} {'parity':>9}")
@@ -322,6 +347,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_output_options(parser, "model_scale", "a small shape with the same vocabulary, 2 steps")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--transport", default="collective", choices=["auto", "shared_memory", "collective", "object_store"],
+                        help="weight_sync.transport (collective: see the module docstring)")
+    parser.add_argument("--weight-load", default="in_place", choices=["auto", "in_place", "reload"],
+                        help="rollout.weight_load (in_place: see the module docstring)")
     args = parser.parse_args()
     common.set_runtime_env()
     import ray
@@ -333,23 +362,27 @@ def main() -> None:
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory(prefix="asyncrl-scale-") as tmp:
-            measured = run(model_dir, steps, Path(tmp))
+            measured = run(model_dir, steps, args.transport, args.weight_load, Path(tmp))
     finally:
         ray.shutdown()
-    summary = measured.pop("summary")
+    summary = measured.pop("summary") or {"final_version": None, "rollout": {}, "wall_clock_s": None}
     result = {
         "config": {"shape": vars(shape), "vocab_size": config["vocab_size"], "parameters": num_parameters(model_dir), "steps": steps,
                    "learner_ranks": 2, "engines": 1, "dtype": "float32", "prompts_per_step": 2, "samples_per_prompt": 4,
-                   "max_tokens": 32, "model_dir": str(model_dir)},
+                   "max_tokens": 32, "transport": args.transport, "weight_load": args.weight_load, "model_dir": str(model_dir)},
         "build_s": build_s, "load_s": measured["load_s"], "phases_s": measured["phases_s"],
         "steps": step_rows(measured.pop("history"), measured["load_s"]), "memory": measured["memory"],
         "total_pss_peak_gb": measured["total_pss_peak_gb"], "final_version": summary["final_version"],
         "engine_versions": {name: e.get("version") for name, e in summary["rollout"].items()},
         "wall_clock_s": summary["wall_clock_s"], "machine": common.machine(load_start), "date": time.strftime("%Y-%m-%d"),
-        "command": "python benchmarks/model_scale.py" + (" --quick" if args.quick else f" --steps {steps}"),
+        "command": "python benchmarks/model_scale.py" + (" --quick" if args.quick else f" --steps {steps}") + f" --transport {args.transport} --weight-load {args.weight_load}",
+        "error": measured["error"],
     }  # fmt: skip
     print_tables(result)
-    common.write_json(common.output_path("model_scale", args), result)
+    variant = "".join(f"_{v}" for v, default in ((args.transport, "collective"), (args.weight_load, "in_place")) if v != default)
+    common.write_json(common.output_path("model_scale" + variant, args), result)
+    if measured["error"]:
+        sys.exit(f"the run failed: {measured['error']}")
 
 
 if __name__ == "__main__":
