@@ -250,14 +250,14 @@ def memory_rows(sampler: MemorySampler, roles: dict[int, str]) -> list[dict[str,
 # The run
 
 
-def run_config(tmp: Path, model_dir: Path, steps: int, transport: str, weight_load: str) -> Any:
+def run_config(tmp: Path, model_dir: Path, steps: int, transport: str, weight_load: str, dtype: str) -> Any:
     from asyncrl.config import load_config
 
     overrides = {
         "mode": "streaming", "output_dir": str(tmp / "run"), "model.path": str(model_dir),
         "data.task": "parquet", "data.train_path": str(tmp / "train.parquet"), "data.eval_prompts": 1,
         "rollout.num_workers": 1, "rollout.samples_per_prompt": 4, "rollout.max_tokens": 32, "rollout.max_model_len": 128, "rollout.weight_load": weight_load,
-        "learner.num_ranks": 2, "learner.prompts_per_step": 2, "learner.max_steps": steps,
+        "model.dtype": dtype, "learner.num_ranks": 2, "learner.tokens_per_microbatch": 256, "learner.prompts_per_step": 2, "learner.max_steps": steps,
         "buffer.max_staleness": 1, "buffer.filter_zero_variance": False,
         "weight_sync.transport": transport, "weight_sync.parity_probe_every": 1, "eval.every_steps": 0, "telemetry.progress": True, "checkpoint.export_hf": False,
     }  # fmt: skip
@@ -274,11 +274,11 @@ def phase_times(run_dir: Path) -> dict[str, float]:
     return times
 
 
-def run(model_dir: Path, steps: int, transport: str, weight_load: str, tmp: Path) -> dict[str, Any]:
+def run(model_dir: Path, steps: int, transport: str, weight_load: str, dtype: str, tmp: Path) -> dict[str, Any]:
     from asyncrl.controller.loop import Controller
 
     write_prompts(tmp / "train.parquet", 64)
-    cfg = run_config(tmp, model_dir, steps, transport, weight_load)
+    cfg = run_config(tmp, model_dir, steps, transport, weight_load, dtype)
     sampler = MemorySampler()
     sampler.start()
     controller = Controller(cfg, model_dir)
@@ -328,6 +328,10 @@ def num_parameters(model_dir: Path) -> int:
     return total
 
 
+def _sci(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1e}"
+
+
 def print_tables(result: dict[str, Any]) -> None:
     c = result["config"]
     print(f"\n{c['parameters'] / 1e6:.0f}M parameters (vocab {c['vocab_size']}), {c['steps']} steps, 2 learner ranks, 1 engine")
@@ -336,7 +340,7 @@ def print_tables(result: dict[str, Any]) -> None:
           + ("cached" if result["build_s"] is None else f"{result['build_s']:.1f} s"))  # fmt: skip
     print(f"{'step':>4} {'step s':>8} {'wait s':>8} {'sync s':>8} {'sync GB':>8} {'parity':>9}")
     for s in result["steps"]:
-        print(f"{s['step']:>4} {s['step_s']:>8.1f} {s['learner_wait_s']:>8.1f} {s['sync_s'] or 0:>8.2f} {s['sync_gb']:>8.2f} {s['parity'] or 0:>9.1e}")
+        print(f"{s['step']:>4} {s['step_s']:>8.1f} {s['learner_wait_s']:>8.1f} {s['sync_s'] or 0:>8.2f} {s['sync_gb']:>8.2f} {_sci(s['parity']):>9}")
     print(f"\n{'process':<60} {'peak RSS GB':>12} {'peak PSS GB':>12}")
     for m in result["memory"]:
         print(f"{m['process']:<60} {m['peak_rss_gb']:>12.2f} {m['peak_pss_gb']:>12.2f}")
@@ -351,6 +355,7 @@ def main() -> None:
                         help="weight_sync.transport (collective: see the module docstring)")
     parser.add_argument("--weight-load", default="in_place", choices=["auto", "in_place", "reload"],
                         help="rollout.weight_load (in_place: see the module docstring)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model.dtype")
     args = parser.parse_args()
     common.set_runtime_env()
     import ray
@@ -362,24 +367,24 @@ def main() -> None:
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory(prefix="asyncrl-scale-") as tmp:
-            measured = run(model_dir, steps, args.transport, args.weight_load, Path(tmp))
+            measured = run(model_dir, steps, args.transport, args.weight_load, args.dtype, Path(tmp))
     finally:
         ray.shutdown()
     summary = measured.pop("summary") or {"final_version": None, "rollout": {}, "wall_clock_s": None}
     result = {
         "config": {"shape": vars(shape), "vocab_size": config["vocab_size"], "parameters": num_parameters(model_dir), "steps": steps,
-                   "learner_ranks": 2, "engines": 1, "dtype": "float32", "prompts_per_step": 2, "samples_per_prompt": 4,
+                   "learner_ranks": 2, "engines": 1, "dtype": args.dtype, "tokens_per_microbatch": 256, "prompts_per_step": 2, "samples_per_prompt": 4,
                    "max_tokens": 32, "transport": args.transport, "weight_load": args.weight_load, "model_dir": str(model_dir)},
         "build_s": build_s, "load_s": measured["load_s"], "phases_s": measured["phases_s"],
         "steps": step_rows(measured.pop("history"), measured["load_s"]), "memory": measured["memory"],
         "total_pss_peak_gb": measured["total_pss_peak_gb"], "final_version": summary["final_version"],
         "engine_versions": {name: e.get("version") for name, e in summary["rollout"].items()},
         "wall_clock_s": summary["wall_clock_s"], "machine": common.machine(load_start), "date": time.strftime("%Y-%m-%d"),
-        "command": "python benchmarks/model_scale.py" + (" --quick" if args.quick else f" --steps {steps}") + f" --transport {args.transport} --weight-load {args.weight_load}",
+        "command": "python benchmarks/model_scale.py" + (" --quick" if args.quick else f" --steps {steps}") + f" --transport {args.transport} --weight-load {args.weight_load} --dtype {args.dtype}",
         "error": measured["error"],
     }  # fmt: skip
     print_tables(result)
-    variant = "".join(f"_{v}" for v, default in ((args.transport, "collective"), (args.weight_load, "in_place")) if v != default)
+    variant = "".join(f"_{v}" for v, default in ((args.transport, "collective"), (args.weight_load, "in_place"), (args.dtype, "float32")) if v != default)
     common.write_json(common.output_path("model_scale" + variant, args), result)
     if measured["error"]:
         sys.exit(f"the run failed: {measured['error']}")

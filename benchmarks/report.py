@@ -575,13 +575,14 @@ def model_scale(d: dict) -> list[str]:
     lines = ["## Scale — a Qwen2.5-0.5B-shaped model through a real run on the CPU (`benchmarks/model_scale.py`)", "",
              f"{c['parameters'] / 1e6:.1f}M parameters (hidden {c['shape']['hidden']}, {c['shape']['layers']} layers, {c['shape']['heads']} heads, "
              f"{c['shape']['kv_heads']} KV heads, intermediate {c['shape']['intermediate']}, tied embeddings, production BPE vocabulary of "
-             f"{c['vocab_size']:,}), random init, {c['dtype']}; {c['steps']} steps of {c['prompts_per_step']} prompts × {c['samples_per_prompt']} "
+             f"{c['vocab_size']:,}), random init, {c['dtype']}, weights to the engine over `{c.get('transport', 'auto')}`, loaded `{c.get('weight_load', 'auto')}`; {c['steps']} steps of {c['prompts_per_step']} prompts × {c['samples_per_prompt']} "
              f"samples, {c['max_tokens']} new tokens; {c['learner_ranks']} FSDP2 learner ranks over gloo, {c['engines']} vLLM CPU engine, a weight "
              f"sync and a parity probe after every step. `{d['command']}`, {d['date']}.", "",
              f"**Headline:** load {d['load_s']:.0f} s (engine serving at {phases.get('engines ready', float('nan')):.0f} s, learner ready at "
              f"{phases.get('learner ready', float('nan')):.0f} s); step {_spread([round(s['step_s'], 1) for s in steps])} s; sync "
              f"{_spread([round(s['sync_s'], 2) for s in steps if s['sync_s'] is not None])} s for {steps[0]['sync_gb']:.2f} GB; parity after every "
-             f"sync ≤ {max(s['parity'] or 0.0 for s in steps):.1e}; all processes' PSS peaked at {d['total_pss_peak_gb']:.1f} GB.", ""]  # fmt: skip
+             f"sync ≤ {max((s['parity'] for s in steps if s['parity'] is not None), default=float('nan')):.1e}; all processes' PSS peaked at "
+             f"{d['total_pss_peak_gb']:.1f} GB." + (f" **The run died:** {d['error'].splitlines()[0][:300]}" if d.get("error") else ""), ""]  # fmt: skip
     lines += table(["step", "step s", "learner wait s", "sync s", "sync GB", "parity after", "samples", "tokens"],
                    [[s["step"], f"{s['step_s']:.1f}", f"{s['learner_wait_s']:.1f}", fnum(s["sync_s"], ".2f"), f"{s['sync_gb']:.2f}",
                      "-" if s["parity"] is None else f"{s['parity']:.1e}", s["samples"], s["tokens"]] for s in steps])  # fmt: skip
