@@ -241,7 +241,7 @@ def memory_rows(sampler: MemorySampler, roles: dict[int, str]) -> list[dict[str,
         for pid, role in roles.items() if pid in sampler.seen
     ]  # fmt: skip
     others = [s for pid, s in sampler.seen.items() if pid not in roles]
-    rows.append({"process": f"other ({len(others)} processes: Ray's own, the replay queue)", "pid": None,
+    rows.append({"process": f"other ({len(others)} processes seen: Ray's own, the replay queue; peaks summed)", "pid": None,
                  "peak_rss_gb": sum(s.hwm_kib for s in others) / 2**20, "peak_pss_gb": sum(s.pss_kib for s in others) / 2**20})  # fmt: skip
     return rows
 

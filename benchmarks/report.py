@@ -572,7 +572,8 @@ def engine_start(d: dict) -> list[str]:
 def model_scale(d: dict) -> list[str]:
     c, phases = d["config"], d["phases_s"]
     steps = d["steps"]
-    lines = ["## Scale — a Qwen2.5-0.5B-shaped model through a real run on the CPU (`benchmarks/model_scale.py`)", "",
+    flag = "" if c["dtype"] == "float32" else f" --dtype {c['dtype']}"
+    lines = [f"## Scale — a Qwen2.5-0.5B-shaped model through a real run on the CPU (`benchmarks/model_scale.py{flag}`)", "",
              f"{c['parameters'] / 1e6:.1f}M parameters (hidden {c['shape']['hidden']}, {c['shape']['layers']} layers, {c['shape']['heads']} heads, "
              f"{c['shape']['kv_heads']} KV heads, intermediate {c['shape']['intermediate']}, tied embeddings, production BPE vocabulary of "
              f"{c['vocab_size']:,}), random init, {c['dtype']}, weights to the engine over `{c.get('transport', 'auto')}`, loaded `{c.get('weight_load', 'auto')}`; {c['steps']} steps of {c['prompts_per_step']} prompts × {c['samples_per_prompt']} "
@@ -676,6 +677,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "client_floor_no_freeze": client_floor,
     "engine_start": engine_start,
     "model_scale": model_scale,
+    "model_scale_bfloat16": model_scale,
 }
 
 
@@ -693,7 +695,7 @@ LAYOUT = [
     "profile_w1_ungrouped_1", "profile_w1_grouped_1", "profile_w1_ungrouped_2", "profile_w1_grouped_2",
     "profile_w1_unfrozen_1", "profile_w1_frozen_1", "profile_w1_unfrozen_2", "profile_w1_frozen_2",
     "profile_w1_whole_groups_1", "profile_w1_split_groups_1", "profile_w1_whole_groups_2", "profile_w1_split_groups_2", "profile_w1_threads", "profile_w1_compile", "profile_w1_bf16",
-    "rollout_overhead", "client_floor_no_freeze", "client_floor", "logprob_layout", "engine_start", "model_scale",
+    "rollout_overhead", "client_floor_no_freeze", "client_floor", "logprob_layout", "engine_start", "model_scale", "model_scale_bfloat16",
     "agent_learning", "agent_tool", "openai_endpoint", "soak", "readme_results_archive",
 ]  # fmt: skip
 """The sections of RESULTS.md in order (module docstring)."""
