@@ -18,8 +18,12 @@ add up), sampled every 0.5 s, and the peak of all processes' PSS summed.
 Weights reach the engine over the `collective` transport (gloo, in 64 MiB buckets from rank 0's staging buffer)
 unless `--transport` says otherwise: `auto` picks shared memory on one node, whose two slots of the whole model
 in /dev/shm (3.8 GB at this size) come on top of rank 0's gathered copy; on this 24 GB machine, shared with other
-work, Ray's memory monitor killed that run at its first sync (benchmarks/notes/model_scale.md). A run that dies
-is written too, with its error and the peaks up to then; `--transport X` writes `model_scale_X.json`.
+work, Ray's memory monitor killed that run at its first sync (benchmarks/notes/model_scale.md). Every process of the
+run gets `MALLOC_MMAP_THRESHOLD_=131072` (`--mmap-threshold`, 0 for glibc's default): glibc then maps every
+allocation of 128 KiB or more on its own and returns it on free, where by default the freed tensors of a learner
+step stay in the heap (a rank rested at 4.6-5.7 GB after its steps instead of 3.2, and peaked at 7.1-7.9 GB
+instead of 5.7; notes). A run that dies is written too, with its error and the peaks up to then; an option off its
+default adds itself to the file name (`--dtype bfloat16` writes `model_scale_bfloat16.json`).
 
     python benchmarks/model_scale.py [--steps 3] [--transport collective] [--quick]     # ~10 min and ~12 GB on 2 cores (quick: ~2 min)
 """
@@ -259,7 +263,7 @@ def run_config(tmp: Path, model_dir: Path, steps: int, transport: str, weight_lo
         "rollout.num_workers": 1, "rollout.samples_per_prompt": 4, "rollout.max_tokens": 32, "rollout.max_model_len": 128, "rollout.weight_load": weight_load,
         "model.dtype": dtype, "learner.num_ranks": 2, "learner.tokens_per_microbatch": 256, "learner.prompts_per_step": 2, "learner.max_steps": steps,
         "buffer.max_staleness": 1, "buffer.filter_zero_variance": False,
-        "weight_sync.transport": transport, "weight_sync.parity_probe_every": 1, "eval.every_steps": 0, "telemetry.progress": True, "checkpoint.export_hf": False,
+        "weight_sync.transport": transport, "weight_sync.parity_probe_every": 1, "eval.every_steps": 0, "telemetry.progress": True, "telemetry.dashboard_port": 0, "checkpoint.export_hf": False,
     }  # fmt: skip
     return load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
 
@@ -356,15 +360,19 @@ def main() -> None:
     parser.add_argument("--weight-load", default="in_place", choices=["auto", "in_place", "reload"],
                         help="rollout.weight_load (in_place: see the module docstring)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model.dtype")
+    parser.add_argument("--mmap-threshold", type=int, default=128 << 10,
+                        help="MALLOC_MMAP_THRESHOLD_ for every process of the run (0: glibc's default; see the module docstring)")
     args = parser.parse_args()
     common.set_runtime_env()
     import ray
 
     shape, steps = (QUICK_SHAPE, 2) if args.quick else (QWEN25_05B, args.steps)
+    if args.mmap_threshold:  # glibc reads it at each process's start: Ray's processes inherit it from here
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     load_start = common.load_average()
     model_dir, build_s = ensure_checkpoint(shape)
     config = json.loads((model_dir / "config.json").read_text())
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)  # 2 ranks + 1 rollout worker + spare
     try:
         with tempfile.TemporaryDirectory(prefix="asyncrl-scale-") as tmp:
             measured = run(model_dir, steps, args.transport, args.weight_load, args.dtype, Path(tmp))
@@ -373,18 +381,19 @@ def main() -> None:
     summary = measured.pop("summary") or {"final_version": None, "rollout": {}, "wall_clock_s": None}
     result = {
         "config": {"shape": vars(shape), "vocab_size": config["vocab_size"], "parameters": num_parameters(model_dir), "steps": steps,
-                   "learner_ranks": 2, "engines": 1, "dtype": args.dtype, "tokens_per_microbatch": 256, "prompts_per_step": 2, "samples_per_prompt": 4,
+                   "learner_ranks": 2, "engines": 1, "dtype": args.dtype, "tokens_per_microbatch": 256, "mmap_threshold": args.mmap_threshold, "prompts_per_step": 2, "samples_per_prompt": 4,
                    "max_tokens": 32, "transport": args.transport, "weight_load": args.weight_load, "model_dir": str(model_dir)},
         "build_s": build_s, "load_s": measured["load_s"], "phases_s": measured["phases_s"],
         "steps": step_rows(measured.pop("history"), measured["load_s"]), "memory": measured["memory"],
         "total_pss_peak_gb": measured["total_pss_peak_gb"], "final_version": summary["final_version"],
         "engine_versions": {name: e.get("version") for name, e in summary["rollout"].items()},
         "wall_clock_s": summary["wall_clock_s"], "machine": common.machine(load_start), "date": time.strftime("%Y-%m-%d"),
-        "command": "python benchmarks/model_scale.py" + (" --quick" if args.quick else f" --steps {steps}") + f" --transport {args.transport} --weight-load {args.weight_load} --dtype {args.dtype}",
+        "command": "python benchmarks/model_scale.py" + (" --quick" if args.quick else f" --steps {steps}") + f" --transport {args.transport} --weight-load {args.weight_load} --dtype {args.dtype} --mmap-threshold {args.mmap_threshold}",
         "error": measured["error"],
     }  # fmt: skip
     print_tables(result)
     variant = "".join(f"_{v}" for v, default in ((args.transport, "collective"), (args.weight_load, "in_place"), (args.dtype, "float32")) if v != default)
+    variant += "" if args.mmap_threshold == 128 << 10 else f"_mmap{args.mmap_threshold}"
     common.write_json(common.output_path("model_scale" + variant, args), result)
     if measured["error"]:
         sys.exit(f"the run failed: {measured['error']}")

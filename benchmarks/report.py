@@ -572,7 +572,7 @@ def engine_start(d: dict) -> list[str]:
 def model_scale(d: dict) -> list[str]:
     c, phases = d["config"], d["phases_s"]
     steps = d["steps"]
-    flag = "" if c["dtype"] == "float32" else f" --dtype {c['dtype']}"
+    flag = "".join(f" --{key.replace('_', '-')} {c.get(key, 0)}" for key, default in (("dtype", "float32"), ("mmap_threshold", 131072)) if c.get(key, 0) != default)
     lines = [f"## Scale — a Qwen2.5-0.5B-shaped model through a real run on the CPU (`benchmarks/model_scale.py{flag}`)", "",
              f"{c['parameters'] / 1e6:.1f}M parameters (hidden {c['shape']['hidden']}, {c['shape']['layers']} layers, {c['shape']['heads']} heads, "
              f"{c['shape']['kv_heads']} KV heads, intermediate {c['shape']['intermediate']}, tied embeddings, production BPE vocabulary of "
@@ -678,6 +678,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "engine_start": engine_start,
     "model_scale": model_scale,
     "model_scale_bfloat16": model_scale,
+    "model_scale_mmap0": model_scale,
 }
 
 
@@ -695,7 +696,7 @@ LAYOUT = [
     "profile_w1_ungrouped_1", "profile_w1_grouped_1", "profile_w1_ungrouped_2", "profile_w1_grouped_2",
     "profile_w1_unfrozen_1", "profile_w1_frozen_1", "profile_w1_unfrozen_2", "profile_w1_frozen_2",
     "profile_w1_whole_groups_1", "profile_w1_split_groups_1", "profile_w1_whole_groups_2", "profile_w1_split_groups_2", "profile_w1_threads", "profile_w1_compile", "profile_w1_bf16",
-    "rollout_overhead", "client_floor_no_freeze", "client_floor", "logprob_layout", "engine_start", "model_scale", "model_scale_bfloat16",
+    "rollout_overhead", "client_floor_no_freeze", "client_floor", "logprob_layout", "engine_start", "model_scale", "model_scale_mmap0", "model_scale_bfloat16",
     "agent_learning", "agent_tool", "openai_endpoint", "soak", "readme_results_archive",
 ]  # fmt: skip
 """The sections of RESULTS.md in order (module docstring)."""
