@@ -85,7 +85,7 @@ def placement(cfg) -> dict:
     learner = {
         "ranks": cfg.learner.num_ranks,
         "per_rank": {"CPU": cfg.learner.num_cpus_per_rank, "GPU": cfg.learner.num_gpus_per_rank},
-        "sharding": "FSDP2 fully_shard" if uses_fsdp(cfg.learner.num_ranks) else "none (one rank)",
+        "sharding": "FSDP2 fully_shard" if uses_fsdp(cfg.learner.num_ranks, cfg.learner.fsdp) else "none (one rank)",
         "backend": cfg.learner.backend
         if cfg.learner.backend != "auto"
         else ("nccl" if cfg.learner.num_gpus_per_rank else "gloo"),

@@ -80,6 +80,12 @@ class Trajectory:
     model or the environment: GAE bootstraps from the value of its last state instead of treating it as terminal."""
     tool_calls: int = 0
     """Tool calls the model made during the episode (0 for environments without tools)."""
+    routed_experts: np.ndarray | None = None
+    """MoE routing replay (`learner.routing_replay`): uint8 [N, moe_layers, top_k] (int16 beyond 256 experts), the
+    experts the engine routed token n of `prompt_ids + response_ids` to in each MoE layer, for the first N tokens
+    (N <= num_tokens: the engine never forwards the last sampled token); None = not recorded (dense models, or an
+    engine that does not return routes). It travels with the trajectory's plain fields
+    (`TrajectoryColumns.scalar_rows`), not as a column."""
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -88,6 +94,12 @@ class Trajectory:
                 f"trajectory {self.group_id}/{self.sample_index}: per-token arrays differ in length "
                 f"(ids {n}, logprobs {len(self.rollout_logprobs)}, mask {len(self.loss_mask)}, "
                 f"versions {len(self.versions)})"
+            )
+        routes = self.routed_experts
+        if routes is not None and (routes.ndim != 3 or len(routes) > len(self.prompt_ids) + n):
+            raise ValueError(
+                f"trajectory {self.group_id}/{self.sample_index}: routed_experts of shape {routes.shape} for"
+                f" {len(self.prompt_ids) + n} tokens ([tokens, moe_layers, top_k] expected, at most one row a token)"
             )
 
     @functools.cached_property

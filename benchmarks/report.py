@@ -636,6 +636,44 @@ def openai_endpoint(d: dict) -> list[str]:
     )  # fmt: skip
 
 
+def fsdp_rank(d: dict) -> list[str]:
+    steps, memory = d["step_time"], d["memory"]
+    whole = memory[0]["ranks"][0]
+    held_whole = whole["param_bytes"] + whole["optimizer_bytes"]
+    sharded = [r for m in memory if m["num_ranks"] > 1 for r in m["ranks"]]
+    held = ", ".join(f"{(r['param_bytes'] + r['optimizer_bytes']) / held_whole:.3f}" for r in sharded)
+    rss = ", ".join(f"{r['rss_growth_bytes'] / whole['rss_growth_bytes']:.2f}" for r in sharded)
+    ratios = ", ".join(f"{t['ratio']:.2f}× in {t['dtype']}" for t in steps)
+    lines = [
+        "## FSDP2 on the learner: one rank wrapped, and two ranks sharding (`benchmarks/fsdp_rank.py`)",
+        "",
+        f"**Headline:** one rank wrapped in FSDP2 (`learner.fsdp: always`) ÷ plain, median step: {ratios}; each of two "
+        f"ranks holds {held} of one rank's fp32 parameters and AdamW moments ({rss} of its resident growth).",
+        "",
+    ]
+    lines += table(
+        ["dtype", "model", "batch (rows × tokens)", "plain s / step", "wrapped s / step", "wrapped ÷ plain"],
+        [[t["dtype"], d["step_preset"], f"{t['rows']} × {t['tokens']}", fnum(t["plain_s"], ".3f"), fnum(t["wrapped_s"], ".3f"), fx(t["ratio"])]
+         for t in steps],
+    )  # fmt: skip
+    lines += [""]
+    lines += table(
+        ["ranks", "`learner.fsdp`", "rank", "params + AdamW held, MB", "÷ one rank", "computed need, MB", "RSS growth, MB", "÷ one rank",
+         "peak RSS, MB", "peak over the RSS before loading, MB", "÷ one rank"],
+        [[m["num_ranks"], m["fsdp"], r["rank"], f"{(r['param_bytes'] + r['optimizer_bytes']) / 1e6:.1f}",
+          f"{(r['param_bytes'] + r['optimizer_bytes']) / held_whole:.3f}", f"{m['need_bytes'] / 1e6:.1f}",
+          f"{r['rss_growth_bytes'] / 1e6:.0f}", f"{r['rss_growth_bytes'] / whole['rss_growth_bytes']:.2f}", f"{r['peak_rss_bytes'] / 1e6:.0f}",
+          f"{_peak_growth(r) / 1e6:.0f}", f"{_peak_growth(r) / _peak_growth(whole):.2f}"]
+         for m in memory for r in m["ranks"]],
+    )  # fmt: skip
+    return lines
+
+
+def _peak_growth(rank: dict) -> int:
+    """A rank's peak resident memory above what it had before loading the model (`fsdp_rank.py`)."""
+    return rank["peak_rss_bytes"] - (rank["rss_bytes"] - rank["rss_growth_bytes"])
+
+
 def _spread(values: list[float]) -> str:
     return "-" if not values else f"{min(values):g}" if min(values) == max(values) else f"{min(values):g}-{max(values):g}"
 
@@ -645,6 +683,25 @@ def generic(name: str, d: dict) -> list[str]:
     lines = [f"## {name}", ""]
     lines += table(["key", "value"], [[k, v] for k, v in scalars.items()])
     return lines
+
+
+def moe_routing_replay(d: dict) -> list[str]:
+    rows = d["rows"]
+    flips = sum(r["figures"]["flipped_token_fraction"] > 0 for r in rows)
+    worst = max(r["figures"]["with_replay"]["logprob_abs_diff_max"] for r in rows)
+    return [
+        "## MoE engine ↔ learner parity with and without routing replay (`benchmarks/moe_routing_replay.py`)",
+        "",
+        f"{d['model']}; {d['prompts']} prompts of {d['prompt_len']} random tokens, {d['tokens']} sampled tokens each "
+        "(temperature 1), one in-process vLLM engine recording its routes per MoE layer, scored by the learner "
+        "(`PolicyModel`) routing itself and replaying vLLM's routes. dlogp: |learner - rollout log-prob| over the "
+        "sampled tokens (`mismatch_metrics`); flipped: tokens routed to another expert set in some layer; "
+        "no flip / after flip: tokens with no flip at or before them in their row / the others.",
+        "",
+        f"**Headline:** {flips} of {len(rows)} configurations had a route flip; max |dlogp| with replay ≤ {worst:.1e}.",
+        "",
+        d["table"],
+    ]
 
 
 FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
@@ -679,6 +736,8 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "model_scale": model_scale,
     "model_scale_bfloat16": model_scale,
     "model_scale_mmap0": model_scale,
+    "fsdp_rank": fsdp_rank,
+    "moe_routing_replay": moe_routing_replay,
 }
 
 
@@ -691,7 +750,8 @@ LAYOUT = [
     "learning_add", "learning_add_120", "learning_add_informative", "learning_add_compile", "learner_compile", "learning_add_bf16", "learning_add_ready_cap", "learning_add_mb4", "learning_add_mb4_same_lr", "lr_decay", "correction", "dtype", "ready_cap", "staleness_w1", "warm_start_lift",
     "async_speedup", "async_speedup_continue", "limits", "limits_busy",
     "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "weight_sync_gpu",
-    "queue_throughput", "algo_throughput",
+    "moe_routing_replay",
+    "queue_throughput", "algo_throughput", "fsdp_rank",
     "profile_before", "profile", "profile_w1_quiet", "profile_w1_quiet_after", "profile_w1_afternoon",
     "profile_w1_ungrouped_1", "profile_w1_grouped_1", "profile_w1_ungrouped_2", "profile_w1_grouped_2",
     "profile_w1_unfrozen_1", "profile_w1_frozen_1", "profile_w1_unfrozen_2", "profile_w1_frozen_2",

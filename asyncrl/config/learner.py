@@ -11,8 +11,22 @@ from asyncrl.config.base import Section
 
 class LearnerConfig(Section):
     num_ranks: int = Field(1, ge=1, le=4096)
-    """Learner processes forming one torch.distributed group (FSDP2; a single fp32 rank runs unwrapped).
+    """Learner processes forming one torch.distributed group, sharding the policy with FSDP2 (`fsdp`).
     Independent of the rollout pool."""
+    fsdp: Literal["auto", "always", "never"] = "auto"
+    """Whether the ranks wrap the policy (and the critic) with FSDP2's `fully_shard`: `auto` = with several ranks;
+    one rank then runs a plain module (in bf16 its decoder layers get FSDP2's mixed-precision casts from two hooks:
+    the same numerics, 5-20% faster per step on CPU, benchmarks/RESULTS.md). `always` wraps one rank too: FSDP2's
+    mixed-precision policy, DTensor parameters and sharded state on a one-device mesh (what several ranks run, on
+    one). `never` keeps a plain module and needs `num_ranks` = 1 (several ranks shard). Checkpoints, exports and
+    weight syncs are the same either way; a checkpoint loads into any other setting and number of ranks."""
+    rank_memory_gb: float | None = Field(None, gt=0)
+    """Memory one rank may use for its train state, in GB (1e9 bytes); None = unchecked. Before any rank starts, the
+    pool computes each rank's share from the model's parameter shapes: fp32 parameters, gradients and AdamW's two
+    moments (16 bytes per parameter, policy and critic), divided over `num_ranks` as FSDP2 shards them, and at
+    least the whole fp32 model each rank loads before sharding; over the budget it stops naming the figures and the
+    smallest `num_ranks` that fits. Activations (`tokens_per_microbatch`) and the framework's own memory come on
+    top: leave room for them."""
     prompts_per_step: int = Field(16, ge=1)
     """Prompt groups (or single trajectories in `sao`) consumed per optimizer step."""
     mini_batches: int = Field(1, ge=1)
@@ -36,6 +50,12 @@ class LearnerConfig(Section):
     layer (two ranks compile at once), more for larger models. In fp32 the gradients match the eager ones to
     float rounding, with FSDP2 too. Needs a C++ compiler where the learner runs (inductor); benchmarks/RESULTS.md
     has W1's step with and without it."""
+    routing_replay: bool = False
+    """MoE routing replay (R3): the learner routes each token to the experts the engine chose for it (carried in the
+    trajectory), with gate weights from its own router over those experts, so a near-tie that rounds the other way
+    on the learner does not score a token with another sub-network (`asyncrl.learner.routing`; Qwen3-MoE and
+    Mixtral). Needs an MoE model and engines that return routed experts: `asyncrl check` says why vLLM 0.32's do
+    not here (`asyncrl.rollout.vllm_compat.routes`)."""
     max_steps: int = Field(100, ge=0)
     """Learner steps of the run (one per rollout batch, whatever `mini_batches` and `epochs`)."""
     max_wall_s: float = Field(0.0, ge=0)
@@ -82,6 +102,15 @@ class LearnerConfig(Section):
     run stops with an error naming the rank and the call (a dead or hung rank never hangs the run)."""
     seed: int = 0
     """Seed of model init noise and micro-batch order."""
+
+    @model_validator(mode="after")
+    def _several_ranks_shard(self) -> LearnerConfig:
+        if self.fsdp == "never" and self.num_ranks > 1:
+            raise ValueError(
+                f"learner.fsdp = 'never' runs a plain module on one rank, but learner.num_ranks = {self.num_ranks}: "
+                "several ranks shard the model with FSDP2 (set learner.fsdp to auto or always, or num_ranks to 1)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _decay_needs_steps_after_warmup(self) -> LearnerConfig:

@@ -79,8 +79,8 @@ class RolloutConfig(Section):
     openai_host: str = "127.0.0.1"
     """Address the endpoints listen on; the default keeps them reachable from this machine only."""
     openai_chat_template: str = ""
-    """Template the endpoint renders conversations with: "" = the model's own, a shipped name (`default`,
-    `qwen2_tools`) or a `.jinja` file."""
+    """Template the endpoint renders conversations with: "" = the model's own, a shipped name (`default`, `chatml`,
+    `llama3`, `gemma`; `qwen2_tools` = `chatml`) or a `.jinja` file (docs/tokenizers.md)."""
     openai_agent: str = ""
     """`module:function` agent harness run for each request instead of one generation (`asyncrl.rollout.openai_agent`):
     `async agent(client, prompt, episode) -> reward | (reward, info)`; needs `openai_port` != 0."""

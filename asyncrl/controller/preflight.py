@@ -121,6 +121,7 @@ def preflight(cfg: Config, resources: Resources | None = None, placement: bool =
     """Every problem found, in config order; an empty list means the job can start. `placement=False` leaves
     the resources and shared paths to the cluster that runs the job (`asyncrl submit`)."""
     problems = [*_model(cfg), *_engine(cfg), *_data(cfg), *_reward(cfg), *_env(cfg), *_resume(cfg)]
+    problems += _routing_replay(cfg)
     if placement:
         resources = resources or local_resources()
         problems += [*_placement(cfg, resources), *_storage(cfg, resources)]
@@ -197,6 +198,24 @@ def _engine(cfg: Config) -> list[Problem]:
             )
         )
     return problems
+
+
+def _routing_replay(cfg: Config) -> list[Problem]:
+    """`learner.routing_replay` needs an MoE model and engines that return routed experts (`vllm_compat.routes`)."""
+    from asyncrl.rollout.vllm_compat.routes import routes_problem
+
+    if not cfg.learner.routing_replay:
+        return []
+    config: object = {"model_type": f"the preset {cfg.model.preset}"}  # the presets are dense Qwen2 models
+    if cfg.model.path is not None:
+        if _model(cfg):
+            return []  # reported by `_model`
+        try:
+            config = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        except (OSError, ValueError):
+            return []  # reported by `_engine`
+    reason = routes_problem(config if isinstance(config, dict) else {})
+    return [Problem("learner.routing_replay", reason)] if reason else []
 
 
 def _data(cfg: Config) -> list[Problem]:

@@ -19,13 +19,23 @@ from asyncrl.types import Prompt
 
 
 def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """A conversation's prompt ids: rendered with the tokenizer's chat template and the generation prompt, then
+    tokenized without adding special tokens (the template writes them: `<|im_start|>`, `<|begin_of_text|>`...)."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def encode_task_text(tokenizer: Any, text: str) -> list[int]:
+    """A built-in task's prompt ids: `text` as one user message in the chat format when the tokenizer has a
+    chat template (the presets' writes the text as is), else the text itself."""
+    if getattr(tokenizer, "chat_template", None):
+        return encode_messages(tokenizer, [{"role": "user", "content": text}])
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
 def add_prompt(tokenizer: Any, a: int, b: int, prompt_id: str) -> Prompt:
     text = add.prompt_text(a, b)
-    ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+    ids = encode_task_text(tokenizer, text)
     return Prompt(prompt_id=prompt_id, prompt_ids=ids, ground_truth=str(a + b), text=text, data_source="add")
 
 
@@ -119,7 +129,7 @@ def verl_prompts(tokenizer: Any, path: str | Path) -> list[Prompt]:
 
 
 def text_prompt(tokenizer: Any, text: str, answer: str, prompt_id: str, task: str) -> Prompt:
-    ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+    ids = encode_task_text(tokenizer, text)
     return Prompt(prompt_id=prompt_id, prompt_ids=ids, ground_truth=answer, text=text, data_source=task)
 
 

@@ -10,7 +10,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from asyncrl.models import build_model, cache_root, file_lock
+from asyncrl.models import PRESETS, build_model, cache_root, file_lock
+from asyncrl.models.tokenizer import refresh_saved_tokenizer
 
 WARM_STARTED_TASKS = ("add", "calc")
 """Built-in tasks with a supervised warm start (`add`: `warm_start`; `calc`: `warm_start_calc`)."""
@@ -43,6 +44,7 @@ def ensure_model(cfg, report: Callable[[str], None] | None = None) -> Path:
     path = cache_root() / "models" / f"{cfg.model.preset}-{key}"
     with file_lock(path.with_suffix(".lock")):
         if (path / "warm_start.json").exists():
+            refresh_saved_tokenizer(path, PRESETS[cfg.model.preset].alphabet)
             report(f"model: {path} (cached)")
             return path
         tmp = path.with_name(path.name + ".tmp")

@@ -5,5 +5,6 @@ Modules by role: `pool` (LearnerPool, the driver-side handle), `rank` (LearnerWo
 rank: process group, sharded state, collectives, export, checkpoint), `step` (one rank's optimizer step:
 micro-batches, critic advantages, reduction weights, backward, clip and step), `batch` (groups -> padded
 TrainBatch, rank split, micro-batches), `policy` (the modules and their FSDP2 sharding), `export` (HF-named
-safetensors buckets), `checkpoint`. Heavy imports (Ray, transformers) happen inside the functions that need them.
+safetensors buckets), `checkpoint`, `memory` (each rank's train-state bytes: `learner.rank_memory_gb`). Heavy
+imports (Ray, transformers) happen inside the functions that need them.
 """

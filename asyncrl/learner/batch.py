@@ -80,6 +80,10 @@ class TrainBatch:
     seq_lens: torch.Tensor  # int64 [B], prompt + response tokens
     num_groups: int
     lags: torch.Tensor | None = None  # int64 [B], each row's policy lag (per-lag mismatch figures); None = unknown
+    routed_experts: torch.Tensor | None = None
+    """int16 [B, L, moe_layers, top_k]: the engine's experts for the token AT position t (not the predicting-position
+    alignment: a route belongs to the token the layer processes), -1 where none was recorded (the learner routes that
+    token itself: `asyncrl.learner.routing`); None when no trajectory of the batch carries routes."""
 
     @property
     def num_rows(self) -> int:
@@ -103,7 +107,7 @@ class TrainBatch:
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 value = value[index]
-                if value.dim() == 2:
+                if value.dim() >= 2:  # [B, L, ...] per-position tensors
                     value = value[:, :width]
             fields[f.name] = value
         return TrainBatch(**fields)
@@ -169,7 +173,24 @@ def build_batch(groups: Sequence[Group], recipe, lags: Sequence[int] | None = No
         seq_lens=torch.tensor(seq_lens, dtype=torch.long),
         num_groups=len(groups),
         lags=torch.tensor(list(lags), dtype=torch.long) if lags is not None else None,
+        routed_experts=_routes([t for _, t in trajectories], width),
     )
+
+
+def _routes(trajectories: Sequence[Trajectory], width: int) -> torch.Tensor | None:
+    """`TrainBatch.routed_experts` of these rows: each trajectory's routes from position 0 on, -1 elsewhere; None
+    when none has routes. ValueError when two disagree on the MoE layers or experts per token."""
+    recorded = [t.routed_experts for t in trajectories if t.routed_experts is not None]
+    if not recorded:
+        return None
+    shapes = {r.shape[1:] for r in recorded}
+    if len(shapes) > 1:
+        raise ValueError(f"build_batch: trajectories' routed_experts disagree on [moe_layers, top_k]: {sorted(shapes)}")
+    routes = np.full((len(trajectories), width, *shapes.pop()), -1, np.int16)
+    for b, t in enumerate(trajectories):
+        if t.routed_experts is not None:
+            routes[b, : len(t.routed_experts)] = t.routed_experts
+    return torch.from_numpy(routes)
 
 
 def is_terminal(trajectory: Trajectory) -> bool:

@@ -132,12 +132,19 @@ class ValueModel(nn.Module):
         return self.value_head(hidden.float()).squeeze(-1)
 
 
-def uses_fsdp(num_ranks: int) -> bool:
-    """Whether `shard` wraps the modules with FSDP2: only with several ranks (one rank has nothing to shard)."""
-    return num_ranks > 1
+def uses_fsdp(num_ranks: int, fsdp: str = "auto") -> bool:
+    """Whether `shard` wraps the modules with FSDP2 (`learner.fsdp`): `auto` with several ranks (one rank has
+    nothing to shard), `always` on any number, `never` on one rank only (several ranks must shard)."""
+    if fsdp not in ("auto", "always", "never"):
+        raise ValueError(f"learner.fsdp must be auto, always or never (got {fsdp!r})")
+    if fsdp == "never" and num_ranks > 1:
+        raise ValueError(f"learner.fsdp = 'never' needs one rank; {num_ranks} ranks shard the model with FSDP2")
+    return fsdp == "always" or (fsdp == "auto" and num_ranks > 1)
 
 
-def shard(module: PolicyModel | ValueModel, mesh, compute_dtype: torch.dtype = torch.float32) -> None:
+def shard(
+    module: PolicyModel | ValueModel, mesh, compute_dtype: torch.dtype = torch.float32, fsdp: str = "auto"
+) -> None:
     """FSDP2: one unit per decoder layer, then the root (embeddings, final norm, head). Gradients are
     SUMMED across ranks (module docstring).
 
@@ -147,11 +154,13 @@ def shard(module: PolicyModel | ValueModel, mesh, compute_dtype: torch.dtype = t
     The root keeps fp32: embeddings, final norm and the head (tied to the embeddings in small Qwen2 models)
     compute in fp32, so the logits and log-softmax see fp32 weights (ScaleRL's FP32 head).
 
-    One rank has nothing to shard, gather or reduce: the module stays a plain one, and in bf16 its decoder
-    layers get the same casts from two hooks (`cast_layers`). FSDP2's hooks and DTensor dispatch cost ~20% of
-    a W1 learner step on one CPU thread (a 256 x 18 token batch: 0.49 s against 0.40 s for the same step
-    unsharded, which is what a plain transformers forward and backward takes). Every caller handles both kinds
-    of tensor (`torch.distributed.checkpoint` reshards a one-rank checkpoint into any number of ranks and back).
+    Whether to wrap is `uses_fsdp(mesh.size(), fsdp)` (`learner.fsdp`). One rank has nothing to shard, gather or
+    reduce: under `auto` the module stays a plain one, and in bf16 its decoder layers get the same casts from two
+    hooks (`cast_layers`); `always` wraps it all the same (FSDP2's own policy and DTensor state on one device).
+    FSDP2's hooks and DTensor dispatch cost ~20% of a W1 learner step on one CPU thread (a 256 x 18 token batch:
+    0.49 s against 0.40 s for the same step unsharded, which is what a plain transformers forward and backward
+    takes). Every caller handles both kinds of tensor (`torch.distributed.checkpoint` reshards a one-rank
+    checkpoint into any number of ranks and back, wrapped or not).
 
     bf16 on CPU: attention runs as plain matmuls and a softmax (transformers' `eager`) instead of SDPA, whose CPU
     kernel for bf16 is flash attention with a slow backward on short rows (torch 2.13: 60 ms of a W1 layer's
@@ -160,7 +169,7 @@ def shard(module: PolicyModel | ValueModel, mesh, compute_dtype: torch.dtype = t
     mixed = compute_dtype != torch.float32
     if mixed and mesh.device_type == "cpu":
         module.transformer.set_attn_implementation("eager")  # the docstring's last paragraph
-    if uses_fsdp(mesh.size()):
+    if uses_fsdp(mesh.size(), fsdp):
         _fully_shard(module, mesh, compute_dtype)
     elif mixed:
         cast_layers(module, compute_dtype)

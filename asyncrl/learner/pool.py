@@ -113,7 +113,9 @@ class LearnerPool:
         import ray
 
         from asyncrl.cluster import placement
+        from asyncrl.learner.memory import check_rank_memory
 
+        check_rank_memory(config, str(model_dir))  # `learner.rank_memory_gb`, before anything is reserved
         self.config = config
         self.recipe = recipe
         self.num_ranks = config.num_ranks
@@ -320,6 +322,10 @@ class LearnerPool:
 
     def export_hf(self, folder: str | os.PathLike) -> None:
         self._call("export_hf", str(folder))
+
+    def memory(self) -> list[dict[str, int]]:
+        """Each rank's held and resident bytes, in rank order (`LearnerWorker.memory`)."""
+        return self._call("memory")
 
     def shutdown(self) -> None:
         import ray

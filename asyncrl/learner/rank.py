@@ -1,10 +1,10 @@
 """`LearnerWorker`: one learner rank as a Ray actor (`LearnerPool` creates and drives them).
 
 The ranks form ONE torch.distributed group (gloo on CPU, nccl on GPU) and shard the policy (and the
-optional critic) with FSDP2. A rank owns its process group, its shard of the train state and the step
-counter; the step itself is `step.RankStep`. Weights leave the rank as Hugging Face-named safetensors
-buckets (`export.py`) or in a shared-memory segment (`weights.segment`), checkpoints as DCP shards
-(`checkpoint.py`).
+optional critic) with FSDP2 (one rank: only with `learner.fsdp` always; `policy.shard`). A rank owns its
+process group, its shard of the train state and the step counter; the step itself is `step.RankStep`. Weights
+leave the rank as Hugging Face-named safetensors buckets (`export.py`) or in a shared-memory segment
+(`weights.segment`), checkpoints as DCP shards (`checkpoint.py`).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ class LearnerWorker:
         from asyncrl.learner.policy import shard
 
         state = build_train_state(
-            self.config, self.model_dir, self.device, lambda module: shard(module, mesh, self.dtype)
+            self.config, self.model_dir, self.device, lambda module: shard(module, mesh, self.dtype, self.config.fsdp)
         )
         self.model_config = state.policy.causal_lm.config
         return state
@@ -265,6 +265,13 @@ class LearnerWorker:
             "lr": self.state.optimizer.param_groups[0]["lr"],
             "step": self.step,
         }
+
+    def memory(self) -> dict[str, int]:
+        """What this rank holds (`memory.held_bytes`: its shards of the parameters and optimizer state) and its
+        process's resident memory now and at its peak, in bytes. Not collective."""
+        from asyncrl.learner.memory import held_bytes, resident_bytes
+
+        return {**held_bytes(self.state), **resident_bytes()}
 
     def save_checkpoint(self, folder: str) -> None:
         from asyncrl.learner.checkpoint import save_train_state

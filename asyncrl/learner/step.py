@@ -391,7 +391,11 @@ class RankStep:
     # ------------------------------------------------------------------ forward helpers and micro-batches
 
     def _logprobs(self, mb: TrainBatch) -> torch.Tensor:
-        return self.state.policy(mb.input_ids, mb.attention_mask, mb.position_ids, self.sampling)
+        """The policy's log-probs; an MoE policy routes as the engine did where the rows carry routes (R3)."""
+        from asyncrl.learner.routing import replaying
+
+        with replaying(self.state.policy, mb.routed_experts):
+            return self.state.policy(mb.input_ids, mb.attention_mask, mb.position_ids, self.sampling)
 
     def _values(self, mb: TrainBatch) -> torch.Tensor:
         if self.state.critic is None:

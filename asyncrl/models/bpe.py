@@ -35,31 +35,35 @@ class ChatFormat:
     specials: tuple[str, ...]
     eos: str
     pad: str
+    unk: str
     bos: str | None
     roles: tuple[str, ...]
 
 
 FORMATS: dict[str, ChatFormat] = {
     "chatml": ChatFormat(
-        ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-        "<|im_end|>",
-        "<|endoftext|>",
-        None,
-        ("system", "user", "assistant"),
+        specials=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        unk="<|endoftext|>",
+        bos=None,
+        roles=("system", "user", "assistant"),
     ),
     "llama3": ChatFormat(
-        ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
-        "<|eot_id|>",
-        "<|end_of_text|>",
-        "<|begin_of_text|>",
-        ("system", "user", "assistant", "ipython"),
+        specials=("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+        eos="<|eot_id|>",
+        pad="<|end_of_text|>",
+        unk="<|end_of_text|>",
+        bos="<|begin_of_text|>",
+        roles=("system", "user", "assistant", "ipython"),
     ),
     "gemma": ChatFormat(
-        ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"),
-        "<end_of_turn>",
-        "<pad>",
-        "<bos>",
-        ("user", "model"),
+        specials=("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"),
+        eos="<end_of_turn>",
+        pad="<pad>",
+        unk="<unk>",
+        bos="<bos>",
+        roles=("user", "model"),
     ),
 }
 
@@ -84,11 +88,12 @@ def train_bpe(
 ) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer of `vocab_size` tokens (the format's specials first, then the 256 bytes, then
     merges) trained on the built-in corpus plus `extra_text`. Deterministic: the same arguments give the same vocab."""
-    from tokenizers import Tokenizer, decoders, models, trainers
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
     from tokenizers import pre_tokenizers as pre
 
     fmt = format_spec(chat_format)
     core = Tokenizer(models.BPE())
+    core.normalizer = normalizers.NFC()
     core.pre_tokenizer = qwen2_pre_tokenizer()
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -147,6 +152,9 @@ def _wrap(core, chat_format: str) -> PreTrainedTokenizerFast:
         tokenizer_object=core,
         eos_token=fmt.eos,
         pad_token=fmt.pad,
+        # set, so that transformers' Qwen2Tokenizer (what AutoTokenizer rebuilds a qwen2 folder's tokenizer as)
+        # does not add its default `<|endoftext|>` to a vocabulary without one
+        unk_token=fmt.unk,
         bos_token=fmt.bos,
         clean_up_tokenization_spaces=False,
     )

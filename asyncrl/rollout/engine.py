@@ -257,6 +257,7 @@ class Engine:
             submitted_at=submitted_at,
             finished_at=time.time(),
             response_text=self.decode(member.token_ids),
+            routed_experts=None if member.routes is None else member.routes[: len(prompt.prompt_ids) + n],
         )
 
     # One vLLM request for the members of a group.
@@ -316,6 +317,7 @@ class Engine:
             self._progress[rid] = len(member.token_ids)
         if completion.finish_reason is not None:
             member.spans = completion.weight_versions
+            member.routes = vllm_compat.routed_experts(completion)
             member.finish_reason = finish_reason(completion.finish_reason)
             member.done.set()
 

@@ -3,7 +3,10 @@
 Turns alternate: the engine samples a model turn from the exact token context so far (`EpisodeBuilder.
 context_ids`: the prompt, every sampled token as sampled and every observation's tokens; nothing is re-rendered
 or re-tokenized), the environment steps on the turn's text, and its observation is tokenized without special
-tokens and appended. A turn ends at end-of-sequence, at one of the environment's stop strings, or at
+tokens and appended. With `chat` (`ChatTurns`, the model's chat template) the observation is first written as a
+chat message — role `tool` after a tool call, else `user` — closing the model's turn and opening the next one,
+so an episode on a chat model keeps its chat format; the sampled tokens are never re-tokenized either way. A turn
+ends at end-of-sequence, at one of the environment's stop strings, or at
 `rollout.max_tokens` (per turn).
 
 How an episode ends (`finish_reason`, and `truncated` when a limit cut it, so GAE bootstraps from V(s_T)):
@@ -23,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from asyncrl.envs.base import Env, StepResult
-from asyncrl.envs.episode import EpisodeBuilder
+from asyncrl.envs.episode import ChatTurns, EpisodeBuilder
 from asyncrl.envs.tools.base import RewardError, ToolInfraError
 from asyncrl.rollout.engine import SamplingSpec
 from asyncrl.types import Request, Trajectory
@@ -54,12 +57,13 @@ class _Episode:
 
 class EpisodeRunner:
     """`engine`: `generate(request, sampling)`, `encode(text)`, `version` (an `Engine`); `make_env()`: a fresh
-    environment per episode."""
+    environment per episode; `chat`: how observations are written between model turns (None: as they are)."""
 
-    def __init__(self, engine, make_env: Callable[[], Env], limits: EpisodeLimits):
+    def __init__(self, engine, make_env: Callable[[], Env], limits: EpisodeLimits, chat: ChatTurns | None = None):
         self.engine = engine
         self.make_env = make_env
         self.limits = limits
+        self.chat = chat
 
     async def run(self, request: Request, sampling: SamplingSpec) -> Trajectory:
         env = self.make_env()
@@ -104,11 +108,19 @@ class EpisodeRunner:
             return (
                 "context" if turn.finish_reason == "length" and len(turn.response_ids) >= room else turn.finish_reason
             )
-        ids = self._encode(result.observation.text) if result.observation else []
+        ids = self._encode(self._observation_text(result, turn))
         if len(ep.builder.context_ids) + len(ids) > self.limits.max_total_tokens:
             return "context"
         ep.builder.add_observation(ids)
         return None
+
+    def _observation_text(self, result: StepResult, turn: Trajectory) -> str:
+        text = result.observation.text if result.observation else ""
+        if self.chat is None or not text:
+            return text
+        role = "tool" if result.info.tool is not None else "user"
+        last = int(turn.response_ids[-1]) if len(turn.response_ids) else None
+        return self.chat.observation_text(text, role, last)
 
     def _failed_turn(
         self, turn: Trajectory, turn_sampling: SamplingSpec, sampling: SamplingSpec

@@ -375,13 +375,12 @@ async def start_worker_endpoint(
     """The endpoint of one rollout worker, listening on `rollout.openai_host` and its port (`port_for`)."""
     from pathlib import Path
 
-    from transformers import PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
     from asyncrl.models.templates import load_chat_template
 
-    # tokenizer.json as saved, not the class `AutoTokenizer` picks by model type (for the char tokenizer of the
-    # ascii presets that class drops spaces and newlines when encoding).
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    # loaded as vLLM and the controller load it, so the three encode alike (docs/tokenizers.md)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     template = load_chat_template(rollout.openai_chat_template) if rollout.openai_chat_template else None
     server = OpenAIServer(engine, ChatRenderer(tokenizer, template), sampling, max_model_len, Path(model_dir).name)
     await server.start(rollout.openai_host, port_for(rollout.openai_port, worker_name))

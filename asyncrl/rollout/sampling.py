@@ -90,6 +90,8 @@ class Member:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     spans: Any = None
+    routes: Any = None
+    """The experts vLLM routed the sample's tokens to (`vllm_compat.routed_experts`), from its final output."""
     finish_reason: FinishReason = "abort"
     error: str | None = None
     first_version: int | None = None

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from asyncrl.config import EnvConfig, RolloutConfig
-from asyncrl.envs.base import Env, EnvContext, make_env
+from asyncrl.envs.base import Env, EnvContext, is_multi_turn, make_env
+from asyncrl.envs.episode import ChatTurns
 from asyncrl.envs.rewards import resolve_reward
 from asyncrl.envs.tools.base import InProcessTools, ToolExecutor
 from asyncrl.rollout.engine import Engine, EvalResult, SamplingSpec
@@ -114,7 +115,10 @@ class RolloutWorker:
         self.engine = engine or spec.build_engine(name)
         self.env_context = EnvContext(self.tools, spec.env.reward, spec.env.reward_timeout_s, spec.env.tool_timeout_s)
         self._make_env()  # fail at start, naming the environment, rather than on the first request
-        self.episodes = EpisodeRunner(self.engine, self._make_env, self._limits())
+        chat = ChatTurns.for_model(spec.model_dir)
+        if chat is not None and is_multi_turn(spec.env.name):
+            chat.check()  # fail at start, naming the template, rather than at the first observation
+        self.episodes = EpisodeRunner(self.engine, self._make_env, self._limits(), chat)
         self._start_lock = asyncio.Lock()
         self._running = False
         self._stopping = False

@@ -19,6 +19,7 @@ def max_abs_diff(a: dict, b: dict) -> float:
 
 
 RECIPE = resolve_recipe("cispo")  # batch-normalised advantages, CISPO, prompt-mean: group-level denominators
+BUDGET_GB = 0.003
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,9 @@ def pools(ray_cluster, tiny_model_dir):
 
     # One rank with one micro-batch vs two ranks with many micro-batches of at most 12 padded tokens.
     one = LearnerPool(tiny_model_dir, LearnerConfig(num_ranks=1, tokens_per_microbatch=4096, lr=1e-2), RECIPE)
-    two = LearnerPool(tiny_model_dir, LearnerConfig(num_ranks=2, tokens_per_microbatch=12, lr=1e-2), RECIPE)
+    # A train-state budget one rank exceeds (3.97 MB) and each of two ranks fits (1.98 MB): `learner.memory`.
+    config = LearnerConfig(num_ranks=2, tokens_per_microbatch=12, lr=1e-2, rank_memory_gb=BUDGET_GB)
+    two = LearnerPool(tiny_model_dir, config, RECIPE)
     yield one, two
     one.shutdown()
     two.shutdown()
@@ -381,3 +384,65 @@ def test_mismatch_per_lag_adds_up_to_the_batch_figures_on_one_and_two_ranks(pool
             assert weighted == pytest.approx(m[f"mismatch_{figure}"], rel=1e-5, abs=1e-9), figure
         assert max(m[f"mismatch_logprob_abs_diff_max/lag={lag}"] for lag in tokens) == pytest.approx(m["mismatch_logprob_abs_diff_max"])
         assert m["time_forward_backward_s"] > 0 and m["time_optimizer_s"] > 0
+
+
+def test_two_ranks_hold_half_the_train_state_of_one_within_a_budget_one_rank_exceeds(pools, tiny_model_dir):
+    """`learner.rank_memory_gb`: one rank of the tiny model needs 3.97 MB of fp32 parameters, gradients and AdamW
+    moments, over the pools' 3 MB budget, and is refused before anything starts; the two-rank pool runs under it,
+    each rank holding (measured on the rank: its DTensor shards) half of what the single rank holds."""
+    from asyncrl.learner.memory import parameter_shapes, rank_need
+    from asyncrl.learner.pool import LearnerPool
+
+    with pytest.raises(ValueError, match=r"rank_memory_gb = 0.003 is too small .*learner.num_ranks = 1: each rank needs 0.00397 GB.* fits from learner.num_ranks = 2"):
+        LearnerPool(tiny_model_dir, LearnerConfig(num_ranks=1, rank_memory_gb=BUDGET_GB), RECIPE)
+    one, two = pools
+    (single,), ranks = one.memory(), two.memory()
+    need = rank_need(parameter_shapes(str(tiny_model_dir)), 2)
+    held = [r["param_bytes"] + r["optimizer_bytes"] for r in ranks]
+    whole = single["param_bytes"] + single["optimizer_bytes"]
+    print(f"train state held per rank: one rank {whole:,} B; two ranks {held} B (ratios {[round(h / whole, 4) for h in held]}); "
+          f"RSS one rank {single['rss_bytes'] / 1e6:.0f} MB, two ranks {[round(r['rss_bytes'] / 1e6) for r in ranks]} MB")
+    assert whole == 247_872 * 12 + 4 * 50  # fp32 weights and two moments, AdamW's step counters
+    assert all(0.4 <= h / whole <= 0.6 for h in held)
+    assert sum(held) == whole + 4 * 50  # the shards add up to the whole; each rank keeps its own step counters
+    assert ranks[0]["param_bytes"] == need.params and ranks[0]["grad_bytes"] == 0  # between steps: no gradients
+    assert all(h + r["param_bytes"] <= BUDGET_GB * 1e9 for h, r in zip(held, ranks))  # with their gradients too
+
+
+def test_a_wrapped_rank_trains_scores_exports_and_checkpoints_like_the_plain_one(pools, tiny_model_dir, tmp_path):
+    """`learner.fsdp: always` on one rank: from the plain rank's checkpoint it takes the same step, scores the
+    parity probe the same, publishes the same weights, and its checkpoint restores into two ranks."""
+    from asyncrl.learner.pool import LearnerPool
+    from asyncrl.weights.buckets import unpack_bucket
+
+    one, two = pools
+    wrapped = LearnerPool(tiny_model_dir, LearnerConfig(num_ranks=1, fsdp="always", lr=1e-2), RECIPE)
+    try:
+        one.save_checkpoint(tmp_path / "plain", 3)
+        assert wrapped.load_checkpoint(tmp_path / "plain").version == 3
+        saved = one.state_snapshot()
+        loaded = wrapped.state_snapshot()
+        assert max_abs_diff(saved["params"], loaded["params"]) == max_abs_diff(saved["optimizer"], loaded["optimizer"]) == 0.0
+        groups = make_groups(seed=9)
+        stats_plain, stats_wrapped = one.train_step(groups), wrapped.train_step(groups)
+        assert stats_wrapped.loss == pytest.approx(stats_plain.loss, abs=1e-7)
+        assert stats_wrapped.grad_norm == pytest.approx(stats_plain.grad_norm, rel=1e-6)
+        params = wrapped.state_snapshot()["params"]
+        assert max_abs_diff(params, one.state_snapshot()["params"]) < 1e-6
+        probe = [1, 5, 6, 7, 4, 9, 12, 3, 2]
+        assert np.abs(wrapped.score(probe, 3, RAW) - one.score(probe, 3, RAW)).max() < 1e-7
+        published = {k: v for ref in wrapped.export_weights(1 << 16).refs for k, v in unpack_bucket(ray_get(ref)).items()}
+        assert len(published) == 51 and all(np.array_equal(published[k].numpy(), v) for k, v in params.items())
+        wrapped.save_checkpoint(tmp_path / "wrapped", 4)
+        two.load_checkpoint(tmp_path / "wrapped")
+        restored = two.state_snapshot()
+        assert max_abs_diff(params, restored["params"]) == 0.0
+        assert max_abs_diff(wrapped.state_snapshot()["optimizer"], restored["optimizer"]) == 0.0
+    finally:
+        wrapped.shutdown()
+
+
+def ray_get(ref):
+    import ray
+
+    return ray.get(ref)

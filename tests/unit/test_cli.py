@@ -18,6 +18,7 @@ def test_check_default_prints_resolved_config_and_placement(capsys):
     assert yaml.safe_load(config_text)["mode"] == "streaming"
     plan = json.loads(placement_text)
     assert plan["rollout_pool"]["workers"] == 1 and plan["learner_pool"]["ranks"] == 1
+    assert plan["learner_pool"]["sharding"] == "none (one rank)"
     assert plan["total"] == {"CPU": 2.0, "GPU": 0.0}
 
 
@@ -25,6 +26,14 @@ def test_check_accepts_overrides_without_a_config_file(capsys):
     assert main(["check", "rollout.num_workers=3", "learner.num_ranks=2"]) == 0
     plan = json.loads(capsys.readouterr().out.split("# planned placement\n")[1])
     assert plan["total"]["CPU"] == 5.0
+    assert plan["learner_pool"]["sharding"] == "FSDP2 fully_shard"
+
+
+def test_check_names_when_one_rank_is_wrapped_and_refuses_never_with_two_ranks(capsys):
+    assert main(["check", "learner.fsdp=always"]) == 0
+    assert json.loads(capsys.readouterr().out.split("# planned placement\n")[1])["learner_pool"]["sharding"] == "FSDP2 fully_shard"
+    assert main(["check", "learner.fsdp=never", "learner.num_ranks=2"]) == 2
+    assert "learner.fsdp = 'never'" in capsys.readouterr().err
 
 
 def test_check_on_a_broken_file_fails_naming_the_key(capsys):

@@ -19,6 +19,9 @@ Contents:
 - `version_per_token`: per-token policy versions from vLLM's weight-version spans.
 - `sampled_logprobs` / `top_logprobs`: per-token log-probs from vLLM's flat (or per-position dict) layout.
 - `pause_for_update` / `resume_after_update`: in-flight (keep running requests) and draining pauses.
+- `repack_cpu_experts`: the CPU build's MoE expert weights packed again after a weight load (`moe`).
+- `routed_experts` / `routes_problem`: the experts vLLM routed each token to, and why these engines cannot return
+  them (`routes`).
 """
 
 from asyncrl.rollout.vllm_compat.errors import (
@@ -28,6 +31,7 @@ from asyncrl.rollout.vllm_compat.errors import (
     start_failures_explained,
 )
 from asyncrl.rollout.vllm_compat.limits import CPU_ATTENTION_HEAD_SIZES, cpu_dtypes, cpu_head_size_problem
+from asyncrl.rollout.vllm_compat.moe import repack_cpu_experts
 from asyncrl.rollout.vllm_compat.outputs import (
     child_request_id,
     sampled_logprobs,
@@ -47,6 +51,7 @@ from asyncrl.rollout.vllm_compat.process import (
     start_engine_core_server,
     unfreeze_heap,
 )
+from asyncrl.rollout.vllm_compat.routes import routed_experts, routes_problem
 from asyncrl.rollout.vllm_compat.weights import (
     AUTO_IN_PLACE_MAX_HIDDEN,
     LOAD_SHARED_RPC,
@@ -90,7 +95,10 @@ __all__ = [
     "on_cpu",
     "pause_for_update",
     "prepare_in_place",
+    "repack_cpu_experts",
     "resume_after_update",
+    "routed_experts",
+    "routes_problem",
     "sampled_logprobs",
     "set_weight_version",
     "start_engine_core_server",

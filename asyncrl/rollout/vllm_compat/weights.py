@@ -9,6 +9,7 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.rollout.vllm_compat.moe import repack_cpu_experts
 from asyncrl.rollout.vllm_compat.process import on_cpu
 
 if TYPE_CHECKING:
@@ -120,6 +121,7 @@ class WeightReceiver:
             return False
         loader: Any = get_model_loader(self.vllm_config.load_config)  # the default loader: `get_all_weights`
         _load_in_place(model, loader.get_all_weights(self.vllm_config.model_config, model))
+        repack_cpu_experts(model)
         return True
 
     def _asyncrl_load(self, named: Iterator[tuple[str, Any]], in_place: bool) -> None:
@@ -128,6 +130,7 @@ class WeightReceiver:
             _load_in_place(model, named)
         else:
             self.model_runner.reload_weights(weights_iterator=named)
+        repack_cpu_experts(model)
 
 
 def _load_in_place(model: Any, named: Iterator[tuple[str, Any]]) -> None:

@@ -150,15 +150,16 @@ def _logprobs_and_gradients(policy) -> tuple[torch.Tensor, dict[str, torch.Tenso
 
 def test_one_rank_bf16_without_fsdp_computes_what_fsdp_mixed_precision_does(rank, tiny_model_dir):  # rank: the process group
     """`shard` on one rank leaves the module plain and casts its layers with hooks (`cast_layers`): its log-probs
-    and fp32 gradients equal, bit for bit, those of FSDP2's `MixedPrecisionPolicy(bf16, fp32)` on the same rank."""
+    and fp32 gradients equal, bit for bit, those of FSDP2's `MixedPrecisionPolicy(bf16, fp32)` on the same rank
+    (`learner.fsdp: always`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
 
-    from asyncrl.learner.policy import _fully_shard, shard
+    from asyncrl.learner.policy import shard
 
     mesh = init_device_mesh("cpu", (1,))
     plain = _bf16_policy(tiny_model_dir, lambda m: shard(m, mesh, torch.bfloat16))
-    fsdp = _bf16_policy(tiny_model_dir, lambda m: _fully_shard(m, mesh, torch.bfloat16))
+    fsdp = _bf16_policy(tiny_model_dir, lambda m: shard(m, mesh, torch.bfloat16, "always"))
     assert not isinstance(plain, FSDPModule) and isinstance(fsdp, FSDPModule)
     got, got_grads = _logprobs_and_gradients(plain)
     expected, expected_grads = _logprobs_and_gradients(fsdp)

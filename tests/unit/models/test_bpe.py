@@ -39,12 +39,15 @@ def test_text_round_trips_and_specials_in_text_are_one_token(bpe):
 
 
 def test_save_pretrained_and_auto_tokenizer_give_the_same_tokenizer(bpe, tmp_path):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, Qwen2Config
 
+    # beside a qwen2 config, AutoTokenizer rebuilds the tokenizer as Qwen2Tokenizer from the vocabulary and merges
+    Qwen2Config(vocab_size=len(bpe), hidden_size=64, num_hidden_layers=1).save_pretrained(tmp_path)
     bpe.save_pretrained(tmp_path)
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     for text in TEXTS:
         assert loaded(text, add_special_tokens=False).input_ids == bpe(text, add_special_tokens=False).input_ids
+    assert type(loaded).__name__ == "Qwen2Tokenizer" and len(loaded) == len(bpe)
     assert (loaded.eos_token_id, loaded.chat_template) == (bpe.eos_token_id, bpe.chat_template)
 
 
