@@ -25,7 +25,7 @@ step stay in the heap (a rank rested at 4.6-5.7 GB after its steps instead of 3.
 instead of 5.7; notes). A run that dies is written too, with its error and the peaks up to then; an option off its
 default adds itself to the file name (`--dtype bfloat16` writes `model_scale_bfloat16.json`).
 
-    python benchmarks/model_scale.py [--steps 3] [--transport collective] [--quick]     # ~10 min and ~12 GB on 2 cores (quick: ~2 min)
+    python benchmarks/model_scale.py [--steps 3] [--transport collective] [--quick]     # ~7 min and ~21 GB on 2 cores (quick: ~1.5 min)
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ def _config(tmp_path, model_dir):
         "rollout.samples_per_prompt": SAMPLES_PER_PROMPT, "rollout.max_tokens": 8, "rollout.max_model_len": 128,
         "learner.num_ranks": 1, "learner.prompts_per_step": PROMPTS_PER_STEP, "learner.max_steps": STEPS,
         "buffer.max_staleness": 1, "buffer.filter_zero_variance": False, "eval.every_steps": 0,
-        "weight_sync.parity_probe_every": 1, "telemetry.progress": False, "telemetry.dashboard_port": 0, "checkpoint.export_hf": False,
+        "weight_sync.parity_probe_every": 1, "telemetry.progress": False, "telemetry.dashboard_port": 0,
+        "checkpoint.export_hf": False,
     }  # fmt: skip
     return load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
 
