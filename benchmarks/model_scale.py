@@ -18,7 +18,8 @@ add up), sampled every 0.5 s, and the peak of all processes' PSS summed.
 Weights reach the engine over the `collective` transport (gloo, in 64 MiB buckets from rank 0's staging buffer)
 unless `--transport` says otherwise: `auto` picks shared memory on one node, whose two slots of the whole model
 in /dev/shm (3.8 GB at this size) come on top of rank 0's gathered copy; on this 24 GB machine, shared with other
-work, Ray's memory monitor killed that run at its first sync (benchmarks/notes/model_scale.md). Every process of the
+work, Ray's memory monitor killed that run at its first sync (benchmarks/notes/model_scale.md). The engine loads
+in place (`--weight-load`; `auto` reloads at hidden 896, and vLLM's reload took the engine 2.2 GB up). Every process of the
 run gets `MALLOC_MMAP_THRESHOLD_=131072` (`--mmap-threshold`, 0 for glibc's default): glibc then maps every
 allocation of 128 KiB or more on its own and returns it on free, where by default the freed tensors of a learner
 step stay in the heap (a rank rested at 4.6-5.7 GB after its steps instead of 3.2, and peaked at 7.1-7.9 GB
