@@ -74,7 +74,7 @@ test-fast: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -rs tests/gpu
 
-BENCH_SCRIPTS := algo_throughput queue_throughput weight_sync async_speedup limits learning_add agent_tool logprob_layout engine_start
+BENCH_SCRIPTS := algo_throughput queue_throughput weight_sync async_speedup limits learning_add agent_tool logprob_layout engine_start model_scale
 
 bench: $(STAMP)
 	@for b in $(BENCH_SCRIPTS); do test -f benchmarks/$$b.py && $(PY) benchmarks/$$b.py || exit 1; done

@@ -569,6 +569,30 @@ def engine_start(d: dict) -> list[str]:
     return lines + table(["variant (in run order)", "actor created → serving s", "engine start s"], rows)
 
 
+def model_scale(d: dict) -> list[str]:
+    c, phases = d["config"], d["phases_s"]
+    steps = d["steps"]
+    flag = "".join(f" --{key.replace('_', '-')} {c.get(key, 0)}" for key, default in (("dtype", "float32"), ("mmap_threshold", 131072)) if c.get(key, 0) != default)
+    lines = [f"## Scale — a Qwen2.5-0.5B-shaped model through a real run on the CPU (`benchmarks/model_scale.py{flag}`)", "",
+             f"{c['parameters'] / 1e6:.1f}M parameters (hidden {c['shape']['hidden']}, {c['shape']['layers']} layers, {c['shape']['heads']} heads, "
+             f"{c['shape']['kv_heads']} KV heads, intermediate {c['shape']['intermediate']}, tied embeddings, production BPE vocabulary of "
+             f"{c['vocab_size']:,}), random init, {c['dtype']}, weights to the engine over `{c.get('transport', 'auto')}`, loaded `{c.get('weight_load', 'auto')}`; {c['steps']} steps of {c['prompts_per_step']} prompts × {c['samples_per_prompt']} "
+             f"samples, {c['max_tokens']} new tokens; {c['learner_ranks']} FSDP2 learner ranks over gloo, {c['engines']} vLLM CPU engine, a weight "
+             f"sync and a parity probe after every step. `{d['command']}`, {d['date']}.", "",
+             f"**Headline:** load {d['load_s']:.0f} s (engine serving at {phases.get('engines ready', float('nan')):.0f} s, learner ready at "
+             f"{phases.get('learner ready', float('nan')):.0f} s); step {_spread([round(s['step_s'], 1) for s in steps])} s; sync "
+             f"{_spread([round(s['sync_s'], 2) for s in steps if s['sync_s'] is not None])} s for {steps[0]['sync_gb']:.2f} GB; parity after every "
+             f"sync ≤ {max((s['parity'] for s in steps if s['parity'] is not None), default=float('nan')):.1e}; all processes' PSS peaked at "
+             f"{d['total_pss_peak_gb']:.1f} GB." + (f" **The run died:** {d['error'].splitlines()[0][:300]}" if d.get("error") else ""), ""]  # fmt: skip
+    lines += table(["step", "step s", "learner wait s", "sync s", "sync GB", "parity after", "samples", "tokens"],
+                   [[s["step"], f"{s['step_s']:.1f}", f"{s['learner_wait_s']:.1f}", fnum(s["sync_s"], ".2f"), f"{s['sync_gb']:.2f}",
+                     "-" if s["parity"] is None else f"{s['parity']:.1e}", s["samples"], s["tokens"]] for s in steps])  # fmt: skip
+    lines += [""] + table(["process", "peak RSS GB (VmHWM)", "peak PSS GB"],
+                          [[m["process"], f"{m['peak_rss_gb']:.2f}", f"{m['peak_pss_gb']:.2f}"] for m in d["memory"]]
+                          + [["all processes, PSS summed", "-", f"{d['total_pss_peak_gb']:.2f}"]])  # fmt: skip
+    return lines
+
+
 def weight_sync_gpu(d: dict) -> list[str]:
     m = d["machine"]
     where = f"{m.get('gpu', m['device'])}, torch {m['torch']}" + (f", NCCL {m['nccl']}" if "nccl" in m else "")
@@ -709,6 +733,9 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "client_floor": client_floor,
     "client_floor_no_freeze": client_floor,
     "engine_start": engine_start,
+    "model_scale": model_scale,
+    "model_scale_bfloat16": model_scale,
+    "model_scale_mmap0": model_scale,
     "fsdp_rank": fsdp_rank,
     "moe_routing_replay": moe_routing_replay,
 }
@@ -729,7 +756,7 @@ LAYOUT = [
     "profile_w1_ungrouped_1", "profile_w1_grouped_1", "profile_w1_ungrouped_2", "profile_w1_grouped_2",
     "profile_w1_unfrozen_1", "profile_w1_frozen_1", "profile_w1_unfrozen_2", "profile_w1_frozen_2",
     "profile_w1_whole_groups_1", "profile_w1_split_groups_1", "profile_w1_whole_groups_2", "profile_w1_split_groups_2", "profile_w1_threads", "profile_w1_compile", "profile_w1_bf16",
-    "rollout_overhead", "client_floor_no_freeze", "client_floor", "logprob_layout", "engine_start",
+    "rollout_overhead", "client_floor_no_freeze", "client_floor", "logprob_layout", "engine_start", "model_scale", "model_scale_mmap0", "model_scale_bfloat16",
     "agent_learning", "agent_tool", "openai_endpoint", "soak", "readme_results_archive",
 ]  # fmt: skip
 """The sections of RESULTS.md in order (module docstring)."""
