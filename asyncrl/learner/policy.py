@@ -199,9 +199,8 @@ def shard(
     Whether to wrap is `uses_fsdp(mesh.size(), fsdp)` (`learner.fsdp`). One rank has nothing to shard, gather or
     reduce: under `auto` the module stays a plain one, and in bf16 its decoder layers get the same casts from two
     hooks (`cast_layers`); `always` wraps it all the same (FSDP2's own policy and DTensor state on one device).
-    FSDP2's hooks and DTensor dispatch cost ~20% of a W1 learner step on one CPU thread (a 256 x 18 token batch:
-    0.49 s against 0.40 s for the same step unsharded, which is what a plain transformers forward and backward
-    takes). Every caller handles both kinds of tensor (`torch.distributed.checkpoint` reshards a one-rank
+    FSDP2's hooks and DTensor dispatch cost 5-12% of a W1-sized learner step on one CPU thread (wrapped against
+    plain, fp32 and bf16: `benchmarks/fsdp_rank.py`, benchmarks/RESULTS.md). Every caller handles both kinds of tensor (`torch.distributed.checkpoint` reshards a one-rank
     checkpoint into any number of ranks and back, wrapped or not).
 
     bf16 on CPU: attention runs as plain matmuls and a softmax (transformers' `eager`) instead of SDPA, whose CPU
