@@ -100,6 +100,10 @@ class LearnerConfig(Section):
     call_timeout_s: float = Field(900.0, gt=0)
     """Every call on the learner ranks (a step, an export, a checkpoint) must answer within this; otherwise the
     run stops with an error naming the rank and the call (a dead or hung rank never hangs the run)."""
+    setup_timeout_s: float = Field(300.0, gt=0)
+    """The ranks' start (load the model, join the process group, shard) must end within this, plus a minute for
+    the calls around it; otherwise the run stops naming the rank. A 0.5B fp32 model took 92-230 s on the 2-core
+    test machine (benchmarks/RESULTS.md, model_scale): raise it for larger models or slow storage."""
     seed: int = 0
     """Seed of model init noise and micro-batch order."""
 

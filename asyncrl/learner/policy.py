@@ -200,8 +200,9 @@ def shard(
     reduce: under `auto` the module stays a plain one, and in bf16 its decoder layers get the same casts from two
     hooks (`cast_layers`); `always` wraps it all the same (FSDP2's own policy and DTensor state on one device).
     FSDP2's hooks and DTensor dispatch cost 5-12% of a W1-sized learner step on one CPU thread (wrapped against
-    plain, fp32 and bf16: `benchmarks/fsdp_rank.py`, benchmarks/RESULTS.md). Every caller handles both kinds of tensor (`torch.distributed.checkpoint` reshards a one-rank
-    checkpoint into any number of ranks and back, wrapped or not).
+    plain, fp32 and bf16: `benchmarks/fsdp_rank.py`, benchmarks/RESULTS.md). Every caller handles both kinds of
+    tensor (`torch.distributed.checkpoint` reshards a one-rank checkpoint into any number of ranks and back, wrapped
+    or not).
 
     bf16 on CPU: attention runs as plain matmuls and a softmax (transformers' `eager`) instead of SDPA, whose CPU
     kernel for bf16 is flash attention with a slow backward on short rows (torch 2.13: 60 ms of a W1 layer's

@@ -152,6 +152,7 @@ class LearnerPool:
             recipe_from_config(cfg),
             sampling,
             cfg.model.dtype,
+            init_timeout_s=cfg.learner.setup_timeout_s,
             placement_timeout_s=cfg.cluster.placement_timeout_s,
         )
 
