@@ -2,8 +2,8 @@
 the same step of a plain module on the CPU (gloo), from the same weights and batch: the loss, the gradient norm and
 the updated parameters agree; in bf16 the wrapped step agrees with the plain rank's `cast_layers` on the device.
 `make test-gpu` runs tests/gpu on a machine with a GPU; elsewhere they are skipped (CI has none). What these tests
-check was seen on an H200 (the date and figures are in benchmarks/RESULTS.md, "GPU checks"); the wrapped rank and
-the bf16 comparison with `cast_layers` have not run on a GPU yet.
+check was seen on an H200 and, with the wrapped rank and the bf16 comparison, on an H100 (the dates and figures are
+in benchmarks/RESULTS.md, "GPU checks").
 
 No Ray here: the rank's state, sharding and step are built as `LearnerWorker.setup` builds them, in one process
 whose default group has a gloo and an NCCL backend (world size 1), so that a CPU mesh and a CUDA mesh both exist.
