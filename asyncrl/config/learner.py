@@ -50,6 +50,12 @@ class LearnerConfig(Section):
     layer (two ranks compile at once), more for larger models. In fp32 the gradients match the eager ones to
     float rounding, with FSDP2 too. Needs a C++ compiler where the learner runs (inductor); benchmarks/RESULTS.md
     has W1's step with and without it."""
+    activation_checkpointing: bool = False
+    """Recompute every decoder layer's activations (policy and critic) in the backward instead of keeping them: a
+    layer keeps only its input, so the activations a micro-batch holds shrink by about the number of layers (4.3x
+    less on W1's 4 layers), for one more forward of the layers per micro-batch; longer sequences or larger
+    `tokens_per_microbatch` then fit a rank. Gradients are exactly those without it, with FSDP2 and in bf16
+    (benchmarks/RESULTS.md has the step time and memory, activation_checkpointing)."""
     routing_replay: bool = False
     """MoE routing replay (R3): the learner routes each token to the experts the engine chose for it (carried in the
     trajectory), with gate weights from its own router over those experts, so a near-tie that rounds the other way

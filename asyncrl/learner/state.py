@@ -42,6 +42,7 @@ def build_train_state(cfg, model_dir: str, device: torch.device, place=lambda mo
     from asyncrl.learner.policy import PolicyModel, ValueModel, load_causal_lm
 
     policy = PolicyModel(load_causal_lm(model_dir, torch.float32)).to(device)
+    _checkpoint_activations(cfg, policy)
     place(policy)
     if cfg.compile:
         compile_now(policy, device)
@@ -50,6 +51,7 @@ def build_train_state(cfg, model_dir: str, device: torch.device, place=lambda mo
     state = TrainState(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg)))
     if cfg.critic:
         critic = ValueModel(load_causal_lm(model_dir, torch.float32), seed=cfg.seed).to(device)
+        _checkpoint_activations(cfg, critic)
         place(critic)
         if cfg.compile:
             compile_now(critic, device)
@@ -58,6 +60,14 @@ def build_train_state(cfg, model_dir: str, device: torch.device, place=lambda mo
         state.critic, state.critic_optimizer = critic, critic_optimizer
         state.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lr_factor(cfg))
     return state
+
+
+def _checkpoint_activations(cfg, module) -> None:
+    """`learner.activation_checkpointing`, before `place`: checkpointing goes inside the FSDP2 units and the casts."""
+    from asyncrl.learner.policy import checkpoint_layers
+
+    if cfg.activation_checkpointing:
+        checkpoint_layers(module)
 
 
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
