@@ -52,10 +52,10 @@ class LearnerConfig(Section):
     has W1's step with and without it."""
     activation_checkpointing: bool = False
     """Recompute every decoder layer's activations (policy and critic) in the backward instead of keeping them: a
-    layer keeps only its input, so the activations a micro-batch holds shrink by about the number of layers (4.3x
-    less on W1's 4 layers), for one more forward of the layers per micro-batch; longer sequences or larger
-    `tokens_per_microbatch` then fit a rank. Gradients are exactly those without it, with FSDP2 and in bf16
-    (benchmarks/RESULTS.md has the step time and memory, activation_checkpointing)."""
+    layer keeps only its input, so the activations a micro-batch holds shrink by about the number of layers (to 0.25
+    on add-1m's 4), for one more forward of the layers in the backward (1.13x W1's step, 1.24x on 1,024-token
+    rows: benchmarks/RESULTS.md); longer sequences or larger `tokens_per_microbatch` then fit a rank. Log-probs,
+    gradients and updates equal those without it bit for bit, with FSDP2, in bf16 and with `compile`."""
     routing_replay: bool = False
     """MoE routing replay (R3): the learner routes each token to the experts the engine chose for it (carried in the
     trajectory), with gate weights from its own router over those experts, so a near-tie that rounds the other way

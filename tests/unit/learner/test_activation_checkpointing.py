@@ -1,7 +1,7 @@
 """`learner.activation_checkpointing`: the decoder layers recompute their activations in the backward. The log-probs,
 loss, gradients and updated weights are exactly the plain path's (one plain rank in fp32, one FSDP2-wrapped rank in
 a real gloo group of one, one bf16 rank with `cast_layers`, compiled layers, the critic), and a forward + backward
-holds a fraction of the activations (torch's `MemTracker`, which counts every tensor's bytes: deterministic)."""
+holds a fraction of the activations (`memory.forward_backward_peak`: torch's `MemTracker`, deterministic)."""
 
 from __future__ import annotations
 
@@ -133,28 +133,14 @@ def test_compiled_checkpointed_layers_give_the_compiled_gradients(tiny_model_dir
     assert max(float(g.abs().max()) for g in grads[0].values()) > 1e-3
 
 
-def peak_bytes(policy, batch_size: int, length: int) -> dict[str, int]:
-    """Peak bytes of one forward + backward on a batch of `batch_size` x `length` tokens, by kind: `activation`
-    (what the autograd graph and the forward's tensors hold) and `total` (with parameters, gradients and
-    temporaries), as torch's `MemTracker` counts them: every tensor's storage, deterministic on CPU."""
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-
-    ids = (torch.arange(batch_size * length).reshape(batch_size, length) % 13) + 3
-    positions = torch.arange(length).expand(batch_size, length)
-    tracker = MemTracker()
-    tracker.track_external(policy)
-    with tracker:
-        policy(ids, torch.ones_like(ids), positions, RAW).sum().backward()
-    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-    policy.zero_grad(set_to_none=True)
-    return {"activation": peak[_MemRefType.ACT], "total": peak["Total"]}
-
-
 def test_a_sequence_over_the_activation_budget_fits_with_checkpointing(tiny_model_dir):
     """tiny-0.3m has 4 layers: each keeps only its input ([B, L, 64] fp32) instead of every intermediate, so the
     peak activations drop below a third. A budget between the two trains the sequence only with checkpointing."""
-    plain = peak_bytes(_state(tiny_model_dir).policy, 2, 192)
-    checkpointed = peak_bytes(_state(tiny_model_dir, activation_checkpointing=True).policy, 2, 192)
+    from asyncrl.learner.memory import forward_backward_peak
+
+    ids = (torch.arange(2 * 192).reshape(2, 192) % 13) + 3
+    plain = forward_backward_peak(_state(tiny_model_dir).policy, ids)
+    checkpointed = forward_backward_peak(_state(tiny_model_dir, activation_checkpointing=True).policy, ids)
     print(f"peak bytes plain {plain}, checkpointed {checkpointed}")
     assert checkpointed["activation"] < plain["activation"] / 3
     assert checkpointed["activation"] > 2 * 192 * 64 * 4 * 4  # at least the 4 layers' inputs: it measures something
