@@ -691,6 +691,30 @@ def activation_checkpointing(d: dict) -> list[str]:
     return lines
 
 
+def activation_checkpointing_gpu(d: dict) -> list[str]:
+    cases = d["cases"]
+    lines = [
+        "## Activation checkpointing on a GPU (`benchmarks/activation_checkpointing_gpu.py`)",
+        "",
+        f"{d['model']}, one rank wrapped in FSDP2 on {d['device']}, torch {d['torch']}, {d['date']}: {d['note']}.",
+        "",
+        f"**Headline:** peak memory of the pass {min(c['peak_ratio'] for c in cases):.2f}–"
+        f"{max(c['peak_ratio'] for c in cases):.2f} of the plain one's, at {min(c['time_ratio'] for c in cases):.2f}–"
+        f"{max(c['time_ratio'] for c in cases):.2f}× its time; the gradient differs as much as two plain passes do.",
+        "",
+    ]
+    gb = lambda n: f"{n / 1e9:.2f}"  # noqa: E731
+    lines += table(
+        ["dtype", "rows × length", "peak GB, plain", "checkpointed", "÷", "s, plain", "checkpointed", "÷",
+         "max abs grad diff vs plain", "plain vs plain again", "max abs grad"],
+        [[c["dtype"].removeprefix("torch."), f"{c['rows']} × {c['length']}", gb(c["plain_peak_over_base_bytes"]),
+          gb(c["ckpt_peak_over_base_bytes"]), f"{c['peak_ratio']:.2f}", fnum(c["plain_s"], ".3f"),
+          fnum(c["ckpt_s"], ".3f"), fx(c["time_ratio"]), f"{c['max_grad_diff']:.1e}",
+          f"{c['max_grad_diff_plain_again']:.1e}", f"{c['max_grad']:.0f}"] for c in cases],
+    )  # fmt: skip
+    return lines
+
+
 def _peak_growth(rank: dict) -> int:
     """A rank's peak resident memory above what it had before loading the model (`fsdp_rank.py`)."""
     return rank["peak_rss_bytes"] - (rank["rss_bytes"] - rank["rss_growth_bytes"])
@@ -760,6 +784,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "model_scale_mmap0": model_scale,
     "fsdp_rank": fsdp_rank,
     "activation_checkpointing": activation_checkpointing,
+    "activation_checkpointing_gpu": activation_checkpointing_gpu,
     "moe_routing_replay": moe_routing_replay,
 }
 
@@ -774,7 +799,7 @@ LAYOUT = [
     "async_speedup", "async_speedup_continue", "limits", "limits_busy",
     "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "weight_sync_gpu",
     "moe_routing_replay",
-    "queue_throughput", "algo_throughput", "fsdp_rank", "activation_checkpointing",
+    "queue_throughput", "algo_throughput", "fsdp_rank", "activation_checkpointing", "activation_checkpointing_gpu",
     "profile_before", "profile", "profile_w1_quiet", "profile_w1_quiet_after", "profile_w1_afternoon",
     "profile_w1_ungrouped_1", "profile_w1_grouped_1", "profile_w1_ungrouped_2", "profile_w1_grouped_2",
     "profile_w1_unfrozen_1", "profile_w1_frozen_1", "profile_w1_unfrozen_2", "profile_w1_frozen_2",
