@@ -279,8 +279,10 @@ def checkpoint_layers(module: PolicyModel | ValueModel) -> None:
     `torch.distributed._composable.checkpoint`). The layers stay the same modules, so parameter names, checkpoints
     and exports are unchanged. Applied before `shard`: the recomputation repeats the whole call, hooks included, so
     `cast_layers`' hooks put the same `dtype` copies of the masters in place again (and the masters back after), and
-    FSDP2's hooks, which see the backward's recomputation, leave the layer gathered by the backward as it is. The
-    recomputed values equal the forward's bit for bit (tests/unit/learner/test_activation_checkpointing.py)."""
+    FSDP2's hooks, which see the backward's recomputation, leave the layer gathered by the backward as it is. On CPU
+    log-probs, gradients and updates equal those without it bit for bit (tests/unit/learner/
+    test_activation_checkpointing.py); on a GPU within CUDA's own run-to-run spread (benchmarks/RESULTS.md).
+    `learner.compile` composes: the recomputation runs the compiled forward again."""
     from torch.distributed._composable import checkpoint
 
     for layer in module.decoder_layers:

@@ -36,8 +36,9 @@ def lr_factor(cfg) -> Callable[[int], float]:
 
 def build_train_state(cfg, model_dir: str, device: torch.device, place=lambda module: None):
     """The policy and, with `cfg.critic` (a `LearnerConfig`), the critic: fp32 from `model_dir` on `device`, each
-    passed to `place` (a rank shards it with FSDP2) and, with `cfg.compile`, compiled (`compile_now`), before its
-    AdamW optimizer and learning-rate schedule (`lr_factor`) are made."""
+    with `cfg.activation_checkpointing` checkpointed (`policy.checkpoint_layers`), passed to `place` (a rank shards it
+    with FSDP2) and, with `cfg.compile`, compiled (`compile_now`), before its AdamW optimizer and learning-rate
+    schedule (`lr_factor`) are made."""
     from asyncrl.learner.checkpoint import TrainState
     from asyncrl.learner.policy import PolicyModel, ValueModel, load_causal_lm
 
