@@ -669,6 +669,52 @@ def fsdp_rank(d: dict) -> list[str]:
     return lines
 
 
+def activation_checkpointing(d: dict) -> list[str]:
+    cases = d["cases"]
+    headline = "; ".join(f"{c['batch']}: {fx(c['time_ratio'])} the step time, {c['activation_ratio']:.2f} of the peak "
+                         "activations" for c in cases)  # fmt: skip
+    lines = [
+        "## Activation checkpointing on the learner (`benchmarks/activation_checkpointing.py`)",
+        "",
+        f"**Headline:** `learner.activation_checkpointing` ÷ without, {d['preset']}, one rank, one thread, fp32: {headline}.",
+        "",
+    ]
+    mb = lambda n: f"{n / 1e6:.1f}"  # noqa: E731
+    lines += table(
+        ["batch", "rows × tokens", "plain s / step", "checkpointed s / step", "÷", "peak over (B × L)",
+         "activations MB, plain", "checkpointed", "÷", "peak MB in all, plain", "checkpointed"],
+        [[c["batch"], f"{c['rows']} × {c['tokens']}", fnum(c["plain_s"], ".3f"), fnum(c["checkpointed_s"], ".3f"),
+          fx(c["time_ratio"]), " × ".join(map(str, c["peak_tokens"])), mb(c["plain_peak"]["activation"]),
+          mb(c["checkpointed_peak"]["activation"]), f"{c['activation_ratio']:.2f}", mb(c["plain_peak"]["total"]),
+          mb(c["checkpointed_peak"]["total"])] for c in cases],
+    )  # fmt: skip
+    return lines
+
+
+def activation_checkpointing_gpu(d: dict) -> list[str]:
+    cases = d["cases"]
+    lines = [
+        "## Activation checkpointing on a GPU (`benchmarks/activation_checkpointing_gpu.py`)",
+        "",
+        f"{d['model']}, one rank wrapped in FSDP2 on {d['device']}, torch {d['torch']}, {d['date']}: {d['note']}.",
+        "",
+        f"**Headline:** peak memory of the pass {min(c['peak_ratio'] for c in cases):.2f}–"
+        f"{max(c['peak_ratio'] for c in cases):.2f} of the plain one's, at {min(c['time_ratio'] for c in cases):.2f}–"
+        f"{max(c['time_ratio'] for c in cases):.2f}× its time; the gradient differs as much as two plain passes do.",
+        "",
+    ]
+    gb = lambda n: f"{n / 1e9:.2f}"  # noqa: E731
+    lines += table(
+        ["dtype", "rows × length", "peak GB, plain", "checkpointed", "÷", "s, plain", "checkpointed", "÷",
+         "max abs grad diff vs plain", "plain vs plain again", "max abs grad"],
+        [[c["dtype"].removeprefix("torch."), f"{c['rows']} × {c['length']}", gb(c["plain_peak_over_base_bytes"]),
+          gb(c["ckpt_peak_over_base_bytes"]), f"{c['peak_ratio']:.2f}", fnum(c["plain_s"], ".3f"),
+          fnum(c["ckpt_s"], ".3f"), fx(c["time_ratio"]), f"{c['max_grad_diff']:.1e}",
+          f"{c['max_grad_diff_plain_again']:.1e}", f"{c['max_grad']:.0f}"] for c in cases],
+    )  # fmt: skip
+    return lines
+
+
 def _peak_growth(rank: dict) -> int:
     """A rank's peak resident memory above what it had before loading the model (`fsdp_rank.py`)."""
     return rank["peak_rss_bytes"] - (rank["rss_bytes"] - rank["rss_growth_bytes"])
@@ -737,6 +783,8 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "model_scale_bfloat16": model_scale,
     "model_scale_mmap0": model_scale,
     "fsdp_rank": fsdp_rank,
+    "activation_checkpointing": activation_checkpointing,
+    "activation_checkpointing_gpu": activation_checkpointing_gpu,
     "moe_routing_replay": moe_routing_replay,
 }
 
@@ -751,7 +799,7 @@ LAYOUT = [
     "async_speedup", "async_speedup_continue", "limits", "limits_busy",
     "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "weight_sync_gpu",
     "moe_routing_replay",
-    "queue_throughput", "algo_throughput", "fsdp_rank",
+    "queue_throughput", "algo_throughput", "fsdp_rank", "activation_checkpointing", "activation_checkpointing_gpu",
     "profile_before", "profile", "profile_w1_quiet", "profile_w1_quiet_after", "profile_w1_afternoon",
     "profile_w1_ungrouped_1", "profile_w1_grouped_1", "profile_w1_ungrouped_2", "profile_w1_grouped_2",
     "profile_w1_unfrozen_1", "profile_w1_frozen_1", "profile_w1_unfrozen_2", "profile_w1_frozen_2",

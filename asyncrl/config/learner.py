@@ -50,6 +50,13 @@ class LearnerConfig(Section):
     layer (two ranks compile at once), more for larger models. In fp32 the gradients match the eager ones to
     float rounding, with FSDP2 too. Needs a C++ compiler where the learner runs (inductor); benchmarks/RESULTS.md
     has W1's step with and without it."""
+    activation_checkpointing: bool = False
+    """Recompute every decoder layer's activations (policy and critic) in the backward instead of keeping them: a
+    layer keeps only its input, so the activations a micro-batch holds shrink by about the number of layers (to 0.25
+    on add-1m's 4), for one more forward of the layers in the backward (1.13x W1's step, 1.24x on 1,024-token
+    rows; on an H100 a 16-layer model kept 0.12-0.19 of the peak at 1.27-1.46x: benchmarks/RESULTS.md); longer
+    sequences or larger `tokens_per_microbatch` then fit a rank. Log-probs, gradients and updates equal those without
+    it (bit for bit on CPU), with FSDP2, in bf16 and with `compile`."""
     routing_replay: bool = False
     """MoE routing replay (R3): the learner routes each token to the experts the engine chose for it (carried in the
     trajectory), with gate weights from its own router over those experts, so a near-tie that rounds the other way

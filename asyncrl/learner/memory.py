@@ -18,7 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RankMemory", "check_rank_memory", "held_bytes", "parameter_shapes", "rank_need", "resident_bytes"]
+__all__ = [
+    "RankMemory",
+    "check_rank_memory",
+    "forward_backward_peak",
+    "held_bytes",
+    "parameter_shapes",
+    "rank_need",
+    "resident_bytes",
+]
 
 _FP32 = 4
 
@@ -129,3 +137,23 @@ def resident_bytes() -> dict[str, int]:
         "rss_bytes": pages * os.sysconf("SC_PAGE_SIZE"),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
+
+
+def forward_backward_peak(policy, input_ids: torch.Tensor) -> dict[str, int]:
+    """Peak bytes of one forward + backward of `policy` (a `PolicyModel`) on `input_ids` [B, L] (no padding), by
+    kind: `activation` (the forward's tensors and what the autograd graph keeps of them) and `total` (with the
+    parameters, gradients and temporaries), as torch's `MemTracker` counts them: every live tensor's storage, on CPU
+    the same count every time (what `learner.activation_checkpointing` saves). The gradients are dropped after."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    from asyncrl.algo.sampling import RAW
+
+    batch, length = input_ids.shape
+    positions = torch.arange(length, device=input_ids.device).expand(batch, length)
+    tracker = MemTracker()
+    tracker.track_external(policy)
+    with tracker:
+        policy(input_ids, torch.ones_like(input_ids), positions, RAW).sum().backward()
+    peak = tracker.get_tracker_snapshot("peak")[input_ids.device]
+    policy.zero_grad(set_to_none=True)
+    return {"activation": peak[_MemRefType.ACT], "total": peak["Total"]}

@@ -35,6 +35,7 @@ __all__ = [
     "PolicyModel",
     "ValueModel",
     "cast_layers",
+    "checkpoint_layers",
     "compile_layers",
     "decoder_stack",
     "final_logits",
@@ -270,6 +271,22 @@ def _cast_floating(value, dtype: torch.dtype):
     if isinstance(value, dict):
         return {k: _cast_floating(v, dtype) for k, v in value.items()}
     return value
+
+
+def checkpoint_layers(module: PolicyModel | ValueModel) -> None:
+    """`learner.activation_checkpointing`: every decoder layer keeps only its inputs for the backward, which runs
+    the layer's call again to rebuild what its gradient needs (torch's non-reentrant checkpoint, as module hooks:
+    `torch.distributed._composable.checkpoint`). The layers stay the same modules, so parameter names, checkpoints
+    and exports are unchanged. Applied before `shard`: the recomputation repeats the whole call, hooks included, so
+    `cast_layers`' hooks put the same `dtype` copies of the masters in place again (and the masters back after), and
+    FSDP2's hooks, which see the backward's recomputation, leave the layer gathered by the backward as it is. On CPU
+    log-probs, gradients and updates equal those without it bit for bit (tests/unit/learner/
+    test_activation_checkpointing.py); on a GPU within CUDA's own run-to-run spread (benchmarks/RESULTS.md).
+    `learner.compile` composes: the recomputation runs the compiled forward again."""
+    from torch.distributed._composable import checkpoint
+
+    for layer in module.decoder_layers:
+        checkpoint(layer)
 
 
 def compile_layers(module: PolicyModel | ValueModel) -> None:

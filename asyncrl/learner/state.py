@@ -36,12 +36,14 @@ def lr_factor(cfg) -> Callable[[int], float]:
 
 def build_train_state(cfg, model_dir: str, device: torch.device, place=lambda module: None):
     """The policy and, with `cfg.critic` (a `LearnerConfig`), the critic: fp32 from `model_dir` on `device`, each
-    passed to `place` (a rank shards it with FSDP2) and, with `cfg.compile`, compiled (`compile_now`), before its
-    AdamW optimizer and learning-rate schedule (`lr_factor`) are made."""
+    with `cfg.activation_checkpointing` checkpointed (`policy.checkpoint_layers`), passed to `place` (a rank shards it
+    with FSDP2) and, with `cfg.compile`, compiled (`compile_now`), before its AdamW optimizer and learning-rate
+    schedule (`lr_factor`) are made."""
     from asyncrl.learner.checkpoint import TrainState
     from asyncrl.learner.policy import PolicyModel, ValueModel, load_causal_lm
 
     policy = PolicyModel(load_causal_lm(model_dir, torch.float32)).to(device)
+    _checkpoint_activations(cfg, policy)
     place(policy)
     if cfg.compile:
         compile_now(policy, device)
@@ -50,6 +52,7 @@ def build_train_state(cfg, model_dir: str, device: torch.device, place=lambda mo
     state = TrainState(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg)))
     if cfg.critic:
         critic = ValueModel(load_causal_lm(model_dir, torch.float32), seed=cfg.seed).to(device)
+        _checkpoint_activations(cfg, critic)
         place(critic)
         if cfg.compile:
             compile_now(critic, device)
@@ -58,6 +61,14 @@ def build_train_state(cfg, model_dir: str, device: torch.device, place=lambda mo
         state.critic, state.critic_optimizer = critic, critic_optimizer
         state.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lr_factor(cfg))
     return state
+
+
+def _checkpoint_activations(cfg, module) -> None:
+    """`learner.activation_checkpointing`, before `place`: checkpointing goes inside the FSDP2 units and the casts."""
+    from asyncrl.learner.policy import checkpoint_layers
+
+    if cfg.activation_checkpointing:
+        checkpoint_layers(module)
 
 
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

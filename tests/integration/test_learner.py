@@ -29,7 +29,10 @@ def pools(ray_cluster, tiny_model_dir):
     # One rank with one micro-batch vs two ranks with many micro-batches of at most 12 padded tokens.
     one = LearnerPool(tiny_model_dir, LearnerConfig(num_ranks=1, tokens_per_microbatch=4096, lr=1e-2), RECIPE)
     # A train-state budget one rank exceeds (3.97 MB) and each of two ranks fits (1.98 MB): `learner.memory`.
-    config = LearnerConfig(num_ranks=2, tokens_per_microbatch=12, lr=1e-2, rank_memory_gb=BUDGET_GB)
+    # The two ranks checkpoint their layers' activations (recomputed inside each FSDP2 unit): the same numbers.
+    config = LearnerConfig(
+        num_ranks=2, tokens_per_microbatch=12, lr=1e-2, rank_memory_gb=BUDGET_GB, activation_checkpointing=True
+    )
     two = LearnerPool(tiny_model_dir, config, RECIPE)
     yield one, two
     one.shutdown()
