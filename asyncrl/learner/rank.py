@@ -22,7 +22,7 @@ import torch
 
 from asyncrl.algo.sampling import SamplingDistribution
 from asyncrl.learner.batch import TrainBatch
-from asyncrl.learner.state import build_train_state
+from asyncrl.learner.state import build_reference, build_train_state
 from asyncrl.learner.step import RankStep
 from asyncrl.types import StepStats
 from asyncrl.weights.group import CollectiveSender, CollectiveWeights
@@ -94,7 +94,10 @@ class LearnerWorker:
         mesh = init_device_mesh(self.device.type, (self.num_ranks,))
         torch.manual_seed(self.config.seed)
         self.state = self._train_state(mesh)
-        self._step = RankStep(self.state, self.config, self.recipe, self.sampling, self.device, self._all_reduce)
+        reference = self._reference(mesh) if self.recipe.kl_coef > 0 else None
+        self._step = RankStep(
+            self.state, self.config, self.recipe, self.sampling, self.device, self._all_reduce, reference=reference
+        )
 
     def _init_process_group(self, master_addr: str, master_port: int, timeout_s: float) -> None:
         import torch.distributed as dist
@@ -123,6 +126,14 @@ class LearnerWorker:
         )
         self.model_config = state.policy.causal_lm.config
         return state
+
+    def _reference(self, mesh):
+        """The frozen reference policy (`learner.reference_path`, default the starting weights), sharded like the
+        policy; not part of the train state, so no checkpoint or export holds it."""
+        from asyncrl.learner.policy import shard
+
+        path = self.config.reference_path or self.model_dir
+        return build_reference(path, self.device, lambda module: shard(module, mesh, self.dtype, self.config.fsdp))
 
     def _all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         import torch.distributed as dist
