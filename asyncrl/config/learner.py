@@ -52,10 +52,10 @@ class LearnerConfig(Section):
     has W1's step with and without it."""
     reference_path: str | None = None
     """The frozen reference policy of the KL-to-reference loss term (`algorithm.params.kl_coef` > 0): a Hugging Face
-    model folder with the policy's tokenizer and vocabulary; None = the run's starting weights (`model.path` or
-    the built preset). Loaded on each rank only when the recipe needs it, sharded like the policy, in eval mode
-    without gradients or optimizer state; never checkpointed or exported (a resumed run reloads it from here).
-    On several nodes the folder must exist on each learner node."""
+    model folder (config.json and weights) with the policy's vocabulary; None = the run's starting weights
+    (`model.path` or the built preset). Loaded on each rank only when the recipe needs it, sharded like the policy,
+    in eval mode without gradients or optimizer state; never checkpointed or exported (a resumed run reloads it
+    from here). On several nodes the folder must exist on each learner node."""
     routing_replay: bool = False
     """MoE routing replay (R3): the learner routes each token to the experts the engine chose for it (carried in the
     trajectory), with gate weights from its own router over those experts, so a near-tie that rounds the other way
