@@ -316,7 +316,7 @@ class RankStep:
                 kl = kl_penalty(old_logprobs, learner_logprobs.detach(), mask, "k3")
                 metrics["approx_kl"] = float(kl.double().sum()) / max(mb.num_loss_tokens, 1)
                 if ref is not None:
-                    kl = kl_penalty(learner_logprobs.detach(), ref, mask, self.recipe.kl_estimator)
+                    kl = kl_penalty(learner_logprobs.detach().double(), ref.double(), mask, self.recipe.kl_estimator)
                     metrics["kl_ref"] = float(kl.double().sum()) / max(mb.num_loss_tokens, 1)
                 if self.sampling.truncates:
                     dropped = int(mb.loss_mask.bool().sum()) - int(mask.sum())
