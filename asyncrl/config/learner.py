@@ -50,12 +50,6 @@ class LearnerConfig(Section):
     layer (two ranks compile at once), more for larger models. In fp32 the gradients match the eager ones to
     float rounding, with FSDP2 too. Needs a C++ compiler where the learner runs (inductor); benchmarks/RESULTS.md
     has W1's step with and without it."""
-    reference_path: str | None = None
-    """The frozen reference policy of the KL-to-reference loss term (`algorithm.params.kl_coef` > 0): a Hugging Face
-    model folder (config.json and weights) with the policy's vocabulary; None = the run's starting weights
-    (`model.path` or the built preset). Loaded on each rank only when the recipe needs it, sharded like the policy,
-    in eval mode without gradients or optimizer state; never checkpointed or exported (a resumed run reloads it
-    from here). On several nodes the folder must exist on each learner node."""
     routing_replay: bool = False
     """MoE routing replay (R3): the learner routes each token to the experts the engine chose for it (carried in the
     trajectory), with gate weights from its own router over those experts, so a near-tie that rounds the other way
@@ -89,6 +83,13 @@ class LearnerConfig(Section):
     critic_warmup_steps: int = Field(0, ge=0)
     """Value pre-training (VAPO): for the first N steps only the critic learns; the policy is not
     stepped (versions still advance so staleness accounting is unchanged)."""
+    reference_path: str | None = None
+    """The frozen reference policy of the KL-to-reference loss term (`algorithm.params.kl_coef` > 0): a Hugging Face
+    model folder (config.json and weights) with the policy's vocabulary; None = the run's starting weights
+    (`model.path` or the built preset). Loaded on each rank only when the recipe needs it, sharded like the policy,
+    in eval mode without gradients or optimizer state; never checkpointed or exported (a resumed run reloads it
+    from here). On several nodes the folder must exist on each learner node. Its fp32 weights (4 bytes per
+    parameter, divided over `num_ranks`) come on top of what `rank_memory_gb` checks."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend: auto = nccl on GPU, gloo on CPU."""
     num_cpus_per_rank: float = Field(1.0, gt=0)
