@@ -416,7 +416,7 @@ class RankStep:
         if self.recipe.kl_coef <= 0:
             return None
         if self.reference is None:
-            raise ValueError("algorithm.params.kl_coef > 0 needs a reference policy (learner.reference_path)")
+            raise ValueError("algorithm.params.kl_coef > 0: this step has no reference policy (state.build_reference)")
         with torch.no_grad():
             return self.reference(mb.input_ids, mb.attention_mask, mb.position_ids, self.sampling)
 
