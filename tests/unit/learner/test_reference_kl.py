@@ -132,3 +132,26 @@ def test_the_reference_is_frozen_and_outside_the_train_state(tiny_model_dir, per
     assert all(torch.equal(before[k], after[k].full_tensor()) for k in before)
     optimized = {id(p) for group in step.state.optimizer.param_groups for p in group["params"]}
     assert not optimized & {id(p) for p in step.reference.parameters()}
+
+
+def test_a_checkpoint_holds_no_reference_and_a_resumed_step_measures_kl_to_the_starting_weights(
+    tiny_model_dir, mesh, tmp_path
+):
+    """What a resumed run does: the train state from the checkpoint, the reference rebuilt from the model folder."""
+    import torch.distributed.checkpoint as dcp
+
+    from asyncrl.learner.checkpoint import load_train_state, save_train_state
+
+    step = _step(tiny_model_dir, tiny_model_dir, mesh, "k3")
+    rows = _rows(step.recipe)
+    first = step.train([rows], 0)
+    save_train_state(tmp_path, step.state, 0, 1)
+    saved = dcp.FileSystemReader(str(tmp_path / "learner")).read_metadata().state_dict_metadata
+    assert saved and not any("reference" in key for key in saved)
+    assert all(key.startswith(("policy.", "critic.")) for key in saved)
+
+    resumed = _step(tiny_model_dir, tiny_model_dir, mesh, "k3")
+    load_train_state(tmp_path, resumed.state, 0)
+    acc = resumed.accumulate(rows)
+    assert first.metrics["kl_ref"] == 0.0 and acc.metrics["kl_ref"] > 1e-6  # the policy moved, the reference did not
+    assert acc.metrics["kl_ref"] == step.accumulate(rows).metrics["kl_ref"]  # as if the run had never stopped
