@@ -89,7 +89,7 @@ class LearnerConfig(Section):
     (`model.path` or the built preset). Loaded on each rank only when the recipe needs it, sharded like the policy,
     in eval mode without gradients or optimizer state; never checkpointed or exported (a resumed run reloads it
     from here). On several nodes the folder must exist on each learner node. Its fp32 weights (4 bytes per
-    parameter, divided over `num_ranks`) come on top of what `rank_memory_gb` checks."""
+    parameter, divided over `num_ranks`) count in `rank_memory_gb`."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend: auto = nccl on GPU, gloo on CPU."""
     num_cpus_per_rank: float = Field(1.0, gt=0)

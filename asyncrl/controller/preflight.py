@@ -136,11 +136,14 @@ def _rank_memory(cfg: Config) -> list[Problem]:
     """`learner.rank_memory_gb` holds each rank's train state at `learner.num_ranks` (a `model.path` folder; a preset
     is checked when the learner starts, once it is built)."""
     from asyncrl.learner.memory import check_rank_memory
+    from asyncrl.learner.pool import recipe_from_config
 
     if cfg.learner.rank_memory_gb is None or not cfg.model.path or not (Path(cfg.model.path) / "config.json").is_file():
         return []
+    if _reference(cfg):
+        return []  # an unreadable reference is reported by `_reference`
     try:
-        check_rank_memory(cfg.learner, cfg.model.path)
+        check_rank_memory(cfg.learner, cfg.model.path, recipe_from_config(cfg).kl_coef > 0)
     except ValueError as e:
         return [Problem("learner.rank_memory_gb", str(e).removeprefix("learner.rank_memory_gb = "))]
     return []

@@ -181,3 +181,12 @@ def test_a_reference_must_share_the_policy_vocabulary(tmp_path):
     ]
     (reference / "config.json").write_text('{"vocab_size": 16}')
     assert [p for p in preflight(cfg, placement=False) if p.key == "learner.reference_path"] == []
+
+
+def test_the_rank_memory_budget_counts_the_reference_when_the_recipe_has_a_kl_term(tiny_model_dir):
+    # tiny-0.3m on one rank: 3.97 MB of train state, plus 0.99 MB of reference weights with kl_coef > 0.
+    overrides = [f"model.path={tiny_model_dir}", "learner.rank_memory_gb=0.0045"]
+    plain = preflight(load_config(None, overrides), placement=False)
+    kl = preflight(load_config(None, [*overrides, "algorithm.params={kl_coef: 0.1}"]), placement=False)
+    assert [p for p in plain if p.key == "learner.rank_memory_gb"] == []
+    assert [p.key for p in kl if "0.000991 of the reference policy" in p.reason] == ["learner.rank_memory_gb"]
