@@ -90,6 +90,13 @@ class LearnerConfig(Section):
     critic_warmup_steps: int = Field(0, ge=0)
     """Value pre-training (VAPO): for the first N steps only the critic learns; the policy is not
     stepped (versions still advance so staleness accounting is unchanged)."""
+    reference_path: str | None = None
+    """The frozen reference policy of the KL-to-reference loss term (`algorithm.params.kl_coef` > 0): a Hugging Face
+    model folder (config.json and weights) with the policy's vocabulary; None = the run's starting weights
+    (`model.path` or the built preset). Loaded on each rank only when the recipe needs it, sharded like the policy,
+    in eval mode without gradients or optimizer state; never checkpointed or exported (a resumed run reloads it
+    from here). On several nodes the folder must exist on each learner node. Its fp32 weights (4 bytes per
+    parameter, divided over `num_ranks`) count in `rank_memory_gb`."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend: auto = nccl on GPU, gloo on CPU."""
     num_cpus_per_rank: float = Field(1.0, gt=0)

@@ -113,7 +113,11 @@ def _probe_paths(node_ids: list[str], paths: dict[str, str], timeout_s: float = 
 
 def paths_every_node_reads(cfg: Config) -> dict[str, str]:
     """Config key -> the path actors on any node open: the user's model folder and the shared storage."""
-    paths = {"model.path": cfg.model.path, "storage.uri": cfg.storage.uri and cfg.storage.uri.removeprefix("file://")}
+    paths = {
+        "model.path": cfg.model.path,
+        "learner.reference_path": cfg.learner.reference_path,
+        "storage.uri": cfg.storage.uri and cfg.storage.uri.removeprefix("file://"),
+    }
     return {key: path for key, path in paths.items() if path}
 
 
@@ -121,7 +125,7 @@ def preflight(cfg: Config, resources: Resources | None = None, placement: bool =
     """Every problem found, in config order; an empty list means the job can start. `placement=False` leaves
     the resources and shared paths to the cluster that runs the job (`asyncrl submit`)."""
     problems = [*_model(cfg), *_engine(cfg), *_data(cfg), *_reward(cfg), *_env(cfg), *_resume(cfg)]
-    problems += [*_routing_replay(cfg), *_rank_memory(cfg)]
+    problems += [*_routing_replay(cfg), *_reference(cfg), *_rank_memory(cfg)]
     if placement:
         resources = resources or local_resources()
         problems += [*_placement(cfg, resources), *_storage(cfg, resources)]
@@ -132,11 +136,14 @@ def _rank_memory(cfg: Config) -> list[Problem]:
     """`learner.rank_memory_gb` holds each rank's train state at `learner.num_ranks` (a `model.path` folder; a preset
     is checked when the learner starts, once it is built)."""
     from asyncrl.learner.memory import check_rank_memory
+    from asyncrl.learner.pool import recipe_from_config
 
     if cfg.learner.rank_memory_gb is None or not cfg.model.path or not (Path(cfg.model.path) / "config.json").is_file():
         return []
+    if _reference(cfg):
+        return []  # an unreadable reference is reported by `_reference`
     try:
-        check_rank_memory(cfg.learner, cfg.model.path)
+        check_rank_memory(cfg.learner, cfg.model.path, recipe_from_config(cfg).kl_coef > 0)
     except ValueError as e:
         return [Problem("learner.rank_memory_gb", str(e).removeprefix("learner.rank_memory_gb = "))]
     return []
@@ -283,6 +290,35 @@ def _routing_replay(cfg: Config) -> list[Problem]:
             return []  # reported by `_engine`
     reason = routes_problem(config if isinstance(config, dict) else {})
     return [Problem("learner.routing_replay", reason)] if reason else []
+
+
+def _reference(cfg: Config) -> list[Problem]:
+    """`learner.reference_path` (the KL term's reference policy; unset = the starting weights) is a Hugging Face
+    model folder whose vocabulary is the policy's (a `model.path` folder; a preset is built later)."""
+    if cfg.learner.reference_path is None:
+        return []
+    path = Path(cfg.learner.reference_path)
+    if not path.is_dir():
+        return [Problem("learner.reference_path", f"{path} does not exist or is not a directory")]
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        reason = f"{path} has no readable config.json (not a Hugging Face model folder)"
+        return [Problem("learner.reference_path", reason)]
+    try:
+        policy = json.loads((Path(cfg.model.path) / "config.json").read_text()) if cfg.model.path else None
+    except (OSError, ValueError):
+        return []  # reported by `_model`
+    vocab, policy_vocab = (c.get("vocab_size") if isinstance(c, dict) else None for c in (config, policy))
+    if policy_vocab is not None and vocab != policy_vocab:
+        return [
+            Problem(
+                "learner.reference_path",
+                f"{path / 'config.json'}: vocab_size {vocab} is not the policy's ({policy_vocab}, model.path); "
+                "the KL term compares the two models' log-probs of the same tokens",
+            )
+        ]
+    return []
 
 
 def _data(cfg: Config) -> list[Problem]:

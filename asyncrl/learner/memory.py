@@ -6,9 +6,10 @@ The train state is fp32 whatever `model.dtype` (master weights, `policy.shard`):
 4 of gradient and 8 of AdamW moments (`exp_avg`, `exp_avg_sq`). FSDP2 shards every tensor along its first
 dimension, padded to a multiple of the ranks, so the largest share (rank 0's) holds ceil(rows / ranks) rows of
 each. Before sharding every rank loads the whole fp32 model (`state.build_train_state`): that bounds the need
-from below however many ranks share it. Not counted, like the activations: bf16 compute's copies of the decoder
-layers' weights (under FSDP2 a layer's gathered copy at a time; on a plain rank `policy.cast_layers` keeps every
-layer's, 2 bytes per parameter, through the backward).
+from below however many ranks share it. With a KL-to-reference term the frozen reference policy adds its fp32
+weights, sharded the same way (no gradient, no optimizer state: `state.build_reference`). Not counted, like the
+activations: bf16 compute's copies of the decoder layers' weights (under FSDP2 a layer's gathered copy at a time;
+on a plain rank `policy.cast_layers` keeps every layer's, 2 bytes per parameter, through the backward).
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ class RankMemory:
     optimizer: int
     load: int
     """The whole fp32 model(s), which every rank loads before sharding."""
+    reference: int = 0
+    """The frozen reference policy's fp32 weights (its share), 0 without a KL-to-reference term."""
 
     @property
     def state(self) -> int:
-        return self.params + self.grads + self.optimizer
+        return self.params + self.grads + self.optimizer + self.reference
 
     @property
     def need(self) -> int:
@@ -68,39 +71,53 @@ def parameter_shapes(model_dir: str, critic: bool = False) -> list[tuple[int, ..
     return shapes
 
 
-def rank_need(shapes: list[tuple[int, ...]], num_ranks: int) -> RankMemory:
-    """The train state of rank 0 when `num_ranks` ranks shard tensors of `shapes` (module docstring)."""
-    shard = sum(math.ceil(s[0] / num_ranks) * math.prod(s[1:]) if s else 1 for s in shapes) * _FP32
+def rank_need(
+    shapes: list[tuple[int, ...]], num_ranks: int, reference: list[tuple[int, ...]] | None = None
+) -> RankMemory:
+    """The train state of rank 0 when `num_ranks` ranks shard tensors of `shapes` (and the frozen `reference`
+    policy's, when given) (module docstring)."""
+    shard = _share(shapes, num_ranks)
     total = sum(math.prod(s) for s in shapes)
-    return RankMemory(num_ranks, total, shard, shard, 2 * shard, total * _FP32)
+    return RankMemory(num_ranks, total, shard, shard, 2 * shard, total * _FP32, _share(reference or [], num_ranks))
 
 
-def check_rank_memory(cfg, model_dir: str) -> RankMemory | None:
-    """`learner.rank_memory_gb` against `rank_need` of `model_dir` at `learner.num_ranks` (a `LearnerConfig`);
-    raises naming the figures and the smallest number of ranks that fits. None when no budget is set."""
+def _share(shapes: list[tuple[int, ...]], num_ranks: int) -> int:
+    """fp32 bytes of rank 0's shard of tensors of `shapes`."""
+    return sum(math.ceil(s[0] / num_ranks) * math.prod(s[1:]) if s else 1 for s in shapes) * _FP32
+
+
+def check_rank_memory(cfg, model_dir: str, reference: bool = False) -> RankMemory | None:
+    """`learner.rank_memory_gb` against `rank_need` of `model_dir` at `learner.num_ranks` (a `LearnerConfig`), with
+    the reference policy (`learner.reference_path`, default `model_dir`) when `reference` (the recipe's
+    `kl_coef` > 0); raises naming the figures and the smallest number of ranks that fits. None when no budget."""
     if cfg.rank_memory_gb is None:
         return None
     shapes = parameter_shapes(model_dir, cfg.critic)
-    need, budget = rank_need(shapes, cfg.num_ranks), cfg.rank_memory_gb * 1e9
+    ref = parameter_shapes(cfg.reference_path or model_dir) if reference else None
+    need, budget = rank_need(shapes, cfg.num_ranks, ref), cfg.rank_memory_gb * 1e9
     if need.need <= budget:
         return need
     raise ValueError(
         f"learner.rank_memory_gb = {cfg.rank_memory_gb:g} is too small for {model_dir} with learner.num_ranks = "
         f"{cfg.num_ranks}: each rank needs {_gb(need.need)} GB ({need.parameters:,} fp32 parameters"
         f"{' with the critic' if cfg.critic else ''}: {_gb(need.params)} GB of parameters + {_gb(need.grads)} of "
-        f"gradients + {_gb(need.optimizer)} of AdamW moments per rank; every rank first loads the whole model, "
-        f"{_gb(need.load)} GB); activations come on top. {_fewest_ranks(shapes, cfg.num_ranks, budget)}"
+        f"gradients + {_gb(need.optimizer)} of AdamW moments"
+        f"{f' + {_gb(need.reference)} of the reference policy' if ref else ''} per rank; every rank first loads the "
+        f"whole model, {_gb(need.load)} GB); activations come on top. "
+        f"{_fewest_ranks(shapes, cfg.num_ranks, budget, ref)}"
     )
 
 
-def _fewest_ranks(shapes: list[tuple[int, ...]], num_ranks: int, budget: float) -> str:
+def _fewest_ranks(
+    shapes: list[tuple[int, ...]], num_ranks: int, budget: float, reference: list[tuple[int, ...]] | None
+) -> str:
     floor = rank_need(shapes, 1).load
     if floor > budget:
         return f"No number of ranks fits: loading the whole fp32 model takes {_gb(floor)} GB on every rank."
     n = num_ranks + 1
-    while rank_need(shapes, n).need > budget:
+    while rank_need(shapes, n, reference).need > budget:
         n += 1
-    return f"It fits from learner.num_ranks = {n} ({_gb(rank_need(shapes, n).need)} GB per rank)."
+    return f"It fits from learner.num_ranks = {n} ({_gb(rank_need(shapes, n, reference).need)} GB per rank)."
 
 
 def _gb(num_bytes: float) -> str:

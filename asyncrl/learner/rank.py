@@ -22,7 +22,7 @@ import torch
 
 from asyncrl.algo.sampling import SamplingDistribution
 from asyncrl.learner.batch import TrainBatch
-from asyncrl.learner.state import build_train_state
+from asyncrl.learner.state import build_reference, build_train_state
 from asyncrl.learner.step import RankStep
 from asyncrl.types import StepStats
 from asyncrl.weights.group import CollectiveSender, CollectiveWeights
@@ -72,6 +72,8 @@ class LearnerWorker:
         """The shared-memory weight segment this rank writes (rank 0, `weight_sync.transport` shared_memory)."""
         self._sender: CollectiveSender | None = None
         """The staging buffer engines pull from (rank 0, `weight_sync.transport` collective)."""
+        self.reference: torch.nn.Module | None = None
+        """The frozen reference policy of the KL term, built when a recipe first needs it (`_reference`)."""
 
     # ------------------------------------------------------------------ setup and collectives
 
@@ -93,8 +95,12 @@ class LearnerWorker:
         self._init_process_group(*master, timeout_s)
         mesh = init_device_mesh(self.device.type, (self.num_ranks,))
         torch.manual_seed(self.config.seed)
+        self.mesh = mesh
         self.state = self._train_state(mesh)
-        self._step = RankStep(self.state, self.config, self.recipe, self.sampling, self.device, self._all_reduce)
+        reference = self._reference(self.recipe)
+        self._step = RankStep(
+            self.state, self.config, self.recipe, self.sampling, self.device, self._all_reduce, reference=reference
+        )
 
     def _init_process_group(self, master_addr: str, master_port: int, timeout_s: float) -> None:
         import torch.distributed as dist
@@ -124,6 +130,21 @@ class LearnerWorker:
         self.model_config = state.policy.causal_lm.config
         return state
 
+    def _reference(self, recipe):
+        """The frozen reference policy (`learner.reference_path`, default the starting weights) when `recipe` has a
+        KL-to-reference term, else None; built on the first such recipe (collective: every rank asks together),
+        sharded like the policy. Not part of the train state, so no checkpoint or export holds it."""
+        from asyncrl.learner.policy import shard
+
+        if recipe.kl_coef <= 0:
+            return None
+        if self.reference is None:
+            path, mesh = self.config.reference_path or self.model_dir, self.mesh
+            self.reference = build_reference(
+                path, self.device, lambda module: shard(module, mesh, self.dtype, self.config.fsdp)
+            )
+        return self.reference
+
     def _all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         import torch.distributed as dist
 
@@ -144,7 +165,8 @@ class LearnerWorker:
     def compute_gradients(self, rows: TrainBatch, recipe=None) -> tuple[float, dict[str, np.ndarray] | None]:
         """The full (unsharded) policy gradient of the batch loss, without stepping; -> (loss, grads on
         rank 0 / None elsewhere), by Hugging Face name. `recipe` overrides the pool's for this call."""
-        loss, grads = dataclasses.replace(self._step, recipe=recipe or self.recipe).gradients(rows)
+        recipe = recipe or self.recipe
+        loss, grads = dataclasses.replace(self._step, recipe=recipe, reference=self._reference(recipe)).gradients(rows)
         return loss, (grads if self.rank == 0 else None)
 
     def score(

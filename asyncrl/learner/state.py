@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["build_train_state", "compile_now", "lr_factor", "materialize_optimizer_state"]
+__all__ = ["build_reference", "build_train_state", "compile_now", "lr_factor", "materialize_optimizer_state"]
 
 
 def lr_factor(cfg) -> Callable[[int], float]:
@@ -69,6 +69,18 @@ def _checkpoint_activations(cfg, module) -> None:
 
     if cfg.activation_checkpointing:
         checkpoint_layers(module)
+
+
+def build_reference(model_dir: str, device: torch.device, place=lambda module: None):
+    """The frozen reference policy of the KL-to-reference term: a `PolicyModel` fp32 from `model_dir` on `device`,
+    passed to `place` (sharded like the policy), in eval mode with no parameter requiring a gradient. It has no
+    optimizer and is never compiled (its passes are without gradients)."""
+    from asyncrl.learner.policy import PolicyModel, load_causal_lm
+
+    reference = PolicyModel(load_causal_lm(model_dir, torch.float32)).to(device)
+    reference.requires_grad_(False)
+    place(reference)
+    return reference.eval()
 
 
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

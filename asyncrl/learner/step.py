@@ -4,7 +4,8 @@
     rank: micro_batches by token budget, padded to the same count on every rank (FSDP collectives)
           [critic: values -> GAE/VAPO advantages per sequence, whitening with global statistics]
           per micro-batch: learner log-probs (FP32 head, processed like the engine's sampling: temperature,
-                           top-k, top-p) -> compute_policy_loss -> backward
+                           top-k, top-p) [kl_coef > 0: the frozen reference's, the same way, no grad]
+                           -> compute_policy_loss -> backward
           clip_grad_norm_ -> AdamW step -> scheduler step  [critic: value loss, its own step]
 
 One update per rollout batch (`learner.mini_batches` = `epochs` = 1): `old_logprobs` are the detached
@@ -118,6 +119,9 @@ class RankStep:
     all_reduce: AllReduce
     seconds: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
     """Time spent in optimizer steps (clip + step) during the current `train` call: the step-time breakdown."""
+    reference: torch.nn.Module | None = None
+    """The frozen reference policy (`state.build_reference`) whose log-probs the KL-to-reference term needs
+    (`recipe.kl_coef` > 0); None without that term."""
 
     # ------------------------------------------------------------------ the step
 
@@ -278,7 +282,8 @@ class RankStep:
 
     def _policy_backward(self, batch: MiniBatch) -> tuple[float, dict[str, float]]:
         """Forward + backward of every micro-batch; -> (global batch loss, this rank's metrics). `approx_kl`
-        is k3 of KL(pi_old || pi_theta), the mean over loss tokens (0 when pi_old is this forward)."""
+        is k3 of KL(pi_old || pi_theta), the mean over loss tokens (0 when pi_old is this forward); `kl_ref`
+        (with a reference) the recipe's KL estimator of KL(pi_theta || pi_ref), the mean over loss tokens."""
         from asyncrl.algo.kl import kl_penalty
         from asyncrl.algo.recipes import compute_policy_loss
 
@@ -287,9 +292,12 @@ class RankStep:
         for i, mb in enumerate(batch.micro_batches):
             learner_logprobs = self._logprobs(mb)
             old = batch.old[i]
-            mask, weights, learner_logprobs, old_logprobs = self._supported(
-                mb, batch.weights[i], learner_logprobs, old if old is not None else learner_logprobs.detach()
+            ref = self._reference_logprobs(mb)
+            logprobs = [learner_logprobs, old if old is not None else learner_logprobs.detach()]
+            mask, weights, (learner_logprobs, old_logprobs, *refs) = self._supported(
+                mb, batch.weights[i], logprobs + ([] if ref is None else [ref])
             )
+            ref = refs[0] if refs else None
             loss, metrics = compute_policy_loss(
                 self.recipe,
                 learner_logprobs,
@@ -299,6 +307,7 @@ class RankStep:
                 mask,
                 weights,
                 mb.group_ids,
+                ref_logprobs=ref,
                 tis_stats=batch.tis_stats,
             )
             loss.backward()
@@ -306,6 +315,9 @@ class RankStep:
             if i < batch.real:
                 kl = kl_penalty(old_logprobs, learner_logprobs.detach(), mask, "k3")
                 metrics["approx_kl"] = float(kl.double().sum()) / max(mb.num_loss_tokens, 1)
+                if ref is not None:
+                    kl = kl_penalty(learner_logprobs.detach().double(), ref.double(), mask, self.recipe.kl_estimator)
+                    metrics["kl_ref"] = float(kl.double().sum()) / max(mb.num_loss_tokens, 1)
                 if self.sampling.truncates:
                     dropped = int(mb.loss_mask.bool().sum()) - int(mask.sum())
                     metrics["outside_support_frac"] = dropped / max(mb.num_loss_tokens, 1)
@@ -316,14 +328,14 @@ class RankStep:
         return float(self.all_reduce(loss_sum, "sum").item()), metrics
 
     def _supported(
-        self, mb: TrainBatch, weights: torch.Tensor, learner_logprobs: torch.Tensor, old_logprobs: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(loss mask, reduction weights, learner and old log-probs) without the tokens that pi_theta or pi_old
-        gives probability 0 under top-k / top-p (`algo.sampling.in_support`); unchanged without truncation."""
+        self, mb: TrainBatch, weights: torch.Tensor, logprobs: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """(loss mask, reduction weights, `logprobs`: learner, old [, reference]) without the tokens that any of
+        them gives probability 0 under top-k / top-p (`algo.sampling.in_support`); unchanged without truncation."""
         if not self.sampling.truncates:
-            return mb.loss_mask, weights, learner_logprobs, old_logprobs
-        mask, (learner_logprobs, old_logprobs) = in_support(mb.loss_mask, [learner_logprobs, old_logprobs])
-        return mask, torch.where(mask, weights, torch.zeros_like(weights)), learner_logprobs, old_logprobs
+            return mb.loss_mask, weights, logprobs
+        mask, logprobs = in_support(mb.loss_mask, logprobs)
+        return mask, torch.where(mask, weights, torch.zeros_like(weights)), logprobs
 
     def _mismatch(
         self, seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]
@@ -396,6 +408,17 @@ class RankStep:
 
         with replaying(self.state.policy, mb.routed_experts):
             return self.state.policy(mb.input_ids, mb.attention_mask, mb.position_ids, self.sampling)
+
+    def _reference_logprobs(self, mb: TrainBatch) -> torch.Tensor | None:
+        """The frozen reference's log-probs of `mb` under the run's sampling distribution (no gradient), or None
+        when the recipe has no KL-to-reference term; that term without a reference is an error. An MoE reference
+        routes with its own routers (the engine's routes are the policy's)."""
+        if self.recipe.kl_coef <= 0:
+            return None
+        if self.reference is None:
+            raise ValueError("algorithm.params.kl_coef > 0: this step has no reference policy (state.build_reference)")
+        with torch.no_grad():
+            return self.reference(mb.input_ids, mb.attention_mask, mb.position_ids, self.sampling)
 
     def _values(self, mb: TrainBatch) -> torch.Tensor:
         if self.state.critic is None:

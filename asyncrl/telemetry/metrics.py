@@ -48,6 +48,11 @@ METRICS: list[MetricSpec] = [
     MetricSpec("asyncrl_learner_loss", "gauge", "Policy loss of the last step"),
     MetricSpec("asyncrl_learner_grad_norm", "gauge", "Pre-clip gradient norm of the last step"),
     MetricSpec(
+        "asyncrl_learner_kl_ref",
+        "gauge",
+        "KL of the policy to the frozen reference policy (the recipe's estimator), mean over loss tokens",
+    ),
+    MetricSpec(
         "asyncrl_rollout_entropy_nats",
         "gauge",
         "Mean -log mu of the sampled tokens of the last batch (a Monte-Carlo estimate of the sampling entropy)",
@@ -208,6 +213,7 @@ STEP_GAUGES = {
     "asyncrl_rollout_reward_mean": "reward",
     "asyncrl_learner_loss": "loss",
     "asyncrl_learner_grad_norm": "grad_norm",
+    "asyncrl_learner_kl_ref": "kl_ref",
     "asyncrl_rollout_entropy_nats": "entropy_mc_nats",
     "asyncrl_rollout_response_length_tokens": "response_length_mean",
 }

@@ -48,6 +48,9 @@ EXACTNESS_RECIPES = {
     "dapo/mis/after_rejection": resolve_recipe("dapo", correction="mis", denominator_after_rejection=True),
     # Batch-normalised TIS divides by the mean TIS weight of the whole batch, summed over micro-batches and ranks.
     "grpo/tis/batch_normalize": resolve_recipe("grpo", correction="tis", tis_batch_normalize=True),
+    # The KL to the reference policy (the starting weights, sharded over the two ranks): k1's gradient is the
+    # policy's log-prob gradient even where the policy is the reference, so the term's reduction is exercised.
+    "grpo/kl_k1": resolve_recipe("grpo", kl_coef=0.5, kl_estimator="k1"),
 }
 
 
@@ -72,15 +75,20 @@ def test_two_ranks_with_micro_batches_give_the_one_rank_loss_and_gradient(pools,
 
 def _plain_loss_and_gradients(tiny_model_dir, params, batch, recipe):
     from asyncrl.algo.recipes import compute_policy_loss, compute_token_weights, tis_normalizer_stats
-    from asyncrl.learner.policy import PolicyModel, hf_name
+    from asyncrl.learner.policy import PolicyModel, hf_name, load_causal_lm
 
     model = PolicyModel(_reference_model(tiny_model_dir, params))
     logprobs = model(batch.input_ids, batch.attention_mask, batch.position_ids, RAW)
     old = logprobs.detach()
     weights = compute_token_weights(recipe, batch.loss_mask, batch.group_ids, old, batch.rollout_logprobs)
     tis_stats = tis_normalizer_stats(recipe, batch.loss_mask, old, batch.rollout_logprobs) if recipe.normalizes_tis else None
+    ref = None
+    if recipe.kl_coef > 0:  # the reference policy: the starting weights
+        with torch.no_grad():
+            ref = PolicyModel(load_causal_lm(str(tiny_model_dir)))(batch.input_ids, batch.attention_mask, batch.position_ids, RAW)
     loss, _ = compute_policy_loss(
-        recipe, logprobs, old, batch.rollout_logprobs, batch.advantages, batch.loss_mask, weights, batch.group_ids, tis_stats=tis_stats
+        recipe, logprobs, old, batch.rollout_logprobs, batch.advantages, batch.loss_mask, weights, batch.group_ids,
+        ref_logprobs=ref, tis_stats=tis_stats,
     )
     loss.backward()
     return float(loss.detach()), {hf_name(n): p.grad.numpy() for n, p in model.named_parameters()}

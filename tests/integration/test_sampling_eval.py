@@ -152,30 +152,14 @@ def test_a_run_retires_prompts_it_solves_and_keeps_sampling_the_others(ray_clust
     """ScaleRL no-positive-resampling over several epochs of an 8-prompt Parquet dataset: the even prompts
     always pass, so each is retired after its first group and skipped when its id comes round again. The
     run samples with top-k and top-p, so its parity probe compares the processed distributions too."""
-    from asyncrl.config import load_config
-    from asyncrl.controller.loop import Controller
-    from asyncrl.envs.data import write_verl_parquet
-    from asyncrl.testing import TINY_RUN
-
-    rows = [
-        {"data_source": "tiny", "prompt": [{"role": "user", "content": f"{i}+{i}="}],
-         "reward_model": {"style": "rule", "ground_truth": str(2 * i)}, "extra_info": {"index": i}}
-        for i in range(8)
-    ]  # fmt: skip
-    write_verl_parquet(rows, tmp_path / "train.parquet")
+    _write_dataset(tmp_path / "train.parquet")
     overrides = {
         "mode": "sync", "buffer.max_staleness": 0, "output_dir": str(tmp_path / "run"), "model.path": str(tiny_model_dir),
         "data.task": "parquet", "data.train_path": str(tmp_path / "train.parquet"), "env.reward": "sandbox_rewards:even_index_passes", "env.reward_timeout_s": 60,
         "buffer.pass_rate_curriculum": True, "learner.max_steps": 5, "rollout.max_tokens": 4, "telemetry.progress": False,
         "checkpoint.export_hf": False, "rollout.temperature": TEMPERATURE, "rollout.top_p": TOP_P, "rollout.top_k": TOP_K,
     }  # fmt: skip
-    cfg = load_config(None, [*TINY_RUN, *(f"{k}={json.dumps(v)}" for k, v in overrides.items())])
-    controller = Controller(cfg, tiny_model_dir)
-    try:
-        controller.start()
-        summary = controller.run()
-    finally:
-        controller.shutdown()
+    summary, _ = _run(overrides, tiny_model_dir)
     import pyarrow.parquet as pq
 
     log = pq.read_table(tmp_path / "run" / "trajectories.parquet", columns=["prompt_id", "group_id"]).to_pylist()
@@ -190,3 +174,48 @@ def test_a_run_retires_prompts_it_solves_and_keeps_sampling_the_others(ray_clust
     assert summary["counters"]["retired_prompts"] == 4
     assert summary["counters"]["skipped_retired"] >= 4  # each even id came round at least once more
     assert summary["parity_max_abs_diff_mean"] is not None and summary["parity_max_abs_diff_mean"] <= PARITY_ATOL
+
+
+def test_a_run_with_a_kl_to_the_starting_weights_reports_it_from_zero(ray_cluster, tiny_model_dir, tmp_path):
+    """`kl_coef` > 0 with the default reference (the starting weights) under top-k / top-p: at step 1 the policy is
+    the reference, so `kl_ref` (k3) is 0; rewards that differ within groups move the policy, so it grows after."""
+    _write_dataset(tmp_path / "train.parquet")
+    overrides = {
+        "mode": "sync", "buffer.max_staleness": 0, "output_dir": str(tmp_path / "run"), "model.path": str(tiny_model_dir),
+        "data.task": "parquet", "data.train_path": str(tmp_path / "train.parquet"), "env.reward": "sandbox_rewards:varied", "env.reward_timeout_s": 60,
+        "learner.max_steps": 3, "learner.lr": 0.01, "rollout.max_tokens": 4, "telemetry.progress": False, "checkpoint.export_hf": False,
+        "rollout.temperature": TEMPERATURE, "rollout.top_p": TOP_P, "rollout.top_k": TOP_K, "algorithm.params": {"kl_coef": 0.1},
+    }  # fmt: skip
+    summary, history = _run(overrides, tiny_model_dir)
+    kl_ref = [row["kl_ref"] for row in history]
+    print("kl_ref per step:", kl_ref, "kl_loss:", [row["kl_loss"] for row in history])
+    assert summary["steps"] == 3 and len(kl_ref) == 3
+    assert abs(kl_ref[0]) <= 1e-6 and abs(history[0]["kl_loss"]) <= 1e-6
+    assert all(k >= 0 for k in kl_ref) and kl_ref[2] > 0
+
+
+def _write_dataset(path: Path) -> None:
+    """8 prompts `i+i=`; the reward `even_index_passes` passes the even ones whatever the answer."""
+    from asyncrl.envs.data import write_verl_parquet
+
+    rows = [
+        {"data_source": "tiny", "prompt": [{"role": "user", "content": f"{i}+{i}="}],
+         "reward_model": {"style": "rule", "ground_truth": str(2 * i)}, "extra_info": {"index": i}}
+        for i in range(8)
+    ]  # fmt: skip
+    write_verl_parquet(rows, path)
+
+
+def _run(overrides: dict, model_dir) -> tuple[dict, list[dict]]:
+    """A real run of TINY_RUN plus `overrides` -> (summary, step rows)."""
+    from asyncrl.config import load_config
+    from asyncrl.controller.loop import Controller
+    from asyncrl.testing import TINY_RUN
+
+    cfg = load_config(None, [*TINY_RUN, *(f"{k}={json.dumps(v)}" for k, v in overrides.items())])
+    controller = Controller(cfg, model_dir)
+    try:
+        controller.start()
+        return controller.run(), controller.records.history
+    finally:
+        controller.shutdown()

@@ -156,3 +156,37 @@ def test_bfloat16_is_rejected_only_where_the_cpu_build_has_no_bfloat16(monkeypat
     monkeypatch.setattr(limits, "cpu_dtypes", lambda: ("float32", "float16"))  # an Apple CPU without FEAT_BF16
     problems = module.preflight(load_config(None, ["model.dtype=bfloat16"]), placement=False)
     assert [str(p) for p in problems] == ["model.dtype: bfloat16 is not a dtype vLLM's CPU build computes in on this machine"]
+
+
+def test_a_kl_to_the_starting_weights_passes(capsys):
+    assert _check(capsys, "algorithm.params={kl_coef: 0.1}") == (0, "")
+
+
+def test_a_reference_that_is_not_a_model_folder_is_rejected_naming_the_key(capsys, tmp_path):
+    code, err = _check(capsys, "algorithm.params={kl_coef: 0.1}", f"learner.reference_path={tmp_path / 'nope'}")
+    assert code == 2 and f"learner.reference_path: {tmp_path / 'nope'} does not exist or is not a directory" in err
+    code, err = _check(capsys, "algorithm.params={kl_coef: 0.1}", f"learner.reference_path={tmp_path}")
+    assert code == 2 and f"learner.reference_path: {tmp_path} has no readable config.json" in err
+
+
+def test_a_reference_must_share_the_policy_vocabulary(tmp_path):
+    policy, reference = tmp_path / "policy", tmp_path / "reference"
+    policy.mkdir(), reference.mkdir()
+    (reference / "config.json").write_text('{"vocab_size": 32}')
+    cfg = load_config(None, [_model_dir(policy, '{"vocab_size": 16}'), f"learner.reference_path={reference}"])
+    problems = [str(p) for p in preflight(cfg, placement=False) if p.key == "learner.reference_path"]
+    assert problems == [
+        f"learner.reference_path: {reference / 'config.json'}: vocab_size 32 is not the policy's (16, model.path); "
+        "the KL term compares the two models' log-probs of the same tokens"
+    ]
+    (reference / "config.json").write_text('{"vocab_size": 16}')
+    assert [p for p in preflight(cfg, placement=False) if p.key == "learner.reference_path"] == []
+
+
+def test_the_rank_memory_budget_counts_the_reference_when_the_recipe_has_a_kl_term(tiny_model_dir):
+    # tiny-0.3m on one rank: 3.97 MB of train state, plus 0.99 MB of reference weights with kl_coef > 0.
+    overrides = [f"model.path={tiny_model_dir}", "learner.rank_memory_gb=0.0045"]
+    plain = preflight(load_config(None, overrides), placement=False)
+    kl = preflight(load_config(None, [*overrides, "algorithm.params={kl_coef: 0.1}"]), placement=False)
+    assert [p for p in plain if p.key == "learner.rank_memory_gb"] == []
+    assert [p.key for p in kl if "0.000991 of the reference policy" in p.reason] == ["learner.rank_memory_gb"]

@@ -57,3 +57,8 @@ def counted(response, ground_truth, *, finish_reason, extra_info):
     if response == "crash":
         os._exit(7)
     return float(CALLS)
+
+
+def varied(response, ground_truth, *, finish_reason, extra_info):
+    """A reward that differs between most responses (the sum of their character codes mod 7): groups get advantages."""
+    return float(sum(map(ord, response)) % 7)

@@ -198,3 +198,16 @@ def test_a_wrapped_rank_holds_the_computed_shares(states, tiny_model_dir):
         assert held["param_bytes"] == need.params
         # AdamW: two fp32 moments per parameter, and a 4-byte step counter per tensor.
         assert held["optimizer_bytes"] == need.optimizer + 4 * 50
+
+
+def test_the_rank_memory_budget_counts_the_reference_policy_sharded(tiny_model_dir):
+    from asyncrl.learner.memory import check_rank_memory
+
+    # tiny-0.3m: 247,872 parameters; the reference adds its fp32 weights, 4 bytes each, halved on two ranks.
+    for ranks in (1, 2):
+        plain = check_rank_memory(LearnerConfig(rank_memory_gb=1, num_ranks=ranks), str(tiny_model_dir))
+        kl = check_rank_memory(LearnerConfig(rank_memory_gb=1, num_ranks=ranks), str(tiny_model_dir), reference=True)
+        assert plain is not None and kl is not None and plain.reference == 0
+        assert kl.reference == 247_872 * 4 // ranks and kl.state == plain.state + kl.reference
+    with pytest.raises(ValueError, match=r"\+ 0.000991 of the reference policy per rank.*It fits from learner.num_ranks = 2"):
+        check_rank_memory(LearnerConfig(rank_memory_gb=0.0035), str(tiny_model_dir), reference=True)
