@@ -18,19 +18,6 @@ from .helpers import random_groups
 RECIPE = resolve_recipe("cispo")
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    if owned:
-        dist.destroy_process_group()
-
-
 def _state(tiny_model_dir, mesh, fsdp: str, dtype=torch.float32, **config):
     from asyncrl.learner.policy import shard
     from asyncrl.learner.state import build_train_state

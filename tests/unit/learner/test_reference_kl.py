@@ -19,19 +19,6 @@ COEF = 0.1
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    if owned:
-        dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
 def perturbed_dir(tiny_model_dir, tmp_path_factory):
     """The tiny model with every weight moved by N(0, 0.05^2) noise, saved as a model folder."""
     from asyncrl.learner.policy import load_causal_lm
