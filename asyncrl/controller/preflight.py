@@ -186,12 +186,10 @@ def _supported(path: Path, allow_untested: bool = False) -> list[Problem]:
     """An architecture the learner and engines are tested with (`asyncrl.models.families`, docs/models.md), and a
     chat template (prompts are chat messages: Parquet rows, multi-turn environments, the OpenAI endpoint)."""
     from asyncrl.models.families import SUPPORTED_ARCHITECTURES
+    from asyncrl.models.templates import has_chat_template
 
     problems = []
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        config = None  # `_engine` names the unreadable file
+    config = _config_json(path)
     architectures = config.get("architectures") if isinstance(config, dict) else None
     if isinstance(config, dict) and not (isinstance(architectures, list) and architectures):
         problems.append(Problem("model.path", f"{path / 'config.json'} names no architecture (`architectures`)"))
@@ -204,7 +202,7 @@ def _supported(path: Path, allow_untested: bool = False) -> list[Problem]:
                 "model.allow_untested_architecture=true starts it anyway)",
             )
         )
-    if not _has_chat_template(path):
+    if not has_chat_template(path):
         problems.append(
             Problem(
                 "model.path",
@@ -215,14 +213,12 @@ def _supported(path: Path, allow_untested: bool = False) -> list[Problem]:
     return problems
 
 
-def _has_chat_template(path: Path) -> bool:
-    if (path / "chat_template.jinja").is_file():
-        return True
+def _config_json(folder: str | Path) -> object | None:
+    """A model folder's parsed `config.json`, or None when it cannot be read as JSON (`_engine` names why)."""
     try:
-        tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+        return json.loads((Path(folder) / "config.json").read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(tokenizer_config, dict) and bool(tokenizer_config.get("chat_template"))
+        return None
 
 
 def _model_folder(cfg: Config) -> list[Problem]:
@@ -284,9 +280,8 @@ def _routing_replay(cfg: Config) -> list[Problem]:
     if cfg.model.path is not None:
         if _model_folder(cfg):
             return []  # reported by `_model`
-        try:
-            config = json.loads((Path(cfg.model.path) / "config.json").read_text())
-        except (OSError, ValueError):
+        config = _config_json(cfg.model.path)
+        if config is None:
             return []  # reported by `_engine`
     reason = routes_problem(config if isinstance(config, dict) else {})
     return [Problem("learner.routing_replay", reason)] if reason else []
@@ -300,15 +295,11 @@ def _reference(cfg: Config) -> list[Problem]:
     path = Path(cfg.learner.reference_path)
     if not path.is_dir():
         return [Problem("learner.reference_path", f"{path} does not exist or is not a directory")]
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
+    config = _config_json(path)
+    if config is None:
         reason = f"{path} has no readable config.json (not a Hugging Face model folder)"
         return [Problem("learner.reference_path", reason)]
-    try:
-        policy = json.loads((Path(cfg.model.path) / "config.json").read_text()) if cfg.model.path else None
-    except (OSError, ValueError):
-        return []  # reported by `_model`
+    policy = _config_json(cfg.model.path) if cfg.model.path else None
     vocab, policy_vocab = (c.get("vocab_size") if isinstance(c, dict) else None for c in (config, policy))
     if policy_vocab is not None and vocab != policy_vocab:
         return [

@@ -96,14 +96,9 @@ class ChatTurns:
     def for_model(cls, model_dir: str) -> ChatTurns | None:
         """The model folder's chat turns, or None when the folder has no chat template (observations are then
         appended as they are); the tokenizer loads on first use."""
-        from pathlib import Path
+        from asyncrl.models.templates import has_chat_template
 
-        path = Path(model_dir)
-        config = path / "tokenizer_config.json"
-        has_template = (path / "chat_template.jinja").is_file() or (
-            config.is_file() and "chat_template" in config.read_text()
-        )
-        return cls(str(path)) if has_template else None
+        return cls(str(model_dir)) if has_chat_template(model_dir) else None
 
     @cached_property
     def tokenizer(self) -> Any:

@@ -8,6 +8,7 @@ concatenated. `chatml` (Qwen), `llama3` (Llama 3's headers) and `gemma` (Gemma's
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from asyncrl.models.tokenizer import CHAT_TEMPLATE
@@ -29,3 +30,16 @@ def load_chat_template(name_or_path: str) -> str:
             f"chat template {name_or_path!r} is neither a shipped name ({', '.join(SHIPPED)}) nor a file"
         )
     return path.read_text()
+
+
+def has_chat_template(model_dir: str | Path) -> bool:
+    """Whether a model folder's tokenizer has a chat template: a `chat_template.jinja` beside it, or a non-empty
+    `chat_template` in its `tokenizer_config.json`."""
+    path = Path(model_dir)
+    if (path / "chat_template.jinja").is_file():
+        return True
+    try:
+        tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(tokenizer_config, dict) and bool(tokenizer_config.get("chat_template"))
