@@ -56,9 +56,16 @@ class DataConfig(Section):
     (multi-operand sums to solve with the calculator) and `word_problems` (templated arithmetic stories) are
     generated locally for the agent environments (docs/environments.md)."""
     train_path: str | None = None
-    """Parquet file of training prompts (verl column layout) when `task: parquet`."""
+    """Training prompts (verl column layout) when `task: parquet`: a Parquet file, a folder (its `*.parquet`
+    files, recursively) or a glob, read in sorted path order (docs/data.md)."""
     eval_path: str | None = None
-    """Parquet file of held-out prompts when `task: parquet`."""
+    """Held-out prompts when `task: parquet` (file, folder or glob): the first `eval_prompts` in file order."""
+    shuffle_window: int = Field(4, ge=0)
+    """`task: parquet`: each epoch visits the row groups in an order seeded by `seed` and the epoch, and shuffles
+    the rows of this many row groups together (they are resident meanwhile); 0 = file order, no shuffle."""
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    """`task: parquet`: longer prompts (in tokens, chat template applied) are skipped and counted
+    (`data.prompts_dropped` in summary.json); None = rollout.max_model_len - rollout.max_tokens."""
     eval_prompts: int = Field(500, ge=1)
     """Number of held-out prompts used for evaluation."""
     max_operand: int = Field(999, ge=1)
@@ -66,4 +73,4 @@ class DataConfig(Section):
     operands: int = Field(3, ge=2, le=8)
     """Operands of one `calc` problem (each a 3-digit number)."""
     seed: int = 0
-    """Seed of the prompt stream; the held-out set uses its own fixed seed."""
+    """Seed of the prompt stream (and of a Parquet dataset's shuffle); the held-out set uses its own fixed seed."""

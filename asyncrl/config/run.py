@@ -141,6 +141,12 @@ class Config(Section):
             )
         if self.data.task == "parquet" and not self.data.train_path:
             raise ValueError("data.task 'parquet' needs data.train_path")
+        room = self.rollout.max_model_len - self.rollout.max_tokens
+        if (self.data.max_prompt_tokens or 0) > room:
+            raise ValueError(
+                f"data.max_prompt_tokens ({self.data.max_prompt_tokens}) leaves no room for rollout.max_tokens "
+                f"({self.rollout.max_tokens}) in rollout.max_model_len ({self.rollout.max_model_len}): at most {room}"
+            )
         self._collective_placement()
         return self
 

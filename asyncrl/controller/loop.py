@@ -24,6 +24,7 @@ from asyncrl.controller.evaluation import Evaluation
 from asyncrl.controller.faults import poison_batch
 from asyncrl.controller.fleet import Fleet
 from asyncrl.controller.records import Records, RunState, build_telemetry
+from asyncrl.envs.parquet import ParquetPrompts
 from asyncrl.telemetry.alarms import Alarms
 from asyncrl.telemetry.dashboard import Dashboard
 from asyncrl.telemetry.sinks import AlarmEvent, SyncEvent, Telemetry
@@ -88,7 +89,7 @@ class Controller:
         """Load the tokenizer and prompts, start the fleet, resume if asked, and let the engines generate."""
         from transformers import AutoTokenizer
 
-        from asyncrl.envs.data import eval_prompts, train_stream
+        from asyncrl.envs.data import eval_prompts, probe_prompt, train_stream
 
         cfg = self.cfg
         self.telemetry.phase("loading the tokenizer and prompts")
@@ -96,7 +97,7 @@ class Controller:
         self.prompts = train_stream(cfg, tokenizer)
         eval_set = self.evaluation.eval_set = eval_prompts(cfg, tokenizer)
         # The parity probe's fixed sequence: a held-out prompt and its answer (a Parquet run may have no eval set).
-        probe = eval_set[0] if eval_set else next(train_stream(cfg, tokenizer))
+        probe = eval_set[0] if eval_set else probe_prompt(cfg, tokenizer, self.prompts)
         answer = tokenizer(probe.ground_truth, add_special_tokens=False).input_ids
         self.evaluation.probe = (probe.prompt_ids + answer, len(probe.prompt_ids))
         self.fleet.start(self.model_dir)
@@ -147,7 +148,12 @@ class Controller:
         self.fleet.record_events()  # e.g. a replacement the last evaluation waited for joined meanwhile
         self._checkpoint()
         return self.records.summary(
-            time.perf_counter() - start, self.fleet, self.evaluation, self.alarms, self.stop_requested
+            time.perf_counter() - start,
+            self.fleet,
+            self.evaluation,
+            self.alarms,
+            self.stop_requested,
+            self._data_position(),
         )
 
     # ------------------------------------------------------------------------------------------------
@@ -218,6 +224,18 @@ class Controller:
             batch = [next(self.prompts) for _ in range(want - backlog)]
             self.state.prompts_drawn += len(batch)
             self.fleet.queue.add_prompts(batch, cfg.rollout.samples_per_prompt)
+            self._note_dropped_prompts()
+
+    def _note_dropped_prompts(self) -> None:
+        """Say when a Parquet stream first skipped prompts longer than `data.max_prompt_tokens`, and again each
+        time the count doubles (the count is in summary.json's `data`)."""
+        dropped = getattr(self.prompts, "dropped", 0)
+        if dropped and dropped >= 2 * self.state.prompts_dropped_noted:
+            self.state.prompts_dropped_noted = dropped
+            self.telemetry.note(
+                f"{dropped} prompt(s) skipped so far: longer than data.max_prompt_tokens "
+                f"({getattr(self.prompts, 'max_prompt_tokens', '?')} tokens)"
+            )
 
     def _evaluate(self, start: float) -> None:
         if self.evaluation.eval_set:
@@ -270,12 +288,17 @@ class Controller:
             "samples_trained": state.samples_trained,
             "tokens_trained": state.tokens_trained,
             "prompts_drawn": state.prompts_drawn,
+            "data": self._data_position(),
             "queue": fleet.queue.state_dict(),
             "best_eval": self.evaluation.best.state_dict(),
         }
         fleet.learner.save_checkpoint(folder, state.version, extra)
         if self.cfg.checkpoint.export_hf:
             fleet.learner.export_hf(self.records.out / "final_model")
+
+    def _data_position(self) -> dict[str, Any] | None:
+        """A Parquet stream's position (epoch, rows read, prompts dropped); None for the generated tasks."""
+        return self.prompts.state_dict() if isinstance(self.prompts, ParquetPrompts) else None
 
     def _resume(self, where: str) -> None:
         from asyncrl.learner.checkpoint import STATE_FILE
@@ -294,9 +317,13 @@ class Controller:
         state.samples_trained, state.tokens_trained = extra["samples_trained"], extra["tokens_trained"]
         self.fleet.queue.load_state_dict(extra["queue"])
         self.evaluation.best.load_state_dict(extra.get("best_eval"))  # checkpoints from before it have none
-        # The prompt stream is deterministic: skip what the checkpointed run already drew.
-        for _ in range(extra["prompts_drawn"]):
-            next(self.prompts)
+        # A Parquet stream resumes at its checkpointed position; the generated ones are deterministic: skip what
+        # the checkpointed run already drew.
+        if isinstance(self.prompts, ParquetPrompts) and extra.get("data"):
+            self.prompts.load_state_dict(extra["data"])
+        else:
+            for _ in range(extra["prompts_drawn"]):
+                next(self.prompts)
         state.prompts_drawn = extra["prompts_drawn"]
         # Engines start from the model folder; bring them to the checkpointed weights and version.
         sync = self.fleet.sync

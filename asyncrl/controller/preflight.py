@@ -19,9 +19,9 @@ from pathlib import Path
 from asyncrl.cluster.calls import named_get
 from asyncrl.config import Config
 
-VERL_COLUMNS = ("data_source", "prompt", "reward_model")
 ROWS_CHECKED = 64
-"""Rows of each Parquet file whose nested layout is checked (the schema is checked for the whole file)."""
+"""Rows of each Parquet file whose nested layout is checked (the schema is checked for the whole file), and rows
+of the first file whose prompt lengths are."""
 
 
 @dataclass(frozen=True)
@@ -313,38 +313,50 @@ def _reference(cfg: Config) -> list[Problem]:
 
 
 def _data(cfg: Config) -> list[Problem]:
+    from asyncrl.envs.parquet import resolve_files
+
     if cfg.data.task != "parquet":
         return []
     if not cfg.data.train_path:
         return [Problem("data.train_path", "task 'parquet' needs a training file")]
-    files = {"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path}
+    specs = {"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path}
     problems = []
-    for key, path in files.items():
-        if path:
-            problems += _parquet(key, path) or _prompt_lengths(cfg, key, path)
+    for key, spec in specs.items():
+        if not spec:
+            continue
+        try:
+            files = resolve_files(spec)
+        except FileNotFoundError as e:
+            problems.append(Problem(key, str(e)))
+            continue
+        found = [p for path in files for p in _parquet(key, path, alone=len(files) == 1)]
+        problems += found or _prompt_lengths(cfg, key, files[0])
     return problems
 
 
 def _prompt_lengths(cfg: Config, key: str, path: str) -> list[Problem]:
-    """Every prompt, as the run will tokenize it, leaves room for `rollout.max_tokens` in the context."""
+    """Some of the first rows, as the run will tokenize them, are short enough to keep (`data.max_prompt_tokens`):
+    the run skips longer prompts, and a dataset of only those would never give the engines a prompt."""
     import pyarrow.parquet as pq
 
-    from asyncrl.envs.data import encode_messages
+    from asyncrl.envs.data import encode_messages, max_prompt_tokens
 
     tokenizer = _tokenizer(cfg)
     if tokenizer is None:
         return []  # the model itself is at fault, reported by `_model`
-    limit = cfg.rollout.max_model_len - cfg.rollout.max_tokens
-    for row, prompt in enumerate(pq.read_table(path, columns=["prompt"]).column("prompt").to_pylist()):
-        length = len(encode_messages(tokenizer, prompt))
-        if length > limit:
-            return [
-                Problem(
-                    key,
-                    f"{path}: row {row}: the prompt has {length} tokens; with rollout.max_tokens "
-                    f"{cfg.rollout.max_tokens} it does not fit rollout.max_model_len {cfg.rollout.max_model_len}",
-                )
-            ]
+    limit = max_prompt_tokens(cfg)
+    rows = next(pq.ParquetFile(path).iter_batches(batch_size=ROWS_CHECKED, columns=["prompt"]), None)
+    if rows is None:
+        return []  # an empty first file of several
+    lengths = [len(encode_messages(tokenizer, prompt)) for prompt in rows.column("prompt").to_pylist()]
+    if min(lengths) > limit:
+        return [
+            Problem(
+                key,
+                f"{path}: every one of the first {len(lengths)} prompts is longer than data.max_prompt_tokens "
+                f"({limit} tokens; the shortest has {min(lengths)}): the run would skip them all",
+            )
+        ]
     return []
 
 
@@ -362,24 +374,18 @@ def _tokenizer(cfg: Config):
     return AutoTokenizer.from_pretrained(cfg.model.path)
 
 
-def _parquet(key: str, path: str) -> list[Problem]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+def _parquet(key: str, path: str, alone: bool) -> list[Problem]:
+    """The file's schema and first rows; an empty file is a problem when it is the dataset's only one."""
     from asyncrl.envs.data import check_verl_rows
+    from asyncrl.envs.parquet import open_parquet
 
     try:
-        file = pq.ParquetFile(path)
-    except FileNotFoundError:
-        return [Problem(key, f"{path} does not exist")]
-    except (OSError, pa.ArrowException) as e:
-        return [Problem(key, f"{path} is not a readable Parquet file: {e}")]
-    missing = [c for c in VERL_COLUMNS if c not in file.schema_arrow.names]
-    if missing:
-        return [Problem(key, f"{path} lacks the verl columns {missing} (has {file.schema_arrow.names})")]
+        file = open_parquet(path)
+    except (OSError, ValueError) as e:
+        return [Problem(key, str(e))]
     rows = next(file.iter_batches(batch_size=ROWS_CHECKED), None)
     if rows is None:
-        return [Problem(key, f"{path} has no rows")]
+        return [Problem(key, f"{path} has no rows")] if alone else []
     try:
         check_verl_rows(rows.to_pylist(), path)
     except ValueError as e:

@@ -69,6 +69,8 @@ class RunState:
     samples_trained: int = 0
     tokens_trained: int = 0
     prompts_drawn: int = 0
+    prompts_dropped_noted: int = 0
+    """The count of prompts skipped as too long when the run last said so."""
     learner_wait_s: float = 0.0
     learner_at_version: bool = True
     """Whether the learner's weights are those of `version` (not trained past it): the best policy can only be
@@ -144,8 +146,15 @@ class Records:
             )
 
     def summary(
-        self, wall_s: float, fleet: Fleet, evaluation: Evaluation, alarms: Alarms, stopped_early: str | None
+        self,
+        wall_s: float,
+        fleet: Fleet,
+        evaluation: Evaluation,
+        alarms: Alarms,
+        stopped_early: str | None,
+        data: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """The run's summary (summary.json); `data`: a Parquet stream's position and dropped-prompt count."""
         snapshot = fleet.snapshot()
         self.telemetry.pool(snapshot)
         counters, rollout = snapshot.counters, snapshot.engines
@@ -179,4 +188,5 @@ class Records:
             "faults": recovery_timings(fleet.pool_events),
             "scaling": scaling_timings(fleet.pool_events),
             "tools": fleet.tools.summary() if fleet.tools else None,
+            "data": data,
         }

@@ -9,12 +9,14 @@ verl layout, one row per prompt:
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from asyncrl.envs import add, calc
+from asyncrl.envs.parquet import ParquetIndex, ParquetPrompts, check_verl_row
 from asyncrl.types import Prompt
 
 
@@ -76,52 +78,33 @@ def read_verl_parquet(path: str | Path) -> list[dict[str, Any]]:
 def check_verl_rows(rows: list[dict[str, Any]], path: str | Path) -> None:
     """Raise naming the file and row unless every row has the nested verl layout."""
     for i, row in enumerate(rows):
-        prompt = row["prompt"]
-        if (
-            not isinstance(prompt, list)
-            or not prompt
-            or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)
-        ):
-            raise ValueError(f"{path}: row {i}: 'prompt' must be a non-empty list of {{role, content}} messages")
-        _check_text(prompt, path, i)
-        if not isinstance(row["reward_model"], dict) or "ground_truth" not in row["reward_model"]:
-            raise ValueError(f"{path}: row {i}: reward_model.ground_truth is missing")
-
-
-def _check_text(messages: list[dict[str, Any]], path: str | Path, row: int) -> None:
-    """Each message's content is UTF-8 text, and the prompt has some."""
-    for m, message in enumerate(messages):
-        content = message["content"]
-        if isinstance(content, bytes):
-            try:
-                content.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(
-                    f"{path}: row {row}: prompt message {m} is not UTF-8 text ({e.reason} at byte {e.start})"
-                ) from None
-        if not isinstance(content, str):
-            raise ValueError(
-                f"{path}: row {row}: prompt message {m} content must be a string (got {type(content).__name__})"
-            )
-    if not any(message["content"].strip() for message in messages):
-        raise ValueError(f"{path}: row {row}: the prompt is empty (every message's content is blank)")
+        check_verl_row(row, f"{path}: row {i}")
 
 
 def verl_prompts(tokenizer: Any, path: str | Path) -> list[Prompt]:
-    prompts = []
-    for i, row in enumerate(read_verl_parquet(path)):
-        extra = dict(row.get("extra_info") or {})
-        prompts.append(
-            Prompt(
-                prompt_id=str(extra.get("index", i)),
-                prompt_ids=encode_messages(tokenizer, row["prompt"]),
-                ground_truth=str(row["reward_model"]["ground_truth"]),
-                text=row["prompt"][-1]["content"],
-                data_source=row["data_source"],
-                extra_info=extra,
-            )
-        )
-    return prompts
+    """Every prompt of a dataset (file, folder or glob), in file order: one epoch, nothing filtered."""
+    stream = parquet_stream(tokenizer, str(path), seed=0, window=0, max_prompt_tokens=None)
+    return [next(stream) for _ in range(stream.index.num_rows)]
+
+
+def parquet_stream(
+    tokenizer: Any, path: str, seed: int, window: int, max_prompt_tokens: int | None, key: str = "data.train_path"
+) -> ParquetPrompts:
+    """The prompt stream of a Parquet dataset; errors name the config key and the file, row group or row."""
+    try:
+        index = ParquetIndex.build(path)
+    except (OSError, ValueError) as e:
+        raise type(e)(f"{key}: {e}") from None
+    limit = max_prompt_tokens if max_prompt_tokens is not None else np.iinfo(np.int64).max
+    return ParquetPrompts(index, lambda messages: encode_messages(tokenizer, messages), seed, window, int(limit))
+
+
+def max_prompt_tokens(cfg) -> int:
+    """The longest prompt a run keeps: `data.max_prompt_tokens`, by default what leaves `rollout.max_tokens` of
+    room to answer in `rollout.max_model_len`."""
+    if cfg.data.max_prompt_tokens is not None:
+        return int(cfg.data.max_prompt_tokens)
+    return int(cfg.rollout.max_model_len - cfg.rollout.max_tokens)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -147,12 +130,14 @@ def heldout_agent_prompts(tokenizer: Any, task: str, n: int, operands: int) -> l
 
 def train_stream(cfg, tokenizer: Any) -> Iterator[Prompt]:
     """The endless training prompt stream of a config (`data` section). A Parquet dataset repeats epoch after
-    epoch with the same prompt ids, so per-prompt state (the pass-rate curriculum) sees a prompt again."""
+    epoch (each shuffled, asyncrl.envs.parquet) with the same prompt ids, so per-prompt state (the pass-rate
+    curriculum) sees a prompt again."""
     if cfg.data.task == "add":
         return add_prompt_stream(tokenizer, cfg.data.seed, cfg.data.max_operand)
     if cfg.data.task in calc.PROBLEMS:
         return agent_task_stream(tokenizer, cfg.data.task, cfg.data.seed, cfg.data.operands)
-    return itertools.cycle(verl_prompts(tokenizer, cfg.data.train_path))
+    d = cfg.data
+    return parquet_stream(tokenizer, d.train_path, d.seed, d.shuffle_window, max_prompt_tokens(cfg))
 
 
 def eval_prompts(cfg, tokenizer: Any) -> list[Prompt]:
@@ -162,4 +147,17 @@ def eval_prompts(cfg, tokenizer: Any) -> list[Prompt]:
         return heldout_agent_prompts(tokenizer, cfg.data.task, cfg.data.eval_prompts, cfg.data.operands)
     if not cfg.data.eval_path:
         return []
-    return verl_prompts(tokenizer, cfg.data.eval_path)[: cfg.data.eval_prompts]
+    stream = parquet_stream(tokenizer, cfg.data.eval_path, 0, 0, max_prompt_tokens(cfg), key="data.eval_path")
+    prompts: list[Prompt] = []
+    while stream.epoch == 0 and len(prompts) < cfg.data.eval_prompts:
+        prompt = next(stream)
+        if stream.epoch == 0:  # a prompt after the last long ones dropped comes from the next epoch
+            prompts.append(prompt)
+    return prompts
+
+
+def probe_prompt(cfg, tokenizer: Any, stream: Iterator[Prompt]) -> Prompt:
+    """The first prompt of a fresh training stream (the parity probe's, when a run has no eval set)."""
+    if isinstance(stream, ParquetPrompts):
+        return next(stream.fresh())
+    return next(train_stream(cfg, tokenizer))

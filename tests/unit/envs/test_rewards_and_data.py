@@ -58,13 +58,13 @@ def test_verl_parquet_round_trips(tmp_path):
     assert prompts[2].prompt_id == "2" and prompts[2].data_source == "openai/gsm8k"
 
 
-def test_a_parquet_stream_repeats_epochs_with_stable_prompt_ids(tmp_path):
+def test_an_unshuffled_parquet_stream_repeats_epochs_in_file_order_with_stable_prompt_ids(tmp_path):
     from asyncrl.config import Config
     from asyncrl.envs.data import train_stream
 
     rows = [{"data_source": "d", "prompt": [{"role": "user", "content": f"{i}+1="}], "reward_model": {"ground_truth": str(i + 1)}} for i in range(3)]
     write_verl_parquet(rows, tmp_path / "train.parquet")
-    cfg = Config.model_validate({"data": {"task": "parquet", "train_path": str(tmp_path / "train.parquet")}})
+    cfg = Config.model_validate({"data": {"task": "parquet", "train_path": str(tmp_path / "train.parquet"), "shuffle_window": 0}})
     stream = train_stream(cfg, build_char_tokenizer(ASCII_ALPHABET))
     ids = [next(stream).prompt_id for _ in range(7)]
     assert ids == ["0", "1", "2", "0", "1", "2", "0"]  # 3 rows, epoch 2 and 3 start with the same ids
