@@ -133,35 +133,46 @@ class ParquetIndex:
         return self.locate(row).describe()
 
     def _check_unique(self, ids: list[Any]) -> None:
+        """ValueError naming the first repeated id and its first two rows. Integer ids (the usual `extra_info.index`,
+        and row numbers) are compared as an int64 array; string ids as an Arrow string array."""
         import pyarrow as pa
-        import pyarrow.compute as pc
 
-        column = pa.chunked_array(ids, pa.string())
-        counts = pc.value_counts(column)
-        repeated = counts.filter(pc.greater(counts.field("counts"), 1))
-        if len(repeated):
-            prompt_id = repeated.field("values")[0].as_py()
-            first, second = np.flatnonzero(pc.equal(column, prompt_id).to_numpy(zero_copy_only=False))[:2]
+        if all(isinstance(part, np.ndarray) for part in ids):
+            column = np.concatenate(ids)
+        else:
+            column = pa.chunked_array([pa.array(p.astype(str)) if isinstance(p, np.ndarray) else p for p in ids])
+            column = column.to_numpy(zero_copy_only=False)  # objects: a tiebreak-free sort below names the rows
+        order = np.argsort(column, kind="stable")
+        ordered = column[order]
+        repeats = np.flatnonzero(ordered[1:] == ordered[:-1])
+        pa.default_memory_pool().release_unused()  # the id columns were read through Arrow's pool
+        if repeats.size:
+            at = repeats[0]
+            prompt_id, first, second = str(ordered[at]), int(order[at]), int(order[at + 1])
+            distinct = len(np.unique(ordered[1:][repeats]))
             raise ValueError(
-                f"{self.spec}: duplicate prompt id {prompt_id!r} (extra_info.index) at {self.where(int(first))} "
-                f"and at {self.where(int(second))}; {len(repeated)} id(s) repeat. Prompt ids key per-prompt state "
+                f"{self.spec}: duplicate prompt id {prompt_id!r} (extra_info.index) at {self.where(first)} "
+                f"and at {self.where(second)}; {distinct} id(s) repeat. Prompt ids key per-prompt state "
                 "(the pass-rate curriculum): make extra_info.index unique, or drop the column to number rows"
             )
 
 
 def _file_ids(file: Any, path: str, first_row: int) -> Any:
-    """The file's prompt ids as strings: `extra_info.index`, or the row's dataset-wide number where it is null."""
+    """The file's prompt ids: `extra_info.index`, or the row's dataset-wide number where it is null or absent;
+    an int64 array when they are integers, else an Arrow string array."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    numbers = pa.array(np.arange(first_row, first_row + file.metadata.num_rows).astype(str))
+    numbers = np.arange(first_row, first_row + file.metadata.num_rows, dtype=np.int64)
     if not _has_index(file):
         return numbers
     try:
-        column = file.read(columns=["extra_info.index"]).column("extra_info").combine_chunks().field("index")
+        column = file.read(columns=["extra_info.index"], use_threads=False).column("extra_info").combine_chunks().field("index")
     except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds for a damaged column
         raise ValueError(f"{path}: cannot read column extra_info.index: {e}") from None
-    return pc.coalesce(pc.cast(column, pa.string()), numbers)
+    if pa.types.is_integer(column.type):
+        return pc.coalesce(pc.cast(column, pa.int64()), pa.array(numbers)).to_numpy()
+    return pc.coalesce(pc.cast(column, pa.string()), pa.array(numbers.astype(str)))
 
 
 def check_verl_row(row: dict[str, Any], where: str) -> None:
