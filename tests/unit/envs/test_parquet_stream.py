@@ -150,3 +150,14 @@ def test_a_bad_row_is_named_by_file_row_and_row_group_when_it_is_drawn(tmp_path)
     draw(stream, 6)
     with pytest.raises(ValueError, match=r"t.parquet: row 6 \(row group 1\): reward_model.ground_truth is missing"):
         next(stream)
+
+
+def test_string_ids_are_checked_too_and_an_empty_file_among_several_is_skipped(tmp_path):
+    named = [{**r, "extra_info": {"index": f"q{r['extra_info']['index'] % 4}"}} for r in rows(0, 6)]  # q0 q1 q2 q3 q0 q1
+    write(tmp_path / "a.parquet", named[:4])
+    pq.write_table(pa.Table.from_pylist(named[:1]).slice(0, 0), tmp_path / "b.parquet")  # no rows
+    stream = parquet_stream(TOK, str(tmp_path), seed=1, window=1, max_prompt_tokens=None)
+    assert sorted(next(stream).prompt_id for _ in range(4)) == ["q0", "q1", "q2", "q3"] and stream.index.num_rows == 4
+    write(tmp_path / "c.parquet", named[4:])
+    with pytest.raises(ValueError, match=r"duplicate prompt id 'q0' \(extra_info.index\) at .*a.parquet: row 0 .*c.parquet: row 0 .*2 id"):
+        parquet_stream(TOK, str(tmp_path), seed=1, window=1, max_prompt_tokens=None)
