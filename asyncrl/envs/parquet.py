@@ -167,7 +167,8 @@ def _file_ids(file: Any, path: str, first_row: int) -> Any:
     if not _has_index(file):
         return numbers
     try:
-        column = file.read(columns=["extra_info.index"], use_threads=False).column("extra_info").combine_chunks().field("index")
+        table = file.read(columns=["extra_info.index"], use_threads=False)
+        column = table.column("extra_info").combine_chunks().field("index")
     except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds for a damaged column
         raise ValueError(f"{path}: cannot read column extra_info.index: {e}") from None
     if pa.types.is_integer(column.type):

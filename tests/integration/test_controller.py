@@ -2,7 +2,8 @@
 
 Covers: engine/learner parity after every weight sync, the staleness bound, conservation, the best evaluated
 policy kept in best_model/, and checkpoint -> stop -> resume continuing at the same version with the same
-counters, also with the learner pool resized (1 -> 2 ranks).
+counters, also with the learner pool resized (1 -> 2 ranks); the runs read a two-file Parquet dataset, and the
+resumed one goes on from the checkpointed data position.
 """
 
 import json
@@ -58,8 +59,25 @@ def first_run(ray_cluster, tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("controller")
     # The random tiny model earns no reward, so its advantages are 0: weight decay moves its weights every step,
     # so that best_model/ can tell the steps apart.
-    cfg = _config(tmp, **{"model.path": str(tiny_model_dir), "eval.every_steps": 1, "checkpoint.export_best": True, "learner.weight_decay": 0.01})
+    data = {"data.task": "parquet", "data.train_path": str(_add_parquet(tmp / "train", 2, 16)), "data.eval_path": str(_add_parquet(tmp / "eval", 1, 20, heldout=True))}
+    cfg = _config(tmp, **{"model.path": str(tiny_model_dir), "eval.every_steps": 1, "checkpoint.export_best": True, "learner.weight_decay": 0.01, **data})
     return cfg, _run(cfg, tiny_model_dir)
+
+
+def _add_parquet(folder, files, rows_per_file, heldout=False):
+    """`add` prompts in verl-layout Parquet files of row groups of 4 rows (the stream shuffles them per epoch)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from asyncrl.envs import add
+
+    pairs = add.heldout_pairs(files * rows_per_file) if heldout else list(zip(range(1, 99, 3), range(50, 98), strict=False))
+    rows = [{"data_source": "add", "prompt": [{"role": "user", "content": add.prompt_text(a, b)}],
+             "reward_model": {"style": "rule", "ground_truth": str(a + b)}, "extra_info": {"index": i}} for i, (a, b) in enumerate(pairs)]  # fmt: skip
+    folder.mkdir(parents=True)
+    for f in range(files):
+        pq.write_table(pa.Table.from_pylist(rows[f * rows_per_file : (f + 1) * rows_per_file]), folder / f"part-{f}.parquet", row_group_size=4)
+    return folder
 
 
 def test_every_weight_sync_restores_engine_learner_parity(first_run):
@@ -117,6 +135,11 @@ def test_resume_continues_at_the_same_version_with_the_same_counters(first_run, 
     assert history[0]["version"] == 3  # the first resumed step trains at the checkpointed version
     assert resumed["final_version"] == 5
     assert resumed["best_eval"]["accuracy"] >= summary["best_eval"]["accuracy"]  # the record came with the checkpoint
+    # The Parquet stream went on from its checkpointed position: rows read (32 an epoch) = prompts drawn, both runs.
+    for step in (3, 5):
+        extra = json.loads(open(f"{out}/checkpoints/step-{step:06d}/extra.json").read())
+        position = extra["data"]
+        assert position["epoch"] * 32 + position["cursor"] == extra["prompts_drawn"] and position["prompts_dropped"] == 0
     assert conservation["trained"] == summary["samples_trained"] + 2 * 4 * 4
     lags = [int(k) for k in resumed["staleness_histogram"]]
     assert max(lags) <= cfg.buffer.max_staleness
@@ -161,7 +184,7 @@ def test_wait_and_continue_train_long_samples_within_the_bound_instead_of_droppi
     write_verl_parquet(rows, tmp_path / "train.parquet")
     cfg = _config(tmp_path, **{
         "model.path": str(tiny_model_dir), "data.task": "parquet", "data.train_path": str(tmp_path / "train.parquet"),
-        "buffer.stale_policy": policy, "learner.max_steps": 4, "rollout.max_model_len": 256, "weight_sync.parity_probe": False, "checkpoint.export_hf": False,
+        "data.shuffle_window": 0, "buffer.stale_policy": policy, "learner.max_steps": 4, "rollout.max_model_len": 256, "weight_sync.parity_probe": False, "checkpoint.export_hf": False,
     })  # fmt: skip
     summary, conservation, _ = _run(cfg, tiny_model_dir)
     assert conservation["dropped_stale"] == 0 and sum(e.get("stale_aborts", 0) for e in summary["rollout"].values()) == 0
