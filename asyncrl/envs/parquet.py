@@ -215,9 +215,9 @@ def epoch_order(index: ParquetIndex, seed: int, epoch: int, window: int) -> tupl
         return np.arange(index.num_rows, dtype=np.int64), index.group_rows.copy()
     rng = np.random.default_rng([seed, epoch])
     groups = rng.permutation(len(index.group_rows))
+    starts, counts = index.group_start, index.group_rows
     parts, sizes = [], []
     for at in range(0, len(groups), window):
-        starts, counts = index.group_start, index.group_rows
         rows = np.concatenate([np.arange(starts[g], starts[g] + counts[g]) for g in groups[at : at + window]])
         rng.shuffle(rows)
         parts.append(rows)
