@@ -330,8 +330,19 @@ def _data(cfg: Config) -> list[Problem]:
             problems.append(Problem(key, str(e)))
             continue
         found = [p for path in files for p in _parquet(key, path, alone=len(files) == 1)]
-        problems += found or _prompt_lengths(cfg, key, files[0])
+        problems += found or _ids(key, spec) or _prompt_lengths(cfg, key, files[0])
     return problems
+
+
+def _ids(key: str, spec: str) -> list[Problem]:
+    """Every prompt id is unique (the run builds the same index: ~1 s for a million rows)."""
+    from asyncrl.envs.parquet import ParquetIndex
+
+    try:
+        ParquetIndex.build(spec)
+    except (OSError, ValueError) as e:
+        return [Problem(key, str(e))]
+    return []
 
 
 def _prompt_lengths(cfg: Config, key: str, path: str) -> list[Problem]:

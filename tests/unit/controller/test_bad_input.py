@@ -148,6 +148,8 @@ CASES = [
     Case("non-UTF-8 prompt text", _parquet(NOT_UTF8), "train.parquet: row 0: prompt message 0 is not UTF-8 text (invalid start byte at byte 0)"),
     Case("only prompts longer than the context", _parquet([{**ROW, "prompt": [{"role": "user", "content": "1+" * 300}]}] * 2),
          "train.parquet: every one of the first 2 prompts is longer than data.max_prompt_tokens"),
+    Case("duplicate prompt ids", _parquet([{**ROW, "extra_info": {"index": 7}}] * 2),
+         "data.train_path: {tmp}/train.parquet: duplicate prompt id '7' (extra_info.index) at {tmp}/train.parquet: row 0 (row group 0) and at {tmp}/train.parquet: row 1 (row group 0)"),
     Case("a glob that matches nothing", lambda tmp: ["data.task=parquet", f"data.train_path={tmp}/shards/*.parquet"],
          "data.train_path: no file matches the pattern {tmp}/shards/*.parquet"),
     Case("unknown reward name", _overrides("env.reward=exact_matc"), "env.reward: unknown reward 'exact_matc'"),
