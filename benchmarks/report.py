@@ -227,6 +227,24 @@ def wait_limit_rows(w: dict) -> list[str]:
     )
 
 
+def data_scale(d: dict) -> list[str]:
+    ds, new, old = d["dataset"], d["stream"], d["whole_file"]
+    growth = lambda r, key: r[key] - r["rss_before_mib"]  # noqa: E731
+    lines = [
+        "## Data at scale (`benchmarks/data_scale.py`)",
+        "",
+        f"**Headline:** {ds['rows']:,} rows in {ds['files']} files: first batch of 64 prompts in {new['first_batch_s']:.2f} s, "
+        f"driver RSS +{growth(new, 'rss_after_first_batch_mib'):.0f} MiB then +{growth(new, 'rss_after_batches_mib'):.0f} MiB "
+        f"after {new['batches']} batches; the whole-file loader: {old['first_batch_s']:.1f} s and "
+        f"+{growth(old, 'rss_after_first_batch_mib'):.0f} MiB for {old['rows']:,} rows.",
+        "",
+    ]
+    rows = [["stream", f"{new['rows']:,}", fnum(new["index_s"]), fnum(new["first_batch_s"]), f"{growth(new, 'rss_after_first_batch_mib'):.0f}",
+             f"{growth(new, 'rss_after_batches_mib'):.0f}", fnum(new["prompts_per_s"], ".0f")],
+            ["whole file", f"{old['rows']:,}", "-", fnum(old["first_batch_s"]), f"{growth(old, 'rss_after_first_batch_mib'):.0f}", "-", "-"]]  # fmt: skip
+    return lines + table(["loader", "rows", "index s", "first batch s", "RSS + MiB, first batch", f"RSS + MiB, {new['batches']} batches", "prompts/s"], rows)
+
+
 def queue_throughput(d: dict) -> list[str]:
     c = d["config"]
     lines = [
@@ -759,6 +777,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "async_speedup": async_speedup,
     "async_speedup_continue": lambda d: async_speedup(d, "## W2 `tail` under `stale_policy: continue` (`benchmarks/async_speedup.py --stale-policy continue`)"),
     "queue_throughput": queue_throughput,
+    "data_scale": data_scale,
     "algo_throughput": algo_throughput,
     "learning_add": learning_add,
     "learning_add_120": learning_add,
@@ -799,7 +818,7 @@ LAYOUT = [
     "async_speedup", "async_speedup_continue", "limits", "limits_busy",
     "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "weight_sync_gpu",
     "moe_routing_replay",
-    "queue_throughput", "algo_throughput", "fsdp_rank", "activation_checkpointing", "activation_checkpointing_gpu",
+    "queue_throughput", "data_scale", "algo_throughput", "fsdp_rank", "activation_checkpointing", "activation_checkpointing_gpu",
     "profile_before", "profile", "profile_w1_quiet", "profile_w1_quiet_after", "profile_w1_afternoon",
     "profile_w1_ungrouped_1", "profile_w1_grouped_1", "profile_w1_ungrouped_2", "profile_w1_grouped_2",
     "profile_w1_unfrozen_1", "profile_w1_frozen_1", "profile_w1_unfrozen_2", "profile_w1_frozen_2",
