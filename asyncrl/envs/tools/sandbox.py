@@ -130,8 +130,7 @@ class Sandbox:
     start_seconds: list[float] = field(default_factory=list)
     """How long each started process took to be ready (the benchmark's sandbox start)."""
     code: dict[str, RewardCode] = field(default_factory=dict)
-    """Each reward's code folders as the driver resolved them (`mounts.reward_code`); a reward not in it is
-    resolved in this process."""
+    """Each reward's code folders as the driver resolved them (`mounts.reward_code`); this process adds its own."""
     reward_mounts: tuple[str, ...] = ()
     """Host paths every reward process also sees, read-only (`tools.reward_mounts`)."""
     _spares: dict[str, asyncio.Task] = field(default_factory=dict)
@@ -204,9 +203,10 @@ class Sandbox:
         return RewardProcess(started, Tail(stderr, self.limits.output_bytes))
 
     def _code(self, reward: str) -> RewardCode:
-        """What `reward`'s process imports from: the interpreter's own folders, then its code folders."""
+        """What `reward`'s process imports from: the interpreter's own folders, then its code folders as the
+        driver found them, then as this process finds them (either may lack the module)."""
         own = tuple(os.path.realpath(p) for p in sys.path if p and _under(p, sys.base_prefix) and os.path.isdir(p))
-        return RewardCode((), own).merged(self.code.get(reward) or reward_code(reward))
+        return RewardCode((), own).merged(self.code.get(reward, RewardCode((), ()))).merged(reward_code(reward))
 
     def warm(self) -> None:
         """Start the first program process ahead, so that even the first call finds one ready."""

@@ -19,6 +19,7 @@ import pytest
 import asyncrl
 from asyncrl.config import ToolsConfig
 from asyncrl.envs.tools.isolation import UIDS_PER_SANDBOX, detect_capabilities
+from asyncrl.envs.tools import mounts
 from asyncrl.envs.tools.mounts import reward_code
 from asyncrl.envs.tools.processes import RewardItem
 from asyncrl.envs.tools.python import run_python
@@ -161,6 +162,8 @@ def test_a_reward_module_under_tmp_is_imported_from_there(tmp_path, monkeypatch)
     code = reward_code("tmp_rewards_pkg.score:one")
     assert str(package) in code.binds and str(tmp_path) in code.path
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(tmp_path)])  # shipped, not found locally
+    mounts._module_code.cache_clear()
+    assert str(package) not in reward_code("tmp_rewards_pkg.score:one").binds
     sandbox = Sandbox(LIMITS, _uid(5), code={"tmp_rewards_pkg.score:one": code})
 
     async def run():
