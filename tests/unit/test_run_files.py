@@ -92,3 +92,14 @@ def test_config_files_and_events_hold_no_secret(tmp_path, monkeypatch):
     event = json.loads((cfg.run_dir() / "events.jsonl").read_text())
     assert event["data"] == {"text": f"using token {REDACTED}", "api_key": REDACTED}
     assert yaml.safe_load((cfg.run_dir() / "config.yaml").read_text())["storage"]["mode"] == "private"
+
+
+def test_the_progress_log_holds_no_secret_value_of_the_environment(monkeypatch):
+    import io
+
+    from asyncrl.telemetry.progress import Progress
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-proj-abcdef123456")
+    stream = io.StringIO()
+    Progress(enabled=True, stream=stream, live=False).phase("connecting with sk-proj-abcdef123456")
+    assert "sk-proj" not in stream.getvalue() and f"connecting with {REDACTED}" in stream.getvalue()
