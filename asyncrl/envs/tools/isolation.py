@@ -147,17 +147,23 @@ def _live_uids() -> set[int]:
 
 
 def bwrap_prefix(
-    bwrap: str, uid: int | None, tmp_bytes: int, runner: str | None = None, binds: Sequence[str] = ()
+    bwrap: str,
+    uid: int | None,
+    tmp_bytes: int,
+    runner: str | None = None,
+    binds: Sequence[str] = (),
+    hide: Sequence[str] = (),
 ) -> list[str]:
     """bwrap's arguments: an empty root holding only the system's programs and libraries (`system_binds`),
     `/dev`, `/proc`, an empty `/run`, its own `/tmp`, the interpreter's installation and the host paths `binds`
     (read-only, each at its own place: the interpreter finds its shared library where it was built), and
     every namespace but the user's (we may be root); `setpriv` then drops to `uid` with no capabilities.
-    `runner`: the host file mounted at `RUNNER_MOUNT`."""
+    `runner`: the host file mounted at `RUNNER_MOUNT`; `hide`: folders of those shown empty instead."""
     args = [
         bwrap, *system_binds(), "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/run",
         "--perms", "01777", "--size", str(tmp_bytes), "--tmpfs", "/tmp", *_host_binds([sys.base_prefix, *binds]),
         *(["--ro-bind", runner, RUNNER_MOUNT] if runner else []),
+        *(arg for p in hide if os.path.isdir(p) for arg in ("--tmpfs", p)),
         "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
         "--die-with-parent", "--new-session", "--chdir", "/tmp",
     ]  # fmt: skip

@@ -14,10 +14,11 @@ import importlib.util
 import os
 import site
 import sys
+import sysconfig
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["RewardCode", "reward_code", "system_binds"]
+__all__ = ["RewardCode", "interpreter_site_packages", "reward_code", "system_binds"]
 
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 """The system's programs and shared libraries (the interpreter links against them; `setpriv` is one)."""
@@ -69,6 +70,14 @@ def _site_code() -> RewardCode:
     found = [os.path.realpath(p) for p in entries if os.path.basename(p) in ("site-packages", "dist-packages")]
     folders = _unique(p for p in found if os.path.isdir(p))
     return RewardCode(folders, folders)
+
+
+def interpreter_site_packages() -> list[str]:
+    """The site-packages folders of the interpreter's own installation (not a virtual environment's): what a
+    program's sandbox shows empty (the standard library is all it gets; and `site` has nothing to scan)."""
+    base = {"base": sys.base_prefix, "platbase": sys.base_prefix}
+    paths = sysconfig.get_paths(scheme=sysconfig.get_default_scheme(), vars=base)
+    return list(_unique(os.path.realpath(paths[k]) for k in ("purelib", "platlib")))
 
 
 def system_binds() -> list[str]:

@@ -51,7 +51,7 @@ from asyncrl.envs.tools.isolation import (
     drop_to,
     staged_runner,
 )
-from asyncrl.envs.tools.mounts import RewardCode, reward_code
+from asyncrl.envs.tools.mounts import RewardCode, interpreter_site_packages, reward_code
 from asyncrl.envs.tools.processes import (
     ItemOutcome,
     RewardItem,
@@ -209,9 +209,11 @@ class Sandbox:
         return RewardCode((), own).merged(self.code.get(reward, RewardCode((), ()))).merged(reward_code(reward))
 
     def warm(self) -> None:
-        """Start the first program process ahead, so that even the first call finds one ready."""
-        if "" not in self._spares:
-            self._spares[""] = asyncio.ensure_future(self._start(None))
+        """Start the first process ahead for programs and for each reward the driver named (`code`), so that
+        even the first call finds one ready."""
+        for reward in ["", *self.code]:
+            if reward not in self._spares:
+                self._spares[reward] = asyncio.ensure_future(self._start(reward or None))
 
     async def close(self) -> None:
         """Stop the pre-started process (one that failed to start has nothing to stop) and the idle reward ones."""
@@ -310,13 +312,15 @@ class Sandbox:
 
     def _command(self, uid: int, reward: str | None) -> tuple[list[str], str | None]:
         """argv, and the host work folder of an `rlimits` run (bwrap runs use their own tmpfs). A program's run
-        sees no host path; `reward`'s sees its code folders and `reward_mounts`."""
+        sees no host path and none of the interpreter's site-packages; `reward`'s sees its code folders and
+        `reward_mounts`."""
         caps = self.capabilities
         root = os.geteuid() == 0
         bwrap = shutil.which("bwrap") if caps.method == "bwrap" else None
         if bwrap is not None:
             binds = [*self._code(reward).binds, *self.reward_mounts] if reward else []
-            prefix = bwrap_prefix(bwrap, uid if root else None, self.limits.file_bytes, staged_runner(), binds)
+            hide = [] if reward else interpreter_site_packages()  # a program: the standard library alone
+            prefix = bwrap_prefix(bwrap, uid if root else None, self.limits.file_bytes, staged_runner(), binds, hide)
             return prefix + [base_python(), "-I", RUNNER_MOUNT], None
         user = uid if caps.uid_dropped else None
         workdir = tempfile.mkdtemp(prefix="asyncrl-sandbox-")

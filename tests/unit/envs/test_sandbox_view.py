@@ -187,3 +187,14 @@ def test_a_reward_module_under_tmp_is_imported_from_there(tmp_path, monkeypatch)
 def test_bad_reward_mounts_are_refused_naming_the_key(mounts, error):
     with pytest.raises(ValueError, match=f"tools.reward_mounts: {error}"):
         ToolsConfig(reward_mounts=mounts)
+
+
+def test_a_program_gets_the_standard_library_alone_and_a_reward_the_interpreters_packages_too():
+    """The interpreter's own site-packages (whatever was installed into it) is empty for a program."""
+    from asyncrl.envs.tools.mounts import interpreter_site_packages
+
+    folders = [p for p in interpreter_site_packages() if os.listdir(p)]
+    if not folders or not CAPS.host_hidden:
+        pytest.skip("the interpreter has no packages of its own here, or the sandbox shows every host file")
+    assert _program(folders) == dict.fromkeys(folders, [])
+    assert _reward_reads(folders, _uid(6)) == len(folders)  # a reward may import the interpreter's packages
