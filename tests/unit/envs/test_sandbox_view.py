@@ -198,3 +198,26 @@ def test_a_program_gets_the_standard_library_alone_and_a_reward_the_interpreters
         pytest.skip("the interpreter has no packages of its own here, or the sandbox shows every host file")
     assert _program(folders) == dict.fromkeys(folders, [])
     assert _reward_reads(folders, _uid(6)) == len(folders)  # a reward may import the interpreter's packages
+
+
+def test_a_reward_of_the_checkouts_tests_package_imports_in_a_worker_whose_path_lacks_the_checkout(monkeypatch):
+    """`tests.families:even_length_reward` (test_model_families' reward): the driver ships the folder of `tests`;
+    the tool worker (a Ray worker started elsewhere) could not find it on its own `sys.path`."""
+    reward = "tests.families:even_length_reward"
+    code = reward_code(reward)
+    assert str(CHECKOUT / "tests") in code.binds and str(CHECKOUT) in code.path
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if os.path.realpath(p or ".") != str(CHECKOUT)])
+    monkeypatch.chdir("/")
+    monkeypatch.delitem(sys.modules, "tests", raising=False)  # find_spec looks there first
+    mounts._module_code.cache_clear()
+    assert str(CHECKOUT / "tests") not in reward_code(reward).binds  # this process alone would not find it
+    sandbox = Sandbox(LIMITS, _uid(7), code={reward: code})
+
+    async def run():
+        try:
+            return await sandbox.run_rewards(reward, [RewardItem(r, "", "stop", {}, 5.0) for r in ("ab", "abc")])
+        finally:
+            await sandbox.close()
+
+    assert [(o.value, o.reason) for o in asyncio.run(run())] == [(1.0, None), (0.0, None)]
+    mounts._module_code.cache_clear()
