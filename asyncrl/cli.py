@@ -141,7 +141,7 @@ def _check(args: argparse.Namespace, cfg) -> int:
 
     from asyncrl.envs.tools.isolation import detect_capabilities
 
-    print(yaml.safe_dump(cfg.dump(), sort_keys=False), end="")
+    print(yaml.safe_dump(cfg.public_dump(), sort_keys=False), end="")
     print(f"# {detect_capabilities()}")  # what isolation tool calls and user rewards get here (docs/tools.md)
     print("# planned placement")
     print(json.dumps(placement(cfg), indent=2))

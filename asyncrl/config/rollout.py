@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from asyncrl.config.base import Section
+
+WHOLE_SYSTEM_FOLDERS = ("/", "/etc", "/home", "/root", "/proc", "/sys", "/dev", "/run", "/tmp", "/var", "/usr")
+"""Folders `tools.reward_mounts` may not name (each holds far more than one reward's data)."""
 
 
 class RolloutConfig(Section):
@@ -153,3 +157,20 @@ class ToolsConfig(Section):
     (a lock file per block in /tmp/asyncrl-sandbox-uids, released when the worker dies; a block that a live
     process still runs under is skipped) and gives each live process one of them (no account needed;
     asyncrl/envs/tools/sandbox.py). Runs that share a machine never share a uid."""
+    reward_mounts: list[str] = Field(default_factory=list)
+    """Host files or folders (absolute paths) that every sandboxed user-reward process also sees, read-only, at
+    the same place: data a reward reads (a reference-answer folder). By default a reward sees only the code it
+    imports (its module's package, asyncrl, site-packages) and never the run folder or the datasets;
+    the `python` tool's programs never see these (docs/tools.md)."""
+
+    @model_validator(mode="after")
+    def _reward_mounts_exist(self) -> ToolsConfig:
+        for raw in self.reward_mounts:
+            path = os.path.realpath(raw) if os.path.isabs(raw) else ""
+            if not path:
+                raise ValueError(f"tools.reward_mounts: {raw!r} is not an absolute path")
+            if path in WHOLE_SYSTEM_FOLDERS:
+                raise ValueError(f"tools.reward_mounts: {raw!r} is a whole system folder; name what the reward reads")
+            if not os.path.exists(path):
+                raise ValueError(f"tools.reward_mounts: {raw!r} does not exist on this machine")
+        return self

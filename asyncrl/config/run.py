@@ -3,9 +3,11 @@ storage, fault injection."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, model_validator
@@ -18,6 +20,7 @@ from asyncrl.config.learner import LearnerConfig, WeightSyncConfig
 from asyncrl.config.model import DataConfig, ModelConfig
 from asyncrl.config.observe import EvalConfig, TelemetryConfig
 from asyncrl.config.rollout import EnvConfig, RolloutConfig, ToolsConfig
+from asyncrl.redaction import redact
 
 
 class CheckpointConfig(Section):
@@ -50,6 +53,19 @@ class StorageConfig(Section):
     """A folder every node mounts (NFS, a Kubernetes volume; `file://` URIs too): the run directory becomes
     `<uri>/<output_dir>` (checkpoints, final_model, metrics.jsonl, summary.json, trajectories). None = the
     local `output_dir`, as on one machine."""
+    mode: Literal["private", "group", "world"] = "private"
+    """Who may read the run's files: `private` (the run folder 0700, its files 0600: prompts, answers, rewards
+    and checkpoints are the owner's alone), `group` (0750/0640) or `world` (0755/0644). The folder gets its
+    mode when it is created (before anything is written into it); its files and folders at each end of the
+    run (`Config.seal_run_dir`)."""
+
+    @property
+    def folder_mode(self) -> int:
+        return {"private": 0o700, "group": 0o750, "world": 0o755}[self.mode]
+
+    @property
+    def file_mode(self) -> int:
+        return self.folder_mode & 0o666
 
     @model_validator(mode="after")
     def _filesystem_only(self) -> StorageConfig:
@@ -178,12 +194,44 @@ class Config(Section):
         return Path(root) / self.output_dir.lstrip("/")
 
     def dump(self) -> dict[str, Any]:
+        """Every value, secrets included: what a submitted job needs. Files and trackers get `public_dump`."""
         return self.model_dump(mode="json")
 
+    def public_dump(self) -> dict[str, Any]:
+        """`dump` with the value of every secret-named key (`*_key`, `*_token`, `*password*`, ...) redacted."""
+        return redact(self.dump())
+
+    def make_run_dir(self) -> Path:
+        """The run's folder, created (with its parents) if need be, with `storage.mode`'s folder mode: set before
+        any file of the run is written into it, whatever the umask."""
+        folder = self.run_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        os.chmod(folder, self.storage.folder_mode)
+        return folder
+
+    def seal_run_dir(self) -> None:
+        """Give every file and folder of the run folder `storage.mode`'s modes (files written by other processes,
+        a Ray worker's checkpoint, came with their own umask; the folder's mode kept them private meanwhile)."""
+        folder = self.run_dir()
+        if not folder.is_dir():
+            return
+        for path in [folder, *folder.rglob("*")]:
+            if path.is_symlink():
+                continue
+            with contextlib.suppress(OSError):  # a file being replaced as we walk
+                os.chmod(path, self.storage.folder_mode if path.is_dir() else self.storage.file_mode)
+
     def save(self, folder: str | Path) -> Path:
+        """config.yaml and config.json (secrets redacted) into `folder`, with `storage.mode`'s file mode."""
         folder = Path(folder)
+        if folder.resolve() == self.run_dir().resolve():
+            self.make_run_dir()
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / "config.yaml"
-        path.write_text(yaml.safe_dump(self.dump(), sort_keys=False))
-        (folder / "config.json").write_text(json.dumps(self.dump(), indent=2))
+        for target, text in (
+            (path, yaml.safe_dump(self.public_dump(), sort_keys=False)),
+            (folder / "config.json", json.dumps(self.public_dump(), indent=2)),
+        ):
+            target.write_text(text)
+            os.chmod(target, self.storage.file_mode)
         return path

@@ -100,7 +100,10 @@ class Fleet:
             return
         self.telemetry.phase(f"starting the tool pool ({self.cfg.tools.num_workers} sandboxed worker(s))")
         self.tools = ToolPool(
-            self.cfg.tools, prefix=f"tool-{self.out.name}", placement_timeout_s=self.cfg.cluster.placement_timeout_s
+            self.cfg.tools,
+            prefix=f"tool-{self.out.name}",
+            placement_timeout_s=self.cfg.cluster.placement_timeout_s,
+            rewards=[self.cfg.env.reward],
         )
         self.tools.launch()
 

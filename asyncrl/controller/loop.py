@@ -107,8 +107,11 @@ class Controller:
         self.fleet.rollout.start_generation()
 
     def shutdown(self) -> None:
-        """Stop every part (`Fleet.shutdown`)."""
-        self.fleet.shutdown()
+        """Stop every part (`Fleet.shutdown`), then give the run's files `storage.mode`'s modes."""
+        try:
+            self.fleet.shutdown()
+        finally:
+            self.cfg.seal_run_dir()
 
     # ------------------------------------------------------------------------------------------------
     # The loop (one screen)

@@ -474,7 +474,7 @@ def _other_config(cfg: Config, folder: Path) -> str | None:
     saved_file = folder.parent.parent / "config.yaml"
     if not saved_file.is_file():
         return None
-    saved, ours = yaml.safe_load(saved_file.read_text()) or {}, cfg.dump()
+    saved, ours = yaml.safe_load(saved_file.read_text()) or {}, cfg.public_dump()
     for key in RUN_IDENTITY:
         section, name = key.split(".") if "." in key else (None, key)
         theirs, mine = (

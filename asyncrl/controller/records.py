@@ -31,7 +31,7 @@ def build_telemetry(cfg: Config) -> Telemetry:
     """The run's sinks, built before anything slow starts so that every start-up phase is shown; the
     dashboard's address is the first thing printed."""
     t = cfg.telemetry
-    out = cfg.run_dir()
+    out = cfg.make_run_dir()
     sinks: list[Sink] = [
         Progress(enabled=t.progress, every_steps=t.log_every_steps, max_steps=cfg.learner.max_steps),
         RunMetrics(t.prometheus_port, cfg.algorithm.resolved_names()["correction"], t.bind_host),
@@ -46,7 +46,7 @@ def build_telemetry(cfg: Config) -> Telemetry:
     if t.wandb is not None:
         from asyncrl.telemetry.loggers import WandbSink
 
-        sinks.append(WandbSink(t.wandb.project, t.wandb.mode, out, out.name, cfg.dump()))
+        sinks.append(WandbSink(t.wandb.project, t.wandb.mode, out, out.name, cfg.public_dump()))
     telemetry = Telemetry(sinks)
     for sink in sinks:
         if isinstance(sink, Dashboard):

@@ -37,8 +37,10 @@ def run(cfg: Config) -> dict:
         summary = _run(cfg, telemetry)
     except BaseException as e:
         telemetry.close({"error": f"{type(e).__name__}: {e}"})
+        cfg.seal_run_dir()
         raise
     telemetry.close(summary)
+    cfg.seal_run_dir()  # the last files written (the event log's end) get `storage.mode` too
     return summary
 
 

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from asyncrl.redaction import scrub
 from asyncrl.telemetry.record import pool_point
 from asyncrl.telemetry.sinks import PoolSnapshot, Sink
 
@@ -91,7 +92,7 @@ class Progress(Sink):
     def _print(self, text: str) -> None:
         if not self.enabled:
             return
-        line = f"[{time.perf_counter() - self.started:7.1f}s] {text}"
+        line = scrub(f"[{time.perf_counter() - self.started:7.1f}s] {text}")  # the job's log: no secret values
         if self.view is not None:
             self.view.print(line)
         else:

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncrl.redaction import redact, scrub
 from asyncrl.telemetry.sinks import AlarmEvent, PoolSnapshot, Sink, SyncEvent
 
 EVENTS_FILE = "events.jsonl"
@@ -106,7 +107,8 @@ class RunLog:
 
 
 class EventLog(Recorder):
-    """Appends every record but the step rows to `events.jsonl`, line by line (flushed: a crash keeps them)."""
+    """Appends every record but the step rows to `events.jsonl`, line by line (flushed: a crash keeps them),
+    secrets redacted (`asyncrl.redaction`: secret-named keys, and the environment's secret values in text)."""
 
     def __init__(self, out: Path, append: bool = False):
         self.path = Path(out) / EVENTS_FILE
@@ -118,7 +120,7 @@ class EventLog(Recorder):
         if rec.kind == "step":
             return
         with open(self.path, "a") as f:
-            f.write(json.dumps({"kind": rec.kind, "data": rec.data}) + "\n")
+            f.write(scrub(json.dumps(redact({"kind": rec.kind, "data": rec.data}))) + "\n")
 
 
 def load_run(run_dir: Path) -> RunLog:

@@ -88,6 +88,20 @@ def test_every_weight_sync_restores_engine_learner_parity(first_run):
     assert summary["final_version"] == 3
 
 
+def test_the_run_folder_and_every_file_the_run_wrote_are_private(first_run):
+    """`storage.mode: private` (the default): the run folder and its folders 0700, every file 0600, whichever
+    process wrote it (the driver's event log, the replay queue's trajectories, the learner's checkpoints)."""
+    import os
+    import stat
+
+    cfg, _ = first_run
+    out = cfg.run_dir()
+    modes = {str(p.relative_to(out)): stat.S_IMODE(os.stat(p).st_mode) for p in [out, *out.rglob("*")]}
+    assert {"events.jsonl", "metrics.jsonl", "trajectories.parquet", "checkpoints"} <= set(modes), sorted(modes)
+    wrong = {p: oct(m) for p, m in modes.items() if m != (0o700 if (out / p).is_dir() else 0o600)}
+    assert wrong == {}
+
+
 def test_no_trained_sample_exceeds_the_staleness_bound_and_counters_add_up(first_run):
     cfg, (summary, conservation, history) = first_run
     lags = [int(k) for k in summary["staleness_histogram"]]

@@ -16,11 +16,13 @@ import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from asyncrl.envs.tools import runner
 from asyncrl.envs.tools.base import ToolInfraError
+from asyncrl.envs.tools.mounts import SYSTEM_DIRS, system_binds
 
 __all__ = [
     "Capabilities",
@@ -29,14 +31,10 @@ __all__ = [
     "clean_env",
     "detect_capabilities",
     "drop_to",
-    "inside_path",
     "lease_uid_block",
     "staged_runner",
 ]
 
-PYTHON_MOUNT = "/run/python"
-"""Where the interpreter's installation is mounted inside a bwrap sandbox: its real prefix may sit in a folder
-the sandbox's unprivileged uid cannot enter (e.g. /root/.pyenv)."""
 RUNNER_MOUNT = "/run/asyncrl-sandbox-runner.py"
 """Where the runner file is mounted inside a bwrap sandbox (its `/tmp` is the run's own)."""
 RUNNER_DIR = Path(tempfile.gettempdir()) / f"asyncrl-sandbox-runner-{os.geteuid()}"
@@ -59,7 +57,9 @@ class Capabilities:
     """`bwrap` (namespaces + limits) or `rlimits` (resource limits only)."""
     network_isolated: bool
     pid_namespace: bool
-    readonly_root: bool
+    host_hidden: bool
+    """The run sees none of the host's files but the system's programs and libraries (`mounts.SYSTEM_DIRS`), the
+    interpreter's installation and what its tool mounts, all read-only: no home, checkout, run folder or dataset."""
     private_tmp: bool
     """The run's writable directory is invisible to every other run."""
     uid_dropped: bool
@@ -87,7 +87,7 @@ def detect_capabilities() -> Capabilities:
     can_drop = root and _nobody_can_run_python()
     return Capabilities(
         "rlimits", False, False, False, private_tmp=can_drop, uid_dropped=can_drop, nproc_enforced=can_drop or not root,
-        detail=reason + "; no network, PID or filesystem isolation",
+        detail=reason + "; no network, PID or filesystem isolation: a run reads every file its uid may read",
     )  # fmt: skip
 
 
@@ -146,30 +146,48 @@ def _live_uids() -> set[int]:
     return uids
 
 
-def bwrap_prefix(bwrap: str, uid: int | None, tmp_bytes: int, runner: str | None = None) -> list[str]:
-    """bwrap's arguments: read-only `/`, own `/tmp`, `/dev`, `/proc`, an empty `/run` holding the interpreter, and
-    every namespace but the user's (we may be root); `setpriv` then drops to `uid` with no capabilities. `runner`:
-    the host file mounted at `RUNNER_MOUNT`."""
+def bwrap_prefix(
+    bwrap: str,
+    uid: int | None,
+    tmp_bytes: int,
+    runner: str | None = None,
+    binds: Sequence[str] = (),
+    hide: Sequence[str] = (),
+) -> list[str]:
+    """bwrap's arguments: an empty root holding only the system's programs and libraries (`system_binds`),
+    `/dev`, `/proc`, an empty `/run`, its own `/tmp`, the interpreter's installation and the host paths `binds`
+    (read-only, each at its own place: the interpreter finds its shared library where it was built), and
+    every namespace but the user's (we may be root); `setpriv` then drops to `uid` with no capabilities.
+    `runner`: the host file mounted at `RUNNER_MOUNT`; `hide`: folders of those shown empty instead."""
     args = [
-        bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/run",
-        "--ro-bind", sys.base_prefix, PYTHON_MOUNT, "--perms", "01777", "--size", str(tmp_bytes), "--tmpfs", "/tmp",
-        *_code_under_tmp(), *(["--ro-bind", runner, RUNNER_MOUNT] if runner else []),
+        bwrap, *system_binds(), "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/run",
+        "--perms", "01777", "--size", str(tmp_bytes), "--tmpfs", "/tmp", *_host_binds([sys.base_prefix, *binds]),
+        *(["--ro-bind", runner, RUNNER_MOUNT] if runner else []),
+        *(arg for p in hide if os.path.isdir(p) for arg in ("--tmpfs", p)),
         "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
         "--die-with-parent", "--new-session", "--chdir", "/tmp",
     ]  # fmt: skip
     return args + drop_to(uid)
 
 
-def _code_under_tmp() -> list[str]:
-    """Read-only binds of the folders the run imports from that its own `/tmp` and `/run` would hide (a checkout
-    or virtual environment under /tmp, as in CI): the entries of `sys.path`, the environment and this package."""
-    import asyncrl
-
-    roots = {
-        os.path.realpath(p or ".") for p in [*sys.path, sys.prefix, os.path.dirname(os.path.dirname(asyncrl.__file__))]
-    }
-    hidden = sorted(p for p in roots if p.startswith(("/tmp/", "/run/")) and os.path.isdir(p))
-    return [arg for p in hidden for arg in ("--ro-bind", p, p)]
+def _host_binds(paths: Sequence[str]) -> list[str]:
+    """Read-only binds of `paths` at their own place (one inside another is bound with it), after their missing
+    parent folders, made enterable by every uid (bwrap would make them 0700)."""
+    real = {os.path.realpath(p) for p in paths}
+    kept = sorted(p for p in real if not any(p.startswith(q + os.sep) for q in real))
+    inside = ("/dev", "/proc", *SYSTEM_DIRS, *kept)  # folders whose content is the host's (or the kernel's)
+    parents = sorted(
+        {
+            parent
+            for p in kept
+            for parent in _parents(p)[1:]
+            if parent not in ("/tmp", "/run") and not any(parent == m or parent.startswith(m + os.sep) for m in inside)
+        }
+    )
+    return [
+        *(arg for d in parents for arg in ("--perms", "0755", "--dir", d)),
+        *(a for p in kept for a in ("--ro-bind", p, p)),
+    ]
 
 
 def drop_to(uid: int | None) -> list[str]:
@@ -177,14 +195,6 @@ def drop_to(uid: int | None) -> list[str]:
     if uid is None:
         return []
     return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all"]
-
-
-def inside_path(entry: str) -> str:
-    """A host `sys.path` entry as the sandbox sees it (the interpreter's prefix is mounted elsewhere)."""
-    entry = os.path.abspath(entry or ".")
-    if entry == sys.base_prefix or entry.startswith(sys.base_prefix + os.sep):
-        return PYTHON_MOUNT + entry[len(sys.base_prefix) :]
-    return entry
 
 
 def clean_env(workdir: str | None) -> dict[str, str]:

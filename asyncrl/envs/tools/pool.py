@@ -18,6 +18,7 @@ import os
 import random
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -35,6 +36,7 @@ from asyncrl.envs.tools.base import (
     check_reward_value,
 )
 from asyncrl.envs.tools.isolation import Capabilities, lease_uid_block
+from asyncrl.envs.tools.mounts import RewardCode, reward_code
 from asyncrl.envs.tools.processes import ItemOutcome, RewardItem
 from asyncrl.envs.tools.python import run_python
 from asyncrl.envs.tools.sandbox import Sandbox, SandboxLimits
@@ -101,10 +103,14 @@ class ToolWorker:
         calls: int = 4,
         reward_batch: int = 32,
         reward_process_calls: int = 1024,
+        code: dict[str, RewardCode] | None = None,
+        reward_mounts: Sequence[str] = (),
     ) -> None:
         self.name = name
         uid, self._uid_lock = lease_uid_block(uid_base)  # held until this process exits
-        self.sandbox = Sandbox(limits, uid, reward_process_calls)
+        self.sandbox = Sandbox(
+            limits, uid, reward_process_calls, code=dict(code or {}), reward_mounts=tuple(reward_mounts)
+        )
         self.tally = ToolTally()
         self.reward_batch = min(reward_batch, reward_process_calls)
         self.reward_runs = 0
@@ -285,8 +291,17 @@ class _Slot:
 class ToolPool:
     """Driver-side owner of the tool workers. Not thread-safe; call from the controller's thread."""
 
-    def __init__(self, tools: ToolsConfig, prefix: str | None = None, placement_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        tools: ToolsConfig,
+        prefix: str | None = None,
+        placement_timeout_s: float = 300.0,
+        rewards: Sequence[str] = (),
+    ) -> None:
+        """`rewards`: the user rewards (`module:function`) the run calls, whose code folders are resolved here
+        (`mounts.reward_code`) and shipped to the workers."""
         self.config = tools
+        self.code = {r: reward_code(r) for r in rewards if ":" in r}
         self.placement_timeout_s = placement_timeout_s
         self._pg: Any = None
         self.limits = SandboxLimits.from_config(tools)
@@ -413,6 +428,8 @@ class ToolPool:
             self.config.calls_per_worker,
             self.config.reward_batch,
             self.config.reward_process_calls,
+            self.code,
+            tuple(self.config.reward_mounts),
         )
 
     def _actor_options(self, name: str) -> dict[str, Any]:

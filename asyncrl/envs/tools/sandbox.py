@@ -2,11 +2,13 @@
 nothing it does reaches the tool worker, the engines or the machine.
 
 How (see docs/tools.md):
-- with bubblewrap (`bwrap`), every run gets a read-only view of `/`, its own `/tmp` (a small tmpfs: its only
-  writable place, invisible to every other run), an empty `/run`, a minimal `/dev`, and new network, PID, IPC
-  and UTS namespaces (no network at all; its processes die with it). When we are root, every process runs
-  under an unprivileged uid no other live process of the sandbox holds (root ignores RLIMIT_NPROC and could
-  write anywhere; a shared uid would pool RLIMIT_NPROC and let runs signal each other);
+- with bubblewrap (`bwrap`), every run sees none of the host's files but the system's programs and libraries
+  and the interpreter's installation (read-only, `mounts.py`), gets its own `/tmp` (a small tmpfs: its only
+  writable place, invisible to every other run), a minimal `/dev`, and new network, PID, IPC and UTS
+  namespaces (no network at all; its processes die with it); a user reward's process also sees the code
+  folders it imports and `tools.reward_mounts` (read-only), never the run folder or the datasets. When we are
+  root, every process runs under an unprivileged uid no other live process of the sandbox holds (root ignores
+  RLIMIT_NPROC and could write anywhere; a shared uid would pool RLIMIT_NPROC and let runs signal each other);
 - inside, before any user code, the runner sets RLIMIT_CPU, RLIMIT_AS, RLIMIT_NPROC and RLIMIT_FSIZE; the
   parent enforces the wall time by killing the run's whole process group;
 - stdout and stderr are read in bounded chunks: only `output_bytes` of each are kept.
@@ -16,8 +18,9 @@ exactly what this machine gives, and `asyncrl check` prints it.
 The pieces: `isolation` (what confines a run, the uid lease), `processes` (a run's process and its pipes),
 `runner` (the program that runs inside, started as a file).
 
-Start-up is kept off the call's path: each `Sandbox` keeps one process started ahead ("spare"), waiting for
-its payload on stdin; a call takes it and starts the next. Every program runs in a fresh process. A user
+Start-up is kept off the call's path: each `Sandbox` keeps one process started ahead ("spare") for programs,
+and one for each reward it served (their mounts differ), waiting for its payload on stdin; a call takes it
+and starts the next. Every program runs in a fresh process. A user
 reward's process imports its module once and is kept for `reward_process_calls` calls (batches of them, one
 JSON line each way per call), each call under its own wall and CPU timers.
 """
@@ -46,9 +49,9 @@ from asyncrl.envs.tools.isolation import (
     clean_env,
     detect_capabilities,
     drop_to,
-    inside_path,
     staged_runner,
 )
+from asyncrl.envs.tools.mounts import RewardCode, interpreter_site_packages, reward_code
 from asyncrl.envs.tools.processes import (
     ItemOutcome,
     RewardItem,
@@ -126,7 +129,12 @@ class Sandbox:
     """Calls one reward process serves before a fresh one replaces it (1: every call in its own process)."""
     start_seconds: list[float] = field(default_factory=list)
     """How long each started process took to be ready (the benchmark's sandbox start)."""
-    _spare: asyncio.Task | None = None
+    code: dict[str, RewardCode] = field(default_factory=dict)
+    """Each reward's code folders as the driver resolved them (`mounts.reward_code`); this process adds its own."""
+    reward_mounts: tuple[str, ...] = ()
+    """Host paths every reward process also sees, read-only (`tools.reward_mounts`)."""
+    _spares: dict[str, asyncio.Task] = field(default_factory=dict)
+    """The process started ahead for programs (key "") and for each reward (its `module:function`)."""
     _idle: dict[str, list[RewardProcess]] = field(default_factory=dict)
     """Reward processes waiting for their next batch, by reward."""
     _leased: set[int] = field(default_factory=set)
@@ -176,11 +184,7 @@ class Sandbox:
     async def _start_reward(self, reward: str, import_timeout_s: float) -> RewardProcess:
         """A process that imports `reward`'s module within `import_timeout_s` (the answer to a failed import comes
         with the first batch) and then serves batches."""
-        path = (
-            [inside_path(p) for p in sys.path]
-            if self.capabilities.method == "bwrap"
-            else [os.path.abspath(p or ".") for p in sys.path]
-        )
+        path = list(self._code(reward).path)
         limits = {
             **self.limits.rlimits(),
             "RLIMIT_CPU": self.limits.cpu_s * self.reward_process_calls + 1,
@@ -193,27 +197,35 @@ class Sandbox:
             "import_timeout_s": import_timeout_s,
             "limits": limits,
         }
-        started = await self._take()
+        started = await self._take(reward)
         stdin, _, stderr = pipes(started.process)
         stdin.write(json.dumps(payload).encode() + b"\n")
         return RewardProcess(started, Tail(stderr, self.limits.output_bytes))
 
+    def _code(self, reward: str) -> RewardCode:
+        """What `reward`'s process imports from: the interpreter's own folders, then its code folders as the
+        driver found them, then as this process finds them (either may lack the module)."""
+        own = tuple(os.path.realpath(p) for p in sys.path if p and _under(p, sys.base_prefix) and os.path.isdir(p))
+        return RewardCode((), own).merged(self.code.get(reward, RewardCode((), ()))).merged(reward_code(reward))
+
     def warm(self) -> None:
-        """Start the first process ahead, so that even the first call finds one ready."""
-        if self._spare is None:
-            self._spare = asyncio.ensure_future(self._start())
+        """Start the first process ahead for programs and for each reward the driver named (`code`), so that
+        even the first call finds one ready."""
+        for reward in ["", *self.code]:
+            if reward not in self._spares:
+                self._spares[reward] = asyncio.ensure_future(self._start(reward or None))
 
     async def close(self) -> None:
         """Stop the pre-started process (one that failed to start has nothing to stop) and the idle reward ones."""
         idle, self._idle = [p for ps in self._idle.values() for p in ps], {}
         for process in idle:
             await self._retire(process)
-        if self._spare is not None:
-            spare, self._spare = self._spare, None
+        spares, self._spares = list(self._spares.values()), {}
+        for spare in spares:
             try:
                 started = await spare
             except ToolInfraError:
-                return
+                continue
             kill(started.process)
             await started.process.wait()
             remove(started.workdir)
@@ -256,17 +268,19 @@ class Sandbox:
         reason = exit_reason(code, err, timed_out)
         return RunOutcome(out, err, code, reason, time.perf_counter() - began, process.pid, out_cut + err_cut)
 
-    async def _take(self) -> Started:
-        """The spare process (started now if there is none), once it is ready; the next one starts meanwhile."""
-        spare = self._spare or asyncio.ensure_future(self._start())
-        self._spare = asyncio.ensure_future(self._start())
+    async def _take(self, reward: str | None = None) -> Started:
+        """The spare process for a program or `reward` (started now if there is none), once it is ready; the next
+        one starts meanwhile."""
+        key = reward or ""
+        spare = self._spares.get(key) or asyncio.ensure_future(self._start(reward))
+        self._spares[key] = asyncio.ensure_future(self._start(reward))
         return await spare
 
-    async def _start(self) -> Started:
+    async def _start(self, reward: str | None) -> Started:
         began = time.perf_counter()
         uid = self._lease_uid()
         try:
-            argv, workdir = self._command(uid)
+            argv, workdir = self._command(uid, reward)
             process = await asyncio.create_subprocess_exec(
                 *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir or "/",
                 env=clean_env(workdir), start_new_session=True,
@@ -296,16 +310,25 @@ class Sandbox:
             "sandbox_busy", f"all {UIDS_PER_SANDBOX} uids from {self.uid} are held by running or kept processes"
         )
 
-    def _command(self, uid: int) -> tuple[list[str], str | None]:
-        """argv, and the host work folder of an `rlimits` run (bwrap runs use their own tmpfs)."""
+    def _command(self, uid: int, reward: str | None) -> tuple[list[str], str | None]:
+        """argv, and the host work folder of an `rlimits` run (bwrap runs use their own tmpfs). A program's run
+        sees no host path and none of the interpreter's site-packages; `reward`'s sees its code folders and
+        `reward_mounts`."""
         caps = self.capabilities
         root = os.geteuid() == 0
         bwrap = shutil.which("bwrap") if caps.method == "bwrap" else None
         if bwrap is not None:
-            prefix = bwrap_prefix(bwrap, uid if root else None, self.limits.file_bytes, staged_runner())
-            return prefix + [inside_path(base_python()), "-I", RUNNER_MOUNT], None
+            binds = [*self._code(reward).binds, *self.reward_mounts] if reward else []
+            hide = [] if reward else interpreter_site_packages()  # a program: the standard library alone
+            prefix = bwrap_prefix(bwrap, uid if root else None, self.limits.file_bytes, staged_runner(), binds, hide)
+            return prefix + [base_python(), "-I", RUNNER_MOUNT], None
         user = uid if caps.uid_dropped else None
         workdir = tempfile.mkdtemp(prefix="asyncrl-sandbox-")
         if user is not None:
             os.chown(workdir, user, user)  # 0700: only this run's uid enters it
         return drop_to(user) + [base_python(), "-I", staged_runner()], workdir
+
+
+def _under(path: str, folder: str) -> bool:
+    path = os.path.abspath(path)
+    return path == folder or path.startswith(folder + os.sep)

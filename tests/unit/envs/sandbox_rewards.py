@@ -62,3 +62,20 @@ def counted(response, ground_truth, *, finish_reason, extra_info):
 def varied(response, ground_truth, *, finish_reason, extra_info):
     """A reward that differs between most responses (the sum of their character codes mod 7): groups get advantages."""
     return float(sum(map(ord, response)) % 7)
+
+
+def readable(response, ground_truth, *, finish_reason, extra_info):
+    """How many of `extra_info["paths"]` this process can read (a file's bytes, a folder's listing)."""
+    import os
+
+    seen = 0
+    for path in extra_info["paths"]:
+        try:
+            if os.path.isdir(path):
+                os.listdir(path)
+            else:
+                open(path, "rb").read(1)
+            seen += os.path.exists(path)
+        except OSError:
+            pass
+    return float(seen)

@@ -71,7 +71,7 @@ def _run(source: str, uid: int, limits: SandboxLimits = LIMITS):
 
 def test_capability_record_matches_the_machine():
     if CAPS.method == "bwrap":
-        assert CAPS.network_isolated and CAPS.pid_namespace and CAPS.readonly_root and CAPS.private_tmp
+        assert CAPS.network_isolated and CAPS.pid_namespace and CAPS.host_hidden and CAPS.private_tmp
         assert CAPS.uid_dropped == (os.geteuid() == 0)
     else:
         assert not CAPS.network_isolated and not CAPS.pid_namespace and "bwrap" in CAPS.detail
@@ -119,7 +119,7 @@ def test_a_run_gets_its_whole_process_limit_while_other_processes_of_the_sandbox
             await sandbox.close()
 
     kept, result, live = asyncio.run(kept_reward_then_program())
-    assert kept[0].value == 0.5 and live == 2  # the kept reward process and the spare
+    assert kept[0].value == 0.5 and live == 3  # the kept reward process, the reward's spare and the program's
     assert (result.ok, result.output) == (True, f"forked {children}\n"), result.output
 
 
@@ -199,7 +199,7 @@ def test_writing_outside_its_directory_fails(tmp_path):
     target = tmp_path / "escaped.txt"
     program = f"import os\nopen(os.path.join(os.environ['TMPDIR'], 'mine.txt'), 'w').write('ok')\nopen({str(target)!r}, 'w').write('x')"
     result = _run(program, uid=block(5))
-    if CAPS.readonly_root or CAPS.uid_dropped:
+    if CAPS.host_hidden or CAPS.uid_dropped:
         assert (result.ok, result.error) == (False, "error")
         assert any(e in result.output for e in ("FileNotFoundError", "PermissionError", "OSError"))
         assert not target.exists()
@@ -435,7 +435,7 @@ def test_a_dead_tool_worker_fails_the_trajectory_with_its_reason_not_a_zero_rewa
 class _Unstartable(Sandbox):
     """A sandbox whose process exits before its interpreter is ready (bwrap refused, interpreter missing)."""
 
-    def _command(self, uid):
+    def _command(self, uid, reward):
         return ["/bin/sh", "-c", "echo 'bwrap: no permission' >&2; exit 1"], None
 
 
