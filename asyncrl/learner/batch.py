@@ -27,12 +27,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 import torch
 
 from asyncrl.types import Group, Trajectory
+
+if TYPE_CHECKING:
+    from asyncrl.learner.packing import PackedLayout
 
 __all__ = [
     "CRITIC_ADVANTAGES",
@@ -84,6 +87,9 @@ class TrainBatch:
     """int16 [B, L, moe_layers, top_k]: the engine's experts for the token AT position t (not the predicting-position
     alignment: a route belongs to the token the layer processes), -1 where none was recorded (the learner routes that
     token itself: `asyncrl.learner.routing`); None when no trajectory of the batch carries routes."""
+    prompt_lens: torch.Tensor | None = None  # int64 [B], prompt tokens of each row; None = unknown (never shared)
+    layout: PackedLayout | None = None
+    """The packed forward of these rows (`asyncrl.learner.packing`), set on a packed micro-batch; None = padded rows."""
 
     @property
     def num_rows(self) -> int:
@@ -98,6 +104,11 @@ class TrainBatch:
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    @property
+    def num_slots(self) -> int:
+        """Tokens the forward computes, padding included: B x L padded, the bins' slots packed."""
+        return self.layout.slots if self.layout is not None else int(self.input_ids.numel())
+
     def select(self, rows: Sequence[int]) -> TrainBatch:
         """The given rows (in that order), trimmed to their longest sequence."""
         index = torch.as_tensor(list(rows), dtype=torch.long)
@@ -110,7 +121,7 @@ class TrainBatch:
                 if value.dim() >= 2:  # [B, L, ...] per-position tensors
                     value = value[:, :width]
             fields[f.name] = value
-        return TrainBatch(**fields)
+        return TrainBatch(**dict(fields, layout=None))
 
 
 def build_batch(groups: Sequence[Group], recipe, lags: Sequence[int] | None = None) -> TrainBatch:
@@ -174,6 +185,7 @@ def build_batch(groups: Sequence[Group], recipe, lags: Sequence[int] | None = No
         num_groups=len(groups),
         lags=torch.tensor(list(lags), dtype=torch.long) if lags is not None else None,
         routed_experts=_routes([t for _, t in trajectories], width),
+        prompt_lens=torch.tensor([len(t.prompt_ids) for _, t in trajectories], dtype=torch.long),
     )
 
 
