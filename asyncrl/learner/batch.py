@@ -248,32 +248,48 @@ def split_mini_batches(batch: TrainBatch, mini_batches: int, recipe) -> list[Tra
     return [dataclasses.replace(p, **_reduction_weights(recipe, p.loss_mask, p.group_ids)) for p in parts]
 
 
-def _units(batch: TrainBatch, keep_groups: bool) -> list[list[int]]:
-    """Rows that must stay together: whole groups, or single rows."""
+def _units(batch: TrainBatch, keep_groups: bool, shared: Sequence[Sequence[int]] = ()) -> list[list[int]]:
+    """Rows that must stay together: whole groups, or the `shared` row lists and single rows."""
     if not keep_groups:
-        return [[i] for i in range(batch.num_rows)]
+        together = {i for rows in shared for i in rows}
+        return [list(rows) for rows in shared] + [[i] for i in range(batch.num_rows) if i not in together]
     by_group: dict[int, list[int]] = {}
     for i, g in enumerate(batch.group_ids.tolist()):
         by_group.setdefault(g, []).append(i)
     return list(by_group.values())
 
 
-def split_rows(batch: TrainBatch, num_ranks: int, keep_groups: bool = False) -> list[TrainBatch]:
-    """Partition the rows over `num_ranks`, balancing real tokens (longest-first greedy onto the least
-    loaded rank). With `keep_groups` whole groups are the unit. A rank may get zero rows; it still takes
-    part in every collective (see `dummy_microbatch`). One rank takes `batch` itself."""
+def _row_tokens(batch: TrainBatch, shared: Sequence[Sequence[int]]) -> list[float]:
+    """Tokens each row costs the forward: its length, less its share of a prompt it shares with its group."""
+    tokens = batch.seq_lens.double()
+    for rows in shared:
+        prompt_len = int(batch.prompt_lens[rows[0]]) if batch.prompt_lens is not None else 0
+        tokens[list(rows)] -= prompt_len * (1 - 1 / len(rows))
+    return tokens.tolist()
+
+
+def split_rows(
+    batch: TrainBatch, num_ranks: int, keep_groups: bool = False, share_prompts: bool = False
+) -> list[TrainBatch]:
+    """Partition the rows over `num_ranks`, balancing the tokens their forward computes (longest-first greedy
+    onto the least loaded rank). With `keep_groups` whole groups are the unit; with `share_prompts` the rows of a
+    group that may share their prompt (`packing.shared_groups`) are, and count that prompt once. A rank may get
+    zero rows; it still takes part in every collective (see `dummy_microbatch`). One rank takes `batch` itself."""
+    from asyncrl.learner.packing import shared_groups
+
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1 (got {num_ranks})")
     if num_ranks == 1:
         return [batch]
-    lengths = batch.seq_lens.tolist()
-    units = sorted(_units(batch, keep_groups), key=lambda u: -sum(lengths[i] for i in u))
-    load = [0] * num_ranks
+    shared = shared_groups(batch) if share_prompts else []
+    tokens = _row_tokens(batch, shared)
+    units = sorted(_units(batch, keep_groups, shared), key=lambda u: -sum(tokens[i] for i in u))
+    load = [0.0] * num_ranks
     assigned: list[list[int]] = [[] for _ in range(num_ranks)]
     for unit in units:
         rank = min(range(num_ranks), key=lambda r: (load[r], r))
         assigned[rank].extend(unit)
-        load[rank] += sum(lengths[i] for i in unit)
+        load[rank] += sum(tokens[i] for i in unit)
     return [batch.select(sorted(rows)) for rows in assigned]
 
 
