@@ -32,8 +32,10 @@ import torch
 
 __all__ = ["PACK_WIDTH", "PackedLayout", "packable", "packed_micro_batches", "shared_groups"]
 
-PACK_WIDTH = 256
-"""The narrowest bin (slots) unless the budget is smaller: wide enough to hold a W1 group with its shared prompt."""
+PACK_WIDTH = 128
+"""The narrowest bin (slots) unless the budget is smaller: two W1 groups with their shared prompts (~50 tokens each).
+Attention costs a bin's width per token, so wider bins cost more (W1, add-1m: 128 took 0.8x 256's step with shared
+prompts; benchmarks/notes/packing.md)."""
 
 _MASKED_IMPLEMENTATIONS = ("sdpa", "eager")
 
