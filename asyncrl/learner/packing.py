@@ -93,15 +93,19 @@ class PackedLayout:
         causal = index[None, :] <= index[:, None]
         same = self.block[:, :, None] == self.block[:, None, :]
         seen = (self.sample[:, None, :] < 0) | (self.sample[:, None, :] == self.sample[:, :, None])
-        full = (causal & same & seen) | torch.eye(width, dtype=torch.bool, device=causal.device)
+        diagonal = torch.eye(width, dtype=torch.bool, device=causal.device)
+        full = (causal & same & seen) | diagonal
         window = getattr(config, "sliding_window", None)
         types = set(getattr(config, "layer_types", None) or [])
         masks = {"full_attention": full}
         if window is not None and (not types or "sliding_attention" in types):
             distance = self.position_ids[:, :, None] - self.position_ids[:, None, :]
-            masks["sliding_attention"] = full & ((distance < window) | torch.eye(width, dtype=torch.bool))
+            masks["sliding_attention"] = full & ((distance < window) | diagonal)
         if config._attn_implementation == "eager":
-            masks = {k: torch.zeros((), dtype=dtype).masked_fill(~m, torch.finfo(dtype).min) for k, m in masks.items()}
+            masks = {
+                k: torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
+                for k, m in masks.items()
+            }
         masks = {k: m.unsqueeze(1) for k, m in masks.items()}
         if types and len(masks) > 1:
             return {t: masks[t] for t in types}
