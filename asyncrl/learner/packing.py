@@ -13,8 +13,9 @@ prompt's activations are computed once and receive the gradient of every respons
 response's first token reads the prompt's last hidden state with that response's token. Mathematically this is the
 unshared forward; in floats it differs by summation order only.
 
-Bins are `width` slots wide: at least the longest sequence and `PACK_WIDTH` (within the budget); a micro-batch has
-as many bins as fit `tokens_per_microbatch` slots. Attention costs a bin's width per token, so bins stay short.
+A micro-batch's bins are as wide as its longest piece (a sequence, or a shared prompt with its responses), at least
+`PACK_WIDTH` (within the budget), and it has as many bins as fit `tokens_per_microbatch` slots. Attention costs a
+bin's width per token, so bins stay narrow: sequences are taken longest first, and later micro-batches' bins narrow.
 
 Exact only for attention that applies the mask as given: transformers' `sdpa` and `eager` (`packable`); any
 other implementation (flash, flex) and a model the learner cannot mask (`packable` says why) keep padded rows.
@@ -189,27 +190,30 @@ def packed_micro_batches(rows, tokens_per_microbatch: int, share: bool, keep_gro
     """`rows` (a `TrainBatch`) as micro-batches whose packed layout (`TrainBatch.layout`) has at most
     `tokens_per_microbatch` slots (a unit wider than that gets a micro-batch of its own). Units are taken
     largest first, each piece into the first bin of the open micro-batch it fits, a new bin while the budget
-    allows, else a new micro-batch. With `keep_groups` a group's rows stay in one micro-batch."""
+    allows, else a new micro-batch, whose bins are as wide as its first unit's largest piece (at least
+    `PACK_WIDTH`): later micro-batches hold shorter sequences in narrower bins. With `keep_groups` a group's rows
+    stay in one micro-batch."""
     if tokens_per_microbatch < 1:
         raise ValueError(f"tokens_per_microbatch must be >= 1 (got {tokens_per_microbatch})")
-    width = max(int(rows.seq_lens.max()), min(PACK_WIDTH, tokens_per_microbatch))
-    units = sorted(_units(rows, _pieces(rows, share, width), keep_groups), key=lambda u: -sum(p.tokens for p in u))
-    packs: list[list[list[_Piece]]] = [[]]
+    narrowest = min(PACK_WIDTH, tokens_per_microbatch)
+    pieces = _pieces(rows, share, max(int(rows.seq_lens.max()), narrowest))
+    units = sorted(_units(rows, pieces, keep_groups), key=lambda u: -sum(p.tokens for p in u))
+    packs: list[tuple[int, list[list[_Piece]]]] = []
     for unit in units:
-        if not _place(packs[-1], unit, width, tokens_per_microbatch):
-            packs.append([])
-            _place(packs[-1], unit, width, None)
-    return [_micro_batch(rows, bins) for bins in packs if bins]
+        if not packs or not _place(packs[-1][1], unit, packs[-1][0], tokens_per_microbatch):
+            packs.append((max([narrowest] + [p.tokens for p in unit]), []))
+            _place(packs[-1][1], unit, packs[-1][0], None)
+    return [_micro_batch(rows, bins) for _, bins in packs]
 
 
 def _place(bins: list[list[_Piece]], unit: list[_Piece], width: int, budget: int | None) -> bool:
-    """Put `unit`'s pieces into `bins` (first fit, new bins while `(bins + 1) * width <= budget`; None: no
-    limit); False, with `bins` unchanged, when they do not fit."""
+    """Put `unit`'s pieces into `bins` of `width` slots (first fit, new bins while `(bins + 1) * width <= budget`;
+    None: no limit); False, with `bins` unchanged, when they do not fit."""
     trial = [list(b) for b in bins]
     for piece in sorted(unit, key=lambda p: -p.tokens):
         fit = next((b for b in trial if sum(p.tokens for p in b) + piece.tokens <= width), None)
         if fit is None:
-            if budget is not None and (len(trial) + 1) * width > budget and trial:
+            if budget is not None and ((len(trial) + 1) * width > budget or piece.tokens > width):
                 return False
             trial.append(fit := [])
         fit.append(piece)
