@@ -20,6 +20,9 @@ those of the rollout batch, the weights are recomputed over each mini-batch, whi
 batch. Splitting rows across ranks or micro-batches slices those tensors; summing the slices' losses gives
 the optimizer batch's loss. Critic advantages (GAE, VAPO) need the critic's values and are computed per
 sequence on the rank (`advantages` is zero here for them).
+
+Packed micro-batches (`asyncrl.learner.packing`) keep these rows for every loss tensor; only the model's forward runs
+on the packed layout (`TrainBatch.layout`), whose log-probs and values are gathered back into this alignment.
 """
 
 from __future__ import annotations

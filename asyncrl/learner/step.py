@@ -1,7 +1,8 @@
 """The optimizer steps of one learner rank (the math that merges them across micro-batches, ranks and updates:
 `merge.py`).
 
-    rank: micro_batches by token budget, padded to the same count on every rank (FSDP collectives)
+    rank: micro_batches by token budget (packed bins, a group's shared prompt once: `packing.py`), padded to the
+          same count on every rank (FSDP collectives)
           [critic: values -> GAE/VAPO advantages per sequence, whitening with global statistics]
           per micro-batch: learner log-probs (FP32 head, processed like the engine's sampling: temperature,
                            top-k, top-p) [kl_coef > 0: the frozen reference's, the same way, no grad]
