@@ -27,9 +27,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from asyncrl.learner.batch import TrainBatch
 
 __all__ = ["PACK_WIDTH", "PackedLayout", "packable", "packed_micro_batches", "shared_groups"]
 
@@ -130,7 +134,7 @@ def packable(model) -> str | None:
     return None
 
 
-def shared_groups(rows) -> list[list[int]]:
+def shared_groups(rows: TrainBatch) -> list[list[int]]:
     """Row lists (two or more rows of one group) whose prompts are identical token for token, with identical
     engine routes over the prompt when the rows carry routes: the rows that may share one prompt segment."""
     if rows.prompt_lens is None:
@@ -143,7 +147,7 @@ def shared_groups(rows) -> list[list[int]]:
         prompt_len = int(rows.prompt_lens[members[0]])
         if len(members) < 2 or any(int(rows.prompt_lens[i]) != prompt_len for i in members):
             continue
-        same = (rows.input_ids[members, :prompt_len] == rows.input_ids[members[0], :prompt_len]).all()
+        same = bool((rows.input_ids[members, :prompt_len] == rows.input_ids[members[0], :prompt_len]).all())
         if rows.routed_experts is not None:
             routes = rows.routed_experts[members, :prompt_len]
             same = same and bool((routes == routes[:1]).all())
@@ -152,12 +156,13 @@ def shared_groups(rows) -> list[list[int]]:
     return out
 
 
-def _pieces(rows, share: bool, width: int) -> list[_Piece]:
+def _pieces(rows: TrainBatch, share: bool, width: int) -> list[_Piece]:
     """Every row once: in a shared piece (split so that each fits `width`) or alone."""
     lengths = rows.seq_lens.tolist()
+    prompt_lens = rows.prompt_lens.tolist() if rows.prompt_lens is not None else []  # none: no shared groups
     pieces, shared = [], set()
     for members in shared_groups(rows) if share else []:
-        prompt_len = int(rows.prompt_lens[members[0]])
+        prompt_len = prompt_lens[members[0]]
         current: list[int] = []
         for i in members:
             if current and prompt_len + sum(lengths[j] - prompt_len for j in current + [i]) > width:
@@ -176,7 +181,7 @@ def _shared(members: Sequence[int], prompt_len: int, lengths: Sequence[int]) -> 
     return _Piece(tuple(members), prompt_len, prompt_len + sum(lengths[i] - prompt_len for i in members))
 
 
-def _units(rows, pieces: list[_Piece], keep_groups: bool) -> list[list[_Piece]]:
+def _units(rows: TrainBatch, pieces: list[_Piece], keep_groups: bool) -> list[list[_Piece]]:
     """Pieces that go into one micro-batch: each alone, or (`keep_groups`) all of a group's."""
     if not keep_groups:
         return [[p] for p in pieces]
@@ -186,7 +191,9 @@ def _units(rows, pieces: list[_Piece], keep_groups: bool) -> list[list[_Piece]]:
     return list(by_group.values())
 
 
-def packed_micro_batches(rows, tokens_per_microbatch: int, share: bool, keep_groups: bool = False) -> list:
+def packed_micro_batches(
+    rows: TrainBatch, tokens_per_microbatch: int, share: bool, keep_groups: bool = False
+) -> list[TrainBatch]:
     """`rows` (a `TrainBatch`) as micro-batches whose packed layout (`TrainBatch.layout`) has at most
     `tokens_per_microbatch` slots (a unit wider than that gets a micro-batch of its own). Units are taken
     largest first, each piece into the first bin of the open micro-batch it fits, a new bin while the budget
@@ -221,7 +228,7 @@ def _place(bins: list[list[_Piece]], unit: list[_Piece], width: int, budget: int
     return True
 
 
-def _micro_batch(rows, bins: list[list[_Piece]]):
+def _micro_batch(rows: TrainBatch, bins: list[list[_Piece]]) -> TrainBatch:
     """The rows of `bins` (in bin order) with their packed layout."""
     order = [i for b in bins for p in b for i in p.rows]
     mb = rows.select(order)
@@ -230,7 +237,7 @@ def _micro_batch(rows, bins: list[list[_Piece]]):
     return dataclasses.replace(mb, layout=_layout(mb, remapped))
 
 
-def _layout(mb, bins: list[list[_Piece]]) -> PackedLayout:
+def _layout(mb: TrainBatch, bins: list[list[_Piece]]) -> PackedLayout:
     """Slots of `bins`: each piece one block (a shared prompt, then its responses; or one row)."""
     width = max(sum(p.tokens for p in b) for b in bins)
     ids, lens = mb.input_ids.numpy(), mb.seq_lens.tolist()

@@ -125,7 +125,9 @@ def compile_now(module, device: torch.device) -> None:
     padded[0, -2:] = 0
     cuda = device.type == "cuda"
     with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda"):
-        layout = packed_micro_batches(dummy_microbatch(), 64, share=False)[0].layout.to(device)
+        layout = packed_micro_batches(dummy_microbatch(), 64, share=False)[0].layout
+        assert layout is not None  # a packed micro-batch has one
+        layout = layout.to(device)
         for mask, packed in ((padded, None), (torch.ones_like(ids), None), (padded, layout)):
             policy = isinstance(module, PolicyModel)
             out = module(ids, mask, positions, RAW, packed) if policy else module(ids, mask, positions, packed)
