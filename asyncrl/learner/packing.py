@@ -39,8 +39,8 @@ __all__ = ["PACK_WIDTH", "PackedLayout", "packable", "packed_micro_batches", "sh
 
 PACK_WIDTH = 128
 """The narrowest bin (slots) unless the budget is smaller: two W1 groups with their shared prompts (~50 tokens each).
-Attention costs a bin's width per token, so wider bins cost more (W1, add-1m: 128 took 0.8x 256's step with shared
-prompts; benchmarks/notes/packing.md)."""
+Attention costs a bin's width per token, so wider bins cost more (W1, add-1m, shared prompts: 128 took 0.6-0.8x
+256's step in two runs on a loaded machine)."""
 
 _MASKED_IMPLEMENTATIONS = ("sdpa", "eager")
 
