@@ -104,17 +104,21 @@ def make_group(rewards: Sequence[float] = (1.0, 0.0), *, group_id: str = "g0", *
     return Group(group_id, members)
 
 
-def random_groups(num_groups: int = 4, group_size: int = 3, seed: int = 0, vocab: int = 16) -> list[Group]:
+def random_groups(
+    num_groups: int = 4, group_size: int = 3, seed: int = 0, vocab: int = 16, shared_prompts: bool = False
+) -> list[Group]:
     """Random sequences a tiny model can score: prompts of 1-5 and responses of 1-7 tokens from ids 3..vocab-1,
     about 20% of response tokens masked out (as tool output would be), some truncated, and rewards with
-    variance (member 0 continuous, the others 0/1)."""
+    variance (member 0 continuous, the others 0/1). With `shared_prompts` a group's members have its first
+    member's prompt (as an engine's group does)."""
     rng = np.random.default_rng(seed)
     groups = []
     for g in range(num_groups):
-        members = []
+        members: list[Trajectory] = []
         for i in range(group_size):
             prompt_len, response_len = int(rng.integers(1, 6)), int(rng.integers(1, 8))
-            prompt = rng.integers(3, vocab, prompt_len)
+            if not (shared_prompts and members):
+                prompt = rng.integers(3, vocab, prompt_len)
             members.append(
                 make_trajectory(
                     rng.integers(3, vocab, response_len),

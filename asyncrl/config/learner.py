@@ -42,7 +42,16 @@ class LearnerConfig(Section):
     """Stop the remaining updates of a step once a mini-batch's approx-KL(pi_old || pi_theta) (k3, mean
     over its loss tokens, measured before its update) exceeds this; None = never stop early."""
     tokens_per_microbatch: int = Field(4096, ge=1)
-    """Token budget of one micro-batch (sequences are packed up to it)."""
+    """Token budget of one micro-batch: the slots its forward computes (packed bins, or padded rows x longest row
+    without `packing`)."""
+    packing: bool = True
+    """Pack a micro-batch's sequences into bins (`asyncrl.learner.packing`): position ids restart per sequence and the
+    attention mask never crosses one, so short sequences do not pay for the longest. Loss, gradients and mismatch
+    figures equal the padded rows' to float rounding. Needs transformers' `sdpa` or `eager` attention; any other
+    keeps padded rows."""
+    share_group_prompt: bool = True
+    """With `packing`: the samples of a group whose prompt token ids (and engine routes) are identical share one
+    prompt segment, computed once, each response attending to the prompt and to itself only; exact like packing."""
     compile: bool = False
     """`torch.compile` the decoder layers of the policy (and the critic) for the passes with gradients, with dynamic
     shapes (one graph for every batch size and length); passes without gradients (pi_old, the parity probe) stay

@@ -20,6 +20,9 @@ those of the rollout batch, the weights are recomputed over each mini-batch, whi
 batch. Splitting rows across ranks or micro-batches slices those tensors; summing the slices' losses gives
 the optimizer batch's loss. Critic advantages (GAE, VAPO) need the critic's values and are computed per
 sequence on the rank (`advantages` is zero here for them).
+
+Packed micro-batches (`asyncrl.learner.packing`) keep these rows for every loss tensor; only the model's forward runs
+on the packed layout (`TrainBatch.layout`), whose log-probs and values are gathered back into this alignment.
 """
 
 from __future__ import annotations
@@ -27,12 +30,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 import torch
 
 from asyncrl.types import Group, Trajectory
+
+if TYPE_CHECKING:
+    from asyncrl.learner.packing import PackedLayout
 
 __all__ = [
     "CRITIC_ADVANTAGES",
@@ -84,6 +90,9 @@ class TrainBatch:
     """int16 [B, L, moe_layers, top_k]: the engine's experts for the token AT position t (not the predicting-position
     alignment: a route belongs to the token the layer processes), -1 where none was recorded (the learner routes that
     token itself: `asyncrl.learner.routing`); None when no trajectory of the batch carries routes."""
+    prompt_lens: torch.Tensor | None = None  # int64 [B], prompt tokens of each row; None = unknown (never shared)
+    layout: PackedLayout | None = None
+    """The packed forward of these rows (`asyncrl.learner.packing`), set on a packed micro-batch; None = padded rows."""
 
     @property
     def num_rows(self) -> int:
@@ -98,6 +107,11 @@ class TrainBatch:
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    @property
+    def num_slots(self) -> int:
+        """Tokens the forward computes, padding included: B x L padded, the bins' slots packed."""
+        return self.layout.slots if self.layout is not None else int(self.input_ids.numel())
+
     def select(self, rows: Sequence[int]) -> TrainBatch:
         """The given rows (in that order), trimmed to their longest sequence."""
         index = torch.as_tensor(list(rows), dtype=torch.long)
@@ -110,7 +124,7 @@ class TrainBatch:
                 if value.dim() >= 2:  # [B, L, ...] per-position tensors
                     value = value[:, :width]
             fields[f.name] = value
-        return TrainBatch(**fields)
+        return TrainBatch(**dict(fields, layout=None))
 
 
 def build_batch(groups: Sequence[Group], recipe, lags: Sequence[int] | None = None) -> TrainBatch:
@@ -174,6 +188,7 @@ def build_batch(groups: Sequence[Group], recipe, lags: Sequence[int] | None = No
         num_groups=len(groups),
         lags=torch.tensor(list(lags), dtype=torch.long) if lags is not None else None,
         routed_experts=_routes([t for _, t in trajectories], width),
+        prompt_lens=torch.tensor([len(t.prompt_ids) for _, t in trajectories], dtype=torch.long),
     )
 
 
@@ -236,32 +251,48 @@ def split_mini_batches(batch: TrainBatch, mini_batches: int, recipe) -> list[Tra
     return [dataclasses.replace(p, **_reduction_weights(recipe, p.loss_mask, p.group_ids)) for p in parts]
 
 
-def _units(batch: TrainBatch, keep_groups: bool) -> list[list[int]]:
-    """Rows that must stay together: whole groups, or single rows."""
+def _units(batch: TrainBatch, keep_groups: bool, shared: Sequence[Sequence[int]] = ()) -> list[list[int]]:
+    """Rows that must stay together: whole groups, or the `shared` row lists and single rows."""
     if not keep_groups:
-        return [[i] for i in range(batch.num_rows)]
+        together = {i for rows in shared for i in rows}
+        return [list(rows) for rows in shared] + [[i] for i in range(batch.num_rows) if i not in together]
     by_group: dict[int, list[int]] = {}
     for i, g in enumerate(batch.group_ids.tolist()):
         by_group.setdefault(g, []).append(i)
     return list(by_group.values())
 
 
-def split_rows(batch: TrainBatch, num_ranks: int, keep_groups: bool = False) -> list[TrainBatch]:
-    """Partition the rows over `num_ranks`, balancing real tokens (longest-first greedy onto the least
-    loaded rank). With `keep_groups` whole groups are the unit. A rank may get zero rows; it still takes
-    part in every collective (see `dummy_microbatch`). One rank takes `batch` itself."""
+def _row_tokens(batch: TrainBatch, shared: Sequence[Sequence[int]]) -> list[float]:
+    """Tokens each row costs the forward: its length, less its share of a prompt it shares with its group."""
+    tokens = batch.seq_lens.double()
+    for rows in shared:
+        prompt_len = int(batch.prompt_lens[rows[0]]) if batch.prompt_lens is not None else 0
+        tokens[list(rows)] -= prompt_len * (1 - 1 / len(rows))
+    return tokens.tolist()
+
+
+def split_rows(
+    batch: TrainBatch, num_ranks: int, keep_groups: bool = False, share_prompts: bool = False
+) -> list[TrainBatch]:
+    """Partition the rows over `num_ranks`, balancing the tokens their forward computes (longest-first greedy
+    onto the least loaded rank). With `keep_groups` whole groups are the unit; with `share_prompts` the rows of a
+    group that may share their prompt (`packing.shared_groups`) are, and count that prompt once. A rank may get
+    zero rows; it still takes part in every collective (see `dummy_microbatch`). One rank takes `batch` itself."""
+    from asyncrl.learner.packing import shared_groups
+
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1 (got {num_ranks})")
     if num_ranks == 1:
         return [batch]
-    lengths = batch.seq_lens.tolist()
-    units = sorted(_units(batch, keep_groups), key=lambda u: -sum(lengths[i] for i in u))
-    load = [0] * num_ranks
+    shared = shared_groups(batch) if share_prompts else []
+    tokens = _row_tokens(batch, shared)
+    units = sorted(_units(batch, keep_groups, shared), key=lambda u: -sum(tokens[i] for i in u))
+    load = [0.0] * num_ranks
     assigned: list[list[int]] = [[] for _ in range(num_ranks)]
     for unit in units:
         rank = min(range(num_ranks), key=lambda r: (load[r], r))
         assigned[rank].extend(unit)
-        load[rank] += sum(lengths[i] for i in unit)
+        load[rank] += sum(tokens[i] for i in unit)
     return [batch.select(sorted(rows)) for rows in assigned]
 
 

@@ -30,6 +30,8 @@ from asyncrl.algo.sampling import SamplingDistribution, token_logprobs
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from asyncrl.learner.packing import PackedLayout
+
 __all__ = [
     "HF_PREFIX",
     "PolicyModel",
@@ -131,16 +133,35 @@ class PolicyModel(nn.Module):
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
         sampling: SamplingDistribution,
+        layout: PackedLayout | None = None,
     ) -> torch.Tensor:
         """input_ids, attention_mask, position_ids: [B, L] -> learner log-probs [B, L] (fp32) under the
         processed `sampling` distribution, aligned so column t scores token t+1 (batch.py); -inf for a
-        token outside the kept set; padding columns hold garbage (possibly -inf)."""
-        hidden = decoder_stack(self.causal_lm)[0](
+        token outside the kept set; padding columns hold garbage (possibly -inf). With a `layout` the forward
+        runs on its packed bins instead (the rows' tensors are not read) and padding columns hold 0."""
+        decoder = decoder_stack(self.causal_lm)[0]
+        head = self.causal_lm.get_output_embeddings().weight
+        if layout is not None:
+            hidden = _packed_hidden(decoder, layout)[layout.query_slot]
+            logits = final_logits(self.causal_lm.config, F.linear(hidden.float(), head.float()))
+            return layout.scatter_queries(token_logprobs(logits, layout.query_target, sampling))
+        hidden = decoder(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
-        head = self.causal_lm.get_output_embeddings().weight
         logits = final_logits(self.causal_lm.config, F.linear(hidden.float(), head.float()))
         return _shifted_logprobs(logits, input_ids, sampling)
+
+
+def _packed_hidden(decoder: PreTrainedModel, layout: PackedLayout) -> torch.Tensor:
+    """The decoder's last hidden states of `layout`'s slots, flat: [N * C, hidden]."""
+    dtype: torch.dtype = decoder.get_input_embeddings().weight.dtype  # type: ignore[assignment]
+    hidden = decoder(
+        input_ids=layout.input_ids,
+        attention_mask=layout.attention_mask(decoder.config, dtype),
+        position_ids=layout.position_ids,
+        use_cache=False,
+    ).last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1])
 
 
 class ValueModel(nn.Module):
@@ -167,8 +188,15 @@ class ValueModel(nn.Module):
         return self.trunk
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        layout: PackedLayout | None = None,
     ) -> torch.Tensor:
+        """Values [B, L] of the rows, or (with a `layout`) of its packed bins gathered into the rows (0 on padding)."""
+        if layout is not None:
+            return layout.gather(self.value_head(_packed_hidden(self.trunk, layout).float()).squeeze(-1))
         hidden = self.trunk(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state

@@ -236,9 +236,14 @@ class LearnerPool:
         began = time.monotonic()  # `learner_step_s` and the call's timeout count the split too
         keep_groups = loss_needs_whole_groups(self.recipe)
         parts = split_mini_batches(batch, self.config.mini_batches, self.recipe)
-        shards = [split_rows(part, self.num_ranks, keep_groups) for part in parts]
+        shards = [split_rows(part, self.num_ranks, keep_groups, self._shares_prompts) for part in parts]
         per_rank = [([part[rank] for part in shards],) for rank in range(self.num_ranks)]
         return replace(self._submit("train_step", per_rank=per_rank), submitted=began)
+
+    @property
+    def _shares_prompts(self) -> bool:
+        """Whether the ranks keep a group's prompt-sharing rows together (`learner.share_group_prompt`)."""
+        return self.config.packing and self.config.share_group_prompt
 
     def finish_step(self, call: LearnerCall) -> StepStats:
         """The ranks' results of a step merged into one; `learner_step_s` counts from its submission."""
@@ -260,7 +265,7 @@ class LearnerPool:
         """(batch loss, full policy gradient by HF name) without an optimizer step (tests, debugging).
         `recipe` (default: the pool's) must be the one `batch` was built with."""
         recipe = recipe or self.recipe
-        shards = split_rows(batch, self.num_ranks, loss_needs_whole_groups(recipe))
+        shards = split_rows(batch, self.num_ranks, loss_needs_whole_groups(recipe), self._shares_prompts)
         loss, grads = self._call("compute_gradients", per_rank=[(s, recipe) for s in shards])[0]
         return loss, grads
 

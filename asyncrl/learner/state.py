@@ -109,10 +109,12 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 def compile_now(module, device: torch.device) -> None:
     """Compile `module`'s decoder layers (`policy.compile_layers`) and build their graphs at once, during set-up
-    rather than in the first steps: a forward and backward of a batch with padding and of one without (the
-    attention mask takes two paths), under the random state as it was (dropout draws nothing the run sees), the
-    gradients dropped."""
+    rather than in the first steps: a forward and backward of a batch with padding, of one without and of a packed
+    one (the attention mask takes three paths), under the random state as it was (dropout draws nothing the run
+    sees), the gradients dropped."""
     from asyncrl.algo.sampling import RAW
+    from asyncrl.learner.batch import dummy_microbatch
+    from asyncrl.learner.packing import packed_micro_batches
     from asyncrl.learner.policy import PolicyModel, compile_layers
 
     _require_cxx()
@@ -123,8 +125,12 @@ def compile_now(module, device: torch.device) -> None:
     padded[0, -2:] = 0
     cuda = device.type == "cuda"
     with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda"):
-        for mask in (padded, torch.ones_like(ids)):
-            out = module(ids, mask, positions, RAW) if isinstance(module, PolicyModel) else module(ids, mask, positions)
+        layout = packed_micro_batches(dummy_microbatch(), 64, share=False)[0].layout
+        assert layout is not None  # a packed micro-batch has one
+        layout = layout.to(device)
+        for mask, packed in ((padded, None), (torch.ones_like(ids), None), (padded, layout)):
+            policy = isinstance(module, PolicyModel)
+            out = module(ids, mask, positions, RAW, packed) if policy else module(ids, mask, positions, packed)
             torch.where(torch.isfinite(out), out, 0.0).sum().backward()
     module.zero_grad(set_to_none=True)
 

@@ -1,7 +1,8 @@
 """The optimizer steps of one learner rank (the math that merges them across micro-batches, ranks and updates:
 `merge.py`).
 
-    rank: micro_batches by token budget, padded to the same count on every rank (FSDP collectives)
+    rank: micro_batches by token budget (packed bins, a group's shared prompt once: `packing.py`), padded to the
+          same count on every rank (FSDP collectives)
           [critic: values -> GAE/VAPO advantages per sequence, whitening with global statistics]
           per micro-batch: learner log-probs (FP32 head, processed like the engine's sampling: temperature,
                            top-k, top-p) [kl_coef > 0: the frozen reference's, the same way, no grad]
@@ -58,6 +59,7 @@ from asyncrl.learner.merge import (
     update_metrics,
     whitening_moments,
 )
+from asyncrl.learner.packing import PackedLayout, packable, packed_micro_batches
 from asyncrl.types import StepStats
 
 if TYPE_CHECKING:
@@ -406,8 +408,9 @@ class RankStep:
         """The policy's log-probs; an MoE policy routes as the engine did where the rows carry routes (R3)."""
         from asyncrl.learner.routing import replaying
 
-        with replaying(self.state.policy, mb.routed_experts):
-            return self.state.policy(mb.input_ids, mb.attention_mask, mb.position_ids, self.sampling)
+        routes = mb.routed_experts if mb.layout is None else mb.layout.routed_experts
+        with replaying(self.state.policy, routes):
+            return self.state.policy(mb.input_ids, mb.attention_mask, mb.position_ids, self.sampling, mb.layout)
 
     def _reference_logprobs(self, mb: TrainBatch) -> torch.Tensor | None:
         """The frozen reference's log-probs of `mb` under the run's sampling distribution (no gradient), or None
@@ -418,27 +421,35 @@ class RankStep:
         if self.reference is None:
             raise ValueError("algorithm.params.kl_coef > 0: this step has no reference policy (state.build_reference)")
         with torch.no_grad():
-            return self.reference(mb.input_ids, mb.attention_mask, mb.position_ids, self.sampling)
+            return self.reference(mb.input_ids, mb.attention_mask, mb.position_ids, self.sampling, mb.layout)
 
     def _values(self, mb: TrainBatch) -> torch.Tensor:
         if self.state.critic is None:
             raise ValueError("values need a critic: set learner.critic = true")
-        return self.state.critic(mb.input_ids, mb.attention_mask, mb.position_ids)
+        return self.state.critic(mb.input_ids, mb.attention_mask, mb.position_ids, mb.layout)
+
+    @property
+    def packs(self) -> bool:
+        """Whether micro-batches are packed: `learner.packing` and a policy whose attention takes the packed mask."""
+        return self.config.packing and packable(self.state.policy.transformer) is None
 
     def _to_device(self, mb: TrainBatch) -> TrainBatch:
-        moved: dict[str, Any] = {  # every field, tensors on this rank's device
-            f.name: (v.to(self.device) if isinstance(v := getattr(mb, f.name), torch.Tensor) else v)
+        moved: dict[str, Any] = {  # every field, tensors (and the packed layout's) on this rank's device
+            f.name: (v.to(self.device) if isinstance(v := getattr(mb, f.name), (torch.Tensor, PackedLayout)) else v)
             for f in dataclasses.fields(mb)
         }
         return TrainBatch(**moved)
 
     def _micro_batches(self, rows: TrainBatch) -> tuple[list[TrainBatch], int]:
-        """This rank's micro-batches padded with dummies to the largest count over ranks; -> (all, real)."""
-        mbs = (
-            micro_batches(rows, self.config.tokens_per_microbatch, loss_needs_whole_groups(self.recipe))
-            if rows.num_rows
-            else []
-        )
+        """This rank's micro-batches (packed unless `learner.packing` is off or the model cannot be: `packing.
+        packable`) padded with dummies to the largest count over ranks; -> (all, real)."""
+        budget, keep_groups = self.config.tokens_per_microbatch, loss_needs_whole_groups(self.recipe)
+        if not rows.num_rows:
+            mbs: list[TrainBatch] = []
+        elif self.packs:
+            mbs = packed_micro_batches(rows, budget, self.config.share_group_prompt, keep_groups)
+        else:
+            mbs = micro_batches(rows, budget, keep_groups)
         count = int(self.all_reduce(torch.tensor([len(mbs)]), "max").item())
         real = len(mbs)
         mbs += [dummy_microbatch(rows.num_groups) for _ in range(count - real)]

@@ -8,6 +8,7 @@ import torch
 from asyncrl.algo.recipes import resolve_recipe
 from asyncrl.algo.sampling import RAW, SamplingDistribution
 from asyncrl.config import LearnerConfig, WeightSyncConfig
+from asyncrl.learner.packing import shared_groups
 from asyncrl.testing import random_groups as make_groups
 
 pytestmark = pytest.mark.integration
@@ -58,7 +59,9 @@ EXACTNESS_RECIPES = {
 def test_two_ranks_with_micro_batches_give_the_one_rank_loss_and_gradient(pools, name, tiny_model_dir):
     one, two = pools
     recipe = EXACTNESS_RECIPES[name]
-    batch = one.make_batch(make_groups(seed=1), recipe)
+    # Both pools pack (`learner.packing`) and share each group's prompt segment; the reference below is padded rows.
+    batch = one.make_batch(make_groups(seed=1, shared_prompts=True), recipe)
+    assert len(shared_groups(batch)) == 4
     loss_1, grads_1 = one.compute_gradients(batch, recipe)
     loss_2, grads_2 = two.compute_gradients(batch, recipe)
     diff = max_abs_diff(grads_1, grads_2)

@@ -1,6 +1,8 @@
 """The learner's log-probs equal transformers' own `model(input_ids).logits` log-softmax for every model family
 (fp32, <= 1e-5), including what a family does after its final hidden state (Gemma 2's logit soft-capping)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -91,3 +93,77 @@ def test_what_engines_are_sent_has_the_checkpoints_names_and_tensors(family_dirs
     if name == "qwen3-moe":  # fused in memory, one tensor per expert and projection on disk and on the wire
         assert "causal_lm.model.layers.0.mlp.experts.gate_up_proj" in full
         assert "model.layers.0.mlp.experts.3.up_proj.weight" in sent
+
+
+@pytest.mark.parametrize("name,window", [(name, None) for name in FAMILIES] + [("mistral", 4), ("qwen3-moe", 4)])
+def test_packed_and_shared_logprobs_equal_the_padded_ones_for_each_family(family_dirs, name, window):
+    """Sequences of up to 20 tokens cross Gemma 2's sliding window of 8 (and the `window` set on Mistral and
+    Qwen3-MoE, whose every layer slides): the packed masks apply the window on position ids."""
+    import numpy as np
+
+    from asyncrl.algo.recipes import resolve_recipe
+    from asyncrl.learner.batch import build_batch
+    from asyncrl.learner.packing import packable, packed_micro_batches
+    from asyncrl.testing import make_trajectory
+    from asyncrl.types import Group
+
+    rng = np.random.default_rng(0)
+    groups = []
+    for g in range(3):
+        prompt = rng.integers(3, 2000, int(rng.integers(4, 11)))
+        responses = [rng.integers(3, 2000, int(rng.integers(1, 11))) for _ in range(3)]
+        groups.append(Group(f"g{g}", [make_trajectory(r, prompt_ids=prompt, group_id=f"g{g}") for r in responses]))
+    batch = build_batch(groups, resolve_recipe("grpo"))
+    causal_lm = load_causal_lm(str(family_dirs[name]))
+    if window is not None:
+        causal_lm.config.sliding_window = window
+    policy = PolicyModel(causal_lm)
+    assert packable(causal_lm) is None
+    real = torch.arange(batch.input_ids.shape[1])[None] < batch.seq_lens[:, None] - 1
+    with torch.no_grad():
+        padded = policy(batch.input_ids, batch.attention_mask, batch.position_ids, RAW)
+        for share in (False, True):
+            (mb,) = packed_micro_batches(batch, 4096, share=share)
+            packed = torch.zeros_like(padded)  # back in the batch's row order
+            order = [batch.input_ids.tolist().index(row) for row in mb.input_ids.tolist()]
+            packed[order] = policy(mb.input_ids, mb.attention_mask, mb.position_ids, RAW, mb.layout)
+            diff = float((packed - padded)[real].abs().max())
+            print(f"{name} window {window} share {share}: max |packed - padded| = {diff:.2e}")
+            assert diff <= 1e-5
+    if window is not None:  # the window matters here: without it the log-probs move
+        causal_lm.config.sliding_window = None
+        with torch.no_grad():
+            unwindowed = policy(batch.input_ids, batch.attention_mask, batch.position_ids, RAW)
+        assert float((unwindowed - padded)[real].abs().max()) > 1e-4
+
+
+def test_replayed_routes_give_the_padded_logprobs_packed_and_shared(family_dirs):
+    """MoE routing replay on the packed layout: each slot takes its row's routes (a shared prompt's are every
+    sample's), drawn at random here so that they differ from the router's own choice and matter."""
+    from asyncrl.algo.recipes import resolve_recipe
+    from asyncrl.learner.batch import build_batch
+    from asyncrl.learner.packing import packed_micro_batches, shared_groups
+    from asyncrl.learner.routing import replaying
+    from asyncrl.testing import random_groups
+
+    batch = build_batch(
+        random_groups(num_groups=3, group_size=3, seed=2, vocab=2000, shared_prompts=True), resolve_recipe("grpo")
+    )
+    policy = PolicyModel(load_causal_lm(str(family_dirs["qwen3-moe"])))
+    # Prompts to experts (0, 1), responses to (3, 2): the 4 experts' top-2 of 2 MoE layers.
+    in_prompt = torch.arange(batch.input_ids.shape[1])[None] < batch.prompt_lens[:, None]
+    routes = torch.where(in_prompt[..., None, None], torch.tensor([0, 1]), torch.tensor([3, 2]))
+    routes = routes.expand(-1, -1, 2, -1).to(torch.int16)
+    batch = dataclasses.replace(batch, routed_experts=routes)
+    assert len(shared_groups(batch)) == 3
+    with torch.no_grad(), replaying(policy, routes):
+        padded = policy(batch.input_ids, batch.attention_mask, batch.position_ids, RAW)
+    with torch.no_grad():
+        own = policy(batch.input_ids, batch.attention_mask, batch.position_ids, RAW)
+    real = torch.arange(batch.input_ids.shape[1])[None] < batch.seq_lens[:, None] - 1
+    assert float((own - padded)[real].abs().max()) > 1e-4  # the routes matter
+    (mb,) = packed_micro_batches(batch, 4096, share=True)
+    order = [batch.input_ids.tolist().index(row) for row in mb.input_ids.tolist()]
+    with torch.no_grad(), replaying(policy, mb.layout.routed_experts):
+        packed = policy(mb.input_ids, mb.attention_mask, mb.position_ids, RAW, mb.layout)
+    assert float((packed - padded[order])[real[order]].abs().max()) <= 1e-5
