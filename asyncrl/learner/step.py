@@ -364,7 +364,13 @@ class RankStep:
         """Clip to `grad_clip`, step (and the `scheduler` unless None) unless the norm is not finite;
         -> (pre-clip norm, stepped)."""
         began = time.perf_counter()
-        total = torch.nn.utils.clip_grad_norm_(module.parameters(), self.config.grad_clip)
+        # A backend that reduces its gradients itself clips them itself (megatron: `MegatronPolicy.clip_grad_norm_`).
+        own = getattr(module, "clip_grad_norm_", None)
+        total = (
+            own(self.config.grad_clip)
+            if own
+            else torch.nn.utils.clip_grad_norm_(module.parameters(), self.config.grad_clip)
+        )
         if hasattr(total, "full_tensor"):  # a DTensor under FSDP2
             total = total.full_tensor()
         norm = float(total)

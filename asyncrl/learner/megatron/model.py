@@ -83,7 +83,27 @@ def build_gpt(hf_config, tensor_parallel: int):
         position_embedding_type="rope",
     )
     gpt.rotary_pos_emb.inv_freq = _hf_inv_freq(hf_config)
+    _mark_partitions(gpt)
     return gpt
+
+
+def _mark_partitions(gpt) -> None:
+    """Set megatron's `tensor_model_parallel` / `partition_dim` on every split parameter, which its layers set only
+    when they initialize their weights themselves (`perform_initialization`; ours come from the checkpoint): the
+    vocabulary and column-parallel layers split dim 0 (weight and bias), row-parallel layers their weight's dim 1."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    for module in gpt.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            split = [("weight", 0), ("bias", 0)]
+        elif isinstance(module, RowParallelLinear):
+            split = [("weight", 1)]
+        else:
+            continue
+        for name, dim in split:
+            param = getattr(module, name, None)
+            if isinstance(param, torch.Tensor):
+                param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, 1
 
 
 def _hf_inv_freq(hf_config) -> torch.Tensor:
@@ -161,6 +181,12 @@ class MegatronPolicy(nn.Module):
                 local = unshard(name, pieces, dim)
             full[name] = self._unpadded(name, local).cpu()
         return self.converter.to_hf(full, self.hf_config)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The step's gradient reduction and clip (`state.clip_grad_norm_`: DP sum, TP-aware norm); -> the norm."""
+        from asyncrl.learner.megatron.state import clip_grad_norm_
+
+        return clip_grad_norm_(self, max_norm)
 
     def _padded(self, name: str, tensor: torch.Tensor, size: int) -> torch.Tensor:
         if name not in _VOCAB_ROWS:
