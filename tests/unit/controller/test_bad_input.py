@@ -157,7 +157,7 @@ CASES = [
     Case("checkpoint of another config", _checkpoint(GOOD_STATE, config="model:\n  preset: add-3m\n"),
          "was written by a run with model.preset = 'add-3m'; this config has 'add-1m'"),
     Case("tensor parallelism without megatron", _overrides("learner.tensor_parallel=2"), "learner.tensor_parallel = 2 needs learner.training_backend = megatron"),
-    Case("tensor parallelism that does not divide the heads", _overrides("learner.training_backend=megatron", "learner.num_ranks=3", "learner.tensor_parallel=3"),
+    Case("tensor parallelism that does not divide the heads", _overrides("learner.training_backend=megatron", "learner.compile=false", "learner.num_ranks=3", "learner.tensor_parallel=3"),
          "learner.tensor_parallel: 3 does not divide the model's num_attention_heads"),
     Case("config file not found", _overrides("nope/recipe.yaml"), "config file not found: nope/recipe.yaml"),
     Case("config file that is not YAML", _file("bad.yaml", b"learner: [1, 2\n", "{tmp}/bad.yaml"), "bad.yaml: not valid YAML"),
