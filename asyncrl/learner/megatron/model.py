@@ -103,7 +103,12 @@ def _mark_partitions(gpt) -> None:
         for name, dim in split:
             param = getattr(module, name, None)
             if isinstance(param, torch.Tensor):
-                param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, 1
+                for attribute, value in (
+                    ("tensor_model_parallel", True),
+                    ("partition_dim", dim),
+                    ("partition_stride", 1),
+                ):
+                    setattr(param, attribute, value)
 
 
 def _hf_inv_freq(hf_config) -> torch.Tensor:
@@ -122,7 +127,7 @@ def _hf_inv_freq(hf_config) -> torch.Tensor:
 
 def partition_dim(param: torch.Tensor) -> int | None:
     """The dimension megatron splits `param` along over the TP ranks; None for a replicated one."""
-    return int(param.partition_dim) if getattr(param, "tensor_model_parallel", False) else None
+    return int(getattr(param, "partition_dim", 0)) if getattr(param, "tensor_model_parallel", False) else None
 
 
 class MegatronPolicy(nn.Module):

@@ -68,14 +68,15 @@ def clip_grad_norm_(policy: MegatronPolicy, max_norm: float) -> torch.Tensor:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    params = [p for p in policy.parameters() if p.grad is not None]
-    if ps.get_data_parallel_world_size() > 1 and params:
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+    pairs = [(p, p.grad) for p in policy.parameters() if p.grad is not None]
+    grads = [g for _, g in pairs]
+    if ps.get_data_parallel_world_size() > 1 and grads:
+        flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=ps.get_data_parallel_group())
-        for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
-            p.grad.copy_(g.view_as(p.grad))
-    split = [p.grad for p in params if partition_dim(p) is not None]
-    whole = [p.grad for p in params if partition_dim(p) is None]
+        for g, summed in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            g.copy_(summed.view_as(g))
+    split = [g for p, g in pairs if partition_dim(p) is not None]
+    whole = [g for p, g in pairs if partition_dim(p) is None]
     squares = torch.stack([_sum_sq(split), _sum_sq(whole)])
     if ps.get_tensor_model_parallel_world_size() > 1:
         split_sq = squares[:1].clone()
@@ -83,8 +84,8 @@ def clip_grad_norm_(policy: MegatronPolicy, max_norm: float) -> torch.Tensor:
         squares[0] = split_sq[0]
     total = squares.sum().sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in params:
-        p.grad.mul_(coef)
+    for g in grads:
+        g.mul_(coef)
     return total
 
 
