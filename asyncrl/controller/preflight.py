@@ -158,6 +158,10 @@ def _megatron(cfg: Config) -> list[Problem]:
             )
         )
     tp = cfg.learner.tensor_parallel
+    if config.get("num_experts") and tp > 1:
+        problems.append(
+            Problem("learner.tensor_parallel", f"{tp}: an MoE model trains with tensor_parallel = 1 on megatron")
+        )
     heads = config.get("num_attention_heads") or 0
     for key, count in (
         ("num_attention_heads", heads),

@@ -232,9 +232,12 @@ class LearnerWorker:
         from asyncrl.learner.export import checkpoint_layout, hf_state_dict
 
         tied = bool(getattr(self.model_config, "tie_word_embeddings", False))
-        if self.megatron:  # the dense families megatron serves keep one layout in memory and on disk
+        if self.megatron:
             full = self.state.policy.full_hf_state()  # collective over each TP group
-            return hf_state_dict(full, tied) if self.rank == 0 else {}
+            if self.rank != 0:
+                return {}
+            state = hf_state_dict(full, tied)
+            return self.state.policy.checkpoint_layout(state) if checkpoint else state
         full = self._full_model_state(self.state.policy)
         if self.rank != 0:
             return {}

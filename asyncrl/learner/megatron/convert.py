@@ -6,7 +6,8 @@ The converter contract (docs/architecture.md, "Learner backends"): a family's co
 `TransformerConfig` fields its Hugging Face config implies (`config_fields`) and maps a full Hugging Face state dict
 to megatron names and layouts (`to_megatron`) and back (`to_hf`) such that `to_hf(to_megatron(s)) == s` tensor for
 tensor and the megatron model's logits equal transformers' (tests/unit/learner/test_megatron.py). One converter
-serves the dense decoder families (Qwen2 with QKV biases, Qwen3 with q/k norms, Llama 3, Mistral), tied or not.
+serves the dense decoder families (Qwen2 with QKV biases, Qwen3 with q/k norms, Llama 3, Mistral), tied or not;
+`MoeConverter` Qwen3-MoE.
 
 Megatron's layouts: the attention's Q, K and V projections are ONE `linear_qkv` whose rows are grouped by query group,
 `[q heads of group 0, k of group 0, v of group 0, q heads of group 1, ...]` (the bias likewise); the MLP's gate and up
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CONVERTERS", "DenseConverter", "converter_for", "shard", "unshard"]
+__all__ = ["CONVERTERS", "DenseConverter", "MoeConverter", "converter_for", "shard", "unshard"]
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -65,7 +66,7 @@ class DenseConverter:
             gated_linear_unit=True,
             add_bias_linear=False,
             add_qkv_bias=bool(getattr(hf_config, "attention_bias", False)) or self.model_type == "qwen2",
-            qk_layernorm=self.model_type == "qwen3",
+            qk_layernorm=self.model_type.startswith("qwen3"),
         )
 
     def to_megatron(self, hf: Mapping[str, torch.Tensor], hf_config) -> dict[str, torch.Tensor]:
@@ -121,7 +122,69 @@ class DenseConverter:
         return out
 
 
-CONVERTERS: dict[str, DenseConverter] = {t: DenseConverter(t) for t in ("qwen2", "qwen3", "llama", "mistral")}
+_ROUTER = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate\.weight$")
+_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_MC_ROUTER = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.router\.weight$")
+_MC_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc(1|2)\.weight$")
+
+
+@dataclass(frozen=True)
+class MoeConverter(DenseConverter):
+    """Qwen3-MoE: the dense attention of Qwen3 and, in every layer, a softmax router over `num_experts` SwiGLU
+    experts of which the top `num_experts_per_tok` mix with renormalized weights (`norm_topk_prob`). transformers keeps
+    the experts fused in memory (`mlp.experts.gate_up_proj` [E, 2F, H], `down_proj` [E, H, F]); megatron has one
+    `local_experts.<e>` MLP per expert (`linear_fc1` = `gate_up_proj[e]`) and `mlp.router`. Converted in transformers'
+    in-memory layout; exports revert it to the checkpoint's (`asyncrl.learner.export.checkpoint_layout`)."""
+
+    def config_fields(self, hf_config) -> dict:
+        if not getattr(hf_config, "norm_topk_prob", True) or getattr(hf_config, "mlp_only_layers", None):
+            raise ValueError(f"{self.model_type}: megatron needs norm_topk_prob and an MoE block in every layer")
+        return dict(
+            super().config_fields(hf_config),
+            qk_layernorm=True,
+            num_moe_experts=hf_config.num_experts,
+            moe_router_topk=hf_config.num_experts_per_tok,
+            moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+            moe_router_pre_softmax=False,  # softmax over the top-k logits = the renormalized top-k probabilities
+            moe_router_score_function="softmax",
+            moe_router_dtype="fp32",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="allgather",
+            moe_grouped_gemm=False,
+            moe_permute_fusion=False,
+        )
+
+    def to_megatron(self, hf: Mapping[str, torch.Tensor], hf_config) -> dict[str, torch.Tensor]:
+        moe = {k: v for k, v in hf.items() if _ROUTER.match(k) or _EXPERTS.match(k)}
+        out = super().to_megatron({k: v for k, v in hf.items() if k not in moe}, hf_config)
+        for name, tensor in moe.items():
+            if (m := _ROUTER.match(name)) is not None:
+                out[f"decoder.layers.{m.group(1)}.mlp.router.weight"] = tensor
+            elif (m := _EXPERTS.match(name)) is not None:
+                fc = "linear_fc1" if m.group(2) == "gate_up_proj" else "linear_fc2"
+                for e, piece in enumerate(tensor):
+                    out[f"decoder.layers.{m.group(1)}.mlp.experts.local_experts.{e}.{fc}.weight"] = piece
+        return out
+
+    def to_hf(self, mc: Mapping[str, torch.Tensor], hf_config) -> dict[str, torch.Tensor]:
+        moe = {k: v for k, v in mc.items() if _MC_ROUTER.match(k) or _MC_EXPERT.match(k)}
+        out = super().to_hf({k: v for k, v in mc.items() if k not in moe}, hf_config)
+        experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+        for name, tensor in moe.items():
+            if (m := _MC_ROUTER.match(name)) is not None:
+                out[f"model.layers.{m.group(1)}.mlp.gate.weight"] = tensor
+            elif (m := _MC_EXPERT.match(name)) is not None:
+                proj = "gate_up_proj" if m.group(3) == "1" else "down_proj"
+                experts.setdefault((m.group(1), proj), {})[int(m.group(2))] = tensor
+        for (layer, proj), pieces in experts.items():
+            out[f"model.layers.{layer}.mlp.experts.{proj}"] = torch.stack([pieces[e] for e in sorted(pieces)])
+        return out
+
+
+CONVERTERS: dict[str, DenseConverter] = {
+    **{t: DenseConverter(t) for t in ("qwen2", "qwen3", "llama", "mistral")},
+    "qwen3_moe": MoeConverter("qwen3_moe"),
+}
 """Converters by `config.json`'s `model_type`."""
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["apply", "applied"]
+__all__ = ["applied", "apply", "without_transformer_engine"]
 
 _APPLIED = False
 
@@ -39,6 +39,16 @@ def apply() -> bool:
         mp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         _APPLIED = True
     return True
+
+
+def without_transformer_engine() -> None:
+    """megatron-core 0.16.1's MoE router gating (`transformer.moe.moe_utils`) tests `te_general_gemm is not None` but
+    leaves the name undefined when Transformer Engine is not installed (a NameError on the first MoE forward): define
+    it as None, the value its own check expects, so the router takes its torch path. Applied with or without CUDA."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def applied() -> bool:

@@ -33,6 +33,7 @@ def init_parallel(tensor_parallel: int) -> None:
     from megatron.core import parallel_state
 
     cpu.apply()
+    cpu.without_transformer_engine()
     if parallel_state.model_parallel_is_initialized():
         if parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel:
             return
@@ -44,8 +45,14 @@ def transformer_config(hf_config, tensor_parallel: int):
     """megatron's `TransformerConfig` for `hf_config` (fp32, no dropout, no fused CUDA kernels)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    fields = converter_for(hf_config).config_fields(hf_config)
+    if fields.get("num_moe_experts") and tensor_parallel > 1:
+        raise ValueError(
+            f"{hf_config.model_type}: an MoE model needs learner.tensor_parallel = 1 with the megatron backend "
+            "(megatron splits MoE layers only with sequence parallelism, which the backend does not run)"
+        )
     return TransformerConfig(
-        **converter_for(hf_config).config_fields(hf_config),
+        **fields,
         activation_func=F.silu,
         tensor_model_parallel_size=tensor_parallel,
         params_dtype=torch.float32,
@@ -74,9 +81,12 @@ def build_gpt(hf_config, tensor_parallel: int):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = transformer_config(hf_config, tensor_parallel)
+    spec = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm, normalization="RMSNorm"
+    )
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm"),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab(hf_config, tensor_parallel),
         max_sequence_length=hf_config.max_position_embeddings,
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
@@ -138,6 +148,7 @@ class MegatronPolicy(nn.Module):
         self.gpt = gpt
         self.hf_config = hf_config
         self.converter = converter_for(hf_config)
+        self._skeleton = None  # the meta-device transformers model `checkpoint_layout` needs (MoE), built once
 
     def forward(
         self,
@@ -186,6 +197,21 @@ class MegatronPolicy(nn.Module):
                 local = unshard(name, pieces, dim)
             full[name] = self._unpadded(name, local).cpu()
         return self.converter.to_hf(full, self.hf_config)
+
+    def checkpoint_layout(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` (Hugging Face in-memory names) in the checkpoint's layout engines load: an MoE layer's fused experts
+        per expert (`asyncrl.learner.export.checkpoint_layout`, on a meta-device skeleton of the model); the same
+        tensors for a dense family."""
+        from asyncrl.learner.export import checkpoint_layout
+
+        if getattr(self.hf_config, "num_experts", None) is None:
+            return state
+        if self._skeleton is None:
+            from transformers import AutoModelForCausalLM
+
+            with torch.device("meta"):
+                self._skeleton = AutoModelForCausalLM.from_config(self.hf_config)
+        return checkpoint_layout(self._skeleton, state)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """The step's gradient reduction and clip (`state.clip_grad_norm_`: DP sum, TP-aware norm); -> the norm."""

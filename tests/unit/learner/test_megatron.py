@@ -36,7 +36,7 @@ def tokenizer():
     return train_bpe("chatml", vocab_size=512)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen2-untied", "qwen3", "llama3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen2-untied", "qwen3", "llama3", "qwen3-moe"])
 def test_converter_gives_transformers_logprobs_and_round_trips(family, tokenizer, tmp_path, mesh):
     from asyncrl.learner.megatron.model import MegatronPolicy, build_gpt, init_parallel
     from asyncrl.learner.policy import PolicyModel, load_causal_lm
@@ -68,7 +68,7 @@ def test_unknown_family_is_refused_naming_the_supported_ones():
 
     from asyncrl.learner.megatron.convert import converter_for
 
-    with pytest.raises(ValueError, match="model_type 'gemma2'.*qwen2, qwen3, llama, mistral"):
+    with pytest.raises(ValueError, match="model_type .gemma2.*qwen2, qwen3, llama, mistral, qwen3_moe"):
         converter_for(SimpleNamespace(model_type="gemma2"))
 
 
@@ -200,3 +200,24 @@ def test_two_ranks_with_tp2_or_dp2_give_the_one_rank_step(one_rank, tiny_model_d
         assert got["grad_norm"] == pytest.approx(stats.grad_norm, rel=1e-5), name
         diff = max(float((torch.tensor(got["weights"][k]) - expected[k]).abs().max()) for k in expected)
         assert set(got["weights"]) == set(expected) and diff < ADAM_ROUNDING, name
+
+
+def test_learner_settings_megatron_does_not_run_are_refused_by_name():
+    with pytest.raises(ValueError, match="does not support learner.critic"):
+        LearnerConfig(training_backend="megatron", critic=True)
+    with pytest.raises(ValueError, match=r"learner.tensor_parallel \(2\) must divide learner.num_ranks \(3\)"):
+        LearnerConfig(training_backend="megatron", num_ranks=3, tensor_parallel=2)
+    with pytest.raises(ValueError, match="needs learner.training_backend = megatron"):
+        LearnerConfig(tensor_parallel=2, num_ranks=2)
+
+
+def test_an_moe_model_with_tensor_parallelism_is_refused():
+    from transformers import AutoConfig
+
+    from asyncrl.learner.megatron.model import transformer_config
+
+    config = AutoConfig.for_model(
+        "qwen3_moe", num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, hidden_size=64, num_attention_heads=2
+    )
+    with pytest.raises(ValueError, match="MoE model needs learner.tensor_parallel = 1"):
+        transformer_config(config, 2)
