@@ -137,10 +137,10 @@ def _megatron(cfg: Config) -> list[Problem]:
     (`asyncrl.learner.megatron.convert`) and `learner.tensor_parallel` divides its attention and key-value heads."""
     import importlib.util
 
-    from asyncrl.learner.megatron.convert import CONVERTERS
-
     if cfg.learner.training_backend != "megatron":
         return []
+    from asyncrl.learner.megatron.convert import CONVERTERS
+
     problems = []
     if importlib.util.find_spec("megatron.core") is None:
         problems.append(
