@@ -36,7 +36,7 @@ def tokenizer():
     return train_bpe("chatml", vocab_size=512)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen2-untied", "qwen3", "llama3", "qwen3-moe"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen2-untied", "qwen3", "llama3", "mistral", "qwen3-moe"])
 def test_converter_gives_transformers_logprobs_and_round_trips(family, tokenizer, tmp_path, mesh):
     from asyncrl.learner.megatron.model import MegatronPolicy, build_gpt, init_parallel
     from asyncrl.learner.policy import PolicyModel, load_causal_lm
