@@ -221,3 +221,30 @@ def test_an_moe_model_with_tensor_parallelism_is_refused():
     )
     with pytest.raises(ValueError, match="MoE model needs learner.tensor_parallel = 1"):
         transformer_config(config, 2)
+
+
+def test_the_kl_to_reference_term_equals_the_fsdp2_one(tiny_model_dir, tmp_path):
+    """A reference of other weights (so the KL term is not 0 at the first step), split like the policy."""
+    import dataclasses
+
+    from asyncrl.learner.megatron.state import build_megatron_reference
+    from asyncrl.learner.state import build_reference, build_train_state
+    from asyncrl.learner.step import RankStep
+    from asyncrl.models import build_model
+
+    reference_dir = str(build_model("tiny-0.3m", tmp_path / "reference", seed=1))
+    recipe = resolve_recipe("cispo", kl_coef=0.5, kl_estimator="k3")
+    batch, cfg, cpu = (
+        build_batch(random_groups(num_groups=4, group_size=3, seed=5), recipe),
+        LearnerConfig(**CFG),
+        torch.device("cpu"),
+    )
+    fsdp = build_train_state(cfg, str(tiny_model_dir), cpu)
+    reference = build_reference(reference_dir, cpu)
+    expected = RankStep(fsdp, cfg, recipe, RAW, cpu, lambda t, op="sum": t, reference=reference).accumulate(batch)
+    _, step = _megatron(tiny_model_dir)
+    reference = build_megatron_reference(reference_dir, 1, cpu)
+    ours = dataclasses.replace(step, recipe=recipe, reference=reference).accumulate(batch)
+    assert expected.metrics["kl_ref"] > 1e-3  # the term is there
+    assert ours.metrics["kl_ref"] == pytest.approx(expected.metrics["kl_ref"], rel=1e-5)
+    assert ours.loss == pytest.approx(expected.loss, abs=1e-6)
