@@ -13,6 +13,16 @@ class LearnerConfig(Section):
     num_ranks: int = Field(1, ge=1, le=4096)
     """Learner processes forming one torch.distributed group, sharding the policy with FSDP2 (`fsdp`).
     Independent of the rollout pool."""
+    training_backend: Literal["fsdp2", "megatron"] = "fsdp2"
+    """What trains the policy on the ranks: `fsdp2` (the Hugging Face model sharded with FSDP2, `fsdp`; every
+    supported family, a critic, `compile`, `activation_checkpointing`, `routing_replay`, bf16 compute) or `megatron`
+    (megatron-core's `GPTModel` with tensor parallelism, `tensor_parallel`; Qwen2, Qwen3, Llama and Mistral, and
+    Qwen3-MoE without tensor parallelism; the policy only, fp32 compute, the same step, losses and exports).
+    (`backend` is the torch.distributed backend.) docs/architecture.md#learner-backends."""
+    tensor_parallel: int = Field(1, ge=1, le=64)
+    """Ranks that split each layer of the policy (megatron's tensor parallelism, `training_backend` megatron only):
+    `num_ranks` / `tensor_parallel` data-parallel replicas; it must divide `num_ranks`, the attention heads and the
+    key-value heads (`asyncrl check` reads them from the model)."""
     fsdp: Literal["auto", "always", "never"] = "auto"
     """Whether the ranks wrap the policy (and the critic) with FSDP2's `fully_shard`: `auto` = with several ranks;
     one rank then runs a plain module (in bf16 its decoder layers get FSDP2's mixed-precision casts from two hooks:
@@ -47,8 +57,8 @@ class LearnerConfig(Section):
     packing: bool = True
     """Pack a micro-batch's sequences into bins (`asyncrl.learner.packing`): position ids restart per sequence and the
     attention mask never crosses one, so short sequences do not pay for the longest. Loss, gradients and mismatch
-    figures equal the padded rows' to float rounding. Needs transformers' `sdpa` or `eager` attention; any other
-    keeps padded rows."""
+    figures equal the padded rows' to float rounding. Needs transformers' `sdpa` or `eager` attention; any other,
+    and the megatron backend, keep padded rows."""
     share_group_prompt: bool = True
     """With `packing`: the samples of a group whose prompt token ids (and engine routes) are identical share one
     prompt segment, computed once, each response attending to the prompt and to itself only; exact like packing."""
@@ -136,6 +146,28 @@ class LearnerConfig(Section):
             raise ValueError(
                 f"learner.fsdp = 'never' runs a plain module on one rank, but learner.num_ranks = {self.num_ranks}: "
                 "several ranks shard the model with FSDP2 (set learner.fsdp to auto or always, or num_ranks to 1)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _megatron_settings(self) -> LearnerConfig:
+        if self.training_backend != "megatron":
+            if self.tensor_parallel != 1:
+                raise ValueError(
+                    f"learner.tensor_parallel = {self.tensor_parallel} needs learner.training_backend = megatron"
+                )
+            return self
+        if self.num_ranks % self.tensor_parallel:
+            raise ValueError(
+                f"learner.tensor_parallel ({self.tensor_parallel}) must divide learner.num_ranks ({self.num_ranks})"
+            )
+        unsupported = [
+            k for k in ("critic", "compile", "activation_checkpointing", "routing_replay") if getattr(self, k)
+        ]
+        if unsupported:
+            raise ValueError(
+                f"learner.training_backend = megatron does not support learner.{', learner.'.join(unsupported)}: "
+                "set them to false or use training_backend = fsdp2"
             )
         return self
 

@@ -125,11 +125,61 @@ def preflight(cfg: Config, resources: Resources | None = None, placement: bool =
     """Every problem found, in config order; an empty list means the job can start. `placement=False` leaves
     the resources and shared paths to the cluster that runs the job (`asyncrl submit`)."""
     problems = [*_model(cfg), *_engine(cfg), *_data(cfg), *_reward(cfg), *_env(cfg), *_resume(cfg)]
-    problems += [*_routing_replay(cfg), *_reference(cfg), *_rank_memory(cfg)]
+    problems += [*_routing_replay(cfg), *_reference(cfg), *_rank_memory(cfg), *_megatron(cfg)]
     if placement:
         resources = resources or local_resources()
         problems += [*_placement(cfg, resources), *_storage(cfg, resources)]
     return problems
+
+
+def _megatron(cfg: Config) -> list[Problem]:
+    """`learner.training_backend` megatron: megatron-core is installed, the model's family has a converter
+    (`asyncrl.learner.megatron.convert`) and `learner.tensor_parallel` divides its attention and key-value heads."""
+    import importlib.util
+
+    if cfg.learner.training_backend != "megatron":
+        return []
+    from asyncrl.learner.megatron.convert import CONVERTERS
+
+    problems = []
+    if importlib.util.find_spec("megatron.core") is None:
+        problems.append(
+            Problem("learner.training_backend", "megatron needs megatron-core: pip install 'asyncrl[megatron]'")
+        )
+    config = _model_shape(cfg)
+    if config is None:
+        return problems  # an unreadable model folder is reported by `_model`
+    if config.get("model_type") not in CONVERTERS:
+        problems.append(
+            Problem(
+                "learner.training_backend",
+                f"megatron has no converter for model_type {config.get('model_type')!r} "
+                f"(supported: {', '.join(CONVERTERS)})",
+            )
+        )
+    tp = cfg.learner.tensor_parallel
+    if config.get("num_experts") and tp > 1:
+        problems.append(
+            Problem("learner.tensor_parallel", f"{tp}: an MoE model trains with tensor_parallel = 1 on megatron")
+        )
+    heads = config.get("num_attention_heads") or 0
+    for key, count in (
+        ("num_attention_heads", heads),
+        ("num_key_value_heads", config.get("num_key_value_heads") or heads),
+    ):
+        if count % tp:
+            problems.append(Problem("learner.tensor_parallel", f"{tp} does not divide the model's {key} ({count})"))
+    return problems
+
+
+def _model_shape(cfg: Config) -> dict | None:
+    """The model's config.json fields: `model.path`'s file, or the preset's config; None when unreadable."""
+    from asyncrl.models import PRESETS, qwen2_config
+
+    if cfg.model.path is None:
+        return qwen2_config(PRESETS[cfg.model.preset]).to_dict() if cfg.model.preset in PRESETS else None
+    config = _config_json(cfg.model.path)
+    return config if isinstance(config, dict) else None
 
 
 def _rank_memory(cfg: Config) -> list[Problem]:
@@ -463,7 +513,9 @@ def _corrupt(folder: Path) -> str | None:
         return f"{folder / STATE_FILE} is corrupt ({type(e).__name__}: {e})"
     if not ints:
         return f"{folder / STATE_FILE} is corrupt: step, version and num_ranks must be integers (got {state})"
-    missing = [name for name in ("learner/.metadata", "learner/rank_0.pt") if not (folder / name).is_file()]
+    # The FSDP2 backend's DCP index, or the megatron backend's first TP piece (`asyncrl.learner.megatron.state`).
+    shards = "learner/megatron_tp0.pt" if (folder / "learner/megatron_tp0.pt").is_file() else "learner/.metadata"
+    missing = [name for name in (shards, "learner/rank_0.pt") if not (folder / name).is_file()]
     return f"{folder} is corrupt: {', '.join(missing)} missing" if missing else None
 
 

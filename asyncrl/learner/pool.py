@@ -119,6 +119,7 @@ class LearnerPool:
         self.config = config
         self.recipe = recipe
         self.num_ranks = config.num_ranks
+        self.tensor_parallel = getattr(config, "tensor_parallel", 1)
         self.step = 0
         unit = placement.bundle(config.num_cpus_per_rank, config.num_gpus_per_rank, config.resources)
         # The learner reserves its ranks before the rollout pool starts: scaling rollouts never starves it.
@@ -236,18 +237,21 @@ class LearnerPool:
         began = time.monotonic()  # `learner_step_s` and the call's timeout count the split too
         keep_groups = loss_needs_whole_groups(self.recipe)
         parts = split_mini_batches(batch, self.config.mini_batches, self.recipe)
-        shards = [split_rows(part, self.num_ranks, keep_groups, self._shares_prompts) for part in parts]
-        per_rank = [([part[rank] for part in shards],) for rank in range(self.num_ranks)]
+        replicas = self.num_ranks // self.tensor_parallel
+        shards = [split_rows(part, replicas, keep_groups, self._shares_prompts) for part in parts]
+        # The ranks of one tensor-parallel group (consecutive ranks, megatron) train on the same rows.
+        per_rank = [([part[rank // self.tensor_parallel] for part in shards],) for rank in range(self.num_ranks)]
         return replace(self._submit("train_step", per_rank=per_rank), submitted=began)
 
     @property
     def _shares_prompts(self) -> bool:
         """Whether the ranks keep a group's prompt-sharing rows together (`learner.share_group_prompt`)."""
-        return self.config.packing and self.config.share_group_prompt
+        config = self.config
+        return config.packing and config.share_group_prompt and config.training_backend == "fsdp2"
 
     def finish_step(self, call: LearnerCall) -> StepStats:
         """The ranks' results of a step merged into one; `learner_step_s` counts from its submission."""
-        results: list[StepStats] = self._collect(call)
+        results: list[StepStats] = self._collect(call)[:: self.tensor_parallel]  # one per data-parallel replica
         self.step = results[0].step
         metrics = lag_mismatch_figures(merge_metrics([(r.metrics, r.metrics.get("loss_tokens", 0.0)) for r in results]))
         metrics.pop("loss_tokens", None)

@@ -74,6 +74,9 @@ class LearnerWorker:
         """The staging buffer engines pull from (rank 0, `weight_sync.transport` collective)."""
         self.reference: torch.nn.Module | None = None
         """The frozen reference policy of the KL term, built when a recipe first needs it (`_reference`)."""
+        self.megatron = getattr(config, "training_backend", "fsdp2") == "megatron"
+        """`learner.training_backend` megatron: the state, gradient reduction, exports and checkpoints of
+        `asyncrl.learner.megatron` instead of FSDP2's."""
 
     # ------------------------------------------------------------------ setup and collectives
 
@@ -98,8 +101,11 @@ class LearnerWorker:
         self.mesh = mesh
         self.state = self._train_state(mesh)
         reference = self._reference(self.recipe)
+        all_reduce = self._all_reduce
+        if self.megatron:
+            from asyncrl.learner.megatron.state import data_parallel_all_reduce as all_reduce
         self._step = RankStep(
-            self.state, self.config, self.recipe, self.sampling, self.device, self._all_reduce, reference=reference
+            self.state, self.config, self.recipe, self.sampling, self.device, all_reduce, reference=reference
         )
 
     def _init_process_group(self, master_addr: str, master_port: int, timeout_s: float) -> None:
@@ -124,6 +130,12 @@ class LearnerWorker:
     def _train_state(self, mesh):
         from asyncrl.learner.policy import shard
 
+        if self.megatron:
+            from asyncrl.learner.megatron.state import build_megatron_train_state
+
+            state = build_megatron_train_state(self.config, self.model_dir, self.device)
+            self.model_config = state.policy.hf_config
+            return state
         state = build_train_state(
             self.config, self.model_dir, self.device, lambda module: shard(module, mesh, self.dtype, self.config.fsdp)
         )
@@ -140,6 +152,11 @@ class LearnerWorker:
             return None
         if self.reference is None:
             path, mesh = self.config.reference_path or self.model_dir, self.mesh
+            if self.megatron:
+                from asyncrl.learner.megatron.state import build_megatron_reference
+
+                self.reference = build_megatron_reference(path, self.config.tensor_parallel, self.device)
+                return self.reference
             self.reference = build_reference(
                 path, self.device, lambda module: shard(module, mesh, self.dtype, self.config.fsdp)
             )
@@ -166,6 +183,10 @@ class LearnerWorker:
         """The full (unsharded) policy gradient of the batch loss, without stepping; -> (loss, grads on
         rank 0 / None elsewhere), by Hugging Face name. `recipe` overrides the pool's for this call."""
         recipe = recipe or self.recipe
+        if self.megatron:
+            raise NotImplementedError(
+                "compute_gradients: learner.training_backend = megatron has no unsharded gradients"
+            )
         loss, grads = dataclasses.replace(self._step, recipe=recipe, reference=self._reference(recipe)).gradients(rows)
         return loss, (grads if self.rank == 0 else None)
 
@@ -210,10 +231,17 @@ class LearnerWorker:
         what engines load (`export.checkpoint_layout`)."""
         from asyncrl.learner.export import checkpoint_layout, hf_state_dict
 
+        tied = bool(getattr(self.model_config, "tie_word_embeddings", False))
+        if self.megatron:
+            full = self.state.policy.full_hf_state()  # collective over each TP group
+            if self.rank != 0:
+                return {}
+            state = hf_state_dict(full, tied)
+            return self.state.policy.checkpoint_layout(state) if checkpoint else state
         full = self._full_model_state(self.state.policy)
         if self.rank != 0:
             return {}
-        state = hf_state_dict(full, bool(getattr(self.model_config, "tie_word_embeddings", False)))
+        state = hf_state_dict(full, tied)
         return checkpoint_layout(self.state.policy.causal_lm, state) if checkpoint else state
 
     def export_weights(self, bucket_bytes: int) -> ExportedWeights | None:
@@ -268,6 +296,10 @@ class LearnerWorker:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         params = self._hf_state()
+        if self.megatron:  # AdamW's moments are TP pieces under megatron names: parameters only
+            lr = self.state.optimizer.param_groups[0]["lr"]
+            params_np = {k: v.float().numpy().copy() for k, v in params.items()}
+            return {"params": params_np, "optimizer": {}, "lr": lr, "step": self.step} if self.rank == 0 else None
         optim = get_optimizer_state_dict(
             self.state.policy, self.state.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
@@ -299,11 +331,20 @@ class LearnerWorker:
     def save_checkpoint(self, folder: str) -> None:
         from asyncrl.learner.checkpoint import save_train_state
 
+        if self.megatron:
+            from asyncrl.learner.megatron.state import save_megatron_state
+
+            return save_megatron_state(folder, self.state, self.rank, self.step)
         save_train_state(folder, self.state, self.rank, self.step)
 
     def load_checkpoint(self, folder: str) -> int:
         from asyncrl.learner.checkpoint import load_train_state
 
+        if self.megatron:
+            from asyncrl.learner.megatron.state import load_megatron_state
+
+            self.step = load_megatron_state(folder, self.state, self.rank)
+            return self.step
         self.step = load_train_state(folder, self.state, self.rank)
         return self.step
 

@@ -366,7 +366,13 @@ class RankStep:
         """Clip to `grad_clip`, step (and the `scheduler` unless None) unless the norm is not finite;
         -> (pre-clip norm, stepped)."""
         began = time.perf_counter()
-        total = torch.nn.utils.clip_grad_norm_(module.parameters(), self.config.grad_clip)
+        # A backend that reduces its gradients itself clips them itself (megatron: `MegatronPolicy.clip_grad_norm_`).
+        own = getattr(module, "clip_grad_norm_", None)
+        total = (
+            own(self.config.grad_clip)
+            if own
+            else torch.nn.utils.clip_grad_norm_(module.parameters(), self.config.grad_clip)
+        )
         if hasattr(total, "full_tensor"):  # a DTensor under FSDP2
             total = total.full_tensor()
         norm = float(total)
@@ -430,8 +436,10 @@ class RankStep:
 
     @property
     def packs(self) -> bool:
-        """Whether micro-batches are packed: `learner.packing` and a policy whose attention takes the packed mask."""
-        return self.config.packing and packable(self.state.policy.transformer) is None
+        """Whether micro-batches are packed: `learner.packing` and a transformers policy whose attention takes the
+        packed mask (megatron's policy has no `transformer`: it trains padded rows)."""
+        transformer = getattr(self.state.policy, "transformer", None)
+        return self.config.packing and transformer is not None and packable(transformer) is None
 
     def _to_device(self, mb: TrainBatch) -> TrainBatch:
         moved: dict[str, Any] = {  # every field, tensors (and the packed layout's) on this rank's device

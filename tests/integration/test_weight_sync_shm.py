@@ -77,3 +77,43 @@ def test_shutdown_leaves_no_segment_in_dev_shm(pools):
     assert sorted(p for p in os.listdir("/dev/shm") if p.startswith(prefix)) == [f"{prefix}-0", f"{prefix}-1"]
     shm_sync.shutdown()  # the driver's side: it also runs when the driver exits, a killed driver's are swept
     assert [p for p in os.listdir("/dev/shm") if p.startswith(prefix)] == []
+
+
+def test_a_megatron_tp2_learner_publishes_to_the_same_engine_and_exports_hf(pools, tiny_model_dir, tmp_path):
+    """The megatron backend, the policy split over two tensor-parallel ranks (gloo), on this module's engine: the
+    weights it gathers from both ranks reach the engine exactly through the shared-memory, object-store and collective
+    syncs, and its Hugging Face export loads in transformers and scores as the learner does."""
+    import numpy as np
+    import torch
+
+    from asyncrl.algo.recipes import resolve_recipe
+    from asyncrl.algo.sampling import RAW
+    from asyncrl.config import LearnerConfig
+    from asyncrl.learner.policy import PolicyModel, load_causal_lm
+    from asyncrl.learner.pool import LearnerPool
+    from asyncrl.weight_sync.collective import CollectiveSync
+    from asyncrl.weight_sync.object_store import ObjectStoreSync
+    from asyncrl.weight_sync.shared_memory import SharedMemorySync
+    from tests.integration.weight_sync_checks import PROBE, PROMPT_LEN
+
+    rollout = pools[1]
+    config = LearnerConfig(num_ranks=2, training_backend="megatron", tensor_parallel=2, lr=1e-2)
+    learner = LearnerPool(tiny_model_dir, config, resolve_recipe("grpo"))
+    shm = SharedMemorySync(learner, rollout, WeightSyncConfig(transport="shared_memory", timeout_s=60.0), "streaming")
+    store = ObjectStoreSync(learner, rollout, WeightSyncConfig(transport="object_store", timeout_s=60.0), "streaming")
+    collective_config = WeightSyncConfig(transport="collective", bucket_bytes=1 << 16, timeout_s=60.0)
+    collective = CollectiveSync(learner, rollout, collective_config, "streaming", loopback=True)
+    try:
+        for version, sync in ((5, shm), (6, store), (7, collective)):
+            before, after = step_and_sync((learner, rollout, sync), sync, version=version, seed=version)
+            assert before > 1e-3 and after <= PARITY_ATOL, (version, before, after)
+        learner.export_hf(tmp_path / "hf")
+        ids = torch.tensor([PROBE])
+        with torch.no_grad():
+            ours = PolicyModel(load_causal_lm(str(tmp_path / "hf")))(ids, torch.ones_like(ids), torch.arange(len(PROBE))[None], RAW)
+        expected = learner.score(PROBE, PROMPT_LEN, RAW)
+        assert np.abs(ours[0, PROMPT_LEN - 1 : -1].numpy() - expected).max() < 1e-6
+    finally:
+        for sync in (shm, store, collective):
+            sync.shutdown()
+        learner.shutdown()

@@ -1,0 +1,250 @@
+"""The megatron backend (`learner.training_backend = megatron`) against transformers and the FSDP2 backend, on CPU with
+real gloo groups: each family's converter gives transformers' log-probs and round-trips strictly; one step on the same
+batch gives the FSDP2 step's loss, gradient norm and weights; two ranks splitting the layers (TP=2) or the rows
+(DP=2) give the one-rank result; a checkpoint resumes with its step and weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from asyncrl.algo.recipes import resolve_recipe  # noqa: E402
+from asyncrl.algo.sampling import RAW  # noqa: E402
+from asyncrl.config import LearnerConfig  # noqa: E402
+from asyncrl.learner.batch import build_batch, split_rows  # noqa: E402
+
+from .helpers import random_groups  # noqa: E402
+
+RECIPE = resolve_recipe("cispo")
+CFG = dict(lr=1e-2, grad_clip=0.05)  # a clip that acts: the norm's reduction matters to the update
+ADAM_ROUNDING = 2e-2 * CFG["lr"]
+"""How far two float-rounding-equal gradients may move a weight apart in AdamW's first update, lr * g / (|g| + 1e-8)
+per element: where |g| is ~1e-8, rounding differences below 1e-7 change it by a fraction of lr (measured: 4e-5 for
+FSDP2 against megatron, 8.5e-5 for TP=2 against TP=1, at lr 1e-2)."""
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from asyncrl.models.bpe import train_bpe
+
+    return train_bpe("chatml", vocab_size=512)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen2-untied", "qwen3", "llama3", "mistral", "qwen3-moe"])
+def test_converter_gives_transformers_logprobs_and_round_trips(family, tokenizer, tmp_path, mesh):
+    from asyncrl.learner.megatron.model import MegatronPolicy, build_gpt, init_parallel
+    from asyncrl.learner.policy import PolicyModel, load_causal_lm
+    from asyncrl.models.families import build_family
+
+    hf = load_causal_lm(str(build_family(family, tmp_path, tokenizer, seed=3)))
+    init_parallel(1)
+    policy = MegatronPolicy(build_gpt(hf.config, 1), hf.config)
+    state = hf.state_dict()
+    policy.load_hf_state(state)
+    ids = torch.randint(0, hf.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 14:] = 0  # a right-padded row
+    positions = torch.arange(20).expand(3, 20) * mask
+    with torch.no_grad():
+        ours, theirs = policy(ids, mask, positions, RAW), PolicyModel(hf)(ids, mask, positions, RAW)
+    real = mask.bool()
+    real[:, -1] = False  # the last column predicts nothing
+    assert (ours - theirs)[real].abs().max() < 2e-6
+    assert float(theirs[real].std()) > 0.1  # a real distribution, not a constant
+    back = policy.full_hf_state()
+    expected = {k: v for k, v in state.items() if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
+    assert set(back) == set(expected)
+    assert all(torch.equal(back[k], expected[k]) for k in expected)
+
+
+def test_unknown_family_is_refused_naming_the_supported_ones():
+    from types import SimpleNamespace
+
+    from asyncrl.learner.megatron.convert import converter_for
+
+    with pytest.raises(ValueError, match="model_type .gemma2.*qwen2, qwen3, llama, mistral, qwen3_moe"):
+        converter_for(SimpleNamespace(model_type="gemma2"))
+
+
+def _fsdp2_step(model_dir, mesh, batch):
+    from asyncrl.learner.policy import shard
+    from asyncrl.learner.state import build_train_state
+
+    cfg = LearnerConfig(**CFG)
+    state = build_train_state(cfg, str(model_dir), torch.device("cpu"), lambda m: shard(m, mesh, torch.float32))
+    stats = _step(state, cfg, lambda t, op="sum": t).train([batch], 0)
+    weights = {k.removeprefix("causal_lm."): v.detach().clone() for k, v in state.policy.named_parameters()}
+    return stats, weights
+
+
+def _step(state, cfg, all_reduce):
+    from asyncrl.learner.step import RankStep
+
+    return RankStep(state, cfg, RECIPE, RAW, torch.device("cpu"), all_reduce)
+
+
+def _megatron(model_dir, tensor_parallel=1, num_ranks=1):
+    from asyncrl.learner.megatron.state import build_megatron_train_state, data_parallel_all_reduce
+
+    cfg = LearnerConfig(training_backend="megatron", tensor_parallel=tensor_parallel, num_ranks=num_ranks, **CFG)
+    state = build_megatron_train_state(cfg, str(model_dir), torch.device("cpu"))
+    return state, _step(state, cfg, data_parallel_all_reduce)
+
+
+def _batch():
+    return build_batch(random_groups(num_groups=4, group_size=3, seed=5), RECIPE)
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_model_dir, mesh):
+    """(FSDP2's step, megatron's step on one rank, megatron's train state after it) on the same batch."""
+    batch = _batch()
+    state, step = _megatron(tiny_model_dir)
+    return _fsdp2_step(tiny_model_dir, mesh, batch), step.train([batch], 0), state
+
+
+def test_megatron_step_equals_the_fsdp2_step(one_rank):
+    (fsdp_stats, fsdp_weights), stats, state = one_rank
+    assert stats.grad_norm > 0.05  # the clip acts
+    assert stats.loss == pytest.approx(fsdp_stats.loss, abs=1e-6) and abs(stats.loss) > 1e-4
+    assert stats.grad_norm == pytest.approx(fsdp_stats.grad_norm, rel=1e-5)
+    assert stats.metrics["skipped_step"] == 0.0
+    ours = state.policy.full_hf_state()
+    assert set(ours) == set(fsdp_weights) - {"lm_head.weight"}
+    # the gradients themselves agree to 1e-7 (`test_megatron_gradients_equal_the_fsdp2_gradients`)
+    assert max(float((ours[k] - fsdp_weights[k]).abs().max()) for k in ours) < ADAM_ROUNDING
+    shared = set(stats.metrics) & set(fsdp_stats.metrics) - {"time_optimizer_s", "time_forward_backward_s"}
+    assert {"mismatch_kl", "clipfrac", "lr"} <= shared
+    assert all(stats.metrics[k] == pytest.approx(fsdp_stats.metrics[k], abs=1e-5) for k in shared)
+
+
+def test_megatron_gradients_equal_the_fsdp2_gradients(tiny_model_dir, mesh):
+    from asyncrl.learner.policy import shard
+    from asyncrl.learner.state import build_train_state
+
+    batch, cfg = _batch(), LearnerConfig(**CFG)
+    fsdp = build_train_state(cfg, str(tiny_model_dir), torch.device("cpu"), lambda m: shard(m, mesh, torch.float32))
+    loss, expected = _step(fsdp, cfg, lambda t, op="sum": t).gradients(batch)
+    state, step = _megatron(tiny_model_dir)
+    assert step.accumulate(batch).loss == pytest.approx(loss, abs=1e-7)
+    grads = state.policy.converter.to_hf(
+        {k: p.grad for k, p in state.policy.gpt.named_parameters()}, state.policy.hf_config
+    )
+    assert set(grads) == set(expected) - {"lm_head.weight"}
+    assert max(float(abs(g).max()) for g in expected.values()) > 1e-3  # a real gradient
+    assert max(float((grads[k] - torch.from_numpy(expected[k])).abs().max()) for k in grads) < 1e-7
+
+
+def test_checkpoint_resumes_the_step_and_weights(one_rank, tmp_path, tiny_model_dir):
+    from asyncrl.learner.megatron.state import load_megatron_state, save_megatron_state
+
+    _, _, state = one_rank
+    save_megatron_state(str(tmp_path), state, rank=0, step=1)
+    saved = {k: v.clone() for k, v in state.policy.full_hf_state().items()}
+    fresh, _ = _megatron(tiny_model_dir)
+    assert load_megatron_state(str(tmp_path), fresh, rank=0) == 1
+    loaded = fresh.policy.full_hf_state()
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    assert fresh.optimizer.state_dict()["state"][0]["step"] == 1
+    assert fresh.scheduler.last_epoch == state.scheduler.last_epoch == 1
+
+
+def _two_ranks(rank: int, port: int, model_dir: str, out: str) -> None:
+    """One of two processes: a step with TP=2 (both ranks the whole batch), then with DP=2 (half the rows each)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    results = {}
+    batch = _batch()
+    for name, tp, rows in (("tp2", 2, batch), ("dp2", 1, split_rows(batch, 2)[rank])):
+        state, step = _megatron(model_dir, tensor_parallel=tp, num_ranks=2)
+        stats = step.train([rows], 0)
+        weights = state.policy.full_hf_state()
+        results[name] = {
+            "loss": stats.loss,
+            "grad_norm": stats.grad_norm,
+            "weights": {k: v.tolist() for k, v in weights.items()},
+        }
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_with_tp2_or_dp2_give_the_one_rank_step(one_rank, tiny_model_dir, tmp_path):
+    import torch.multiprocessing as mp
+
+    _, stats, state = one_rank
+    out = str(tmp_path / "two_ranks.json")
+    env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS",)}
+    mp.start_processes(_two_ranks, args=(_free_port(), str(tiny_model_dir), out), nprocs=2, start_method="spawn")
+    assert env == {k: os.environ.get(k) for k in env}
+    results = json.load(open(out))
+    expected = state.policy.full_hf_state()
+    for name in ("tp2", "dp2"):
+        got = results[name]
+        assert got["loss"] == pytest.approx(stats.loss, abs=1e-6), name
+        assert got["grad_norm"] == pytest.approx(stats.grad_norm, rel=1e-5), name
+        diff = max(float((torch.tensor(got["weights"][k]) - expected[k]).abs().max()) for k in expected)
+        assert set(got["weights"]) == set(expected) and diff < ADAM_ROUNDING, name
+
+
+def test_learner_settings_megatron_does_not_run_are_refused_by_name():
+    with pytest.raises(ValueError, match="does not support learner.critic"):
+        LearnerConfig(training_backend="megatron", critic=True)
+    with pytest.raises(ValueError, match=r"learner.tensor_parallel \(2\) must divide learner.num_ranks \(3\)"):
+        LearnerConfig(training_backend="megatron", num_ranks=3, tensor_parallel=2)
+    with pytest.raises(ValueError, match="needs learner.training_backend = megatron"):
+        LearnerConfig(tensor_parallel=2, num_ranks=2)
+
+
+def test_an_moe_model_with_tensor_parallelism_is_refused():
+    from transformers import AutoConfig
+
+    from asyncrl.learner.megatron.model import transformer_config
+
+    config = AutoConfig.for_model(
+        "qwen3_moe", num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, hidden_size=64, num_attention_heads=2
+    )
+    with pytest.raises(ValueError, match="MoE model needs learner.tensor_parallel = 1"):
+        transformer_config(config, 2)
+
+
+def test_the_kl_to_reference_term_equals_the_fsdp2_one(tiny_model_dir, tmp_path):
+    """A reference of other weights (so the KL term is not 0 at the first step), split like the policy."""
+    import dataclasses
+
+    from asyncrl.learner.megatron.state import build_megatron_reference
+    from asyncrl.learner.state import build_reference, build_train_state
+    from asyncrl.learner.step import RankStep
+    from asyncrl.models import build_model
+
+    reference_dir = str(build_model("tiny-0.3m", tmp_path / "reference", seed=1))
+    recipe = resolve_recipe("cispo", kl_coef=0.5, kl_estimator="k3")
+    batch, cfg, cpu = (
+        build_batch(random_groups(num_groups=4, group_size=3, seed=5), recipe),
+        LearnerConfig(**CFG),
+        torch.device("cpu"),
+    )
+    fsdp = build_train_state(cfg, str(tiny_model_dir), cpu)
+    reference = build_reference(reference_dir, cpu)
+    expected = RankStep(fsdp, cfg, recipe, RAW, cpu, lambda t, op="sum": t, reference=reference).accumulate(batch)
+    _, step = _megatron(tiny_model_dir)
+    reference = build_megatron_reference(reference_dir, 1, cpu)
+    ours = dataclasses.replace(step, recipe=recipe, reference=reference).accumulate(batch)
+    assert expected.metrics["kl_ref"] > 1e-3  # the term is there
+    assert ours.metrics["kl_ref"] == pytest.approx(expected.metrics["kl_ref"], rel=1e-5)
+    assert ours.loss == pytest.approx(expected.loss, abs=1e-6)
