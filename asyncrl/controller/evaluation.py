@@ -116,7 +116,7 @@ class Evaluation:
             record["best_export_s"] = round(time.perf_counter() - exporting, 2)
         shutil.rmtree(self.candidate, ignore_errors=True)
         self.pending, ended = None, time.perf_counter()
-        pending.waited_s += ended - (pending.began if whole else waiting)
+        pending.waited_s = ended - pending.began if whole else pending.waited_s + ended - waiting
         record |= {
             "wall_s": round(ended - start, 2),
             "wall_s_excl_eval": round(pending.wall_s_excl_eval, 2),
