@@ -169,14 +169,16 @@ class Controller:
         deadline = began + cfg.rollout.request_timeout_s * 2
         while not self.stop_requested:
             self._top_up_prompts()
-            timeout = min(2.0, max(0.1, deadline - time.monotonic()))
+            turn = 0.1 if self.publish_deferred else 2.0  # held-back weights: look at the evaluation often
+            timeout = min(turn, max(0.1, deadline - time.monotonic()))
             try:
                 batch = self.fleet.queue.get_batch(cfg.learner.prompts_per_step, self.state.version, timeout)
             except TimeoutError as e:
-                if self.publish_deferred:  # the batch may need the held-back weights: the evaluation goes first
-                    self._collect_evaluation(wait=True)
-                    self._close_sync()  # admission opens for the new version once the engines confirmed it
-                    deadline = time.monotonic() + cfg.rollout.request_timeout_s * 2
+                if self.publish_deferred:  # the batch may need the held-back weights: made once the evaluation is in
+                    if self.evaluation.ready():
+                        self._collect_evaluation(wait=True)
+                        self._close_sync()  # admission opens for the new version once the engines confirmed it
+                        deadline = time.monotonic() + cfg.rollout.request_timeout_s * 2
                     continue
                 starvation = self._watch_starvation()
                 if time.monotonic() >= deadline:

@@ -17,6 +17,8 @@ class FakeRollout:
 
     def __init__(self, texts: list[tuple[str, ...]], versions: list[frozenset[int]]):
         self.texts, self.versions, self.calls, self.done = texts, versions, [], True
+        self.polls_until_done: int | None = None
+        """Set: `done` turns true after this many more `spread_done` calls."""
 
     def start_evaluate(self, prompts, max_tokens, temperature, samples):
         self.calls.append((len(prompts), max_tokens, temperature, samples))
@@ -24,6 +26,9 @@ class FakeRollout:
         return [EvalResult(texts, ("stop",) * len(texts), served) for texts in self.texts]
 
     def spread_done(self, call) -> bool:
+        if self.polls_until_done is not None:
+            self.polls_until_done -= 1
+            self.done = self.polls_until_done <= 0
         return self.done
 
     def finish_spread(self, call):
@@ -214,15 +219,16 @@ def test_the_run_end_waits_for_the_evaluation_in_flight_and_a_stop_drops_it(tmp_
 
 
 class FakeQueue:
-    """No batch until the version moved past `until_version` (the admission window is used up)."""
+    """No batch until the version moved past `until_version` (the admission window is used up); counts the calls."""
 
     def __init__(self, controller: Controller, until_version: int):
-        self.controller, self.until_version = controller, until_version
+        self.controller, self.until_version, self.calls = controller, until_version, 0
 
     def backlog_groups(self) -> int:
         return 10**6
 
     def get_batch(self, groups, version, timeout):
+        self.calls += 1
         if self.controller.state.version <= self.until_version:
             raise TimeoutError
         return "batch"
@@ -235,5 +241,7 @@ def test_a_learner_that_gets_no_batch_without_the_held_back_publication_waits_fo
     rollout.done = False
     _train_step(controller)
     controller.fleet.queue = FakeQueue(controller, until_version=3)
+    rollout.polls_until_done = 3  # the evaluation is in at the third look
     assert controller._next_batch() == "batch"
     assert published == [1] and [e["version"] for e in controller.evaluation.evals] == [3]
+    assert controller.fleet.queue.calls == 4  # three turns without a batch, then the batch of the new version
