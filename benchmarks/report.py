@@ -227,6 +227,35 @@ def wait_limit_rows(w: dict) -> list[str]:
     )
 
 
+def eval_overlap(d: dict) -> list[str]:
+    """`eval_overlap.py`: per run, the learner's idle fraction inside the mid-run evaluations, blocking against not."""
+    a, rows = d["args"], d["rows"]
+
+    def median(setting: str, key: str) -> float | None:
+        values = sorted(r[key] for r in rows if r["setting"] == setting and r[key] is not None)
+        return values[len(values) // 2] if values else None
+
+    lines = [
+        "## Held-out evaluation beside training (`benchmarks/eval_overlap.py`)",
+        "",
+        f"Streaming, tiny-0.3m (random init), 1 engine + 1 learner rank, {a['steps']} steps, an evaluation every "
+        f"{a['eval_every']} steps of {a['eval_prompts']} prompts x {a['eval_samples']} samples (temperature 1, "
+        f"{a['max_tokens']} tokens); `eval.blocking: true` against `false`, alternating, {a['rounds']} rounds. Idle "
+        "during evaluation: 1 - learner step time inside the mid-run evaluations' windows / their time.",
+        "",
+        f"**Headline:** learner idle during evaluation {fnum(median('blocking', 'learner_idle_during_eval'), '.2f')} "
+        f"(blocking) -> {fnum(median('non_blocking', 'learner_idle_during_eval'), '.2f')} (beside training), medians.",
+        "",
+    ]
+    return lines + table(
+        ["setting", "round", "idle during eval", "idle overall", "loop waited for evals s", "mean eval s", "wall s",
+         "steps/s", "publications held back", "straddled"],
+        [[r["setting"], r["round"], fnum(r["learner_idle_during_eval"]), fnum(r["learner_idle_overall"]),
+          fnum(r["eval_wait_s"], ".1f"), fnum(r["eval_s_mean"], ".1f"), fnum(r["wall_s"], ".1f"), fnum(r["steps_per_s"]),
+          r["publishes_deferred"], r["evals_straddled"]] for r in rows],
+    )  # fmt: skip
+
+
 def queue_throughput(d: dict) -> list[str]:
     c = d["config"]
     lines = [
@@ -759,6 +788,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "async_speedup": async_speedup,
     "async_speedup_continue": lambda d: async_speedup(d, "## W2 `tail` under `stale_policy: continue` (`benchmarks/async_speedup.py --stale-policy continue`)"),
     "queue_throughput": queue_throughput,
+    "eval_overlap": eval_overlap,
     "algo_throughput": algo_throughput,
     "learning_add": learning_add,
     "learning_add_120": learning_add,
@@ -796,7 +826,7 @@ def formatter(stem: str) -> Callable[[dict], list[str]] | None:
 LAYOUT = [
     "readme_results",
     "learning_add", "learning_add_120", "learning_add_informative", "learning_add_compile", "learner_compile", "learning_add_bf16", "learning_add_ready_cap", "learning_add_mb4", "learning_add_mb4_same_lr", "lr_decay", "correction", "dtype", "ready_cap", "staleness_w1", "warm_start_lift",
-    "async_speedup", "async_speedup_continue", "limits", "limits_busy",
+    "async_speedup", "async_speedup_continue", "limits", "limits_busy", "eval_overlap",
     "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "weight_sync_gpu",
     "moe_routing_replay",
     "queue_throughput", "algo_throughput", "fsdp_rank", "activation_checkpointing", "activation_checkpointing_gpu",
