@@ -17,6 +17,8 @@ that straddled a version (must be 0).
 
     python benchmarks/eval_overlap.py           # ~6 min on 2 CPU cores
     python benchmarks/eval_overlap.py --quick   # smoke size, writes eval_overlap_quick.json
+    python benchmarks/eval_overlap.py --w1 --steps 40 --rounds 1   # the embedded default (W1 `add`, eval every
+                                                # 10 steps of its held-out set), writes eval_overlap_w1.json
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ class TimedLearner:
 def run_config(blocking: bool, args, out_dir: Path, model_dir: Path):
     from asyncrl.config import load_config
 
+    if args.w1:  # the embedded default (W1 `add`, add-1m with its warm start), shortened
+        overrides = {"output_dir": str(out_dir), "learner.max_steps": args.steps, "learner.compile": False,
+                     "eval.blocking": blocking, "telemetry.progress": False, "checkpoint.export_hf": False}  # fmt: skip
+        return load_config("default", [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
     overrides = {
         "mode": "streaming",
         "output_dir": str(out_dir),
@@ -92,6 +98,10 @@ def run_one(name: str, args, out_dir: Path, model_dir: Path) -> dict:
     from asyncrl.controller.loop import Controller
 
     cfg = run_config(SETTINGS[name], args, out_dir, model_dir)
+    if args.w1:
+        from asyncrl.envs.model_dir import ensure_model
+
+        model_dir = ensure_model(cfg)  # add-1m with its warm start (cached after the first run)
     load_start = common.load_average()
     controller = Controller(cfg, model_dir)
     try:
@@ -140,6 +150,7 @@ def main() -> None:
     parser.add_argument("--eval-samples", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--w1", action="store_true", help="the embedded default recipe (W1) for --steps steps instead")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.steps, args.eval_every, args.eval_prompts = 1, 8, 4, 64
@@ -169,7 +180,7 @@ def main() -> None:
         "args": vars(args) | {"out": str(args.out) if args.out else None},
         "rows": rows,
     }
-    common.write_json(common.output_path("eval_overlap", args), result)
+    common.write_json(common.output_path("eval_overlap_w1" if args.w1 else "eval_overlap", args), result)
     print(f"{'setting':<13} {'round':>5} {'idle in eval':>12} {'idle overall':>12} {'eval wait s':>11} {'wall s':>7} {'steps/s':>7}")
     for r in rows:
         print(f"{r['setting']:<13} {r['round']:>5} {r['learner_idle_during_eval']:>12.3f} {r['learner_idle_overall']:>12.3f} "

@@ -235,13 +235,18 @@ def eval_overlap(d: dict) -> list[str]:
         values = sorted(r[key] for r in rows if r["setting"] == setting and r[key] is not None)
         return values[len(values) // 2] if values else None
 
+    workload = (
+        f"the embedded default (W1 `add`, add-1m warm start, eager learner), {a['steps']} steps, an evaluation every "
+        "10 steps of its 500 held-out prompts (greedy)"
+        if a.get("w1")
+        else f"streaming, tiny-0.3m (random init), {a['steps']} steps, an evaluation every {a['eval_every']} steps of "
+        f"{a['eval_prompts']} prompts x {a['eval_samples']} samples (temperature 1, {a['max_tokens']} tokens)"
+    )
     lines = [
-        "## Held-out evaluation beside training (`benchmarks/eval_overlap.py`)",
+        f"## Held-out evaluation beside training{' on W1' if a.get('w1') else ''} (`benchmarks/eval_overlap.py`)",
         "",
-        f"Streaming, tiny-0.3m (random init), 1 engine + 1 learner rank, {a['steps']} steps, an evaluation every "
-        f"{a['eval_every']} steps of {a['eval_prompts']} prompts x {a['eval_samples']} samples (temperature 1, "
-        f"{a['max_tokens']} tokens); `eval.blocking: true` against `false`, alternating, {a['rounds']} rounds. Idle "
-        "during evaluation: 1 - learner step time inside the mid-run evaluations' windows / their time.",
+        f"1 engine + 1 learner rank, {workload}; `eval.blocking: true` against `false`, alternating, {a['rounds']} "
+        "round(s). Idle during evaluation: 1 - learner step time inside the mid-run evaluations' windows / their time.",
         "",
         f"**Headline:** learner idle during evaluation {fnum(median('blocking', 'learner_idle_during_eval'), '.2f')} "
         f"(blocking) -> {fnum(median('non_blocking', 'learner_idle_during_eval'), '.2f')} (beside training), medians.",
@@ -789,6 +794,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "async_speedup_continue": lambda d: async_speedup(d, "## W2 `tail` under `stale_policy: continue` (`benchmarks/async_speedup.py --stale-policy continue`)"),
     "queue_throughput": queue_throughput,
     "eval_overlap": eval_overlap,
+    "eval_overlap_w1": eval_overlap,
     "algo_throughput": algo_throughput,
     "learning_add": learning_add,
     "learning_add_120": learning_add,
