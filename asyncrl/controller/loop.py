@@ -180,6 +180,9 @@ class Controller:
                         self._close_sync()  # admission opens for the new version once the engines confirmed it
                         deadline = time.monotonic() + cfg.rollout.request_timeout_s * 2
                     continue
+                if self.in_flight is not None:  # steps trained while a publication was held back used up the
+                    self._close_sync()  # admission window: it reopens once the engines confirm the sync
+                    continue
                 starvation = self._watch_starvation()
                 if time.monotonic() >= deadline:
                     if starvation.starved(cfg.learner.prompts_per_step):

@@ -245,3 +245,21 @@ def test_a_learner_that_gets_no_batch_without_the_held_back_publication_waits_fo
     assert controller._next_batch() == "batch"
     assert published == [1] and [e["version"] for e in controller.evaluation.evals] == [3]
     assert controller.fleet.queue.calls == 4  # three turns without a batch, then the batch of the new version
+
+
+def test_a_learner_that_gets_no_batch_while_a_sync_is_in_flight_waits_for_the_sync(tmp_path):
+    """Steps trained while a publication was held back use up the admission window of the old version: the batch
+    after the late publication comes only once the engines confirmed it (admission opens then)."""
+    controller, _ = _non_blocking(tmp_path, FakeRollout([("12",)], [frozenset({3})]))
+    closed: list[str] = []
+    controller.in_flight = "the sync of version 4"
+
+    def close_sync():
+        if controller.in_flight is not None:
+            closed.append(controller.in_flight)
+        controller.in_flight = None
+
+    controller._close_sync = close_sync
+    queue = controller.fleet.queue = FakeQueue(controller, until_version=10**6)
+    queue.get_batch = lambda groups, version, timeout: "batch" if closed else (_ for _ in ()).throw(TimeoutError())
+    assert controller._next_batch() == "batch" and closed == ["the sync of version 4"]
