@@ -169,7 +169,8 @@ class Controller:
         deadline = began + cfg.rollout.request_timeout_s * 2
         while not self.stop_requested:
             self._top_up_prompts()
-            turn = 0.1 if self.publish_deferred else 2.0  # held-back weights: look at the evaluation often
+            # Held-back weights or a sync in flight: look again soon (at the evaluation, or to close the sync).
+            turn = 0.1 if self.publish_deferred or self.in_flight is not None else 2.0
             timeout = min(turn, max(0.1, deadline - time.monotonic()))
             try:
                 batch = self.fleet.queue.get_batch(cfg.learner.prompts_per_step, self.state.version, timeout)
@@ -251,13 +252,17 @@ class Controller:
             return
         self.evaluation.finish(self.state.started)
         if self.publish_deferred:
-            self._publish()
+            self._publish(advance=False)
 
     def _publish_unless_evaluating(self) -> None:
-        """Publish, or hold the publication back while an evaluation is in flight (it stays pinned to its version)."""
+        """Publish, or hold the publication back while an evaluation is in flight (it stays pinned to its version):
+        the learner's version advances all the same, the engines stay behind it (as under a slow sync, so the
+        staleness bound and admission count the steps trained meanwhile) until `_publish(advance=False)`."""
         if self.evaluation.pending is None:
             self._publish()
         else:
+            self.state.version += 1
+            self.state.learner_at_version = True
             self.publish_deferred = True
             self.evaluation.defer_publish()
 
@@ -277,14 +282,15 @@ class Controller:
     # ------------------------------------------------------------------------------------------------
     # The weight sync in flight
 
-    def _publish(self) -> None:
-        """Export the policy as version v+1 and send it to every engine. When the sync overlaps (in-flight
-        modes with `weight_sync.overlap`) the learner goes on while the engines load (`_close_sync` waits);
-        a sync whose parity is probed is waited for at once, before the learner's weights move again."""
+    def _publish(self, advance: bool = True) -> None:
+        """Export the policy as version v+1 (`advance=False`: as the version v it already is, a publication held
+        back) and send it to every engine. When the sync overlaps (in-flight modes with `weight_sync.overlap`) the
+        learner goes on while the engines load (`_close_sync` waits); a sync whose parity is probed is waited for
+        at once, before the learner's weights move again."""
         self._close_sync()  # at most one sync in flight: engines take versions in order
         self.publish_deferred = False
         sync, state = self.fleet.sync, self.state
-        state.version += 1
+        state.version += advance
         state.learner_at_version = True
         self.in_flight = SyncInFlight(sync.start(state.version), self.records.history[-1], sync.probes(state.version))
         self.fleet.inject_faults()  # a listed step kills an engine while it loads these weights

@@ -120,13 +120,13 @@ def test_several_greedy_samples_are_rejected(tmp_path):
 
 def _non_blocking(tmp_path, rollout: FakeRollout, *overrides: str) -> tuple[Controller, list[int]]:
     """A controller with the default non-blocking evaluation whose publications are only counted: -> it and the
-    steps at which it published (each publication moves the version by one)."""
+    steps at which it published (a publication moves the version by one unless it was held back)."""
     controller = _controller(tmp_path, rollout, "eval.blocking=false", *overrides)
     published: list[int] = []
 
-    def publish():
+    def publish(advance=True):
         controller.publish_deferred = False
-        controller.state.version += 1
+        controller.state.version += advance
         controller.state.learner_at_version = True
         published.append(controller.state.step)
 
@@ -152,15 +152,17 @@ def test_a_non_blocking_evaluation_lands_steps_later_labelled_with_the_version_i
     rollout.done = False  # the engines are still evaluating: the learner trains on, its publications held back
     for _ in range(3):
         _train_step(controller)
-    assert published == [] and controller.publish_deferred and controller.state.version == 3
+    # The learner's version moves on (the staleness bound counts these steps); the engines stay at 3.
+    assert published == [] and controller.publish_deferred and controller.state.version == 6
     rollout.done = True
     _train_step(controller)  # step 34: its publication held back, the evaluation collected, then the publication made
     record = controller.evaluation.evals[-1]
     assert (record["version"], record["step"], record["recorded_at_step"], record["served_versions"]) == (3, 30, 34, [3])
     assert (record["accuracy"], record["blocking"], record["straddled"], record["publishes_deferred"]) == (0.5, False, False, 4)
     assert published == [34] and not controller.publish_deferred and controller.evaluation.publishes_deferred == 4
+    assert controller.state.version == 7  # the held-back publication sends the learner's version, 7
     _train_step(controller)  # no evaluation in flight: publications as usual
-    assert published == [34, 35] and len(controller.evaluation.evals) == 1
+    assert published == [34, 35] and len(controller.evaluation.evals) == 1 and controller.state.version == 8
 
 
 def test_a_straddling_non_blocking_evaluation_is_marked_not_rerun_and_counted(tmp_path):
@@ -219,17 +221,17 @@ def test_the_run_end_waits_for_the_evaluation_in_flight_and_a_stop_drops_it(tmp_
 
 
 class FakeQueue:
-    """No batch until the version moved past `until_version` (the admission window is used up); counts the calls."""
+    """No batch until `opened()` (the admission window is used up until then); counts the calls."""
 
-    def __init__(self, controller: Controller, until_version: int):
-        self.controller, self.until_version, self.calls = controller, until_version, 0
+    def __init__(self, opened):
+        self.opened, self.calls = opened, 0
 
     def backlog_groups(self) -> int:
         return 10**6
 
     def get_batch(self, groups, version, timeout):
         self.calls += 1
-        if self.controller.state.version <= self.until_version:
+        if not self.opened():
             raise TimeoutError
         return "batch"
 
@@ -240,7 +242,7 @@ def test_a_learner_that_gets_no_batch_without_the_held_back_publication_waits_fo
     controller._evaluate(0.0)
     rollout.done = False
     _train_step(controller)
-    controller.fleet.queue = FakeQueue(controller, until_version=3)
+    controller.fleet.queue = FakeQueue(lambda: bool(published))
     rollout.polls_until_done = 3  # the evaluation is in at the third look
     assert controller._next_batch() == "batch"
     assert published == [1] and [e["version"] for e in controller.evaluation.evals] == [3]
@@ -260,6 +262,5 @@ def test_a_learner_that_gets_no_batch_while_a_sync_is_in_flight_waits_for_the_sy
         controller.in_flight = None
 
     controller._close_sync = close_sync
-    queue = controller.fleet.queue = FakeQueue(controller, until_version=10**6)
-    queue.get_batch = lambda groups, version, timeout: "batch" if closed else (_ for _ in ()).throw(TimeoutError())
+    controller.fleet.queue = FakeQueue(lambda: bool(closed))
     assert controller._next_batch() == "batch" and closed == ["the sync of version 4"]
