@@ -22,9 +22,10 @@ class EvalConfig(Section):
     blocking: bool = False
     """Whether the loop waits for each evaluation. `false`: an evaluation runs on the engines beside the
     rollouts (sharing their slots) while the learner trains on; the weight publications due meanwhile wait
-    until it is in, so every request of it runs under the version it started with (the learner keeps training
-    on the queued batches; it waits for the evaluation only when no batch comes without a publication). Its
-    record lands steps later, labelled with the step and version it started at. The evaluation before the first
+    until it is in, so every request of it runs under the version it started with (the learner's version
+    advances all the same: the engines lag as under a slow sync, at most `buffer.max_staleness` versions, and
+    the learner waits for the evaluation only when no batch comes without a publication). Its record lands
+    steps later, labelled with the step and version it started at. The evaluation before the first
     step (the learner has no batch yet) and the run's last are waited for (a stop drops an evaluation in flight,
     with a note). `true`: the loop waits for each one."""
 
