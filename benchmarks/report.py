@@ -253,10 +253,10 @@ def eval_overlap(d: dict) -> list[str]:
         "",
     ]
     return lines + table(
-        ["setting", "round", "idle during eval", "idle overall", "loop waited for evals s", "mean eval s", "wall s",
+        ["setting", "round", "idle during eval", "idle overall", "loop waited for mid-run evals s", "mean eval s", "wall s",
          "steps/s", "publications held back", "straddled"],
         [[r["setting"], r["round"], fnum(r["learner_idle_during_eval"]), fnum(r["learner_idle_overall"]),
-          fnum(r["eval_wait_s"], ".1f"), fnum(r["eval_s_mean"], ".1f"), fnum(r["wall_s"], ".1f"), fnum(r["steps_per_s"]),
+          fnum(r["mid_run_eval_wait_s"], ".2f"), fnum(r["eval_s_mean"], ".1f"), fnum(r["wall_s"], ".1f"), fnum(r["steps_per_s"]),
           r["publishes_deferred"], r["evals_straddled"]] for r in rows],
     )  # fmt: skip
 
@@ -832,7 +832,7 @@ def formatter(stem: str) -> Callable[[dict], list[str]] | None:
 LAYOUT = [
     "readme_results",
     "learning_add", "learning_add_120", "learning_add_informative", "learning_add_compile", "learner_compile", "learning_add_bf16", "learning_add_ready_cap", "learning_add_mb4", "learning_add_mb4_same_lr", "lr_decay", "correction", "dtype", "ready_cap", "staleness_w1", "warm_start_lift",
-    "async_speedup", "async_speedup_continue", "limits", "limits_busy", "eval_overlap",
+    "async_speedup", "async_speedup_continue", "limits", "limits_busy", "eval_overlap", "eval_overlap_w1",
     "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "weight_sync_gpu",
     "moe_routing_replay",
     "queue_throughput", "algo_throughput", "fsdp_rank", "activation_checkpointing", "activation_checkpointing_gpu",
