@@ -71,15 +71,16 @@ class Evaluation:
 
     def run(self, start: float) -> None:
         """One held-out evaluation, waited for (`start`, then `finish`): the loop spends all its time on it."""
-        self.start(start)
+        self.start(start, waited=True)
         self.finish(start, whole=True)
 
-    def start(self, start: float) -> None:
+    def start(self, start: float, waited: bool = False) -> None:
         """Dispatch a held-out evaluation of the version the engines serve (the run's). Single-turn tasks:
         `eval.samples` completions per prompt at `eval.temperature` (greedy by default); multi-turn environments:
-        one greedy episode per prompt, tools and all. With `checkpoint.export_best` and `eval.blocking: false` the
-        learner's policy is exported now as the candidate (`best_model.candidate`), while the learner still holds
-        the evaluated weights; an evaluation started after the learner trained past its version has none."""
+        one greedy episode per prompt, tools and all. With `checkpoint.export_best`, unless it is `waited` for
+        (`run`, `eval.blocking`: then the best is exported when it is in), the learner's policy is exported now as
+        the candidate (`best_model.candidate`), while the learner still holds the evaluated weights; an evaluation
+        started after the learner trained past its version has none."""
         if not self.eval_set:
             return
         if self.pending is not None:
@@ -87,7 +88,7 @@ class Evaluation:
         state, began = self.state, time.perf_counter()
         record = {"version": state.version, "step": state.step, "samples_trained": state.samples_trained}
         pending = PendingEvaluation(self._dispatch(), record, began, began - start - self.waited_s, None)
-        if self.cfg.eval.blocking:
+        if waited or self.cfg.eval.blocking:
             pending.export = self.fleet.learner.export_hf if state.learner_at_version else None
         elif self.cfg.checkpoint.export_best and state.learner_at_version:
             shutil.rmtree(self.candidate, ignore_errors=True)
