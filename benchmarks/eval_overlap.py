@@ -135,7 +135,9 @@ def run_one(name: str, args, out_dir: Path, model_dir: Path) -> dict:
         "publishes_deferred": summary["publishes_deferred"],
         "evals_straddled": summary["evals_straddled"],
         "final_version": summary["final_version"],
-        "evals": [{k: e[k] for k in ("step", "version", "recorded_at_step", "eval_s", "eval_wait_s", "straddled")} for e in evals],
+        "final_accuracy": summary["final_accuracy"],
+        "evals": [{k: e[k] for k in ("step", "version", "recorded_at_step", "accuracy", "eval_s", "eval_wait_s", "straddled")}
+                  for e in evals],
         "load_average_1min_start": load_start,
     }
 
@@ -151,6 +153,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--w1", action="store_true", help="the embedded default recipe (W1) for --steps steps instead")
+    parser.add_argument("--order", default="blocking,non_blocking", help="the settings' order within a round")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.steps, args.eval_every, args.eval_prompts = 1, 8, 4, 64
@@ -166,7 +169,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="asyncrl-eval-overlap-") as tmp:
             model_dir = build_model("tiny-0.3m", Path(tmp) / "model", seed=args.seed)
             for round_index in range(args.rounds):
-                for name in SETTINGS:
+                for name in args.order.split(","):
                     row = run_one(name, args, Path(tmp) / f"{name}-{round_index}", model_dir)
                     row["round"] = round_index
                     rows.append(row)
