@@ -243,6 +243,38 @@ def data_scale(d: dict) -> list[str]:
              f"{growth(new, 'rss_after_batches_mib'):.0f}", fnum(new["prompts_per_s"], ".0f")],
             ["whole file", f"{old['rows']:,}", "-", fnum(old["first_batch_s"]), f"{growth(old, 'rss_after_first_batch_mib'):.0f}", "-", "-"]]  # fmt: skip
     return lines + table(["loader", "rows", "index s", "first batch s", "RSS + MiB, first batch", f"RSS + MiB, {new['batches']} batches", "prompts/s"], rows)
+def eval_overlap(d: dict) -> list[str]:
+    """`eval_overlap.py`: per run, the learner's idle fraction inside the mid-run evaluations, blocking against not."""
+    a, rows = d["args"], d["rows"]
+
+    def median(setting: str, key: str) -> float | None:
+        values = sorted(r[key] for r in rows if r["setting"] == setting and r[key] is not None)
+        return values[len(values) // 2] if values else None
+
+    workload = (
+        f"the embedded default (W1 `add`, add-1m warm start, eager learner), {a['steps']} steps, an evaluation every "
+        "10 steps of its 500 held-out prompts (greedy)"
+        if a.get("w1")
+        else f"streaming, tiny-0.3m (random init), {a['steps']} steps, an evaluation every {a['eval_every']} steps of "
+        f"{a['eval_prompts']} prompts x {a['eval_samples']} samples (temperature 1, {a['max_tokens']} tokens)"
+    )
+    lines = [
+        f"## Held-out evaluation beside training{' on W1' if a.get('w1') else ''} (`benchmarks/eval_overlap.py`)",
+        "",
+        f"1 engine + 1 learner rank, {workload}; `eval.blocking: true` against `false`, alternating, {a['rounds']} "
+        "round(s). Idle during evaluation: 1 - learner step time inside the mid-run evaluations' windows / their time.",
+        "",
+        f"**Headline:** learner idle during evaluation {fnum(median('blocking', 'learner_idle_during_eval'), '.2f')} "
+        f"(blocking) -> {fnum(median('non_blocking', 'learner_idle_during_eval'), '.2f')} (beside training), medians.",
+        "",
+    ]
+    return lines + table(
+        ["setting", "round", "idle during eval", "idle overall", "loop waited for mid-run evals s", "mean eval s", "wall s",
+         "steps/s", "publications held back", "straddled"],
+        [[r["setting"], r["round"], fnum(r["learner_idle_during_eval"]), fnum(r["learner_idle_overall"]),
+          fnum(r["mid_run_eval_wait_s"], ".2f"), fnum(r["eval_s_mean"], ".1f"), fnum(r["wall_s"], ".1f"), fnum(r["steps_per_s"]),
+          r["publishes_deferred"], r["evals_straddled"]] for r in rows],
+    )  # fmt: skip
 
 
 def queue_throughput(d: dict) -> list[str]:
@@ -800,6 +832,8 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "async_speedup_continue": lambda d: async_speedup(d, "## W2 `tail` under `stale_policy: continue` (`benchmarks/async_speedup.py --stale-policy continue`)"),
     "queue_throughput": queue_throughput,
     "data_scale": data_scale,
+    "eval_overlap": eval_overlap,
+    "eval_overlap_w1": eval_overlap,
     "algo_throughput": algo_throughput,
     "learning_add": learning_add,
     "learning_add_120": learning_add,
@@ -838,7 +872,7 @@ def formatter(stem: str) -> Callable[[dict], list[str]] | None:
 LAYOUT = [
     "readme_results",
     "learning_add", "learning_add_120", "learning_add_informative", "learning_add_compile", "learner_compile", "learning_add_bf16", "learning_add_ready_cap", "learning_add_mb4", "learning_add_mb4_same_lr", "lr_decay", "correction", "dtype", "ready_cap", "staleness_w1", "warm_start_lift",
-    "async_speedup", "async_speedup_continue", "limits", "limits_busy",
+    "async_speedup", "async_speedup_continue", "limits", "limits_busy", "eval_overlap", "eval_overlap_w1",
     "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "weight_sync_gpu",
     "moe_routing_replay",
     "queue_throughput", "data_scale", "algo_throughput", "fsdp_rank", "megatron", "activation_checkpointing", "activation_checkpointing_gpu", "packing",

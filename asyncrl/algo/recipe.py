@@ -83,6 +83,10 @@ class Recipe:
     """Coefficient of the KL-to-reference loss term (0 = off, needs ref_logprobs otherwise)."""
     kl_estimator: str = "k3"
     """KL estimator of the loss term: k1, k2, k3, k3_plus."""
+    kl_in_reward_coef: float = 0.0
+    """beta of the KL-in-reward term (0 = off): each response token's reward gets -beta * k1, k1 = log pi_old -
+    log pi_ref (`algo.kl.kl_in_reward`), before the advantages. Critic advantages only (gae, vapo): the learner
+    ranks compute them, where the reference's log-probs are."""
 
     # --- corrections
     tis_cap: float = 2.0
@@ -142,6 +146,11 @@ class Recipe:
                 "need overlong_cache_length <= overlong_max_length "
                 f"(got {self.overlong_cache_length}, {self.overlong_max_length})"
             )
+        if self.kl_in_reward_coef > 0 and self.advantage not in ("gae", "vapo"):
+            problems.append(
+                f"kl_in_reward_coef > 0 needs a critic advantage (gae, vapo), not {self.advantage!r}: the KL-in-reward "
+                "term is folded into the token rewards on the learner ranks, where the critic advantages are computed"
+            )
         if self.denominator_after_rejection and self.correction in ("dis", "opsm"):
             problems.append(
                 f"correction {self.correction!r} depends on the current policy, so its rejections cannot shrink "
@@ -152,6 +161,11 @@ class Recipe:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def needs_reference(self) -> bool:
+        """True when the learner needs the frozen reference policy's log-probs: a KL loss term or KL in reward."""
+        return self.kl_coef > 0 or self.kl_in_reward_coef > 0
 
     @property
     def normalizes_tis(self) -> bool:

@@ -135,6 +135,7 @@ PARAMS: dict[str, Param] = {
     "gvpo_beta": _POSITIVE,
     "kl_coef": _NON_NEGATIVE,
     "kl_estimator": Param(str, choices=KL_ESTIMATORS),
+    "kl_in_reward_coef": _NON_NEGATIVE,
     # corrections
     "tis_cap": _POSITIVE,
     "tis_batch_normalize": Param(bool),
@@ -188,8 +189,13 @@ _MIS = ("mis_upper", "mis_lower")
 
 COMPONENTS: dict[str, dict[str, Component]] = _by_kind(
     Component("advantage", "reinforce", ("baseline",)),
-    Component("advantage", "gae", ("gamma", "lam", "whiten_advantages"), needs_critic=True),
-    Component("advantage", "vapo", ("gamma", "vapo_alpha", "critic_lam", "whiten_advantages"), needs_critic=True),
+    Component("advantage", "gae", ("gamma", "lam", "whiten_advantages", "kl_in_reward_coef"), needs_critic=True),
+    Component(
+        "advantage",
+        "vapo",
+        ("gamma", "vapo_alpha", "critic_lam", "whiten_advantages", "kl_in_reward_coef"),
+        needs_critic=True,
+    ),
     Component("advantage", "grpo", ("grpo_eps", "grpo_unbiased"), needs_group=True),
     Component("advantage", "dr_grpo", needs_group=True),
     Component("advantage", "rloo", needs_group=True),

@@ -19,6 +19,15 @@ class EvalConfig(Section):
     """Completions per held-out prompt. With k > 1 (needs `temperature` > 0) an evaluation reports mean@k
     (its `accuracy`) and pass@1..k (the unbiased estimator of Chen et al. 2021); a completion passes when
     its reward is >= 1."""
+    blocking: bool = False
+    """Whether the loop waits for each evaluation. `false`: an evaluation runs on the engines beside the
+    rollouts (sharing their slots) while the learner trains on; the weight publications due meanwhile wait
+    until it is in, so every request of it runs under the version it started with (the learner's version
+    advances all the same: the engines lag as under a slow sync, at most `buffer.max_staleness` versions, and
+    the learner waits for the evaluation only when no batch comes without a publication). Its record lands
+    steps later, labelled with the step and version it started at. The evaluation before the first
+    step (the learner has no batch yet) and the run's last are waited for (a stop drops an evaluation in flight,
+    with a note). `true`: the loop waits for each one."""
 
     @model_validator(mode="after")
     def _samples_need_sampling(self) -> EvalConfig:

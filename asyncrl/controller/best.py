@@ -6,7 +6,9 @@ the run evaluated: an evaluation whose accuracy beats every earlier one (ties ke
 and its policy exported as a Hugging Face folder that replaces `best_model/` whole (written beside it, then
 renamed), with `best_model/asyncrl_eval.json` saying which evaluation it is. An evaluation of a version the
 learner has already trained past (the last one, when `learner.max_steps` is not a multiple of
-`weight_sync.every_steps`) is recorded but cannot be exported. The record survives a resume (checkpoints carry it).
+`weight_sync.every_steps`) is recorded but cannot be exported. An evaluation beside training (`eval.blocking: false`)
+lands steps later: its policy was exported when it started (`controller.evaluation`), and its `export_hf` moves that
+folder here. The record survives a resume (checkpoints carry it).
 """
 
 from __future__ import annotations

@@ -84,6 +84,8 @@ class Controller:
         """Why the run was asked to stop early (a signal); the loop ends at the next step boundary."""
         self.starved_groups_noted = 0
         """Groups in a row filtered when the learner's starvation was last noted (0: not starved)."""
+        self.publish_deferred = False
+        """Whether a weight publication waits for the evaluation in flight (`eval.blocking: false`)."""
 
     def start(self) -> None:
         """Load the tokenizer and prompts, start the fleet, resume if asked, and let the engines generate."""
@@ -121,7 +123,7 @@ class Controller:
         start = state.started = time.perf_counter()
         if not cfg.checkpoint.resume_from:  # a resumed run goes on appending to its predecessor's rows
             (self.records.out / "metrics.jsonl").write_text("")
-        self._evaluate(start)
+        self._evaluate(start, wait=True)  # the learner has no batch yet: the engines generate the first beside it
         while state.step < cfg.learner.max_steps and not self.stop_requested:
             if cfg.learner.max_wall_s and time.perf_counter() - start > cfg.learner.max_wall_s:
                 break
@@ -137,7 +139,8 @@ class Controller:
             self.fleet.upkeep()  # while the learner trains: its Ray calls leave the step's critical path
             self._record(self.fleet.learner.finish_step(step), batch, learner_wait_s)
             if state.step % cfg.weight_sync.every_steps == 0:
-                self._publish()
+                self._publish_unless_evaluating()
+            self._collect_evaluation(wait=False)  # an evaluation that is in: recorded, a held-back publication made
             if cfg.eval.every_steps and state.step % cfg.eval.every_steps == 0:
                 self._evaluate(start)
             if cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0:
@@ -145,9 +148,7 @@ class Controller:
             self._log_steps()
         self._close_sync()
         self._log_steps()
-        evals = self.evaluation.evals
-        if not self.stop_requested and (not evals or evals[-1]["version"] != state.version):
-            self._evaluate(start)
+        self._last_evaluation(start)
         self.fleet.record_events()  # e.g. a replacement the last evaluation waited for joined meanwhile
         self._checkpoint()
         return self.records.summary(
@@ -177,10 +178,21 @@ class Controller:
         deadline = began + cfg.rollout.request_timeout_s * 2
         while not self.stop_requested:
             self._top_up_prompts()
-            timeout = min(2.0, max(0.1, deadline - time.monotonic()))
+            # Held-back weights or a sync in flight: look again soon (at the evaluation, or to close the sync).
+            turn = 0.1 if self.publish_deferred or self.in_flight is not None else 2.0
+            timeout = min(turn, max(0.1, deadline - time.monotonic()))
             try:
                 batch = self.fleet.queue.get_batch(cfg.learner.prompts_per_step, self.state.version, timeout)
             except TimeoutError as e:
+                if self.publish_deferred:  # the batch may need the held-back weights: made once the evaluation is in
+                    if self.evaluation.ready():
+                        self._collect_evaluation(wait=True)
+                        self._close_sync()  # admission opens for the new version once the engines confirmed it
+                        deadline = time.monotonic() + cfg.rollout.request_timeout_s * 2
+                    continue
+                if self.in_flight is not None:  # steps trained while a publication was held back used up the
+                    self._close_sync()  # admission window: it reopens once the engines confirm the sync
+                    continue
                 starvation = self._watch_starvation()
                 if time.monotonic() >= deadline:
                     if starvation.starved(cfg.learner.prompts_per_step):
@@ -240,21 +252,66 @@ class Controller:
                 f"({getattr(self.prompts, 'max_prompt_tokens', '?')} tokens)"
             )
 
-    def _evaluate(self, start: float) -> None:
-        if self.evaluation.eval_set:
-            self._close_sync()  # every engine serves the run's version
-            self.evaluation.run(start)
+    def _evaluate(self, start: float, wait: bool = False) -> None:
+        """Start a held-out evaluation of the run's version: waited for with `eval.blocking` (or `wait`), else
+        collected at a later step boundary (`_collect_evaluation`). One still in flight (it outlasted
+        `eval.every_steps`) is waited for first, and the publication it held back made."""
+        evaluation = self.evaluation
+        if not evaluation.eval_set:
+            return
+        self._collect_evaluation(wait=True)
+        self._close_sync()  # every engine serves the run's version
+        if self.cfg.eval.blocking or wait:
+            evaluation.run(start)
+        else:
+            evaluation.start(start)
+
+    def _collect_evaluation(self, wait: bool) -> None:
+        """Record the evaluation in flight if it is in (or, with `wait`, once it is), then make the weight
+        publication it held back, if any."""
+        if self.evaluation.pending is None or not (wait or self.evaluation.ready()):
+            return
+        self.evaluation.finish(self.state.started)
+        if self.publish_deferred:
+            self._publish(advance=False)
+
+    def _publish_unless_evaluating(self) -> None:
+        """Publish, or hold the publication back while an evaluation is in flight (it stays pinned to its version):
+        the learner's version advances all the same, the engines stay behind it (as under a slow sync, so the
+        staleness bound and admission count the steps trained meanwhile) until `_publish(advance=False)`."""
+        if self.evaluation.pending is None:
+            self._publish()
+        else:
+            self.state.version += 1
+            self.state.learner_at_version = True
+            self.publish_deferred = True
+            self.evaluation.defer_publish()
+
+    def _last_evaluation(self, start: float) -> None:
+        """At the run's end: the evaluation in flight recorded (dropped, with a note, when the run was stopped), the
+        publication it held back made, and the final version evaluated if it was not (waited for)."""
+        evaluation, state = self.evaluation, self.state
+        if self.stop_requested:
+            evaluation.drop()
+            return
+        self._collect_evaluation(wait=True)
+        self._close_sync()
+        evals = evaluation.evals
+        if evaluation.eval_set and (not evals or evals[-1]["version"] != state.version):
+            evaluation.run(start)
 
     # ------------------------------------------------------------------------------------------------
     # The weight sync in flight
 
-    def _publish(self) -> None:
-        """Export the policy as version v+1 and send it to every engine. When the sync overlaps (in-flight
-        modes with `weight_sync.overlap`) the learner goes on while the engines load (`_close_sync` waits);
-        a sync whose parity is probed is waited for at once, before the learner's weights move again."""
+    def _publish(self, advance: bool = True) -> None:
+        """Export the policy as version v+1 (`advance=False`: as the version v it already is, a publication held
+        back) and send it to every engine. When the sync overlaps (in-flight modes with `weight_sync.overlap`) the
+        learner goes on while the engines load (`_close_sync` waits); a sync whose parity is probed is waited for
+        at once, before the learner's weights move again."""
         self._close_sync()  # at most one sync in flight: engines take versions in order
+        self.publish_deferred = False
         sync, state = self.fleet.sync, self.state
-        state.version += 1
+        state.version += advance
         state.learner_at_version = True
         self.in_flight = SyncInFlight(sync.start(state.version), self.records.history[-1], sync.probes(state.version))
         self.fleet.inject_faults()  # a listed step kills an engine while it loads these weights

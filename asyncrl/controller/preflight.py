@@ -193,7 +193,7 @@ def _rank_memory(cfg: Config) -> list[Problem]:
     if _reference(cfg):
         return []  # an unreadable reference is reported by `_reference`
     try:
-        check_rank_memory(cfg.learner, cfg.model.path, recipe_from_config(cfg).kl_coef > 0)
+        check_rank_memory(cfg.learner, cfg.model.path, recipe_from_config(cfg).needs_reference)
     except ValueError as e:
         return [Problem("learner.rank_memory_gb", str(e).removeprefix("learner.rank_memory_gb = "))]
     return []

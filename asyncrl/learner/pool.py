@@ -115,7 +115,7 @@ class LearnerPool:
         from asyncrl.cluster import placement
         from asyncrl.learner.memory import check_rank_memory
 
-        check_rank_memory(config, str(model_dir), recipe.kl_coef > 0)  # `learner.rank_memory_gb`, before any rank
+        check_rank_memory(config, str(model_dir), recipe.needs_reference)  # `learner.rank_memory_gb`, before any rank
         self.config = config
         self.recipe = recipe
         self.num_ranks = config.num_ranks

@@ -148,7 +148,7 @@ class LearnerWorker:
         sharded like the policy. Not part of the train state, so no checkpoint or export holds it."""
         from asyncrl.learner.policy import shard
 
-        if recipe.kl_coef <= 0:
+        if not recipe.needs_reference:
             return None
         if self.reference is None:
             path, mesh = self.config.reference_path or self.model_dir, self.mesh

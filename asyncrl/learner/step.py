@@ -82,7 +82,8 @@ class MiniBatch:
     without a critic estimator); `old`, pi_old from before the step's first update (None: the detached
     log-probs of the update's own forward, the single-update step); `weights`, the reduction weights
     (recomputed from `old` when the denominators count tokens kept after rejection). `tis_stats` is the
-    batch-normalised TIS normaliser from `old`. All of them stay fixed for every update of the step.
+    batch-normalised TIS normaliser from `old`; `ref`, the frozen reference's log-probs (KL loss term; None: taken
+    in the update's own pass). All of them stay fixed for every update of the step.
     """
 
     micro_batches: list[TrainBatch]
@@ -92,6 +93,7 @@ class MiniBatch:
     old: Sequence[torch.Tensor | None]
     weights: list[torch.Tensor]
     tis_stats: torch.Tensor | None
+    ref: Sequence[torch.Tensor | None] = ()
 
     @property
     def loss_tokens(self) -> int:
@@ -262,6 +264,7 @@ class RankStep:
         rejection and the TIS normaliser, each summed over every micro-batch of every rank."""
         with torch.no_grad():
             old = [self._logprobs(mb) for mb in mbs]
+        ref = [self._reference_logprobs(mb) for mb in mbs]  # once per batch, whatever the number of updates
         # A token outside pi_old's kept set (-inf) counts in these statistics with a ratio of 1 to mu.
         finite = [torch.where(torch.isfinite(o), o, mb.rollout_logprobs) for mb, o in zip(mbs, old, strict=True)]
         weights = (
@@ -270,7 +273,7 @@ class RankStep:
             else [mb.token_weights for mb in mbs]
         )
         tis_stats = self._tis_stats(mbs[:real], finite[:real]) if self.recipe.normalizes_tis else None
-        return MiniBatch(mbs, real, advantages, returns, old, weights, tis_stats)
+        return MiniBatch(mbs, real, advantages, returns, old, weights, tis_stats, ref)
 
     def _tis_stats(self, mbs: list[TrainBatch], old: list[torch.Tensor]) -> torch.Tensor:
         """(sum of truncated TIS weights, valid tokens) over the whole optimizer batch: every micro-batch of
@@ -294,7 +297,7 @@ class RankStep:
         for i, mb in enumerate(batch.micro_batches):
             learner_logprobs = self._logprobs(mb)
             old = batch.old[i]
-            ref = self._reference_logprobs(mb)
+            ref = batch.ref[i] if batch.ref else self._reference_logprobs(mb)
             logprobs = [learner_logprobs, old if old is not None else learner_logprobs.detach()]
             mask, weights, (learner_logprobs, old_logprobs, *refs) = self._supported(
                 mb, batch.weights[i], logprobs + ([] if ref is None else [ref])
@@ -418,14 +421,15 @@ class RankStep:
         with replaying(self.state.policy, routes):
             return self.state.policy(mb.input_ids, mb.attention_mask, mb.position_ids, self.sampling, mb.layout)
 
-    def _reference_logprobs(self, mb: TrainBatch) -> torch.Tensor | None:
+    def _reference_logprobs(self, mb: TrainBatch, for_reward: bool = False) -> torch.Tensor | None:
         """The frozen reference's log-probs of `mb` under the run's sampling distribution (no gradient), or None
-        when the recipe has no KL-to-reference term; that term without a reference is an error. An MoE reference
-        routes with its own routers (the engine's routes are the policy's)."""
-        if self.recipe.kl_coef <= 0:
+        when the recipe has no KL-to-reference loss term (`for_reward`: no KL-in-reward term); the term without a
+        reference is an error. An MoE reference routes with its own routers (the engine's routes are the policy's)."""
+        key = "kl_in_reward_coef" if for_reward else "kl_coef"
+        if getattr(self.recipe, key) <= 0:
             return None
         if self.reference is None:
-            raise ValueError("algorithm.params.kl_coef > 0: this step has no reference policy (state.build_reference)")
+            raise ValueError(f"algorithm.params.{key} > 0: this step has no reference policy (state.build_reference)")
         with torch.no_grad():
             return self.reference(mb.input_ids, mb.attention_mask, mb.position_ids, self.sampling, mb.layout)
 
@@ -490,7 +494,7 @@ class RankStep:
                 # V(s_T) of the state after the last token; GAE uses it only where the row was truncated.
                 bootstrap = values[rows, mb.seq_lens - 1]
                 adv, ret = compute_advantages(
-                    recipe, mb.rewards, mb.group_ids, mb.loss_mask, values, mb.dones, bootstrap
+                    recipe, self._token_rewards(mb), mb.group_ids, mb.loss_mask, values, mb.dones, bootstrap
                 )
                 if ret is None:
                     raise ValueError(f"advantage {recipe.advantage!r} gives no value targets for the critic")
@@ -501,6 +505,21 @@ class RankStep:
             moments = self.all_reduce(whitening_moments(advantages, masks).to(self.device), "sum")
             advantages = apply_whitening(advantages, masks, moments)
         return advantages, returns
+
+    def _token_rewards(self, mb: TrainBatch) -> torch.Tensor:
+        """The outcome rewards of `mb` on their last response tokens [B, T]; with `kl_in_reward_coef` (beta) each
+        loss token also gets -beta * (log pi_old - log pi_ref) (`algo.kl.kl_in_reward`), pi_old being the policy
+        before the step's first update. A token outside either kept set (top-k / top-p) gets no KL reward."""
+        from asyncrl.algo.advantages import outcome_to_token_rewards
+        from asyncrl.algo.kl import kl_in_reward
+
+        rewards = outcome_to_token_rewards(mb.rewards, mb.loss_mask.bool())
+        ref = self._reference_logprobs(mb, for_reward=True)
+        if ref is None:
+            return rewards
+        old = self._logprobs(mb)
+        mask, _, (old, ref) = self._supported(mb, mb.token_weights, [old, ref])
+        return rewards + kl_in_reward(torch.zeros_like(rewards), old, ref, mask, self.recipe.kl_in_reward_coef)
 
     def _weights_after_rejection(self, mbs: list[TrainBatch], real: int, old: list[torch.Tensor]) -> list[torch.Tensor]:
         """Reduction weights whose denominators count tokens kept by the correction (verl convention),

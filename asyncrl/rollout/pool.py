@@ -39,7 +39,7 @@ from asyncrl.rollout.membership import (
     wait_in_turns,
     wait_or_say,
 )
-from asyncrl.rollout.spread import CONTROL_TIMEOUT_S, EvaluationTimeout, WorkerCalls
+from asyncrl.rollout.spread import CONTROL_TIMEOUT_S, EvaluationTimeout, SpreadCall, WorkerCalls
 from asyncrl.rollout.worker import WorkerSpec
 from asyncrl.weights.published import PublishedWeights
 
@@ -47,6 +47,7 @@ __all__ = [
     "EvaluationTimeout",
     "PoolEvent",
     "RolloutPool",
+    "SpreadCall",
     "WeightSyncError",
     "WeightSyncTimeout",
     "WorkerDiedError",

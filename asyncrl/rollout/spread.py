@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,20 @@ CONTROL_TIMEOUT_S = 30.0  # stop / stats / health calls
 
 class EvaluationTimeout(RuntimeError):
     """An evaluation call was not answered in time (the message names the workers still running it)."""
+
+
+@dataclass(frozen=True)
+class SpreadCall:
+    """A call spread over the serving workers and not yet collected (`WorkerCalls.finish_spread`)."""
+
+    method: str
+    prompts: list[Any]
+    args: tuple[Any, ...]
+    timeout_s: float
+    deadline: float
+    """`time.monotonic()` by which every worker must have answered."""
+    calls: dict[Any, str]
+    """Each worker's answer (a Ray object ref) -> the worker's name."""
 
 
 class WorkerCalls(ABC):
@@ -109,26 +124,60 @@ class WorkerCalls(ABC):
             "evaluate_episodes", prompts, max_tokens, timeout_s=self.spec.env.episode_timeout_s + CONTROL_TIMEOUT_S
         )
 
+    def start_evaluate(
+        self, prompts: Sequence[Prompt], max_tokens: int | None = None, temperature: float = 0.0, samples: int = 1
+    ) -> SpreadCall:
+        """`evaluate`, dispatched without waiting: `finish_spread` collects it (`spread_done` says whether it
+        may without waiting). The engines run it beside the rollouts, sharing their slots."""
+        timeout_s = self.rollout.request_timeout_s + CONTROL_TIMEOUT_S
+        return self._dispatch("evaluate", prompts, (max_tokens, temperature, samples), timeout_s)
+
+    def start_evaluate_episodes(self, prompts: Sequence[Prompt], max_tokens: int | None = None) -> SpreadCall:
+        """`evaluate_episodes`, dispatched without waiting, like `start_evaluate`."""
+        timeout_s = self.spec.env.episode_timeout_s + CONTROL_TIMEOUT_S
+        return self._dispatch("evaluate_episodes", prompts, (max_tokens,), timeout_s)
+
+    def spread_done(self, call: SpreadCall) -> bool:
+        """Whether every worker answered `call` (collecting it then does not wait)."""
+        return not ray.wait(list(call.calls), num_returns=len(call.calls), timeout=0)[1]
+
+    def finish_spread(self, call: SpreadCall) -> list[Any]:
+        """The answers of a dispatched call, in prompt order, waiting at most what is left of its bound; a worker
+        that died meanwhile is replaced and the whole call run again (`_spread`)."""
+        try:
+            return self._collect(call, max(0.0, call.deadline - time.monotonic()))
+        except RayActorError:
+            time.sleep(1.0)  # then `serving()` notices the dead worker and replaces it
+            return self._spread(call.method, call.prompts, *call.args, timeout_s=call.timeout_s)
+
     def _spread(self, method: str, prompts: Sequence[Any], *args: Any, timeout_s: float) -> list[Any]:
         """`method` on every serving worker, each with its share of `prompts`, all at once: a worker runs its
         share concurrently, so the whole call is bounded by one request's (or episode's) bound, `timeout_s`."""
         for _ in range(3):
-            names = self.serving()
-            per_worker = -(-len(prompts) // len(names))
-            chunks = [list(prompts[i : i + per_worker]) for i in range(0, len(prompts), per_worker)]
-            calls = {
-                getattr(self._workers[n], method).remote(c, *args): n for n, c in zip(names, chunks, strict=False)
-            }  # fewer chunks than workers: some idle
             try:
-                return [item for part in self._get_all(list(calls), timeout_s) for item in part]
-            except GetTimeoutError:
-                late = [calls[ref] for ref in ray.wait(list(calls), num_returns=len(calls), timeout=0)[1]]
-                raise EvaluationTimeout(
-                    f"{method} of {len(prompts)} prompts: no answer within {timeout_s:.0f}s from {', '.join(late)}"
-                ) from None
+                return self._collect(self._dispatch(method, prompts, args, timeout_s), timeout_s)
             except RayActorError:
                 time.sleep(1.0)  # then `serving()` notices the dead worker and replaces it
         raise RuntimeError("evaluation failed three times: rollout workers kept dying")
+
+    def _dispatch(self, method: str, prompts: Sequence[Any], args: tuple[Any, ...], timeout_s: float) -> SpreadCall:
+        names = self.serving()
+        per_worker = -(-len(prompts) // len(names))
+        chunks = [list(prompts[i : i + per_worker]) for i in range(0, len(prompts), per_worker)]
+        calls = {
+            getattr(self._workers[n], method).remote(c, *args): n for n, c in zip(names, chunks, strict=False)
+        }  # fewer chunks than workers: some idle
+        return SpreadCall(method, list(prompts), args, timeout_s, time.monotonic() + timeout_s, calls)
+
+    def _collect(self, call: SpreadCall, timeout_s: float) -> list[Any]:
+        try:
+            return [item for part in self._get_all(list(call.calls), timeout_s) for item in part]
+        except GetTimeoutError:
+            late = [call.calls[ref] for ref in ray.wait(list(call.calls), num_returns=len(call.calls), timeout=0)[1]]
+            raise EvaluationTimeout(
+                f"{call.method} of {len(call.prompts)} prompts: no answer within {call.timeout_s:.0f}s "
+                f"from {', '.join(late)}"
+            ) from None
 
     def _get_all(self, refs: list[Any], timeout_s: float) -> list[Any]:
         """`ray.get(refs, timeout=timeout_s)`, waited in turns that kill hung workers: a hung worker's call then

@@ -1,9 +1,9 @@
 """The controller with real pools (Ray, one vLLM CPU engine, one FSDP2 rank) on the tiny model.
 
-Covers: engine/learner parity after every weight sync, the staleness bound, conservation, the best evaluated
-policy kept in best_model/, and checkpoint -> stop -> resume continuing at the same version with the same
-counters, also with the learner pool resized (1 -> 2 ranks); the runs read a two-file Parquet dataset, and the
-resumed one goes on from the checkpointed data position.
+Covers: engine/learner parity after every weight sync, the staleness bound, conservation, evaluations beside
+training (non-blocking, pinned to their versions), the best evaluated policy kept in best_model/, and checkpoint ->
+stop -> resume continuing at the same version with the same counters, also with the learner pool resized (1 -> 2
+ranks); the runs read a two-file Parquet dataset, and the resumed one goes on from the checkpointed data position.
 """
 
 import json
@@ -135,6 +135,23 @@ def test_the_best_evaluated_policy_is_kept_in_best_model(first_run, tiny_model_d
     assert kept.keys() == final.keys()
     same = {name: all(torch.equal(kept[k], other[k]) for k in kept) for name, other in (("initial", initial), ("final", final))}
     assert same == {"initial": best["step"] == 0, "final": best["step"] == 3}
+
+
+def test_evaluations_beside_training_land_later_pinned_to_the_version_they_started_at(first_run):
+    """`eval.blocking: false` (the default): the evaluations of steps 1 and 2 ran while the learner trained the next
+    step and were recorded at a later step boundary; the first (before any batch) and the last were waited for.
+    Every request of each ran under the version it started at: the publications due meanwhile were held back."""
+    _, (summary, _, history) = first_run
+    evals = summary["evals"]
+    print([(e["step"], e["version"], e["recorded_at_step"], e["eval_s"], e["eval_wait_s"], e["publishes_deferred"]) for e in evals])
+    assert [e["blocking"] for e in evals] == [True, False, False, False]
+    assert all(e["served_versions"] == [e["version"]] == [e["step"]] and not e["straddled"] for e in evals)
+    assert [e["recorded_at_step"] > e["step"] for e in evals[1:3]] == [True, True] and evals[3]["recorded_at_step"] == 3
+    assert summary["evals_straddled"] == summary["evals_dropped"] == 0
+    assert summary["publishes_deferred"] == sum(e["publishes_deferred"] for e in evals)
+    assert summary["eval_wait_s"] == pytest.approx(sum(e["eval_wait_s"] for e in evals), abs=0.05)
+    assert evals[0]["eval_wait_s"] == evals[0]["eval_s"]  # waited for whole, its candidate export included
+    assert [row["version"] for row in history] == [0, 1, 2]  # each step still published its weights
 
 
 def test_resume_continues_at_the_same_version_with_the_same_counters(first_run, tiny_model_dir):

@@ -177,14 +177,16 @@ def test_a_run_retires_prompts_it_solves_and_keeps_sampling_the_others(ray_clust
 
 
 def test_a_run_with_a_kl_to_the_starting_weights_reports_it_from_zero(ray_cluster, tiny_model_dir, tmp_path):
-    """`kl_coef` > 0 with the default reference (the starting weights) under top-k / top-p: at step 1 the policy is
-    the reference, so `kl_ref` (k3) is 0; rewards that differ within groups move the policy, so it grows after."""
+    """`kl_coef` > 0 and KL in the reward (`kl_in_reward_coef`, GAE with a critic) with the default reference (the
+    starting weights) under top-k / top-p: at step 1 the policy is the reference, so `kl_ref` (k3) is 0; rewards that
+    differ within groups move the policy, so it grows after."""
     _write_dataset(tmp_path / "train.parquet")
     overrides = {
         "mode": "sync", "buffer.max_staleness": 0, "output_dir": str(tmp_path / "run"), "model.path": str(tiny_model_dir),
         "data.task": "parquet", "data.train_path": str(tmp_path / "train.parquet"), "env.reward": "sandbox_rewards:varied", "env.reward_timeout_s": 60,
         "learner.max_steps": 3, "learner.lr": 0.01, "rollout.max_tokens": 4, "telemetry.progress": False, "checkpoint.export_hf": False,
-        "rollout.temperature": TEMPERATURE, "rollout.top_p": TOP_P, "rollout.top_k": TOP_K, "algorithm.params": {"kl_coef": 0.1},
+        "rollout.temperature": TEMPERATURE, "rollout.top_p": TOP_P, "rollout.top_k": TOP_K, "algorithm.preset": "ppo_gae",
+        "learner.critic": True, "algorithm.params": {"kl_coef": 0.1, "kl_in_reward_coef": 0.1},
     }  # fmt: skip
     summary, history = _run(overrides, tiny_model_dir)
     kl_ref = [row["kl_ref"] for row in history]

@@ -139,6 +139,8 @@ CASES = [
          "model.path: {tmp}/model has a tokenizer without a chat template"),
     Case("a reference policy that is not a model folder", lambda tmp: [f"learner.reference_path={tmp}", "algorithm.params={kl_coef: 0.1}"],
          "learner.reference_path: {tmp} has no readable config.json (not a Hugging Face model folder)"),
+    Case("KL in the reward with an advantage the driver builds", _overrides("algorithm.params={kl_in_reward_coef: 0.1}"),
+         "parameter 'kl_in_reward_coef' is not taken by the chosen advantage 'batch_norm'"),
     Case("unknown model preset", _overrides("model.preset=huge"), "model.preset: unknown preset 'huge'"),
     Case("parquet task without a file", _overrides("data.task=parquet"), "data.task 'parquet' needs data.train_path"),
     Case("missing Parquet file", lambda tmp: ["data.task=parquet", f"data.train_path={tmp / 'train.parquet'}"], "data.train_path: {tmp}/train.parquet does not exist"),

@@ -160,6 +160,7 @@ def test_bfloat16_is_rejected_only_where_the_cpu_build_has_no_bfloat16(monkeypat
 
 def test_a_kl_to_the_starting_weights_passes(capsys):
     assert _check(capsys, "algorithm.params={kl_coef: 0.1}") == (0, "")
+    assert _check(capsys, "sao", "algorithm.params={kl_in_reward_coef: 0.05}") == (0, "")  # KL in VAPO's rewards
 
 
 def test_a_reference_that_is_not_a_model_folder_is_rejected_naming_the_key(capsys, tmp_path):

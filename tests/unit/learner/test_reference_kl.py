@@ -142,3 +142,58 @@ def test_a_checkpoint_holds_no_reference_and_a_resumed_step_measures_kl_to_the_s
     acc = resumed.accumulate(rows)
     assert first.metrics["kl_ref"] == 0.0 and acc.metrics["kl_ref"] > 1e-6  # the policy moved, the reference did not
     assert acc.metrics["kl_ref"] == step.accumulate(rows).metrics["kl_ref"]  # as if the run had never stopped
+
+
+def test_with_several_updates_the_reference_runs_once_per_micro_batch_of_the_batch(tiny_model_dir, perturbed_dir, mesh):
+    """Two mini-batches, two epochs: four updates over two micro-batches, the reference forward twice (not four
+    times); its log-probs are the ones every update's KL term uses."""
+    step = _step(tiny_model_dir, perturbed_dir, mesh, "k3")
+    step = dataclasses.replace(step, config=step.config.model_copy(update={"epochs": 2}))
+    calls = []
+    forward = step.reference.forward
+    step.reference.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    shards = [build_batch(random_groups(num_groups=2, group_size=2, seed=s), step.recipe) for s in (3, 4)]
+    stats = step.train(shards, 0)
+    assert stats.metrics["updates"] == 4.0 and len(calls) == 2 and stats.metrics["kl_ref"] > 0
+
+
+BETA = 0.5
+
+
+def test_kl_in_reward_adds_minus_beta_k1_to_the_token_rewards_of_gae(tiny_model_dir, perturbed_dir, mesh):
+    """GAE with gamma = lam = 1 (no whitening): A_t = sum_{s >= t} r_s - V(s_t) (+ the same bootstrap), so the KL
+    reward changes each advantage by -beta * the sum of k1 = log pi_old - log pi_ref over the row's loss tokens from
+    t on, whatever the critic's values. pi_old is the policy before the update; both log-probs are computed here by
+    hand (plain transformers forwards)."""
+    import torch.distributed as dist
+
+    from asyncrl.learner.policy import shard
+    from asyncrl.learner.state import build_reference, build_train_state
+    from asyncrl.learner.step import RankStep
+
+    def all_reduce(tensor, op="sum"):
+        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+        return tensor
+
+    cfg = LearnerConfig(fsdp="never", critic=True)
+    place = lambda m: shard(m, mesh, torch.float32, "never")  # noqa: E731
+    torch.manual_seed(0)
+    state = build_train_state(cfg, str(tiny_model_dir), torch.device("cpu"), place)
+    reference = build_reference(str(perturbed_dir), torch.device("cpu"), place)
+    recipe = resolve_recipe(advantage="gae", loss="ppo", reduction="token_mean", gamma=1.0, lam=1.0, kl_in_reward_coef=BETA)
+    step = RankStep(state, cfg, recipe, RAW, torch.device("cpu"), all_reduce, reference=reference)
+    plain = dataclasses.replace(step, recipe=dataclasses.replace(recipe, kl_in_reward_coef=0.0))
+    rows = _rows(recipe)
+
+    with_kl, without = step.accumulate(rows, policy=False).batch, plain.accumulate(rows, policy=False).batch
+    (mb,) = with_kl.micro_batches
+    k1 = _hand_logprobs(tiny_model_dir, mb) - _hand_logprobs(perturbed_dir, mb)
+    mask = mb.loss_mask.bool()
+    k1 = torch.where(mask, k1, 0.0)
+    expected = torch.where(mask, -BETA * k1.flip(-1).cumsum(-1).flip(-1), 0.0)
+    assert 1e-3 < k1.abs().max()  # the reference really differs
+    change = with_kl.advantages[0].double() - without.advantages[0].double()
+    assert change.numpy() == pytest.approx(expected.numpy(), abs=1e-5)
+    # The last loss token of each row: its change is -beta * its own k1 only.
+    last = [int(torch.nonzero(row)[-1]) for row in mask]
+    assert [float(change[b, t]) for b, t in enumerate(last)] == pytest.approx([-BETA * float(k1[b, t]) for b, t in enumerate(last)], abs=1e-5)
