@@ -90,3 +90,26 @@ def scaling_timings(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def learner_scaling_timings(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each learner resize (`asyncrl scale JOB learner=N`): the ranks before and after, the checkpoint and
+    re-forming seconds, and the seconds from the request to the end of the first step on the new pool."""
+    out = []
+    for i, resized in enumerate(events):
+        if resized["kind"] != "learner_resized":
+            continue
+        first = next((e for e in events[i + 1 :] if e["kind"] == "learner_first_step"), None)
+        requested = resized.get("requested_at")
+        out.append(
+            {
+                "from_ranks": resized["from_ranks"],
+                "ranks": resized["ranks"],
+                "step": resized["step"],
+                "version": resized["version"],
+                "checkpoint_s": resized["checkpoint_s"],
+                "reform_s": resized["reform_s"],
+                "request_to_first_step_s": round(first["wall"] - requested, 3) if first and requested else None,
+            }
+        )
+    return out

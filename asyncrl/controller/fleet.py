@@ -5,13 +5,14 @@ for the summary and the live views fed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.cluster.control import JOB_ENV, ControlClient, LocalControl
+from asyncrl.cluster.control import JOB_ENV, ControlClient, LocalControl, Wanted
 from asyncrl.config import Config
 from asyncrl.controller.faults import kill_oldest_worker
 from asyncrl.controller.records import RunState
@@ -46,6 +47,11 @@ class Fleet:
         self.cfg, self.out, self.state, self.telemetry = cfg, out, state, telemetry
         self.control: ControlClient | LocalControl = LocalControl()
         """Wanted pool sizes: a job's control actor (`asyncrl scale`) or, for a local run, the dashboard's."""
+        self.wanted = Wanted()
+        """The sizes last read from `control`."""
+        self.refused_learner: tuple[int, float | None] | None = None
+        """A learner size request (ranks, requested at) that could not be met: not tried again."""
+        self.model_dir: Path | None = None
         self.tools: ToolPool | None = None
         """The sandboxed tool-worker pool, when the run needs one (`needs_tool_pool`)."""
         self.pool_events: list[dict[str, Any]] = []
@@ -65,6 +71,7 @@ class Fleet:
         from asyncrl.weight_sync.transport import make_weight_sync
 
         cfg = self.cfg
+        self.model_dir = model_dir
         self.telemetry.phase("starting the replay queue")
         self.queue = start_replay_queue(
             cfg.buffer,
@@ -131,11 +138,10 @@ class Fleet:
     # ------------------------------------------------------------------------------------------------
     # Upkeep between steps
 
-    def request_scale(self, rollout_workers: int) -> int:
-        """Ask for a rollout pool of this size (the dashboard's control); `scale` applies it between steps."""
-        if rollout_workers < 1:
-            raise ValueError(f"rollout pool size must be >= 1 (got {rollout_workers})")
-        return self.control.set_rollout(rollout_workers)
+    def request_scale(self, pool: str, size: int) -> int:
+        """Ask for a rollout pool of `size` workers or a learner of `size` ranks (the dashboard's control);
+        `scale` applies the first between steps, `Controller._resize_learner` the second at a step boundary."""
+        return self.control.set_size(pool, size)
 
     def upkeep(self) -> None:
         """Rollout pool upkeep without waiting: dead workers are replaced (their requests re-dispatched), hung
@@ -171,7 +177,7 @@ class Fleet:
             pool_sizes={
                 "rollout": len(self.rollout.names),
                 "rollout_joining": len(self.rollout.joining),
-                "learner": self.cfg.learner.num_ranks,
+                "learner": self.learner.num_ranks,
             },
         )
         return replace(snapshot, live=self.rates.add(snapshot))
@@ -184,9 +190,15 @@ class Fleet:
         self.pool_events.append({"t_s": round(t_s, 3), "wall": wall, "step": self.state.step} | event)
 
     def scale(self) -> None:
-        """Resize the rollout pool to what `asyncrl scale` asked for: new workers join once they serve the
-        latest weights (the learner goes on meanwhile); removed ones hand their requests back."""
-        wanted, requested_at = self.control.wanted_rollout()
+        """Read the wanted sizes (at most every `control.POLL_S` from a job's control actor) and resize the
+        rollout pool to what `asyncrl scale` asked for: new workers join once they serve the latest weights (the
+        learner goes on meanwhile); removed ones hand their requests back. The learner's size is applied by the
+        controller at a step boundary (`learner_resize`)."""
+        polled = self.control.poll()
+        if polled is None:
+            return
+        self.wanted = polled
+        wanted, requested_at = self.wanted.rollout, self.wanted.rollout_at
         have = len(self.rollout.names) + len(self.rollout.joining)
         if wanted is None or wanted == have:
             return
@@ -204,6 +216,41 @@ class Fleet:
                 requested_at=requested_at,
                 requeued=self.rollout.remove_worker(name),
             )
+
+    def learner_resize(self) -> tuple[int, float | None] | None:
+        """(ranks, requested at) when `asyncrl scale` asked for a learner of another size, else None."""
+        ranks, at = self.wanted.learner, self.wanted.learner_at
+        if ranks is None or ranks == self.learner.num_ranks or (ranks, at) == self.refused_learner:
+            return None
+        return ranks, at
+
+    def reform_learner(self, ranks: int, folder: Path, version: int) -> str | None:
+        """Replace the learner pool by one of `ranks` ranks restored from the checkpoint `folder` (re-sharded)
+        and point the weight sync at it; the rollout pool and the queue are not touched. A size the config
+        refuses changes nothing; a pool that cannot start (no room for its ranks) is replaced by one of the old
+        size, restored the same way. -> None, or why the size was not taken (the request is then not retried)."""
+        from asyncrl.learner.pool import LearnerPool, resized_config
+
+        old = self.learner.num_ranks
+        try:
+            resized_config(self.cfg.learner, ranks)
+        except ValueError as e:
+            return str(e)
+        self.learner.shutdown()  # frees its placement group: the new ranks may need the same CPUs/GPUs
+        why = None
+        try:
+            self.learner = LearnerPool.from_config(self.cfg, self.model_dir or "", num_ranks=ranks)
+            self.learner.wait_ready()
+        except Exception as e:
+            why = f"{type(e).__name__}: {e}"
+            self.telemetry.note(f"the learner pool of {ranks} ranks did not start ({why}); going back to {old}")
+            with contextlib.suppress(Exception):
+                self.learner.shutdown()
+            self.learner = LearnerPool.from_config(self.cfg, self.model_dir or "", num_ranks=old)
+            self.learner.wait_ready()
+        self.learner.load_checkpoint(folder)
+        self.sync.rewire(self.learner, version)
+        return why
 
     def inject_faults(self) -> None:
         """`faults.kill_rollout_worker_at_steps`: SIGKILL the oldest rollout worker's process now."""
