@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     stop = sub.add_parser("stop", help="stop a running job")
     stop.add_argument("job")
     scale = sub.add_parser(
-        "scale", help="resize a running job's rollout pool (rollout=N) and/or learner (learner=N), without restarting it"
+        "scale", help="resize a running job's rollout pool (rollout=N) and/or learner (learner=N) without a restart"
     )
     scale.add_argument("job")
     scale.add_argument("sizes", nargs="+", metavar="rollout=N|learner=N")
