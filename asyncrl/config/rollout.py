@@ -70,6 +70,18 @@ class RolloutConfig(Section):
     """A rollout worker that dies (while generating or loading weights) is replaced and its requests are
     re-dispatched; the run goes on and the learner does not wait for the replacement. False stops the run
     with an error naming the worker."""
+    max_restarts_per_engine: int = Field(5, ge=0)
+    """Replacements each engine slot may get in a run (a slot: an engine and the replacements that took its
+    place); dead and hung engines both count. A slot past its budget is quarantined: not replaced again."""
+    quarantine_failures: int = Field(3, ge=1)
+    """An engine slot whose engines died or hung this many times within `quarantine_window_s` is crash-looping:
+    it is quarantined before its budget is spent."""
+    quarantine_window_s: float = Field(60.0, gt=0)
+    """The window `quarantine_failures` counts in: a replacement takes ~16 s to serve on CPU, so 3 failures in 60 s
+    mean each engine died within seconds of serving."""
+    min_healthy_engines: int = Field(1, ge=0)
+    """When quarantined slots leave fewer engines than this (serving or starting), the run stops at the next
+    step boundary with a checkpoint, naming the quarantined engines. 0: go on while any engine serves."""
     heartbeat_timeout_s: float = Field(60.0, ge=1, le=3600)
     """A worker serving the queue that is alive but does not answer a ping within this (stopped, deadlocked) is
     killed and handled as a dead one (`replace_dead_workers`). Long enough for a busy engine to answer."""
@@ -84,6 +96,15 @@ class RolloutConfig(Section):
     openai_agent: str = ""
     """`module:function` agent harness run for each request instead of one generation (`asyncrl.rollout.openai_agent`):
     `async agent(client, prompt, episode) -> reward | (reward, info)`; needs `openai_port` != 0."""
+
+    @model_validator(mode="after")
+    def _min_healthy_fits(self) -> RolloutConfig:
+        if self.min_healthy_engines > self.num_workers:
+            raise ValueError(
+                f"rollout.min_healthy_engines = {self.min_healthy_engines} exceeds rollout.num_workers = "
+                f"{self.num_workers}: the run would stop at its first quarantined engine"
+            )
+        return self
 
     @model_validator(mode="after")
     def _agent_needs_endpoint(self) -> RolloutConfig:
@@ -148,8 +169,23 @@ class ToolsConfig(Section):
     """stdout and stderr of a run are each cut to this many bytes before the model sees them."""
     heartbeat_timeout_s: float = Field(5.0, gt=0)
     """A tool worker that does not answer the pool's heartbeat within this is killed and replaced."""
+    max_restarts_per_worker: int = Field(5, ge=0)
+    """Replacements each tool worker (by name) may get in a run, dead and hung alike; past it the worker is
+    quarantined: not replaced, its calls go to the others."""
+    min_healthy_workers: int = Field(1, ge=0)
+    """When quarantined workers leave fewer tool workers than this, the run stops at the next step boundary with
+    a checkpoint, naming them. 0: go on while any is left."""
     sandbox_uid_base: int = Field(200_000, ge=1000)
     """When running as root, each tool worker leases the first free block of 64 uids from here on its machine
     (a lock file per block in /tmp/asyncrl-sandbox-uids, released when the worker dies; a block that a live
     process still runs under is skipped) and gives each live process one of them (no account needed;
     asyncrl/envs/tools/sandbox.py). Runs that share a machine never share a uid."""
+
+    @model_validator(mode="after")
+    def _min_healthy_fits(self) -> ToolsConfig:
+        if self.min_healthy_workers > self.num_workers:
+            raise ValueError(
+                f"tools.min_healthy_workers = {self.min_healthy_workers} exceeds tools.num_workers = "
+                f"{self.num_workers}: the run would stop at its first quarantined tool worker"
+            )
+        return self

@@ -61,6 +61,23 @@ class StorageConfig(Section):
         return self
 
 
+class ChaosConfig(Section):
+    """Faults at random steps (seeded): each SIGKILLs or SIGSTOPs the processes of one serving rollout engine,
+    chosen at random, on the driver's node (psutil), right after a weight sync starts."""
+
+    kills: int = Field(0, ge=0, le=100)
+    """Engines SIGKILLed (a crash, an OOM kill)."""
+    stops: int = Field(0, ge=0, le=100)
+    """Engines SIGSTOPped with their engine-core processes (a hang: alive, not answering); the heartbeat finds
+    them (`rollout.heartbeat_timeout_s`) and the run kills what it stopped."""
+    seed: int = 0
+    """Seeds the steps, the order of the kinds and the engines hit."""
+    first_step: int = Field(1, ge=1)
+    """Faults fall on distinct steps from this one ..."""
+    last_step: int = Field(0, ge=0)
+    """... to this one (0: `learner.max_steps`), never on a `kill_rollout_worker_at_steps` step."""
+
+
 class FaultsConfig(Section):
     """Fault injection for tests and soak runs: real processes are killed, nothing is mocked."""
 
@@ -70,6 +87,8 @@ class FaultsConfig(Section):
     nan_reward_at_steps: list[int] = Field(default_factory=list)
     """Give one trajectory of the batch of each of these optimizer steps a NaN reward before the learner sees
     it (a broken reward path): the step must be skipped and the weights stay finite."""
+    chaos: ChaosConfig = Field(default_factory=ChaosConfig)
+    """Engine kills and stops at random steps (`ChaosConfig`)."""
 
 
 class Config(Section):

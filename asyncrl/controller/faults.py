@@ -6,8 +6,11 @@ does to it; a NaN reward goes through the learner's real step.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import signal
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,47 @@ def kill_oldest_worker(pool: Any) -> str:
     name, pid = next(iter(pool.pids().items()))
     os.kill(pid, signal.SIGKILL)
     return name
+
+
+def chaos_schedule(chaos: Any, max_steps: int, excluded: Sequence[int] = ()) -> dict[int, str]:
+    """`faults.chaos` as {step: "kill" | "stop"}: distinct random steps in [first_step, last_step] (last 0:
+    `max_steps`) outside `excluded`, the kinds shuffled over them; raises naming the keys when they do not fit."""
+    kinds = ["kill"] * chaos.kills + ["stop"] * chaos.stops
+    if not kinds:
+        return {}
+    last = chaos.last_step or max_steps
+    steps = [s for s in range(chaos.first_step, last + 1) if s not in set(excluded)]
+    if len(steps) < len(kinds):
+        raise ValueError(
+            f"faults.chaos: {len(kinds)} faults (kills + stops) do not fit on the {len(steps)} free steps "
+            f"from first_step = {chaos.first_step} to {last}"
+        )
+    rng = random.Random(chaos.seed)
+    rng.shuffle(kinds)
+    return dict(zip(sorted(rng.sample(steps, len(kinds))), kinds, strict=True))
+
+
+def signal_worker(pid: int, kind: str) -> list[int]:
+    """`kill`: SIGKILL the worker's process; `stop`: SIGSTOP it and every process under it (its engine core),
+    children first. -> the pids signalled."""
+    import psutil
+
+    if kind == "kill":
+        os.kill(pid, signal.SIGKILL)
+        return [pid]
+    worker = psutil.Process(pid)
+    pids = [p.pid for p in worker.children(recursive=True)] + [pid]
+    for each in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, signal.SIGSTOP)
+    return pids
+
+
+def end_stopped(pids: Sequence[int]) -> None:
+    """SIGKILL processes that fault injection stopped (a stopped process never notices its parent died)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def recovery_timings(events: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.cluster.control import JOB_ENV, ControlClient, LocalControl, Wanted
 from asyncrl.config import Config
-from asyncrl.controller.faults import kill_oldest_worker
+from asyncrl.controller.faults import chaos_schedule, end_stopped, kill_oldest_worker, signal_worker
 from asyncrl.controller.records import RunState
 from asyncrl.telemetry.rates import RateWindow
 from asyncrl.telemetry.sinks import PoolSnapshot, Telemetry
@@ -52,11 +54,19 @@ class Fleet:
         self.refused_learner: tuple[int, float | None] | None = None
         """A learner size request (ranks, requested at) that could not be met: not tried again."""
         self.model_dir: Path | None = None
+        self.stop_run: Callable[[str], None] = lambda reason: None
+        """Asks the run to stop at the next step boundary, with a checkpoint (`Controller.request_stop`)."""
         self.tools: ToolPool | None = None
         """The sandboxed tool-worker pool, when the run needs one (`needs_tool_pool`)."""
         self.pool_events: list[dict[str, Any]] = []
         """Rollout workers that died, hung, were killed by fault injection, joined or failed to start."""
         self.rates = RateWindow(cfg.telemetry.rate_window_s)
+        faults = cfg.faults
+        self.chaos = chaos_schedule(faults.chaos, cfg.learner.max_steps, faults.kill_rollout_worker_at_steps)
+        """`faults.chaos`: step -> "kill" | "stop"."""
+        self._chaos_rng = random.Random(faults.chaos.seed + 1)
+        self.stopped: dict[str, list[int]] = {}
+        """Engines that fault injection SIGSTOPped -> their pids, killed once the pool let go of the engine."""
         self._last_snapshot = 0.0
 
     # ------------------------------------------------------------------------------------------------
@@ -122,6 +132,8 @@ class Fleet:
     def shutdown(self) -> None:
         """Stop every part even when one fails, then raise the first failure: a dead learner rank must not
         leave the engines running or the queue's trajectory log without its Parquet footer (unreadable)."""
+        for name in list(self.stopped):
+            self._end_stopped(name)
         parts = [getattr(self, name, None) for name in ("rollout", "tools", "learner", "sync")]
         closers = [part.shutdown for part in parts if part is not None]
         if getattr(self, "queue", None) is not None:
@@ -157,9 +169,31 @@ class Fleet:
         for event in self.rollout.poll():
             self.telemetry.note(str(event))
             self.event(**asdict(event))
+            if event.kind in ("hung", "died"):
+                self._end_stopped(event.worker)
+            if event.kind == "quarantined":
+                self._check_healthy()
         for tool_event in self.tools.poll() if self.tools else ():
             self.telemetry.note(str(tool_event))
             self.event(worker=tool_event.worker, kind=f"tool_{tool_event.kind}", detail=tool_event.detail)
+            if tool_event.kind == "quarantined":
+                self._check_healthy()
+
+    def _check_healthy(self) -> None:
+        """After an engine slot or a tool worker was quarantined: stop the run (checkpoint at the next step
+        boundary) when fewer engines than `rollout.min_healthy_engines` (tool workers than
+        `tools.min_healthy_workers`) are left, or none, naming the quarantined ones."""
+        pools = [("rollout engine", "rollout.min_healthy_engines", self.cfg.rollout.min_healthy_engines,
+                  len(self.rollout.names) + len(self.rollout.joining), self.rollout.restarts.quarantined)]  # fmt: skip
+        if self.tools is not None:
+            tools = self.cfg.tools
+            pools.append(("tool worker", "tools.min_healthy_workers", tools.min_healthy_workers,
+                          self.tools.healthy, self.tools.restarts.quarantined))  # fmt: skip
+        for what, key, wanted, left, quarantined in pools:
+            if left < max(wanted, 1):
+                named = "; ".join(f"{name}: {why}" for name, why in quarantined.items())
+                self.stop_run(f"{left} healthy {what}(s) left, below {key} = {wanted} (quarantined: {named})")
+                return
 
     def snapshot(self) -> PoolSnapshot:
         """The queue's and engines' state now, for the live views (`telemetry.pool_every_s`)."""
@@ -253,6 +287,25 @@ class Fleet:
         return why
 
     def inject_faults(self) -> None:
-        """`faults.kill_rollout_worker_at_steps`: SIGKILL the oldest rollout worker's process now."""
+        """`faults.kill_rollout_worker_at_steps`: SIGKILL the oldest rollout worker's process now; `faults.chaos`:
+        SIGKILL or SIGSTOP a serving engine chosen at random."""
         if self.state.step in self.cfg.faults.kill_rollout_worker_at_steps:
             self.event(kind="killed", worker=kill_oldest_worker(self.rollout))
+        kind = self.chaos.get(self.state.step)
+        if kind is None:
+            return
+        pids = self.rollout.pids()
+        serving = sorted(n for n in pids if n in self.rollout.names)
+        if not serving:
+            self.telemetry.note(f"fault injection: no serving engine to {kind} at step {self.state.step}")
+            return
+        name = self._chaos_rng.choice(serving)
+        signalled = signal_worker(pids[name], kind)
+        if kind == "stop":
+            self.stopped[name] = signalled
+        self.event(kind=f"chaos_{kind}", worker=name, pids=signalled)
+        self.telemetry.note(f"fault injection: {'SIGKILL' if kind == 'kill' else 'SIGSTOP'} of {name} ({signalled})")
+
+    def _end_stopped(self, name: str) -> None:
+        """The pool let go of an engine that fault injection stopped: kill its stopped processes."""
+        end_stopped(self.stopped.pop(name, []))

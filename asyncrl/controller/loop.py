@@ -71,6 +71,7 @@ class Controller:
         self.fleet = Fleet(cfg, out, self.state, self.telemetry)
         self.evaluation = Evaluation(cfg, out, self.fleet, self.state, self.telemetry)
         self.alarms = Alarms(cfg.telemetry.alarms, self.telemetry, self.request_stop)
+        self.fleet.stop_run = self.request_stop
         self.telemetry.sinks.append(self.alarms)
         for sink in self.telemetry.sinks:
             if isinstance(sink, Dashboard):

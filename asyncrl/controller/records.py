@@ -185,5 +185,6 @@ class Records:
             "faults": recovery_timings(fleet.pool_events),
             "scaling": scaling_timings(fleet.pool_events),
             "learner_scaling": learner_scaling_timings(fleet.pool_events),
+            "engine_restarts": fleet.rollout.restarts.summary(),
             "tools": fleet.tools.summary() if fleet.tools else None,
         }
