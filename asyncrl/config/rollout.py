@@ -9,6 +9,42 @@ from pydantic import Field, model_validator
 from asyncrl.config.base import Section
 
 
+class AutoscaleConfig(Section):
+    """Sizing the rollout pool from the run's live figures (`telemetry.rate_window_s`), between `min` and `max`
+    engines, one engine at a time (docs/scaling.md#autoscaling)."""
+
+    max: int = Field(0, ge=0, le=1024)
+    """Most engines; 0: autoscaling off."""
+    min: int = Field(1, ge=1, le=1024)
+    """Fewest engines."""
+    cooldown_s: float = Field(120.0, gt=0)
+    """Seconds after a change (or the start) before the next: the new size's figures must fill the rate window."""
+    sustain: int = Field(3, ge=1)
+    """Consecutive pool snapshots (`telemetry.pool_every_s`) a condition must hold before it acts."""
+    grow_learner_idle: float = Field(0.25, gt=0, le=1)
+    """Grow when the learner waited for data at least this fraction of the window."""
+    shrink_learner_idle: float = Field(0.05, ge=0, le=1)
+    """Shrink only while the learner waited at most this fraction (below `grow_learner_idle`: hysteresis) ..."""
+    shrink_ready_batches: float = Field(2.0, gt=0)
+    """... and finished groups pile up: at least this many batches ready in the queue, ..."""
+    shrink_stale_fraction: float = Field(0.1, gt=0, le=1)
+    """... or at least this fraction of the window's finished samples were dropped as stale."""
+    request_resources: bool = True
+    """Before growing on a cluster, ask Ray's autoscaler for the engines' bundles
+    (`ray.autoscaler.sdk.request_resources`), so a node is added instead of the engine failing to be placed."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscaleConfig:
+        if self.max and self.min > self.max:
+            raise ValueError(f"rollout.autoscale.min = {self.min} exceeds rollout.autoscale.max = {self.max}")
+        if self.shrink_learner_idle >= self.grow_learner_idle:
+            raise ValueError(
+                f"rollout.autoscale.shrink_learner_idle = {self.shrink_learner_idle} must be below "
+                f"grow_learner_idle = {self.grow_learner_idle} (hysteresis)"
+            )
+        return self
+
+
 class RolloutConfig(Section):
     num_workers: int = Field(1, ge=1, le=1024)
     """Rollout engines (one vLLM engine per Ray actor). Independent of the learner pool size."""
@@ -82,6 +118,8 @@ class RolloutConfig(Section):
     min_healthy_engines: int = Field(1, ge=0)
     """When quarantined slots leave fewer engines than this (serving or starting), the run stops at the next
     step boundary with a checkpoint, naming the quarantined engines. 0: go on while any engine serves."""
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
+    """Grow and shrink the pool from the learner's idle fraction and the queue's figures (`max` 0: off)."""
     heartbeat_timeout_s: float = Field(60.0, ge=1, le=3600)
     """A worker serving the queue that is alive but does not answer a ping within this (stopped, deadlocked) is
     killed and handled as a dead one (`replace_dead_workers`). Long enough for a busy engine to answer."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.cluster.control import JOB_ENV, ControlClient, LocalControl, Wanted
 from asyncrl.config import Config
+from asyncrl.controller.autoscale import Autoscaler, Figures
 from asyncrl.controller.faults import chaos_schedule, end_stopped, kill_oldest_worker, signal_worker
 from asyncrl.controller.records import RunState
 from asyncrl.telemetry.rates import RateWindow
@@ -65,6 +66,8 @@ class Fleet:
         self.chaos = chaos_schedule(faults.chaos, cfg.learner.max_steps, faults.kill_rollout_worker_at_steps)
         """`faults.chaos`: step -> "kill" | "stop"."""
         self._chaos_rng = random.Random(faults.chaos.seed + 1)
+        self.autoscaler = Autoscaler(cfg.rollout.autoscale) if cfg.rollout.autoscale.max else None
+        """`rollout.autoscale`: picks the rollout pool's size from each snapshot's figures."""
         self.stopped: dict[str, list[int]] = {}
         """Engines that fault injection SIGSTOPped -> their pids, killed once the pool let go of the engine."""
         self._last_snapshot = 0.0
@@ -162,7 +165,9 @@ class Fleet:
         self.scale()
         self.record_events()
         if time.perf_counter() - self._last_snapshot >= self.cfg.telemetry.pool_every_s:
-            self.telemetry.pool(self.snapshot())
+            snapshot = self.snapshot()
+            self.telemetry.pool(snapshot)
+            self.autoscale(snapshot)
 
     def record_events(self) -> None:
         """The pools' events since the last call (deaths, hangs, replacements, joins), logged and kept."""
@@ -250,6 +255,25 @@ class Fleet:
                 requested_at=requested_at,
                 requeued=self.rollout.remove_worker(name),
             )
+
+    def autoscale(self, snapshot: PoolSnapshot) -> None:
+        """`rollout.autoscale`: ask for the size the policy picks from `snapshot` (as `asyncrl scale` does; `scale`
+        applies it), on a cluster asking Ray's autoscaler for the engines' bundles first; logged and kept."""
+        if self.autoscaler is None:
+            return
+        size = len(self.rollout.names) + len(self.rollout.joining)
+        decision = self.autoscaler.decide(size, Figures.of(snapshot))
+        if decision is None:
+            return
+        rollout = self.cfg.rollout
+        if rollout.autoscale.request_resources and (os.environ.get("RAY_ADDRESS") or os.environ.get(JOB_ENV)):
+            from asyncrl.cluster import placement
+
+            unit = placement.bundle(rollout.num_cpus_per_worker, rollout.num_gpus_per_worker, rollout.resources)
+            placement.request_capacity([unit] * decision.size)
+        self.control.set_size("rollout", decision.size)
+        self.event(kind="autoscale", worker="rollout", from_size=size, size=decision.size, reason=decision.reason)
+        self.telemetry.note(f"autoscale: rollout pool {size} -> {decision.size} ({decision.reason})")
 
     def learner_resize(self) -> tuple[int, float | None] | None:
         """(ranks, requested at) when `asyncrl scale` asked for a learner of another size, else None."""
