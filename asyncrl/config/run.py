@@ -83,7 +83,8 @@ class FaultsConfig(Section):
 
     kill_rollout_worker_at_steps: list[int] = Field(default_factory=list)
     """After each of these optimizer steps, right after its weight sync starts (so the engine dies while it
-    loads), SIGKILL the process of one rollout worker (the oldest)."""
+    loads), SIGKILL the process of one rollout worker (the oldest serving one). While none serves (every engine
+    hit is being replaced) the kill waits for the next step that has one; one injected fault per step."""
     nan_reward_at_steps: list[int] = Field(default_factory=list)
     """Give one trajectory of the batch of each of these optimizer steps a NaN reward before the learner sees
     it (a broken reward path): the step must be skipped and the weights stay finite."""

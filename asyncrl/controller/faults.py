@@ -41,13 +41,6 @@ def write_bad_batch(out: Path, step: int, batch: Batch) -> Path:
     return path
 
 
-def kill_oldest_worker(pool: Any) -> str:
-    """SIGKILL the process of the pool's oldest serving worker; returns its name."""
-    name, pid = next(iter(pool.pids().items()))
-    os.kill(pid, signal.SIGKILL)
-    return name
-
-
 def chaos_schedule(chaos: Any, max_steps: int, excluded: Sequence[int] = ()) -> dict[int, str]:
     """`faults.chaos` as {step: "kill" | "stop"}: distinct random steps in [first_step, last_step] (last 0:
     `max_steps`) outside `excluded`, the kinds shuffled over them; raises naming the keys when they do not fit."""

@@ -14,10 +14,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.cluster.calls import named_get
 from asyncrl.cluster.control import JOB_ENV, ControlClient, LocalControl, Wanted
 from asyncrl.config import Config
 from asyncrl.controller.autoscale import Autoscaler, Figures
-from asyncrl.controller.faults import chaos_schedule, end_stopped, kill_oldest_worker, signal_worker
+from asyncrl.controller.faults import chaos_schedule, end_stopped, signal_worker
 from asyncrl.controller.records import RunState
 from asyncrl.telemetry.rates import RateWindow
 from asyncrl.telemetry.sinks import PoolSnapshot, Telemetry
@@ -66,6 +67,10 @@ class Fleet:
         self.chaos = chaos_schedule(faults.chaos, cfg.learner.max_steps, faults.kill_rollout_worker_at_steps)
         """`faults.chaos`: step -> "kill" | "stop"."""
         self._chaos_rng = random.Random(faults.chaos.seed + 1)
+        self._faults_due: list[str] = []
+        """Injected faults ("listed", "kill", "stop") whose step came; each fired at a step with a serving engine."""
+        self._hit: set[str] = set()
+        """Engines fault injection signalled (never picked again)."""
         self.autoscaler = Autoscaler(cfg.rollout.autoscale) if cfg.rollout.autoscale.max else None
         """`rollout.autoscale`: picks the rollout pool's size from each snapshot's figures."""
         self.stopped: dict[str, list[int]] = {}
@@ -311,24 +316,30 @@ class Fleet:
         return why
 
     def inject_faults(self) -> None:
-        """`faults.kill_rollout_worker_at_steps`: SIGKILL the oldest rollout worker's process now; `faults.chaos`:
-        SIGKILL or SIGSTOP a serving engine chosen at random."""
-        if self.state.step in self.cfg.faults.kill_rollout_worker_at_steps:
-            self.event(kind="killed", worker=kill_oldest_worker(self.rollout))
-        kind = self.chaos.get(self.state.step)
-        if kind is None:
+        """Fire the faults due at this step, at most one per step: `faults.kill_rollout_worker_at_steps` SIGKILLs the
+        oldest serving engine's process, `faults.chaos` SIGKILLs or SIGSTOPs one chosen at random. A fault whose
+        step comes while no engine serves (all hit ones are being replaced; the learner trains on what the queue
+        holds) waits for the next step that has one."""
+        step = self.state.step
+        if step in self.cfg.faults.kill_rollout_worker_at_steps:
+            self._faults_due.append("listed")
+        if step in self.chaos:
+            self._faults_due.append(self.chaos[step])
+        if not self._faults_due:
             return
-        pids = self.rollout.pids()
-        serving = sorted(n for n in pids if n in self.rollout.names)
+        serving = [n for n in self.rollout.names if n not in self._hit]
         if not serving:
-            self.telemetry.note(f"fault injection: no serving engine to {kind} at step {self.state.step}")
+            self.telemetry.note(f"fault injection: no serving engine at step {step}; deferred")
             return
-        name = self._chaos_rng.choice(serving)
-        signalled = signal_worker(pids[name], kind)
-        if kind == "stop":
+        due = self._faults_due.pop(0)
+        name = serving[0] if due == "listed" else self._chaos_rng.choice(sorted(serving))
+        pid = named_get(self.rollout.handle(name).ready.remote(), 30, f"rollout worker {name}: ready")["pid"]
+        self._hit.add(name)
+        signalled = signal_worker(pid, "kill" if due == "listed" else due)
+        if due == "stop":
             self.stopped[name] = signalled
-        self.event(kind=f"chaos_{kind}", worker=name, pids=signalled)
-        self.telemetry.note(f"fault injection: {'SIGKILL' if kind == 'kill' else 'SIGSTOP'} of {name} ({signalled})")
+        self.event(kind="killed" if due == "listed" else f"chaos_{due}", worker=name, pids=signalled)
+        self.telemetry.note(f"fault injection: {'SIGSTOP' if due == 'stop' else 'SIGKILL'} of {name} ({signalled})")
 
     def _end_stopped(self, name: str) -> None:
         """The pool let go of an engine that fault injection stopped: kill its stopped processes."""

@@ -24,7 +24,7 @@ from asyncrl.testing import TINY_RUN
 
 pytestmark = pytest.mark.integration
 
-STEPS = 10
+STEPS = 14  # room for four engine outages: a fault waits while no engine serves
 KILL_AT = [3, 7]
 NAN_AT = 5
 HEARTBEAT_S = 10
@@ -39,7 +39,8 @@ def run_dir(ray_cluster, tmp_path_factory):
         f"output_dir={out}", f"learner.max_steps={STEPS}", *TINY_RUN,
         "weight_sync.parity_probe=false",  # the probe would wait for the sync the fault interrupts
         f"faults.kill_rollout_worker_at_steps={KILL_AT}", f"faults.nan_reward_at_steps=[{NAN_AT}]",
-        "faults.chaos.kills=1", "faults.chaos.stops=1", "faults.chaos.seed=5", "faults.chaos.first_step=2",
+        "faults.chaos.kills=1", "faults.chaos.stops=1", "faults.chaos.seed=0",  # a kill at step 2, a stop at 6
+        "faults.chaos.first_step=2", "faults.chaos.last_step=8",
         f"rollout.heartbeat_timeout_s={HEARTBEAT_S}",
         "rollout.quarantine_failures=5",  # four failures of the one slot: within the budget, not a crash loop
     ])
@@ -51,7 +52,7 @@ def test_the_run_finishes_every_step_after_two_engine_deaths(run_dir):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["final_version"] == STEPS
     faults = summary["faults"]
-    assert [f["step"] for f in faults] == KILL_AT
+    assert len(faults) == len(KILL_AT) and all(f["step"] >= at for f, at in zip(faults, KILL_AT, strict=True))
     # The killed workers' last reported counters stay in the run's totals; no serving worker is among them.
     chaos = {e["worker"] for e in summary["pool_events"] if e["kind"].startswith("chaos_")}
     assert set(summary["rollout_retired"]) <= {f["worker"] for f in faults} | chaos and not set(summary["rollout_retired"]) & set(summary["rollout"])
