@@ -53,9 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     logs.add_argument("--follow", "-f", action="store_true")
     stop = sub.add_parser("stop", help="stop a running job")
     stop.add_argument("job")
-    scale = sub.add_parser("scale", help="resize a running job's rollout pool (rollout=N), without restarting it")
+    scale = sub.add_parser(
+        "scale", help="resize a running job's rollout pool (rollout=N) and/or learner (learner=N) without a restart"
+    )
     scale.add_argument("job")
-    scale.add_argument("sizes", nargs="+", metavar="rollout=N")
+    scale.add_argument("sizes", nargs="+", metavar="rollout=N|learner=N")
     dash = sub.add_parser("dash", help="open the dashboard page of a finished (or crashed) run's folder")
     dash.add_argument("run_dir", help="the run's output_dir (holds metrics.jsonl, events.jsonl)")
     dash.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")

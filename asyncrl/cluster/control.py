@@ -1,9 +1,11 @@
 """The control API of a running job: a named Ray actor that the controller reads between steps.
 
-`asyncrl scale JOB rollout=N` reaches it from anywhere the Jobs API reaches: it submits a tiny Ray job that
-runs `python -m asyncrl.cluster.control JOB rollout=N` on the cluster, which sets the wanted pool size on
-the job's control actor. The controller polls the actor every `POLL_S` and grows or shrinks the rollout pool
-(new engines load the current weights before they serve; a removed engine's requests are re-dispatched).
+`asyncrl scale JOB rollout=N learner=M` reaches it from anywhere the Jobs API reaches: it submits a tiny Ray
+job that runs `python -m asyncrl.cluster.control JOB rollout=N learner=M` on the cluster, which sets the wanted
+pool sizes on the job's control actor. The controller polls the actor every `POLL_S`. It grows or shrinks the
+rollout pool between steps (new engines load the current weights before they serve; a removed engine's
+requests are re-dispatched), and re-forms the learner pool at the next step boundary (checkpoint, new ranks,
+re-sharded restore: `Controller._resize_learner`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from asyncrl.cluster.calls import named_get
@@ -27,21 +29,38 @@ def actor_name(job_id: str) -> str:
     return f"control:{job_id}"
 
 
+POOLS = ("rollout", "learner")
+"""The pools `scale` resizes."""
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """The pool sizes asked for (None = as configured) and the wall time of each request."""
+
+    rollout: int | None = None
+    learner: int | None = None
+    rollout_at: float | None = None
+    learner_at: float | None = None
+
+
 class Control:
-    """Wanted pool sizes of one job (None = as configured); set by `scale`, read by the controller."""
+    """Wanted pool sizes of one job; set by `scale`, read by the controller."""
 
     def __init__(self) -> None:
-        self.rollout: int | None = None
-        self.requested_at: float | None = None
+        self._wanted = Wanted()
 
-    def set_rollout(self, workers: int) -> int:
-        if workers < 1:
-            raise ValueError(f"rollout pool size must be >= 1 (got {workers})")
-        self.rollout, self.requested_at = workers, time.time()
-        return workers
+    def set_size(self, pool: str, size: int) -> int:
+        """Ask for `size` workers (rollout engines) or ranks (learner) in `pool`; -> `size`."""
+        if pool not in POOLS:
+            raise ValueError(f"cannot scale pool {pool!r}: the pools are {', '.join(POOLS)}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{pool} pool size must be an integer >= 1 (got {size!r})")
+        at: dict[str, Any] = {pool: size, f"{pool}_at": time.time()}
+        self._wanted = replace(self._wanted, **at)
+        return size
 
-    def wanted(self) -> tuple[int | None, float | None]:
-        return self.rollout, self.requested_at
+    def wanted(self) -> Wanted:
+        return self._wanted
 
 
 @dataclass
@@ -60,16 +79,16 @@ class ControlClient:
         )
         return cls(actor.remote())
 
-    def wanted_rollout(self) -> tuple[int | None, float | None]:
-        """(wanted rollout workers, wall time of the request), or (None, None) between polls."""
+    def poll(self) -> Wanted | None:
+        """The wanted sizes, or None between polls."""
         if time.monotonic() - self.last_poll < POLL_S:
-            return None, None
+            return None
         self.last_poll = time.monotonic()
         return named_get(self.handle.wanted.remote(), 30, "the job's control actor: wanted")
 
-    def set_rollout(self, workers: int) -> int:
+    def set_size(self, pool: str, size: int) -> int:
         """What `asyncrl scale` does, from the controller's process (the dashboard's scale control)."""
-        return named_get(self.handle.set_rollout.remote(workers), 30, "the job's control actor: set_rollout")
+        return named_get(self.handle.set_size.remote(pool, size), 30, "the job's control actor: set_size")
 
 
 class LocalControl:
@@ -80,17 +99,17 @@ class LocalControl:
         self._control = Control()
         self._lock = threading.Lock()  # set from the dashboard's HTTP thread, read by the loop
 
-    def set_rollout(self, workers: int) -> int:
+    def set_size(self, pool: str, size: int) -> int:
         with self._lock:
-            return self._control.set_rollout(workers)
+            return self._control.set_size(pool, size)
 
-    def wanted_rollout(self) -> tuple[int | None, float | None]:
+    def poll(self) -> Wanted:
         with self._lock:
             return self._control.wanted()
 
 
-def _scale_from_inside(job_id: str, rollout: int) -> None:
-    """Runs on the cluster (as a tiny Ray job): set the wanted size on the job's control actor."""
+def _scale_from_inside(job_id: str, sizes: dict[str, int]) -> None:
+    """Runs on the cluster (as a tiny Ray job): set the wanted sizes on the job's control actor."""
     import ray
 
     ray.init(namespace=NAMESPACE, log_to_driver=False)
@@ -100,23 +119,29 @@ def _scale_from_inside(job_id: str, rollout: int) -> None:
         raise SystemExit(
             f"job {job_id} has no control actor (is it running, and was it started by `asyncrl submit`?)"
         ) from None
-    workers = named_get(control.set_rollout.remote(rollout), 30, f"control actor of job {job_id}: set_rollout")
-    print(f"{job_id}: rollout pool -> {workers} workers")
+    for pool, size in sizes.items():
+        got = named_get(control.set_size.remote(pool, size), 30, f"control actor of job {job_id}: set_size")
+        print(f"{job_id}: {pool} pool -> {got} {UNITS[pool]}")
+
+
+UNITS = {"rollout": "workers", "learner": "ranks"}
 
 
 def parse_sizes(items: list[str]) -> dict[str, int]:
-    """`rollout=3` -> {"rollout": 3}; only the rollout pool scales live (the learner via checkpoint + resume)."""
+    """`rollout=3 learner=2` -> {"rollout": 3, "learner": 2}."""
     sizes = {}
     for item in items:
         pool, _, value = item.partition("=")
-        if pool != "rollout" or not value.isdigit():
-            raise ValueError(
-                f"cannot scale {item!r}: use rollout=N "
-                "(the learner pool is resized by checkpoint and resume with learner.num_ranks)"
-            )
+        if pool not in POOLS or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"cannot scale {item!r}: use rollout=N and/or learner=N (N >= 1)")
         sizes[pool] = int(value)
     return sizes
 
 
+def sizes_argument(sizes: dict[str, int]) -> str:
+    """The inverse of `parse_sizes`: the arguments of the scale job's command line."""
+    return " ".join(f"{pool}={size}" for pool, size in sizes.items())
+
+
 if __name__ == "__main__":
-    _scale_from_inside(sys.argv[1], parse_sizes(sys.argv[2:])["rollout"])
+    _scale_from_inside(sys.argv[1], parse_sizes(sys.argv[2:]))

@@ -136,16 +136,19 @@ def stop(explicit_address: str | None, job_id: str) -> bool:
 
 
 def scale(explicit_address: str | None, job_id: str, sizes: dict[str, int], timeout_s: float = 120.0) -> str:
-    """Ask a running job to resize its rollout pool: a tiny Ray job sets the wanted size on the job's
-    control actor (through the Jobs API, so it works wherever `submit` does); -> what it printed."""
+    """Ask a running job to resize its pools (`rollout`, `learner`): a tiny Ray job sets the wanted sizes on
+    the job's control actor (through the Jobs API, so it works wherever `submit` does); -> what it printed."""
+    from asyncrl.cluster.control import sizes_argument
+
     jobs = client(explicit_address)
     helper = _submit_job(
         jobs,
-        entrypoint=f"python -m asyncrl.cluster.control {job_id} rollout={sizes['rollout']}",
+        entrypoint=f"python -m asyncrl.cluster.control {job_id} {sizes_argument(sizes)}",
         metadata={"tool": "asyncrl-scale"},
     )
     status = wait(explicit_address, helper, timeout_s=timeout_s, poll_s=0.5)
     text = jobs.get_job_logs(helper)
     if status != "SUCCEEDED":
         raise RuntimeError(f"scaling {job_id} failed ({status}): {text.strip()[-2000:]}")
-    return text.strip().splitlines()[-1] if text.strip() else f"{job_id}: scale requested"
+    lines = [line for line in text.strip().splitlines() if line.startswith(f"{job_id}: ")]
+    return "\n".join(lines) if lines else f"{job_id}: scale requested"

@@ -93,3 +93,10 @@ def in_bundle(pg: Any, index: int) -> Any:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+
+
+def request_capacity(bundles: Sequence[Bundle]) -> None:
+    """Ask Ray's autoscaler to keep room for `bundles` (a floor it adds nodes for; replaces the last request)."""
+    from ray.autoscaler.sdk import request_resources
+
+    request_resources(bundles=[dict(b) for b in bundles])

@@ -13,6 +13,42 @@ WHOLE_SYSTEM_FOLDERS = ("/", "/etc", "/home", "/root", "/proc", "/sys", "/dev", 
 """Folders `tools.reward_mounts` may not name (each holds far more than one reward's data)."""
 
 
+class AutoscaleConfig(Section):
+    """Sizing the rollout pool from the run's live figures (`telemetry.rate_window_s`), between `min` and `max`
+    engines, one engine at a time (docs/scaling.md#autoscaling)."""
+
+    max: int = Field(0, ge=0, le=1024)
+    """Most engines; 0: autoscaling off."""
+    min: int = Field(1, ge=1, le=1024)
+    """Fewest engines."""
+    cooldown_s: float = Field(120.0, gt=0)
+    """Seconds after a change (or the start) before the next: the new size's figures must fill the rate window."""
+    sustain: int = Field(3, ge=1)
+    """Consecutive pool snapshots (`telemetry.pool_every_s`) a condition must hold before it acts."""
+    grow_learner_idle: float = Field(0.25, gt=0, le=1)
+    """Grow when the learner waited for data at least this fraction of the window."""
+    shrink_learner_idle: float = Field(0.05, ge=0, le=1)
+    """Shrink only while the learner waited at most this fraction (below `grow_learner_idle`: hysteresis) ..."""
+    shrink_ready_batches: float = Field(2.0, gt=0)
+    """... and finished groups pile up: at least this many batches ready in the queue, ..."""
+    shrink_stale_fraction: float = Field(0.1, gt=0, le=1)
+    """... or at least this fraction of the window's finished samples were dropped as stale."""
+    request_resources: bool = True
+    """Before growing on a cluster, ask Ray's autoscaler for the engines' bundles
+    (`ray.autoscaler.sdk.request_resources`), so a node is added instead of the engine failing to be placed."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscaleConfig:
+        if self.max and self.min > self.max:
+            raise ValueError(f"rollout.autoscale.min = {self.min} exceeds rollout.autoscale.max = {self.max}")
+        if self.shrink_learner_idle >= self.grow_learner_idle:
+            raise ValueError(
+                f"rollout.autoscale.shrink_learner_idle = {self.shrink_learner_idle} must be below "
+                f"grow_learner_idle = {self.grow_learner_idle} (hysteresis)"
+            )
+        return self
+
+
 class RolloutConfig(Section):
     num_workers: int = Field(1, ge=1, le=1024)
     """Rollout engines (one vLLM engine per Ray actor). Independent of the learner pool size."""
@@ -74,6 +110,20 @@ class RolloutConfig(Section):
     """A rollout worker that dies (while generating or loading weights) is replaced and its requests are
     re-dispatched; the run goes on and the learner does not wait for the replacement. False stops the run
     with an error naming the worker."""
+    max_restarts_per_engine: int = Field(5, ge=0)
+    """Replacements each engine slot may get in a run (a slot: an engine and the replacements that took its
+    place); dead and hung engines both count. A slot past its budget is quarantined: not replaced again."""
+    quarantine_failures: int = Field(3, ge=1)
+    """An engine slot whose engines died or hung this many times within `quarantine_window_s` is crash-looping:
+    it is quarantined before its budget is spent."""
+    quarantine_window_s: float = Field(60.0, gt=0)
+    """The window `quarantine_failures` counts in: a replacement takes ~16 s to serve on CPU, so 3 failures in 60 s
+    mean each engine died within seconds of serving."""
+    min_healthy_engines: int = Field(1, ge=0)
+    """When quarantined slots leave fewer engines than this (serving or starting), the run stops at the next
+    step boundary with a checkpoint, naming the quarantined engines. 0: go on while any engine serves."""
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
+    """Grow and shrink the pool from the learner's idle fraction and the queue's figures (`max` 0: off)."""
     heartbeat_timeout_s: float = Field(60.0, ge=1, le=3600)
     """A worker serving the queue that is alive but does not answer a ping within this (stopped, deadlocked) is
     killed and handled as a dead one (`replace_dead_workers`). Long enough for a busy engine to answer."""
@@ -88,6 +138,15 @@ class RolloutConfig(Section):
     openai_agent: str = ""
     """`module:function` agent harness run for each request instead of one generation (`asyncrl.rollout.openai_agent`):
     `async agent(client, prompt, episode) -> reward | (reward, info)`; needs `openai_port` != 0."""
+
+    @model_validator(mode="after")
+    def _min_healthy_fits(self) -> RolloutConfig:
+        if self.min_healthy_engines > self.num_workers:
+            raise ValueError(
+                f"rollout.min_healthy_engines = {self.min_healthy_engines} exceeds rollout.num_workers = "
+                f"{self.num_workers}: the run would stop at its first quarantined engine"
+            )
+        return self
 
     @model_validator(mode="after")
     def _agent_needs_endpoint(self) -> RolloutConfig:
@@ -152,6 +211,12 @@ class ToolsConfig(Section):
     """stdout and stderr of a run are each cut to this many bytes before the model sees them."""
     heartbeat_timeout_s: float = Field(5.0, gt=0)
     """A tool worker that does not answer the pool's heartbeat within this is killed and replaced."""
+    max_restarts_per_worker: int = Field(5, ge=0)
+    """Replacements each tool worker (by name) may get in a run, dead and hung alike; past it the worker is
+    quarantined: not replaced, its calls go to the others."""
+    min_healthy_workers: int = Field(1, ge=0)
+    """When quarantined workers leave fewer tool workers than this, the run stops at the next step boundary with
+    a checkpoint, naming them. 0: go on while any is left."""
     sandbox_uid_base: int = Field(200_000, ge=1000)
     """When running as root, each tool worker leases the first free block of 64 uids from here on its machine
     (a lock file per block in /tmp/asyncrl-sandbox-uids, released when the worker dies; a block that a live
@@ -173,4 +238,13 @@ class ToolsConfig(Section):
                 raise ValueError(f"tools.reward_mounts: {raw!r} is a whole system folder; name what the reward reads")
             if not os.path.exists(path):
                 raise ValueError(f"tools.reward_mounts: {raw!r} does not exist on this machine")
+        return self
+
+    @model_validator(mode="after")
+    def _min_healthy_fits(self) -> ToolsConfig:
+        if self.min_healthy_workers > self.num_workers:
+            raise ValueError(
+                f"tools.min_healthy_workers = {self.min_healthy_workers} exceeds tools.num_workers = "
+                f"{self.num_workers}: the run would stop at its first quarantined tool worker"
+            )
         return self

@@ -77,15 +77,35 @@ class StorageConfig(Section):
         return self
 
 
+class ChaosConfig(Section):
+    """Faults at random steps (seeded): each SIGKILLs or SIGSTOPs the processes of one serving rollout engine,
+    chosen at random, on the driver's node (psutil), right after a weight sync starts."""
+
+    kills: int = Field(0, ge=0, le=100)
+    """Engines SIGKILLed (a crash, an OOM kill)."""
+    stops: int = Field(0, ge=0, le=100)
+    """Engines SIGSTOPped with their engine-core processes (a hang: alive, not answering); the heartbeat finds
+    them (`rollout.heartbeat_timeout_s`) and the run kills what it stopped."""
+    seed: int = 0
+    """Seeds the steps, the order of the kinds and the engines hit."""
+    first_step: int = Field(1, ge=1)
+    """Faults fall on distinct steps from this one ..."""
+    last_step: int = Field(0, ge=0)
+    """... to this one (0: `learner.max_steps`), never on a `kill_rollout_worker_at_steps` step."""
+
+
 class FaultsConfig(Section):
     """Fault injection for tests and soak runs: real processes are killed, nothing is mocked."""
 
     kill_rollout_worker_at_steps: list[int] = Field(default_factory=list)
     """After each of these optimizer steps, right after its weight sync starts (so the engine dies while it
-    loads), SIGKILL the process of one rollout worker (the oldest)."""
+    loads), SIGKILL the process of one rollout worker (the oldest serving one). While none serves (every engine
+    hit is being replaced) the kill waits for the next step that has one; one injected fault per step."""
     nan_reward_at_steps: list[int] = Field(default_factory=list)
     """Give one trajectory of the batch of each of these optimizer steps a NaN reward before the learner sees
     it (a broken reward path): the step must be skipped and the weights stay finite."""
+    chaos: ChaosConfig = Field(default_factory=ChaosConfig)
+    """Engine kills and stops at random steps (`ChaosConfig`)."""
 
 
 class Config(Section):

@@ -6,8 +6,11 @@ does to it; a NaN reward goes through the learner's real step.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import signal
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +41,45 @@ def write_bad_batch(out: Path, step: int, batch: Batch) -> Path:
     return path
 
 
-def kill_oldest_worker(pool: Any) -> str:
-    """SIGKILL the process of the pool's oldest serving worker; returns its name."""
-    name, pid = next(iter(pool.pids().items()))
-    os.kill(pid, signal.SIGKILL)
-    return name
+def chaos_schedule(chaos: Any, max_steps: int, excluded: Sequence[int] = ()) -> dict[int, str]:
+    """`faults.chaos` as {step: "kill" | "stop"}: distinct random steps in [first_step, last_step] (last 0:
+    `max_steps`) outside `excluded`, the kinds shuffled over them; raises naming the keys when they do not fit."""
+    kinds = ["kill"] * chaos.kills + ["stop"] * chaos.stops
+    if not kinds:
+        return {}
+    last = chaos.last_step or max_steps
+    steps = [s for s in range(chaos.first_step, last + 1) if s not in set(excluded)]
+    if len(steps) < len(kinds):
+        raise ValueError(
+            f"faults.chaos: {len(kinds)} faults (kills + stops) do not fit on the {len(steps)} free steps "
+            f"from first_step = {chaos.first_step} to {last}"
+        )
+    rng = random.Random(chaos.seed)
+    rng.shuffle(kinds)
+    return dict(zip(sorted(rng.sample(steps, len(kinds))), kinds, strict=True))
+
+
+def signal_worker(pid: int, kind: str) -> list[int]:
+    """`kill`: SIGKILL the worker's process; `stop`: SIGSTOP it and every process under it (its engine core),
+    children first. -> the pids signalled."""
+    import psutil
+
+    if kind == "kill":
+        os.kill(pid, signal.SIGKILL)
+        return [pid]
+    worker = psutil.Process(pid)
+    pids = [p.pid for p in worker.children(recursive=True)] + [pid]
+    for each in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, signal.SIGSTOP)
+    return pids
+
+
+def end_stopped(pids: Sequence[int]) -> None:
+    """SIGKILL processes that fault injection stopped (a stopped process never notices its parent died)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def recovery_timings(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -87,6 +124,29 @@ def scaling_timings(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "request_to_serving_s": round(joined["wall"] - up["requested_at"], 3)
                 if joined and up["requested_at"]
                 else None,
+            }
+        )
+    return out
+
+
+def learner_scaling_timings(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each learner resize (`asyncrl scale JOB learner=N`): the ranks before and after, the checkpoint and
+    re-forming seconds, and the seconds from the request to the end of the first step on the new pool."""
+    out = []
+    for i, resized in enumerate(events):
+        if resized["kind"] != "learner_resized":
+            continue
+        first = next((e for e in events[i + 1 :] if e["kind"] == "learner_first_step"), None)
+        requested = resized.get("requested_at")
+        out.append(
+            {
+                "from_ranks": resized["from_ranks"],
+                "ranks": resized["ranks"],
+                "step": resized["step"],
+                "version": resized["version"],
+                "checkpoint_s": resized["checkpoint_s"],
+                "reform_s": resized["reform_s"],
+                "request_to_first_step_s": round(first["wall"] - requested, 3) if first and requested else None,
             }
         )
     return out

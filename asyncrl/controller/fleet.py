@@ -5,15 +5,20 @@ for the summary and the live views fed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.cluster.control import JOB_ENV, ControlClient, LocalControl
+from asyncrl.cluster.calls import named_get
+from asyncrl.cluster.control import JOB_ENV, ControlClient, LocalControl, Wanted
 from asyncrl.config import Config
-from asyncrl.controller.faults import kill_oldest_worker
+from asyncrl.controller.autoscale import Autoscaler, Figures
+from asyncrl.controller.faults import chaos_schedule, end_stopped, signal_worker
 from asyncrl.controller.records import RunState
 from asyncrl.telemetry.rates import RateWindow
 from asyncrl.telemetry.sinks import PoolSnapshot, Telemetry
@@ -46,11 +51,30 @@ class Fleet:
         self.cfg, self.out, self.state, self.telemetry = cfg, out, state, telemetry
         self.control: ControlClient | LocalControl = LocalControl()
         """Wanted pool sizes: a job's control actor (`asyncrl scale`) or, for a local run, the dashboard's."""
+        self.wanted = Wanted()
+        """The sizes last read from `control`."""
+        self.refused_learner: tuple[int, float | None] | None = None
+        """A learner size request (ranks, requested at) that could not be met: not tried again."""
+        self.model_dir: Path | None = None
+        self.stop_run: Callable[[str], None] = lambda reason: None
+        """Asks the run to stop at the next step boundary, with a checkpoint (`Controller.request_stop`)."""
         self.tools: ToolPool | None = None
         """The sandboxed tool-worker pool, when the run needs one (`needs_tool_pool`)."""
         self.pool_events: list[dict[str, Any]] = []
         """Rollout workers that died, hung, were killed by fault injection, joined or failed to start."""
         self.rates = RateWindow(cfg.telemetry.rate_window_s)
+        faults = cfg.faults
+        self.chaos = chaos_schedule(faults.chaos, cfg.learner.max_steps, faults.kill_rollout_worker_at_steps)
+        """`faults.chaos`: step -> "kill" | "stop"."""
+        self._chaos_rng = random.Random(faults.chaos.seed + 1)
+        self._faults_due: list[str] = []
+        """Injected faults ("listed", "kill", "stop") whose step came; each fired at a step with a serving engine."""
+        self._hit: set[str] = set()
+        """Engines fault injection signalled (never picked again)."""
+        self.autoscaler = Autoscaler(cfg.rollout.autoscale) if cfg.rollout.autoscale.max else None
+        """`rollout.autoscale`: picks the rollout pool's size from each snapshot's figures."""
+        self.stopped: dict[str, list[int]] = {}
+        """Engines that fault injection SIGSTOPped -> their pids, killed once the pool let go of the engine."""
         self._last_snapshot = 0.0
 
     # ------------------------------------------------------------------------------------------------
@@ -65,6 +89,7 @@ class Fleet:
         from asyncrl.weight_sync.transport import make_weight_sync
 
         cfg = self.cfg
+        self.model_dir = model_dir
         self.telemetry.phase("starting the replay queue")
         self.queue = start_replay_queue(
             cfg.buffer,
@@ -118,6 +143,8 @@ class Fleet:
     def shutdown(self) -> None:
         """Stop every part even when one fails, then raise the first failure: a dead learner rank must not
         leave the engines running or the queue's trajectory log without its Parquet footer (unreadable)."""
+        for name in list(self.stopped):
+            self._end_stopped(name)
         parts = [getattr(self, name, None) for name in ("rollout", "tools", "learner", "sync")]
         closers = [part.shutdown for part in parts if part is not None]
         if getattr(self, "queue", None) is not None:
@@ -134,11 +161,10 @@ class Fleet:
     # ------------------------------------------------------------------------------------------------
     # Upkeep between steps
 
-    def request_scale(self, rollout_workers: int) -> int:
-        """Ask for a rollout pool of this size (the dashboard's control); `scale` applies it between steps."""
-        if rollout_workers < 1:
-            raise ValueError(f"rollout pool size must be >= 1 (got {rollout_workers})")
-        return self.control.set_rollout(rollout_workers)
+    def request_scale(self, pool: str, size: int) -> int:
+        """Ask for a rollout pool of `size` workers or a learner of `size` ranks (the dashboard's control);
+        `scale` applies the first between steps, `Controller._resize_learner` the second at a step boundary."""
+        return self.control.set_size(pool, size)
 
     def upkeep(self) -> None:
         """Rollout pool upkeep without waiting: dead workers are replaced (their requests re-dispatched), hung
@@ -147,16 +173,40 @@ class Fleet:
         self.scale()
         self.record_events()
         if time.perf_counter() - self._last_snapshot >= self.cfg.telemetry.pool_every_s:
-            self.telemetry.pool(self.snapshot())
+            snapshot = self.snapshot()
+            self.telemetry.pool(snapshot)
+            self.autoscale(snapshot)
 
     def record_events(self) -> None:
         """The pools' events since the last call (deaths, hangs, replacements, joins), logged and kept."""
         for event in self.rollout.poll():
             self.telemetry.note(str(event))
             self.event(**asdict(event))
+            if event.kind in ("hung", "died"):
+                self._end_stopped(event.worker)
+            if event.kind == "quarantined":
+                self._check_healthy()
         for tool_event in self.tools.poll() if self.tools else ():
             self.telemetry.note(str(tool_event))
             self.event(worker=tool_event.worker, kind=f"tool_{tool_event.kind}", detail=tool_event.detail)
+            if tool_event.kind == "quarantined":
+                self._check_healthy()
+
+    def _check_healthy(self) -> None:
+        """After an engine slot or a tool worker was quarantined: stop the run (checkpoint at the next step
+        boundary) when fewer engines than `rollout.min_healthy_engines` (tool workers than
+        `tools.min_healthy_workers`) are left, or none, naming the quarantined ones."""
+        pools = [("rollout engine", "rollout.min_healthy_engines", self.cfg.rollout.min_healthy_engines,
+                  len(self.rollout.names) + len(self.rollout.joining), self.rollout.restarts.quarantined)]  # fmt: skip
+        if self.tools is not None:
+            tools = self.cfg.tools
+            pools.append(("tool worker", "tools.min_healthy_workers", tools.min_healthy_workers,
+                          self.tools.healthy, self.tools.restarts.quarantined))  # fmt: skip
+        for what, key, wanted, left, quarantined in pools:
+            if left < max(wanted, 1):
+                named = "; ".join(f"{name}: {why}" for name, why in quarantined.items())
+                self.stop_run(f"{left} healthy {what}(s) left, below {key} = {wanted} (quarantined: {named})")
+                return
 
     def snapshot(self) -> PoolSnapshot:
         """The queue's and engines' state now, for the live views (`telemetry.pool_every_s`)."""
@@ -174,7 +224,7 @@ class Fleet:
             pool_sizes={
                 "rollout": len(self.rollout.names),
                 "rollout_joining": len(self.rollout.joining),
-                "learner": self.cfg.learner.num_ranks,
+                "learner": self.learner.num_ranks,
             },
         )
         return replace(snapshot, live=self.rates.add(snapshot))
@@ -187,9 +237,15 @@ class Fleet:
         self.pool_events.append({"t_s": round(t_s, 3), "wall": wall, "step": self.state.step} | event)
 
     def scale(self) -> None:
-        """Resize the rollout pool to what `asyncrl scale` asked for: new workers join once they serve the
-        latest weights (the learner goes on meanwhile); removed ones hand their requests back."""
-        wanted, requested_at = self.control.wanted_rollout()
+        """Read the wanted sizes (at most every `control.POLL_S` from a job's control actor) and resize the
+        rollout pool to what `asyncrl scale` asked for: new workers join once they serve the latest weights (the
+        learner goes on meanwhile); removed ones hand their requests back. The learner's size is applied by the
+        controller at a step boundary (`learner_resize`)."""
+        polled = self.control.poll()
+        if polled is None:
+            return
+        self.wanted = polled
+        wanted, requested_at = self.wanted.rollout, self.wanted.rollout_at
         have = len(self.rollout.names) + len(self.rollout.joining)
         if wanted is None or wanted == have:
             return
@@ -208,7 +264,86 @@ class Fleet:
                 requeued=self.rollout.remove_worker(name),
             )
 
+    def autoscale(self, snapshot: PoolSnapshot) -> None:
+        """`rollout.autoscale`: ask for the size the policy picks from `snapshot` (as `asyncrl scale` does; `scale`
+        applies it), on a cluster asking Ray's autoscaler for the engines' bundles first; logged and kept."""
+        if self.autoscaler is None:
+            return
+        size = len(self.rollout.names) + len(self.rollout.joining)
+        decision = self.autoscaler.decide(size, Figures.of(snapshot))
+        if decision is None:
+            return
+        rollout = self.cfg.rollout
+        if rollout.autoscale.request_resources and (os.environ.get("RAY_ADDRESS") or os.environ.get(JOB_ENV)):
+            from asyncrl.cluster import placement
+
+            unit = placement.bundle(rollout.num_cpus_per_worker, rollout.num_gpus_per_worker, rollout.resources)
+            placement.request_capacity([unit] * decision.size)
+        self.control.set_size("rollout", decision.size)
+        self.event(kind="autoscale", worker="rollout", from_size=size, size=decision.size, reason=decision.reason)
+        self.telemetry.note(f"autoscale: rollout pool {size} -> {decision.size} ({decision.reason})")
+
+    def learner_resize(self) -> tuple[int, float | None] | None:
+        """(ranks, requested at) when `asyncrl scale` asked for a learner of another size, else None."""
+        ranks, at = self.wanted.learner, self.wanted.learner_at
+        if ranks is None or ranks == self.learner.num_ranks or (ranks, at) == self.refused_learner:
+            return None
+        return ranks, at
+
+    def reform_learner(self, ranks: int, folder: Path, version: int) -> str | None:
+        """Replace the learner pool by one of `ranks` ranks restored from the checkpoint `folder` (re-sharded)
+        and point the weight sync at it; the rollout pool and the queue are not touched. A size the config
+        refuses changes nothing; a pool that cannot start (no room for its ranks) is replaced by one of the old
+        size, restored the same way. -> None, or why the size was not taken (the request is then not retried)."""
+        from asyncrl.learner.pool import LearnerPool, resized_config
+
+        old = self.learner.num_ranks
+        try:
+            resized_config(self.cfg.learner, ranks)
+        except ValueError as e:
+            return str(e)
+        self.learner.shutdown()  # frees its placement group: the new ranks may need the same CPUs/GPUs
+        why = None
+        try:
+            self.learner = LearnerPool.from_config(self.cfg, self.model_dir or "", num_ranks=ranks)
+            self.learner.wait_ready()
+        except Exception as e:
+            why = f"{type(e).__name__}: {e}"
+            self.telemetry.note(f"the learner pool of {ranks} ranks did not start ({why}); going back to {old}")
+            with contextlib.suppress(Exception):
+                self.learner.shutdown()
+            self.learner = LearnerPool.from_config(self.cfg, self.model_dir or "", num_ranks=old)
+            self.learner.wait_ready()
+        self.learner.load_checkpoint(folder)
+        self.sync.rewire(self.learner, version)
+        return why
+
     def inject_faults(self) -> None:
-        """`faults.kill_rollout_worker_at_steps`: SIGKILL the oldest rollout worker's process now."""
-        if self.state.step in self.cfg.faults.kill_rollout_worker_at_steps:
-            self.event(kind="killed", worker=kill_oldest_worker(self.rollout))
+        """Fire the faults due at this step, at most one per step: `faults.kill_rollout_worker_at_steps` SIGKILLs the
+        oldest serving engine's process, `faults.chaos` SIGKILLs or SIGSTOPs one chosen at random. A fault whose
+        step comes while no engine serves (all hit ones are being replaced; the learner trains on what the queue
+        holds) waits for the next step that has one."""
+        step = self.state.step
+        if step in self.cfg.faults.kill_rollout_worker_at_steps:
+            self._faults_due.append("listed")
+        if step in self.chaos:
+            self._faults_due.append(self.chaos[step])
+        if not self._faults_due:
+            return
+        serving = [n for n in self.rollout.names if n not in self._hit]
+        if not serving:
+            self.telemetry.note(f"fault injection: no serving engine at step {step}; deferred")
+            return
+        due = self._faults_due.pop(0)
+        name = serving[0] if due == "listed" else self._chaos_rng.choice(sorted(serving))
+        pid = named_get(self.rollout.handle(name).ready.remote(), 30, f"rollout worker {name}: ready")["pid"]
+        self._hit.add(name)
+        signalled = signal_worker(pid, "kill" if due == "listed" else due)
+        if due == "stop":
+            self.stopped[name] = signalled
+        self.event(kind="killed" if due == "listed" else f"chaos_{due}", worker=name, pids=signalled)
+        self.telemetry.note(f"fault injection: {'SIGSTOP' if due == 'stop' else 'SIGKILL'} of {name} ({signalled})")
+
+    def _end_stopped(self, name: str) -> None:
+        """The pool let go of an engine that fault injection stopped: kill its stopped processes."""
+        end_stopped(self.stopped.pop(name, []))

@@ -72,6 +72,7 @@ class Controller:
         self.fleet = Fleet(cfg, out, self.state, self.telemetry)
         self.evaluation = Evaluation(cfg, out, self.fleet, self.state, self.telemetry)
         self.alarms = Alarms(cfg.telemetry.alarms, self.telemetry, self.request_stop)
+        self.fleet.stop_run = self.request_stop
         self.telemetry.sinks.append(self.alarms)
         for sink in self.telemetry.sinks:
             if isinstance(sink, Dashboard):
@@ -86,6 +87,8 @@ class Controller:
         """Groups in a row filtered when the learner's starvation was last noted (0: not starved)."""
         self.publish_deferred = False
         """Whether a weight publication waits for the evaluation in flight (`eval.blocking: false`)."""
+        self.resized: dict[str, Any] | None = None
+        """The learner resize whose first step on the new pool has not finished yet."""
 
     def start(self) -> None:
         """Load the tokenizer and prompts, start the fleet, resume if asked, and let the engines generate."""
@@ -138,6 +141,7 @@ class Controller:
             state.learner_at_version = False
             self.fleet.upkeep()  # while the learner trains: its Ray calls leave the step's critical path
             self._record(self.fleet.learner.finish_step(step), batch, learner_wait_s)
+            self._first_step_after_resize()
             if state.step % cfg.weight_sync.every_steps == 0:
                 self._publish_unless_evaluating()
             self._collect_evaluation(wait=False)  # an evaluation that is in: recorded, a held-back publication made
@@ -146,6 +150,8 @@ class Controller:
             if cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0:
                 self._checkpoint()
             self._log_steps()
+            if (resize := self.fleet.learner_resize()) is not None and state.step < cfg.learner.max_steps:
+                self._resize_learner(*resize)
         self._close_sync()
         self._log_steps()
         self._last_evaluation(start)
@@ -338,7 +344,9 @@ class Controller:
     # ------------------------------------------------------------------------------------------------
     # Checkpoint and resume
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, export: bool = True) -> Path:
+        """Write `checkpoints/step-NNNNNN` (and, with `checkpoint.export_hf` and `export`, the HF model); -> the
+        folder."""
         self._close_sync()  # the queue's version and the engines agree with the checkpointed learner
         state, fleet = self.state, self.fleet
         folder = self.records.out / "checkpoints" / f"step-{state.step:06d}"
@@ -353,8 +361,60 @@ class Controller:
             "best_eval": self.evaluation.best.state_dict(),
         }
         fleet.learner.save_checkpoint(folder, state.version, extra)
-        if self.cfg.checkpoint.export_hf:
+        if export and self.cfg.checkpoint.export_hf:
             fleet.learner.export_hf(self.records.out / "final_model")
+        return folder
+
+    # ------------------------------------------------------------------------------------------------
+    # Learner resize (`asyncrl scale JOB learner=N`)
+
+    def _resize_learner(self, ranks: int, requested_at: float | None) -> None:
+        """At a step boundary: checkpoint, replace the learner pool by one of `ranks` ranks restored from that
+        checkpoint (re-sharded), point the weight sync at it, and go on at the same step and version. The
+        rollout pool keeps generating and the queue keeps its contents meanwhile: the queue's state is saved
+        with the checkpoint but not restored, so no group is handed out twice or lost."""
+        fleet, state = self.fleet, self.state
+        self._collect_evaluation(wait=True)  # the new pool can stage only its own version: none held back
+        self._close_sync()
+        old, began = fleet.learner.num_ranks, time.time()
+        self.telemetry.note(
+            f"resizing the learner pool {old} -> {ranks} ranks at step {state.step}, version {state.version}"
+        )
+        folder = self._checkpoint(export=False)
+        checkpointed = time.time()
+        refused = fleet.reform_learner(ranks, folder, state.version)
+        now = fleet.learner.num_ranks
+        event = {
+            "kind": "learner_resized" if refused is None else "learner_resize_refused",
+            "worker": "learner",
+            "from_ranks": old,
+            "ranks": now,
+            "wanted_ranks": ranks,
+            "version": state.version,
+            "requested_at": requested_at,
+            "checkpoint_s": round(checkpointed - began, 3),
+            "reform_s": round(time.time() - checkpointed, 3),
+            "detail": refused,
+        }
+        fleet.event(**event)
+        if refused is not None:
+            fleet.refused_learner = (ranks, requested_at)
+            self.telemetry.note(f"learner pool stays at {now} ranks: {refused}")
+            return
+        self.resized = event
+        self.telemetry.note(
+            f"learner pool re-formed with {now} ranks in {event['checkpoint_s'] + event['reform_s']:.1f} s "
+            f"(checkpoint {event['checkpoint_s']:.1f} s); training goes on at version {state.version}"
+        )
+
+    def _first_step_after_resize(self) -> None:
+        """Mark the first step the re-formed learner pool finished (`learner_scaling` in the summary)."""
+        if self.resized is None:
+            return
+        resized, self.resized = self.resized, None
+        self.fleet.event(kind="learner_first_step", worker="learner", ranks=resized["ranks"])
+        ranks, step = resized["ranks"], self.state.step
+        self.telemetry.note(f"first step on the re-formed learner pool ({ranks} ranks): step {step}")
 
     def _data_position(self) -> dict[str, Any] | None:
         """A Parquet stream's position (epoch, rows read, prompts dropped); None for the generated tasks."""

@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import Config
-from asyncrl.controller.faults import NonFiniteError, recovery_timings, scaling_timings, write_bad_batch
+from asyncrl.controller.faults import (
+    NonFiniteError,
+    learner_scaling_timings,
+    recovery_timings,
+    scaling_timings,
+    write_bad_batch,
+)
 from asyncrl.telemetry.dashboard import Dashboard
 from asyncrl.telemetry.figures import batch_figures
 from asyncrl.telemetry.metrics import RunMetrics
@@ -191,6 +197,8 @@ class Records:
             "alarms": [asdict(event) for event in alarms.fired],
             "faults": recovery_timings(fleet.pool_events),
             "scaling": scaling_timings(fleet.pool_events),
+            "learner_scaling": learner_scaling_timings(fleet.pool_events),
+            "engine_restarts": fleet.rollout.restarts.summary(),
             "tools": fleet.tools.summary() if fleet.tools else None,
             "data": data,
         }

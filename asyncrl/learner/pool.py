@@ -32,7 +32,14 @@ from asyncrl.weights.group import CollectiveWeights
 from asyncrl.weights.published import ExportedWeights
 from asyncrl.weights.segment import SharedWeights
 
-__all__ = ["LearnerCall", "LearnerCallError", "LearnerCheckpoint", "LearnerPool", "recipe_from_config"]
+__all__ = [
+    "LearnerCall",
+    "LearnerCallError",
+    "LearnerCheckpoint",
+    "LearnerPool",
+    "recipe_from_config",
+    "resized_config",
+]
 
 
 def recipe_from_config(cfg):
@@ -45,6 +52,18 @@ def recipe_from_config(cfg):
     if algo.resolved_names()["reduction"] == "seq_mean_token_sum_norm":
         params.setdefault("l_max", cfg.rollout.max_tokens)
     return resolve_recipe(algo.preset, algo.advantage, algo.loss, algo.reduction, algo.correction, **params)
+
+
+def resized_config(learner, num_ranks: int):
+    """The `LearnerConfig` of a pool of `num_ranks` ranks, checked as the config file's would be (raises
+    ValueError naming `learner.num_ranks`)."""
+    from pydantic import ValidationError
+
+    try:
+        return type(learner).model_validate({**learner.model_dump(), "num_ranks": num_ranks})
+    except ValidationError as e:
+        reasons = "; ".join(str(err["msg"]) for err in e.errors())
+        raise ValueError(f"learner.num_ranks = {num_ranks} is refused: {reasons}") from None
 
 
 _DEATH_GRACE_S = 5.0
@@ -144,12 +163,13 @@ class LearnerPool:
         self._setup_timeout_s = init_timeout_s + 60
 
     @classmethod
-    def from_config(cls, cfg, model_dir: str | os.PathLike) -> LearnerPool:
-        """Build from the run's `asyncrl.config.Config` (recipe from `algorithm`, sampling from `rollout`)."""
+    def from_config(cls, cfg, model_dir: str | os.PathLike, num_ranks: int | None = None) -> LearnerPool:
+        """Build from the run's `asyncrl.config.Config` (recipe from `algorithm`, sampling from `rollout`);
+        `num_ranks` (default `learner.num_ranks`): the size of a re-formed pool (`resized_config`)."""
         sampling = SamplingDistribution(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
         return cls(
             model_dir,
-            cfg.learner,
+            resized_config(cfg.learner, num_ranks) if num_ranks is not None else cfg.learner,
             recipe_from_config(cfg),
             sampling,
             cfg.model.dtype,

@@ -70,8 +70,8 @@ class PoolEvent:
     worker: str
     kind: str
     """`died` (its requests re-dispatched, `replacement` started), `hung` (alive but it missed a heartbeat: killed,
-    then handled as `died`), `joined` (serves `version`, `seconds` after its start) or `failed_to_start` (`detail`
-    says why)."""
+    then handled as `died`), `joined` (serves `version`, `seconds` after its start), `failed_to_start` (`detail`
+    says why) or `quarantined` (`worker` names the engine slot that is no longer restarted, `detail` why)."""
     requeued: int = 0
     replacement: str | None = None
     version: int | None = None
@@ -90,6 +90,8 @@ class PoolEvent:
         if self.kind == "joined":
             weights = "its initial weights" if self.version is None else f"version {self.version}"
             return f"rollout worker {self.worker} serves {weights} ({self.seconds:.1f}s after its start)"
+        if self.kind == "quarantined":
+            return f"rollout engine slot {self.worker} quarantined, not restarted again: {self.detail}"
         return f"rollout worker {self.worker} failed to start: {self.detail}"
 
 

@@ -23,6 +23,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from asyncrl.cluster import placement
 from asyncrl.cluster.calls import named_get
+from asyncrl.cluster.restarts import RestartBudget
 from asyncrl.config import Config, EnvConfig, RolloutConfig
 from asyncrl.envs.tools.base import ToolExecutor
 from asyncrl.models.shipping import ShippedModel, ship
@@ -127,6 +128,10 @@ class RolloutPool(WorkerCalls):
         """Each worker's own placement group (so growing this pool never takes the learner's resources)."""
         self._model = model
         self._actor_cls = ray.remote(NodeLocalRolloutWorker)
+        self.restarts = RestartBudget(
+            rollout.max_restarts_per_engine, rollout.quarantine_failures, rollout.quarantine_window_s
+        )
+        """Which dead or hung engines are replaced (`rollout.max_restarts_per_engine`, quarantine)."""
 
     # ---------------------------------------------------------------------------------------------
     # Lifecycle
@@ -324,7 +329,8 @@ class RolloutPool(WorkerCalls):
 
     def _replace(self, name: str, force: bool = False, kind: str = "died", detail: str = "") -> PoolEvent:
         """`name` died (or, `kind="hung"`, was killed): forget it, re-dispatch its requests, start a replacement
-        (with `replace_dead`)."""
+        (with `replace_dead`) unless its slot's restart budget says no (`restarts`): then a `quarantined` event
+        follows and the pool runs one engine short."""
         if name not in self._workers:
             return PoolEvent(name, "died")  # already handled (a failed sync and a failed `run` both report it)
         self._workers.pop(name)
@@ -336,7 +342,14 @@ class RolloutPool(WorkerCalls):
                 f"rollout worker {name} {'died' if kind == 'died' else 'hung and was killed'} "
                 f"(rollout.replace_dead_workers is off); {requeued} requests re-queued"
             )
+        quarantined = None if force else self.restarts.failed(name)
+        if quarantined is not None:
+            event = self._event(PoolEvent(name, kind, requeued=requeued, detail=detail))
+            slot = self.restarts.slot(name)
+            self._event(PoolEvent(slot, "quarantined", detail=f"{name} was its last engine: {quarantined}"))
+            return event
         replacement = self._new_name()
+        self.restarts.replaced(name, replacement)
         self._launch(replacement)
         return self._event(PoolEvent(name, kind, requeued=requeued, replacement=replacement, detail=detail))
 

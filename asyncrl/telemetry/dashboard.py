@@ -3,8 +3,9 @@ memory and serves them, with the page that plots them, from a thread of the cont
 
 Routes: `/` (the page), `/static/<file>` (its script, style and the vendored uPlot charting library: nothing
 is fetched from the internet, the machine may be offline), `/api/data?since=N` (the records after number N,
-JSON; the page polls it) and `POST /api/scale` with `{"rollout": N}` (resize the rollout pool through the
-controller's control API, the mechanism `asyncrl scale` uses; a finished run answers 409).
+JSON; the page polls it) and `POST /api/scale` with `{"rollout": N}` and/or `{"learner": M}` (resize the
+rollout pool, or the learner's ranks, through the controller's control API, the mechanism `asyncrl scale`
+uses; a finished run answers 409).
 
 `asyncrl dash RUN_DIR` serves the same page from a run folder (`serve_run_dir`).
 """
@@ -26,8 +27,10 @@ from asyncrl.telemetry.record import Record, Recorder, RunLog, load_run
 
 STATIC = Path(__file__).resolve().parent / "static"
 
-Scaler = Callable[[int], int]
-"""Asks for a rollout pool of N workers; returns N (raises ValueError for a size it refuses)."""
+Scaler = Callable[[str, int], int]
+"""Asks for a pool ("rollout" or "learner") of N workers or ranks; returns N (raises ValueError for a size it
+refuses)."""
+SCALED_POOLS = ("rollout", "learner")
 
 
 class Dashboard(Recorder):
@@ -36,7 +39,7 @@ class Dashboard(Recorder):
     def __init__(self, title: str, host: str = "127.0.0.1", port: int = 0):
         self.log = RunLog(title, live=True)
         self.scaler: Scaler | None = None
-        self.server = DashboardServer(self.log, host, port, scale=lambda n: self._scale(n))
+        self.server = DashboardServer(self.log, host, port, scale=lambda pool, n: self._scale(pool, n))
         self.url = self.server.url
 
     def record(self, rec: Record) -> None:
@@ -46,10 +49,10 @@ class Dashboard(Recorder):
         super().close(summary)
         self.log.live = False  # the page stops offering the scale control; it stays up until the process exits
 
-    def _scale(self, workers: int) -> int:
+    def _scale(self, pool: str, size: int) -> int:
         if self.scaler is None or not self.log.live:
             raise LookupError("the run is not running (or not started yet): nothing to scale")
-        return self.scaler(workers)
+        return self.scaler(pool, size)
 
 
 class DashboardServer:
@@ -96,10 +99,12 @@ class _Handler(BaseHTTPRequestHandler):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
             if self.scale is None:
                 raise LookupError("this page shows a finished run: nothing to scale")
-            workers = int(body["rollout"])
-            self._json(HTTPStatus.OK, {"rollout": self.scale(workers)})
+            sizes = {pool: int(body[pool]) for pool in SCALED_POOLS if pool in body}
+            if not sizes:
+                raise KeyError("rollout")
+            self._json(HTTPStatus.OK, {pool: self.scale(pool, size) for pool, size in sizes.items()})
         except (KeyError, ValueError, TypeError) as e:  # before LookupError: a missing key is the caller's mistake
-            self._json(HTTPStatus.BAD_REQUEST, {"error": f'want {{"rollout": N}} with N >= 1: {e}'})
+            self._json(HTTPStatus.BAD_REQUEST, {"error": f'want {{"rollout": N}} or {{"learner": N}}, N >= 1: {e}'})
         except LookupError as e:
             self._json(HTTPStatus.CONFLICT, {"error": str(e)})
 

@@ -86,6 +86,14 @@ class WeightSync(ABC):
     def latest(self) -> PublishedWeights | None:
         """The last weights started (None before the first): an engine started later loads them first."""
 
+    @abstractmethod
+    def rewire(self, learner: Any, version: int) -> None:
+        """Publish from `learner` from now on (a re-formed learner pool, `Controller._resize_learner`): stage
+        `version`, which every engine already serves, from it and make that `latest()`, so that an engine that
+        joins later loads weights the new pool holds (the old rank 0 owned the object refs, wrote the segment or
+        held the staging buffer). No engine loads anything; an engine's next pull opens a group with the new
+        rank 0 (a new store address)."""
+
     def shutdown(self) -> None:  # noqa: B027 -- optional hook: most transports hold nothing to release
         """Release what the transport holds outside the engines and the learner (shared-memory segments)."""
 

@@ -52,3 +52,7 @@ class ObjectStoreSync(WeightSync):
 
     def latest(self) -> PublishedWeights | None:
         return self._latest
+
+    def rewire(self, learner: WeightPublisher, version: int) -> None:
+        self.learner = learner
+        self._latest = self._publish(version)

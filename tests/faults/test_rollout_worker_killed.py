@@ -3,6 +3,9 @@
 - a rollout worker's process is SIGKILLed twice, each time while its engine loads new weights: the run goes
   on, the dead worker is noticed and replaced, its requests are re-dispatched, and nothing is lost or trained
   twice (checked from the queue's counters and from trajectories.parquet);
+- chaos: one more SIGKILL and one SIGSTOP (the worker and its engine core) of the serving engine, at seeded
+  random steps: the hung engine is found by the heartbeat and replaced, every step still runs, each replacement
+  counts against the slot's restart budget, and the stopped processes do not outlive the run;
 - a NaN reaches the learner (a NaN reward, so NaN advantages, loss and gradient): the step is skipped and
   counted, its batch kept, and the weights stay finite.
 """
@@ -21,9 +24,10 @@ from asyncrl.testing import TINY_RUN
 
 pytestmark = pytest.mark.integration
 
-STEPS = 10
+STEPS = 14  # room for four engine outages: a fault waits while no engine serves
 KILL_AT = [3, 7]
 NAN_AT = 5
+HEARTBEAT_S = 10
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +39,10 @@ def run_dir(ray_cluster, tmp_path_factory):
         f"output_dir={out}", f"learner.max_steps={STEPS}", *TINY_RUN,
         "weight_sync.parity_probe=false",  # the probe would wait for the sync the fault interrupts
         f"faults.kill_rollout_worker_at_steps={KILL_AT}", f"faults.nan_reward_at_steps=[{NAN_AT}]",
+        "faults.chaos.kills=1", "faults.chaos.stops=1", "faults.chaos.seed=0",  # a kill at step 2, a stop at 6
+        "faults.chaos.first_step=2", "faults.chaos.last_step=8",
+        f"rollout.heartbeat_timeout_s={HEARTBEAT_S}",
+        "rollout.quarantine_failures=5",  # four failures of the one slot: within the budget, not a crash loop
     ])
     run(cfg)
     return out
@@ -44,13 +52,33 @@ def test_the_run_finishes_every_step_after_two_engine_deaths(run_dir):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["final_version"] == STEPS
     faults = summary["faults"]
-    assert [f["step"] for f in faults] == KILL_AT
+    assert len(faults) == len(KILL_AT) and all(f["step"] >= at for f, at in zip(faults, KILL_AT, strict=True))
     # The killed workers' last reported counters stay in the run's totals; no serving worker is among them.
-    assert set(summary["rollout_retired"]) <= {f["worker"] for f in faults} and not set(summary["rollout_retired"]) & set(summary["rollout"])
+    chaos = {e["worker"] for e in summary["pool_events"] if e["kind"].startswith("chaos_")}
+    assert set(summary["rollout_retired"]) <= {f["worker"] for f in faults} | chaos and not set(summary["rollout_retired"]) & set(summary["rollout"])
     for fault in faults:
         print(f"killed {fault['worker']} after step {fault['step']}: detected {fault['detected_s']}s, serving again {fault['recovered_s']}s")
         assert fault["detected_s"] is not None and fault["detected_s"] < 15  # noticed by the pool, not a batch timeout
         assert fault["recovered_s"] is not None
+
+
+def test_chaos_kills_and_stops_are_replaced_within_the_slots_budget_and_leave_no_process(run_dir):
+    import psutil
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    events = summary["pool_events"]
+    chaos = [e for e in events if e["kind"].startswith("chaos_")]
+    assert sorted(e["kind"] for e in chaos) == ["chaos_kill", "chaos_stop"]
+    for fault in chaos:
+        expected = "died" if fault["kind"] == "chaos_kill" else "hung"
+        (seen,) = [e for e in events if e["worker"] == fault["worker"] and e["kind"] in ("died", "hung")]
+        assert seen["kind"] == expected and seen["replacement"] is not None
+        print(f"{fault['kind']} of {fault['worker']} at step {fault['step']}: {expected} after {seen['t_s'] - fault['t_s']:.1f}s")
+        if expected == "hung":
+            assert seen["t_s"] - fault["t_s"] < HEARTBEAT_S + 15
+    assert summary["engine_restarts"] == {"restarts": {"rollout-0": 4}, "quarantined": {}}  # one slot: 2 kills + chaos
+    stopped = next(e for e in chaos if e["kind"] == "chaos_stop")["pids"]
+    assert len(stopped) >= 2 and not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in stopped)
 
 
 def test_a_replacement_serves_at_least_the_weights_published_when_its_predecessor_died(run_dir):

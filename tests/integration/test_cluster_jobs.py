@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from asyncrl.testing import TINY_RUN, free_port, kill_processes_with_env, ray_node_ports
@@ -60,7 +61,9 @@ def test_submit_runs_a_short_job_to_completion_and_status_and_logs_read_it_back(
     assert logs.returncode == 0 and '"final_version": 2' in logs.stdout
 
 
-def test_scale_grows_and_shrinks_a_running_job_and_stop_ends_it_with_a_checkpoint(head, tmp_path):
+def test_scale_grows_and_shrinks_both_pools_of_a_running_job_and_stop_ends_it_with_a_checkpoint(head, tmp_path):
+    """rollout 1 -> 2 -> 1 and learner 1 -> 2 -> 1 ranks in one running job (the learner re-formed in the same
+    driver from a checkpoint, re-sharded); every step runs once and nothing is trained twice."""
     address, env = head
     out = tmp_path / "run"
     overrides = [f"output_dir={out}", "learner.max_steps=100000", *TINY_RUN]
@@ -78,11 +81,13 @@ def test_scale_grows_and_shrinks_a_running_job_and_stop_ends_it_with_a_checkpoin
     up = _cli(["scale", "asyncrl-scale", "rollout=2", "--address", address], env)
     assert up.returncode == 0 and "rollout pool -> 2 workers" in up.stdout, up.stdout + up.stderr
     _wait_for(lambda: noted("rollout worker rollout-1 serves version"), 300, "rollout-1 to serve", logs)
-    steps_with_two = len(metrics.read_text().splitlines())
-    down = _cli(["scale", "asyncrl-scale", "rollout=1", "--address", address], env)
-    assert down.returncode == 0, down.stdout + down.stderr
+    both = _cli(["scale", "asyncrl-scale", "rollout=1", "learner=2", "--address", address], env)
+    assert both.returncode == 0 and "learner pool -> 2 ranks" in both.stdout, both.stdout + both.stderr
     _wait_for(lambda: noted("scaling the rollout pool 2 -> 1"), 120, "the scale-down", logs)
-    _wait_for(lambda: len(metrics.read_text().splitlines()) >= steps_with_two + 3, 300, "three more steps", logs)
+    _wait_for(lambda: noted("first step on the re-formed learner pool (2 ranks)"), 300, "a step on 2 ranks", logs)
+    down = _cli(["scale", "asyncrl-scale", "learner=1", "--address", address], env)
+    assert down.returncode == 0, down.stdout + down.stderr
+    _wait_for(lambda: noted("first step on the re-formed learner pool (1 ranks)"), 300, "a step on 1 rank", logs)
     assert "stop requested" in _cli(["stop", "asyncrl-scale", "--address", address], env).stdout
     _wait_for(lambda: (out / "summary.json").exists(), 300, "the stopped job's summary", logs)
 
@@ -95,9 +100,23 @@ def test_scale_grows_and_shrinks_a_running_job_and_stop_ends_it_with_a_checkpoin
     (scaling,) = summary["scaling"]
     assert scaling["joined_version"] >= scaling["requested_at_version"]  # current weights before its first request
     print(f"scale-up: request -> serving {scaling['request_to_serving_s']}s")
+    grow, shrink = summary["learner_scaling"]
+    assert (grow["from_ranks"], grow["ranks"], shrink["from_ranks"], shrink["ranks"]) == (1, 2, 2, 1)
+    assert grow["version"] == grow["step"] and shrink["version"] == shrink["step"]  # it went on at the same version
+    for resize in (grow, shrink):
+        assert (out / "checkpoints" / f"step-{resize['step']:06d}" / "learner_state.json").is_file()
+        print(f"learner {resize['from_ranks']} -> {resize['ranks']}: request -> first step {resize['request_to_first_step_s']}s "
+              f"(checkpoint {resize['checkpoint_s']}s, re-form {resize['reform_s']}s)")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, summary["steps"] + 1))  # every step ran, once
+    assert summary["final_version"] == summary["steps"]
     c = summary["counters"]
     ended = c["trained"] + c["dropped_stale"] + c["in_flight"] + sum(v for k, v in c.items() if k.startswith(("filtered:", "failed:")))
     assert c["dispatched"] == ended
+    _wait_for(lambda: noted('"kind": "close"'), 120, "the job's pools to stop", logs)  # the log's footer is written
+    log = pq.read_table(out / "trajectories.parquet", columns=["group_id", "sample_index", "fate"]).to_pylist()
+    trained = [(r["group_id"], r["sample_index"]) for r in log if r["fate"] == "trained"]
+    assert len(trained) == len(set(trained)) == c["trained"] == summary["samples_trained"] == summary["steps"] * 4 * 2
 
 
 def _wait_for(predicate, timeout_s: float, what: str, logs=None) -> None:

@@ -54,7 +54,9 @@ class Caller:
 
 @pytest.fixture(scope="module")
 def pool(ray_cluster):
-    tools = ToolsConfig(num_workers=2, num_cpus_per_worker=0.5, call_timeout_s=5.0, heartbeat_timeout_s=3.0)
+    tools = ToolsConfig(
+        num_workers=2, num_cpus_per_worker=0.5, call_timeout_s=5.0, heartbeat_timeout_s=3.0, max_restarts_per_worker=1
+    )
     pool = ToolPool(tools)
     pool.start()
     yield pool
@@ -156,3 +158,21 @@ def test_a_run_with_a_user_reward_scores_every_trajectory_in_the_tool_pool(pool,
     assert tools["errors"] == {} and tools["sandbox"]["method"] == pool.capabilities.method
     assert tools["calls"]["reward"] >= summary["samples_trained"] == 8  # 2 steps x 2 prompts x 2 samples
     assert {k: v for k, v in counters.items() if k.startswith("failed:") and v} == {}
+
+
+def test_a_worker_past_its_restart_budget_is_quarantined_and_calls_go_to_the_other(pool):
+    """Runs last: the first worker was replaced once already (its budget, `max_restarts_per_worker=1`)."""
+    victim, other = pool.names
+    assert pool.summary()["workers_replaced"] == 2 and pool.healthy == 2
+    os.kill(ray.get(ray.get_actor(victim).pid.remote()), signal.SIGKILL)
+    killed_at, events = time.monotonic(), []
+    while not events and time.monotonic() - killed_at < 10.0:
+        events = [e for e in pool.poll() if e.worker == victim]
+        time.sleep(0.2)
+    assert [e.kind for e in events] == ["died", "quarantined"]
+    assert str(events[1]) == f"tool worker {victim} quarantined, not replaced: its restart budget is spent (1 restarts)"
+    assert pool.healthy == 1 and pool.summary()["quarantined"] == {victim: "its restart budget is spent (1 restarts)"}
+    caller = _caller(pool.client())
+    answers = ray.get([caller.call.remote("calculator", f"{i} + 1") for i in range(4)], timeout=60)
+    assert [(kind, result.output) for kind, result, _ in answers] == [("result", str(i + 1)) for i in range(4)]
+    assert pool.poll() == [] and pool.healthy == 1  # the quarantined name stays unanswered and unreplaced

@@ -64,14 +64,21 @@ def test_every_leaf_field_appears_with_its_default_and_description():
         assert row["default"] == _expected_default(field), key
 
 
+def _sections(model: type[BaseModel], prefix: str = ""):
+    """Dotted names of the section fields of `model`, nested ones (`rollout.autoscale`) included."""
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield prefix + name
+            yield from _sections(field.annotation, f"{prefix}{name}.")
+
+
 def test_one_table_per_section():
     md = config_reference.markdown()
-    for name, field in Config.model_fields.items():
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            assert f"## `{name}`" in md
-    assert md.count("| key | type | default | constraints | description |") == 1 + sum(
-        isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel) for f in Config.model_fields.values()
-    )
+    sections = list(_sections(Config))
+    assert {"rollout", "rollout.autoscale", "faults.chaos"} <= set(sections)
+    for name in sections:
+        assert f"## `{name}`" in md
+    assert md.count("| key | type | default | constraints | description |") == 1 + len(sections)
 
 
 def test_constraints_come_from_field_metadata():

@@ -4,7 +4,8 @@ slow, crashing or hostile tool never blocks or kills a rollout worker.
 - `ToolWorker` (one Ray actor per slot, named `<prefix>-<i>`): runs `calculator` in its own process (it is
   bounded) and `python` and user rewards each in a fresh sandboxed process; counts calls and errors by tool.
 - `ToolPool` (driver): starts `tools.num_workers` workers, heartbeats them from `poll()` (the fleet's
-  `upkeep`), and replaces a dead or hung one under the same name.
+  `upkeep`), and replaces a dead or hung one under the same name, `tools.max_restarts_per_worker` times at most
+  (then the worker is quarantined: its calls go to the others).
 - `ToolClient` (picklable; travels in `WorkerSpec.tools`): the `ToolExecutor` the rollout workers use. It finds
   workers by name, so a replacement is found without telling anyone; a call whose worker dies raises
   `ToolInfraError("tool_worker_died")` as soon as Ray reports the death, not at the call's timeout.
@@ -26,6 +27,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from asyncrl.cluster.calls import named_get
+from asyncrl.cluster.restarts import RestartBudget
 from asyncrl.config import Config, ToolsConfig
 from asyncrl.envs.tools.base import (
     InProcessTools,
@@ -267,13 +269,16 @@ class ToolClient:
 
 @dataclass(frozen=True)
 class ToolPoolEvent:
-    """A tool worker replaced by `poll` (`died`: its actor is gone; `hung`: no heartbeat answer in time)."""
+    """A tool worker replaced by `poll` (`died`: its actor is gone; `hung`: no heartbeat answer in time), or not
+    replaced (`quarantined`: its restart budget is spent; `detail` says so)."""
 
     worker: str
     kind: str
     detail: str = ""
 
     def __str__(self) -> str:
+        if self.kind == "quarantined":
+            return f"tool worker {self.worker} quarantined, not replaced: {self.detail}"
         return f"tool worker {self.worker} {self.kind}{': ' + self.detail if self.detail else ''}; replaced"
 
 
@@ -311,6 +316,8 @@ class ToolPool:
         self._retired = ToolTally()
         """Counts of workers that died (their last heartbeat's)."""
         self.replaced = 0
+        self.restarts = RestartBudget(tools.max_restarts_per_worker, tools.max_restarts_per_worker + 1, 1e9)
+        """Which dead or hung workers are replaced (`tools.max_restarts_per_worker`)."""
         self.capabilities: Capabilities | None = None
         self._actor_cls = ray.remote(ToolWorker)
 
@@ -356,8 +363,18 @@ class ToolPool:
             event = self._heard(name, slot)
             if event is not None:
                 events.append(event)
-                self._replace(name)
+                quarantined = self.restarts.failed(name)
+                if quarantined is None:
+                    self._replace(name)
+                else:
+                    self._retire(name)
+                    events.append(ToolPoolEvent(name, "quarantined", quarantined))
         return events
+
+    @property
+    def healthy(self) -> int:
+        """Workers not quarantined (serving, or replaced and starting)."""
+        return len(self._slots)
 
     def tally(self) -> ToolTally:
         total = self._retired
@@ -370,7 +387,13 @@ class ToolPool:
         self._refresh_tallies()
         tally = self.tally()
         caps = asdict(self.capabilities) if self.capabilities else None
-        return {"calls": tally.calls, "errors": tally.errors, "workers_replaced": self.replaced, "sandbox": caps}
+        return {
+            "calls": tally.calls,
+            "errors": tally.errors,
+            "workers_replaced": self.replaced,
+            "quarantined": dict(self.restarts.quarantined),
+            "sandbox": caps,
+        }
 
     def shutdown(self) -> None:
         slots = list(self._slots.values())
@@ -398,10 +421,14 @@ class ToolPool:
         slot.ping, slot.answered = None, True
         return None
 
-    def _replace(self, name: str) -> None:
+    def _retire(self, name: str) -> None:
+        """Kill the worker of `name` and keep its counts."""
         old = self._slots.pop(name)
         self._retired = self._retired.merged(old.tally)
         ray.kill(old.handle, no_restart=True)
+
+    def _replace(self, name: str) -> None:
+        self._retire(name)
         deadline = time.monotonic() + 10.0
         while True:  # the dead actor's name is released once Ray has recorded its death (milliseconds)
             try:

@@ -203,9 +203,11 @@ function redraw() {
 async function scale(event) {
   event.preventDefault();
   const n = Number(document.getElementById("scale-n").value);
-  const reply = await fetch("/api/scale", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ rollout: n }) });
+  const pool = document.getElementById("scale-pool").value;
+  const reply = await fetch("/api/scale", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ [pool]: n }) });
   const body = await reply.json();
-  document.getElementById("scale-result").textContent = reply.ok ? `asked for ${body.rollout} worker(s)` : body.error;
+  const unit = pool === "learner" ? "learner rank(s)" : "rollout worker(s)";
+  document.getElementById("scale-result").textContent = reply.ok ? `asked for ${body[pool]} ${unit}` : body.error;
 }
 
 document.getElementById("scale").addEventListener("submit", scale);

@@ -75,15 +75,18 @@ def test_scale_goes_to_the_controls_wanted_size_and_a_finished_run_refuses_it():
     dash = Dashboard("run-b", port=0)
     assert _post(dash.url + "api/scale", {"rollout": 2})[0] == 409  # no controller attached yet
     control = LocalControl()
-    dash.scaler = control.set_rollout
+    dash.scaler = control.set_size
     assert _post(dash.url + "api/scale", {"rollout": 3}) == (200, {"rollout": 3})
-    assert control.wanted_rollout()[0] == 3
+    assert control.poll().rollout == 3 and control.poll().learner is None
+    assert _post(dash.url + "api/scale", {"learner": 2}) == (200, {"learner": 2})
+    assert control.poll().rollout == 3 and control.poll().learner == 2
     assert _post(dash.url + "api/scale", {"rollout": 0})[0] == 400
+    assert _post(dash.url + "api/scale", {"learner": 0})[0] == 400
     assert _post(dash.url + "api/scale", {"workers": 2})[0] == 400
     dash.close({"steps": 1})
     assert _get(dash.url + "api/data")["live"] is False
     assert _post(dash.url + "api/scale", {"rollout": 2})[0] == 409
-    assert control.wanted_rollout()[0] == 3
+    assert control.poll().rollout == 3
     dash.server.stop()
 
 

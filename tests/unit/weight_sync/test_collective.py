@@ -74,3 +74,14 @@ def test_the_record_on_the_wire_names_the_engines_group_and_leaves_the_actor_han
         "key": "rollout-2-ab12", "version": 3, "host": "127.0.0.1", "store": "tcp://127.0.0.1:29500", "backend": "gloo", "bucket_bytes": 1 << 20, "timeout_s": 30.0,
         "gpu": "",
     }  # fmt: skip
+
+
+def test_rewire_stages_the_served_version_on_the_new_rank_0_and_sends_nothing(ray_put):
+    """After a learner resize the record names the new rank 0's store: an engine's next pull opens a group
+    with it (`CollectiveReceiver` reopens when the address of a key changes)."""
+    sync = _sync()
+    sync.finish(sync.start(3))
+    new = FakeLearner()
+    sync.rewire(new, 3)
+    assert sync.learner is new and new.calls == [("export_collective", 3, True, 1 << 20, 30.0)]
+    assert len(sync.rollout.started) == 1 and sync.latest().version == 3

@@ -101,3 +101,17 @@ def test_parity_is_probed_after_the_first_sync_and_every_kth_one():
     sync = make_sync(parity_probe_every=10)
     assert [v for v in range(1, 31) if sync.probes(v)] == [1, 10, 20, 30]
     assert not any(make_sync(parity_probe=False).probes(v) for v in range(1, 31))
+
+
+def test_rewire_publishes_the_served_version_from_the_new_learner_without_sending_it():
+    """A re-formed learner pool: `latest()` must be refs the new rank 0 owns (the old one's died with it), and
+    no engine loads anything (they already serve that version)."""
+    sync = ObjectStoreSync(FakeLearner(), FakeRollout(), WeightSyncConfig(), "streaming")
+    sync.finish(sync.start(4))
+    new = FakeLearner()
+    sync.rewire(new, 4)
+    assert sync.learner is new and new.exports == [WeightSyncConfig().bucket_bytes]
+    assert sync.latest().version == 4 and sync.latest().refs == ["bucket-1-0", "bucket-1-1", "bucket-1-2"]
+    assert len(sync.rollout.started) == 1  # only the sync of version 4 itself
+    sync.finish(sync.start(5))
+    assert len(new.exports) == 2 and sync.rollout.started[-1][1] == 5

@@ -123,3 +123,20 @@ def test_the_transport_is_a_config_choice():
     assert WeightSyncConfig().transport == "auto"
     with pytest.raises(ValueError):
         WeightSyncConfig(transport="nccl")
+
+
+def test_rewire_restages_the_served_version_in_the_new_learners_segment_and_waits_for_it(tmp_path, ray_put):
+    """The old rank 0 unlinked its slots when it stopped; the new one writes the version the engines serve
+    (waited for, as a first export is) so an engine joining later maps a slot that holds it."""
+    sync = SharedMemorySync(FakeLearner(), FakeRollout(), WeightSyncConfig(), "streaming", shm_dir=str(tmp_path))
+    sync.finish(sync.start(1))
+    sync.finish(sync.start(2))
+    sync.learner.writer.close()  # what the old rank 0's shutdown does
+    new = FakeLearner()
+    sync.rewire(new, 2)
+    assert new.calls == [("export_shared", 2)] and len(sync.rollout.started) == 2
+    (record,) = sync.latest().refs
+    assert record.version == 2 and record.path == sync.root + "-0" and os.path.exists(record.path)
+    sync.finish(sync.start(3))
+    assert new.calls[-2:] == [("start_export_shared", 3), ("finish_call", 3)]
+    sync.shutdown()
