@@ -202,6 +202,7 @@ class OpenAIServer:
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._runner: web.AppRunner | None = None
         self.guard = Guard("127.0.0.1", "")
+        self.max_body_bytes = MAX_BODY_BYTES
         self.api_key = ""
         """The key a client sends ("" = none asked); the agent harness's client uses it."""
 
@@ -216,7 +217,7 @@ class OpenAIServer:
                 beyond_loopback_error("rollout.openai_api_key", OPENAI_API_KEY_ENV, host_key, host)
             ) from None
         self.api_key = api_key
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._guarded])
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._guarded])
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         self._runner = web.AppRunner(app, access_log=None)
@@ -265,19 +266,21 @@ class OpenAIServer:
 
     async def _chat(self, http: web.Request) -> web.Response:
         try:
-            request = parse_chat_request(await http.json())
+            payload = await http.json()
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, None, f"the request body is over {self.max_body_bytes} bytes")
+        except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested past the parser's depth
+            return _error(400, None, f"the request body is not JSON: {type(e).__name__}: {str(e)[:200]}")
+        try:
+            request = parse_chat_request(payload)
             episode_id = http.headers.get(EPISODE_HEADER) or request.user
             if episode_id is None:
                 body = await self.complete(request, None)
             else:
                 async with self._locks[episode_id]:
                     body = await self.complete(request, episode_id)
-        except web.HTTPRequestEntityTooLarge:
-            return _error(413, None, f"the request body is over {MAX_BODY_BYTES} bytes")
-        except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested past the parser's depth
-            if isinstance(e, BadRequest):
-                return _error(400, e.param, str(e))
-            return _error(400, None, f"the request body is not JSON: {type(e).__name__}: {str(e)[:200]}")
+        except BadRequest as e:
+            return _error(400, e.param, str(e))
         except EngineFailure as e:
             return _error(503, None, str(e), kind="server_error")
         return web.json_response(body, headers={VERSION_HEADER: str(body["policy_version"])})

@@ -98,6 +98,7 @@ class _Handler(BaseHTTPRequestHandler):
     scale: Scaler | None
     guard: Guard
     timeout = TIMEOUT_S  # a client that stalls mid-request loses its connection instead of holding a thread
+    default_request_version = "HTTP/1.0"  # a garbled request line gets a status line with its 400, not HTTP/0.9
 
     def do_GET(self) -> None:  # noqa: N802 - the http.server API
         url = urlparse(self.path)
