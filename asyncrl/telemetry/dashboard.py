@@ -71,7 +71,8 @@ class DashboardServer:
 
     def __init__(self, log: RunLog, host: str, port: int, scale: Scaler | None = None, token: str = ""):
         if not token and not is_loopback(host):
-            raise ValueError(beyond_loopback_error("telemetry.dashboard_token", DASHBOARD_TOKEN_ENV, "host", host))
+            key, where = "telemetry.dashboard_token", "the dashboard's host"
+            raise ValueError(beyond_loopback_error(key, DASHBOARD_TOKEN_ENV, where, host))
         guard = Guard(host, token or new_token())
         scale_method = staticmethod(scale) if scale else None
         handler = type("Handler", (_Handler,), {"log": log, "scale": scale_method, "guard": guard})
