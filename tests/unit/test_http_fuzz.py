@@ -169,6 +169,22 @@ def test_fuzzed_scale_bodies_get_200_or_a_named_4xx(dashboard, body, content_typ
     assert status == 200 or (400 <= status < 500 and error_text(reply)), (status, reply)
 
 
+@FUZZ
+@given(path=st.text(max_size=40), since=st.text(max_size=30))
+def test_fuzzed_page_and_data_paths_get_the_page_the_data_or_a_named_404(dashboard, path, since):
+    from urllib.parse import quote
+
+    headers = {"Authorization": f"Bearer {dashboard.server.token}"}
+    url = f"{dashboard.url}{quote(path.lstrip('/'))}?since={quote(since)}"
+    req = urllib.request.Request(url, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as reply:
+            status, text = reply.status, reply.read()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read()
+    assert status == 200 or (status == 404 and json.loads(text)["error"]), (path, since, status, text[:200])
+
+
 MALFORMED = [
     b"GARBAGE\r\n\r\n",
     b"GET\r\n\r\n",
