@@ -187,3 +187,20 @@ def test_a_dashboard_beyond_loopback_needs_a_token_and_asyncrl_check_names_the_k
     monkeypatch.setenv("ASYNCRL_DASHBOARD_TOKEN", "s3cret-from-env")
     cfg = load_config(None, ["telemetry.bind_host=0.0.0.0"])
     assert cfg.telemetry.resolved_dashboard_token() == "s3cret-from-env" and "s3cret" not in json.dumps(cfg.dump())  # env, not the config
+
+
+def test_the_token_is_printed_once_with_the_address_and_written_nowhere(tmp_path, capsys):
+    from asyncrl.config import load_config
+    from asyncrl.controller.records import build_telemetry
+
+    cfg = load_config(None, [f"output_dir={tmp_path / 'run'}", "telemetry.dashboard_port=0", "telemetry.progress=false"])
+    cfg.telemetry.dashboard_port = 65531  # loaded off, then on (a taken port falls back to a free one)
+    telemetry = build_telemetry(cfg)
+    (dash,) = [s for s in telemetry.sinks if isinstance(s, Dashboard)]
+    printed = capsys.readouterr().out
+    assert printed.count(dash.server.token) == 1 and f"dashboard: {dash.page_url}" in printed
+    telemetry.close({"steps": 0})
+    events = (tmp_path / "run" / "events.jsonl").read_text()
+    assert f"dashboard: {dash.url} (token on the console)" in events and dash.server.token not in events
+    assert dash.server.token not in json.dumps(_get(dash))  # nor in the page's notes
+    dash.server.stop()
