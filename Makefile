@@ -1,10 +1,16 @@
 # Two commands set everything up: `make run` and `make test`. Both create .venv and install on first use;
-# the stamp file (keyed on pyproject.toml) makes a second run skip the install.
+# the stamp file (keyed on pyproject.toml and requirements.lock) makes a second run skip the install.
+# With the default EXTRAS the install is exactly requirements.lock (versions and wheel hashes); `make lock`
+# refreshes it after a change of pyproject.toml (the install stops, naming it, while the two are out of step).
+# Other EXTRAS (gpu) install from pyproject.toml's ranges.
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
-EXTRAS ?= cpu,test,bench
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock 2>/dev/null | cksum | cut -d' ' -f1)
+LOCKED_EXTRAS := cpu,test,bench
+EXTRAS ?= $(LOCKED_EXTRAS)
+# The CUDA-only wheels vLLM drags in; they break imports on CPU machines, so a CPU install removes them.
+CUDA_ONLY := torchvision torchaudio torchcodec
 export RAY_AUTH_MODE ?= disabled
 export VLLM_CPU_OMP_THREADS_BIND ?= nobind
 export VLLM_CPU_KVCACHE_SPACE ?= 1
@@ -18,18 +24,32 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 RUN_PACKAGES ?= g++:g++
 SYSTEM_PACKAGES ?= $(RUN_PACKAGES) chromium:chromium prometheus:prometheus bubblewrap:bwrap
 
-.PHONY: install run lint test test-fast test-gpu bench bench-quick clean system-deps run-deps
+.PHONY: install lock run lint test test-fast test-gpu bench bench-quick clean system-deps run-deps
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+ifeq ($(EXTRAS),$(LOCKED_EXTRAS))
+	$(PY) deploy/lock.py check --extras $(EXTRAS)
+	$(PY) -m pip install -q --require-hashes --no-deps -r requirements.lock
+	$(PY) -m pip install -q --no-deps -e .
+else
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
-	@# The CUDA-only wheels vLLM drags in break imports on CPU machines.
-	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true; fi
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip uninstall -q -y $(CUDA_ONLY) 2>/dev/null || true; fi
+endif
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 
 install: $(STAMP)
+
+# Rewrites requirements.lock from pyproject.toml, keeping the versions it pins where the ranges allow
+# (deploy/lock.py; needs pip >= 25.1 in the venv, which the lock's install brings).
+lock: $(VENV)/bin/python
+	$(PY) -m pip install -q 'pip>=25.1'
+	$(PY) deploy/lock.py write --extras $(LOCKED_EXTRAS) --drop $(shell echo $(CUDA_ONLY) | tr ' ' ,)
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
 
 run: $(STAMP) run-deps
 	$(VENV)/bin/asyncrl run $(CONFIG) $(ARGS)

@@ -60,7 +60,11 @@ def _parser() -> argparse.ArgumentParser:
     scale.add_argument("sizes", nargs="+", metavar="rollout=N|learner=N")
     dash = sub.add_parser("dash", help="open the dashboard page of a finished (or crashed) run's folder")
     dash.add_argument("run_dir", help="the run's output_dir (holds metrics.jsonl, events.jsonl)")
-    dash.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    dash.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: this machine only; beyond it, set ASYNCRL_DASHBOARD_TOKEN)",
+    )
     dash.add_argument("--port", type=int, default=8470, help="port (a taken one falls back to a free one; 0 = any)")
     for command in (submit, status, logs, stop, scale):
         command.add_argument("--address", help=f"Ray dashboard URL (default: RAY_ADDRESS, else {DEFAULT_ADDRESS})")
@@ -217,14 +221,15 @@ def _dash(args: argparse.Namespace) -> int:
     """Serve the run folder's page until Ctrl-C; the address is the first line printed."""
     import time
 
+    from asyncrl.cluster.http_guard import DASHBOARD_TOKEN_ENV, secret
     from asyncrl.telemetry.dashboard import serve_run_dir
 
     try:
-        server = serve_run_dir(args.run_dir, args.host, args.port)
-    except FileNotFoundError as e:
+        server = serve_run_dir(args.run_dir, args.host, args.port, secret("", DASHBOARD_TOKEN_ENV))
+    except (FileNotFoundError, ValueError) as e:  # no run there; a host beyond loopback without a token
         print(f"asyncrl dash: {e}", file=sys.stderr)
         return 2
-    print(f"dashboard of {args.run_dir}: {server.url}  (Ctrl-C to stop)", flush=True)
+    print(f"dashboard of {args.run_dir}: {server.page_url}  (Ctrl-C to stop)", flush=True)
     try:
         while True:
             time.sleep(3600)

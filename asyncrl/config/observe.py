@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from asyncrl.cluster.http_guard import DASHBOARD_TOKEN_ENV, beyond_loopback_error, is_loopback, secret
 from asyncrl.config.base import Section
 
 
@@ -70,7 +71,11 @@ class TelemetryConfig(Section):
     address is printed at start; `asyncrl dash RUN_DIR` opens the same page on a finished run."""
     bind_host: str = "127.0.0.1"
     """Address the dashboard and the Prometheus endpoint listen on; 127.0.0.1 keeps them on this machine,
-    `0.0.0.0` exposes them to the network (a cluster scraper)."""
+    `0.0.0.0` exposes them to the network (a cluster scraper; the dashboard then needs `dashboard_token`)."""
+    dashboard_token: str = ""
+    """Secret the dashboard asks of every call (docs/security.md); "" = the environment variable
+    ASYNCRL_DASHBOARD_TOKEN, else a fresh random token per run. The address printed at start carries it. Needed
+    when `bind_host` is beyond loopback. Prefer the environment variable: a config value is a file's content."""
     tensorboard: bool = False
     """Also write the run's scalars as TensorBoard events under `<output_dir>/tensorboard` (extra `tensorboard`)."""
     wandb: WandbConfig | None = None
@@ -87,3 +92,14 @@ class TelemetryConfig(Section):
     last `rate_window_s` that were dropped as stale), `learner_idle_above` (fraction of the last `rate_window_s`
     the learner waited for data). A crossing logs a warning with the figure and the threshold, sets
     `asyncrl_alarm{name}` to 1 (0 once back within) and, with `stop: true`, ends the run with a checkpoint."""
+
+    @model_validator(mode="after")
+    def _exposed_dashboard_needs_a_token(self) -> TelemetryConfig:
+        if self.dashboard_port and not is_loopback(self.bind_host) and not self.resolved_dashboard_token():
+            key, host = "telemetry.dashboard_token", "telemetry.bind_host"
+            raise ValueError(beyond_loopback_error(key, DASHBOARD_TOKEN_ENV, host, self.bind_host))
+        return self
+
+    def resolved_dashboard_token(self) -> str:
+        """`dashboard_token`, else ASYNCRL_DASHBOARD_TOKEN ("" = the dashboard makes a fresh one)."""
+        return secret(self.dashboard_token, DASHBOARD_TOKEN_ENV)

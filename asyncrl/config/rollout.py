@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from asyncrl.cluster.http_guard import OPENAI_API_KEY_ENV, beyond_loopback_error, is_loopback, secret
 from asyncrl.config.base import Section
 
 WHOLE_SYSTEM_FOLDERS = ("/", "/etc", "/home", "/root", "/proc", "/sys", "/dev", "/run", "/tmp", "/var", "/usr")
@@ -131,7 +132,13 @@ class RolloutConfig(Section):
     """OpenAI-compatible endpoint per worker (docs/openai_endpoint.md): 0 = off, -1 = a free port per worker,
     N = port N + the worker's index. `RolloutPool.openai_urls()` lists the URLs."""
     openai_host: str = "127.0.0.1"
-    """Address the endpoints listen on; the default keeps them reachable from this machine only."""
+    """Address the endpoints listen on; the default keeps them reachable from this machine only. Beyond
+    loopback the endpoints need `openai_api_key`."""
+    openai_api_key: str = ""
+    """API key the endpoints ask of every call (`Authorization: Bearer KEY`, the `openai` client's `api_key`);
+    "" = the environment variable ASYNCRL_OPENAI_API_KEY (read where the worker runs), else none on loopback.
+    Needed when `openai_host` is beyond loopback. Prefer the environment variable: a config value is a file's
+    content."""
     openai_chat_template: str = ""
     """Template the endpoint renders conversations with: "" = the model's own, a shipped name (`default`, `chatml`,
     `llama3`, `gemma`; `qwen2_tools` = `chatml`) or a `.jinja` file (docs/tokenizers.md)."""
@@ -146,6 +153,17 @@ class RolloutConfig(Section):
                 f"rollout.min_healthy_engines = {self.min_healthy_engines} exceeds rollout.num_workers = "
                 f"{self.num_workers}: the run would stop at its first quarantined engine"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _exposed_endpoint_needs_a_key(self) -> RolloutConfig:
+        if (
+            self.openai_port
+            and not is_loopback(self.openai_host)
+            and not secret(self.openai_api_key, OPENAI_API_KEY_ENV)
+        ):
+            key, host = "rollout.openai_api_key", "rollout.openai_host"
+            raise ValueError(beyond_loopback_error(key, OPENAI_API_KEY_ENV, host, self.openai_host))
         return self
 
     @model_validator(mode="after")

@@ -44,7 +44,7 @@ def build_telemetry(cfg: Config) -> Telemetry:
         EventLog(out, append=bool(cfg.checkpoint.resume_from)),
     ]
     if t.dashboard_port:
-        sinks.append(Dashboard(out.name, t.bind_host, t.dashboard_port))
+        sinks.append(Dashboard(out.name, t.bind_host, t.dashboard_port, t.resolved_dashboard_token()))
     if t.tensorboard:
         from asyncrl.telemetry.loggers import TensorBoardSink
 
@@ -56,7 +56,9 @@ def build_telemetry(cfg: Config) -> Telemetry:
     telemetry = Telemetry(sinks)
     for sink in sinks:
         if isinstance(sink, Dashboard):
-            telemetry.phase(f"dashboard: {sink.url}  (after the run: asyncrl dash {out})")
+            # The token goes to the console only: the phase (events.jsonl, the page's notes) names the bare address.
+            print(f"dashboard: {sink.page_url}", flush=True)
+            telemetry.phase(f"dashboard: {sink.url} (token on the console)  (after the run: asyncrl dash {out})")
     if t.prometheus_port:
         telemetry.phase(f"Prometheus metrics at http://{t.bind_host}:{t.prometheus_port}/metrics")
     return telemetry

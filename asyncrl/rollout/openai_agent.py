@@ -72,7 +72,9 @@ class OpenAIAgentEnv:
         self.agent = agent
         self.server = server
         self.timeout_s = timeout_s
-        self.client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="asyncrl", max_retries=0)
+        self.client = openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key=server.api_key or "asyncrl", max_retries=0
+        )
 
     async def rollout(self, request: Request, worker: str) -> Trajectory:
         episode = AgentEpisode(request.request_id, request.prompt, self.server.model_name)

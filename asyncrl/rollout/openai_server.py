@@ -6,6 +6,10 @@ calls share its batch and weights. A call that names an episode (header `X-Episo
 captured token-exactly into that episode (`asyncrl.rollout.openai_capture`); `finish_episode` turns it into one
 `Trajectory`. Calls of one episode run one at a time, in arrival order.
 
+Every call passes `asyncrl.cluster.http_guard`: `Host` names the server, a browser's `Origin` is its own, the
+API key when one is set (`Authorization: Bearer KEY`), and a POST is `application/json`; a body is capped at
+`MAX_BODY_BYTES`. A refused or malformed call gets a 4xx with an OpenAI-shaped error naming the problem.
+
 Beyond the OpenAI shape, a response carries `prompt_token_ids` (what the engine was fed), `choices[0].token_ids`
 (what it sampled), `policy_version` (also in the `X-Policy-Version` header: the newest weights that produced a
 token) and `episode_id`. Sampling uses the request's temperature/top_p, defaulting to the rollout's; the learner
@@ -26,6 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
+from asyncrl.cluster.http_guard import OPENAI_API_KEY_ENV, Guard, beyond_loopback_error, secret
 from asyncrl.rollout.engine import Engine, SamplingSpec
 from asyncrl.rollout.openai_capture import CapturedEpisode, ChatRenderer, EpisodeCapture, SampledTurn
 from asyncrl.types import Prompt, Request, Trajectory
@@ -196,10 +201,23 @@ class OpenAIServer:
         self._ids = itertools.count()
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._runner: web.AppRunner | None = None
+        self.guard = Guard("127.0.0.1", "")
+        self.max_body_bytes = MAX_BODY_BYTES
+        self.api_key = ""
+        """The key a client sends ("" = none asked); the agent harness's client uses it."""
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Listen on host:port (0: a free port); returns the base URL (`http://host:port`)."""
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+    async def start(self, host: str = "127.0.0.1", port: int = 0, api_key: str = "") -> str:
+        """Listen on host:port (0: a free port); returns the base URL (`http://host:port`). With `api_key`
+        every call must send it; a host beyond loopback needs one (ValueError naming the key otherwise)."""
+        try:
+            self.guard = Guard(host, api_key)
+        except ValueError:
+            host_key = "rollout.openai_host"
+            raise ValueError(
+                beyond_loopback_error("rollout.openai_api_key", OPENAI_API_KEY_ENV, host_key, host)
+            ) from None
+        self.api_key = api_key
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._guarded])
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         self._runner = web.AppRunner(app, access_log=None)
@@ -230,6 +248,17 @@ class OpenAIServer:
     # ---------------------------------------------------------------------------------------------
     # HTTP
 
+    @web.middleware
+    async def _guarded(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        refusal = self.guard.refusal(request.method, request.headers)
+        if refusal is not None:
+            kind = "authentication_error" if refusal[0] == 401 else "invalid_request_error"
+            return _error(int(refusal[0]), None, refusal[1], kind=kind)
+        try:
+            return await handler(request)
+        except web.HTTPException as e:  # no route, wrong method, body over the cap: the OpenAI error shape
+            return _error(e.status, None, f"{e.reason}: {e.text or ''}".strip(": "))
+
     async def _models(self, _request: web.Request) -> web.Response:
         return web.json_response(
             {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "asyncrl"}]}
@@ -237,15 +266,19 @@ class OpenAIServer:
 
     async def _chat(self, http: web.Request) -> web.Response:
         try:
-            request = parse_chat_request(await http.json())
+            payload = await http.json()
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, None, f"the request body is over {self.max_body_bytes} bytes")
+        except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested past the parser's depth
+            return _error(400, None, f"the request body is not JSON: {type(e).__name__}: {str(e)[:200]}")
+        try:
+            request = parse_chat_request(payload)
             episode_id = http.headers.get(EPISODE_HEADER) or request.user
             if episode_id is None:
                 body = await self.complete(request, None)
             else:
                 async with self._locks[episode_id]:
                     body = await self.complete(request, episode_id)
-        except json.JSONDecodeError as e:
-            return _error(400, None, f"the request body is not JSON: {e}")
         except BadRequest as e:
             return _error(400, e.param, str(e))
         except EngineFailure as e:
@@ -383,5 +416,6 @@ async def start_worker_endpoint(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     template = load_chat_template(rollout.openai_chat_template) if rollout.openai_chat_template else None
     server = OpenAIServer(engine, ChatRenderer(tokenizer, template), sampling, max_model_len, Path(model_dir).name)
-    await server.start(rollout.openai_host, port_for(rollout.openai_port, worker_name))
+    api_key = secret(rollout.openai_api_key, OPENAI_API_KEY_ENV)
+    await server.start(rollout.openai_host, port_for(rollout.openai_port, worker_name), api_key)
     return server

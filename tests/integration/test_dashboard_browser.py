@@ -1,7 +1,8 @@
 """The dashboard page in headless Chromium (Debian's, driven by Playwright; no browser is downloaded) during a
 short real run (Ray, one vLLM CPU engine, one FSDP2 rank, the tiny model): every plot renders with data while
 the run goes on, the data endpoint has every kind of record, the scale control reaches the controller, and
-`asyncrl dash` on the finished run's folder serves the same rows. A screenshot is kept as an artifact."""
+`asyncrl dash` on the finished run's folder serves the same rows. A page of another origin cannot scale the job
+and a DNS-rebinding page (a forged Host) is refused. A screenshot is kept as an artifact."""
 
 from __future__ import annotations
 
@@ -52,8 +53,9 @@ def _config(out: Path, model_dir: Path):
     return load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
 
 
-def _get(url: str) -> dict:
-    return json.loads(urllib.request.urlopen(url, timeout=10).read())
+def _get(url: str, token: str) -> dict:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    return json.loads(urllib.request.urlopen(request, timeout=10).read())
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +84,9 @@ def browser():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        # rebind.test resolves to 127.0.0.1, as a DNS-rebinding domain would once its page is loaded
+        rules = "--host-resolver-rules=MAP rebind.test 127.0.0.1"
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", rules])
         yield chromium
         chromium.close()
 
@@ -116,7 +120,7 @@ def _wait_for(page, check, timeout_s: float = 240.0):
 def test_the_page_plots_the_running_job_and_its_scale_control_reaches_the_controller(live_run, browser):
     controller, dashboard, thread, _ = live_run
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    page.goto(dashboard.url)
+    page.goto(dashboard.page_url)
     state = _wait_for(page, lambda s: all(c["valued"] for c in s.values()) and s["reward"]["points"] >= 2)
     assert thread.is_alive(), "the run ended before the page showed it"
     for name, chart in state.items():
@@ -124,7 +128,7 @@ def test_the_page_plots_the_running_job_and_its_scale_control_reaches_the_contro
         assert len(chart["legend"]) >= 2 and all(chart["legend"]), f"{name} legend: {chart['legend']}"  # x + series
     assert "reward" in state["reward"]["legend"] and "held-out accuracy" in state["reward"]["legend"]
     assert "all lags" in state["mismatch"]["legend"]
-    data = _get(dashboard.url + "api/data")
+    data = _get(dashboard.url + "api/data", dashboard.server.token)
     assert data["live"] is True
     assert {"step", "eval", "sync", "pool", "phase"} <= {r["kind"] for r in data["records"]}
 
@@ -142,6 +146,83 @@ def test_the_page_plots_the_running_job_and_its_scale_control_reaches_the_contro
     page.close()
 
 
+class _Recorded:
+    """The dashboard's guard, recording (method, Host, Origin, refusal status) of each request it checks."""
+
+    def __init__(self, guard):
+        self.guard, self.seen = guard, []
+
+    def refusal(self, method, headers, query_token=None):
+        refusal = self.guard.refusal(method, headers, query_token)
+        self.seen.append((method, headers.get("Host"), headers.get("Origin"), refusal and int(refusal[0])))
+        return refusal
+
+    def __getattr__(self, name):
+        return getattr(self.guard, name)
+
+
+HOSTILE = """<!doctype html><script>
+async function attack(target) {
+  const out = {};
+  // the "simple" cross-site request a web page can send without a preflight
+  out.simple = await fetch(target + "api/scale", { method: "POST", mode: "no-cors", headers: { "Content-Type": "text/plain" },
+    body: JSON.stringify({ rollout: 3 }) }).then(() => "sent", (e) => "failed: " + e);
+  // a JSON call with a guessed token needs a CORS preflight, which the dashboard never grants
+  out.json = await fetch(target + "api/scale", { method: "POST", headers: { "Content-Type": "application/json",
+    Authorization: "Bearer guess" }, body: JSON.stringify({ rollout: 3 }) }).then((r) => r.status, (e) => "blocked");
+  return out;
+}
+</script>"""
+
+
+def test_a_page_of_another_origin_cannot_scale_the_job_and_a_forged_host_is_refused(live_run, browser):
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    controller, dashboard, thread, _ = live_run
+    assert thread.is_alive()
+    handler = dashboard.server.httpd.RequestHandlerClass
+    recorded = handler.guard = _Recorded(handler.guard)
+
+    class Hostile(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(HOSTILE.encode())
+
+        def log_message(self, *args):
+            pass
+
+    evil = ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    threading.Thread(target=evil.serve_forever, daemon=True).start()
+    wanted = controller.fleet.control.poll()
+    try:
+        page = browser.new_page()
+        page.goto(f"http://localhost:{evil.server_address[1]}/")  # another origin, on this machine
+        outcome = page.evaluate("(target) => attack(target)", dashboard.url)
+        assert outcome["json"] == "blocked", outcome
+        origin = f"http://localhost:{evil.server_address[1]}"
+        assert ("POST", dashboard.url[7:-1], origin, 403) in recorded.seen, recorded.seen  # refused for its Origin
+
+        # DNS rebinding: rebind.test now resolves to 127.0.0.1, so its page is same-origin with the dashboard's port
+        # and may send any header, even the real token: the Host it carries names rebind.test and is refused.
+        port = dashboard.url.rsplit(":", 1)[1].strip("/")
+        page.goto(f"http://rebind.test:{port}/?token={dashboard.server.token}")
+        assert "does not name this server" in page.content()
+        status = page.evaluate(
+            """([token]) => fetch("/api/scale", { method: "POST", body: JSON.stringify({ rollout: 3 }),
+                headers: { "Content-Type": "application/json", Authorization: "Bearer " + token } }).then((r) => r.status)""",
+            [dashboard.server.token],
+        )
+        assert status == 403 and ("POST", f"rebind.test:{port}", f"http://rebind.test:{port}", 403) in recorded.seen
+        assert controller.fleet.control.poll() == wanted  # nothing reached the controller
+        page.close()
+    finally:
+        handler.guard = recorded.guard
+        evil.shutdown()
+        evil.server_close()
+
+
 def test_asyncrl_dash_on_the_finished_run_serves_the_same_rows(live_run, browser):
     controller, dashboard, thread, result = live_run
     controller.request_stop("the page test is done")
@@ -150,14 +231,15 @@ def test_asyncrl_dash_on_the_finished_run_serves_the_same_rows(live_run, browser
     run_dir = controller.cfg.output_dir
     proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "dash", run_dir, "--port", "0"], stdout=subprocess.PIPE, text=True)
     try:
-        url = proc.stdout.readline().split(": ", 1)[1].split()[0]
+        page_url = proc.stdout.readline().split(": ", 1)[1].split()[0]
+        url, token = page_url.split("?token=")
         steps = lambda reply: [r["data"] for r in reply["records"] if r["kind"] == "step"]  # noqa: E731
-        finished, live = _get(url + "api/data"), _get(dashboard.url + "api/data")
+        finished, live = _get(url + "api/data", token), _get(dashboard.url + "api/data", dashboard.server.token)
         assert finished["live"] is False and len(steps(finished)) == result["summary"]["steps"]
         assert steps(finished) == steps(live)
         assert [r["data"] for r in finished["records"] if r["kind"] == "eval"] == [r["data"] for r in live["records"] if r["kind"] == "eval"]
         page = browser.new_page()
-        page.goto(url)
+        page.goto(page_url)
         state = _wait_for(page, lambda s: s["reward"]["valued"] and s["staleness"]["valued"], timeout_s=60)
         assert state["reward"]["valued"] and state["staleness"]["valued"] and state["queue"]["valued"]
         assert page.is_hidden("#scale")  # a finished run offers no scale control

@@ -165,3 +165,41 @@ def test_agent_env_returns_the_harness_episode_scored_by_the_harness(loop, worke
     assert (good.group_id, good.sample_index, good.failure, good.truncated, len(good.turn_starts)) == (request.group_id, request.sample_index, None, True, 2)
     assert good.reward == 1.0 and good.prompt_id == "q7"
     assert bad.failure == "agent_error: RuntimeError: harness bug" and len(bad.turn_starts) == 1
+
+
+def test_an_endpoint_with_an_api_key_serves_the_openai_client_that_sends_it_and_refuses_others(loop, worker):
+    import openai
+
+    from asyncrl.rollout.openai_server import OpenAIServer
+
+    base = worker.openai
+    keyed = OpenAIServer(base.engine, base.renderer, base.sampling, base.max_model_len, "keyed")
+    url = loop.run_until_complete(keyed.start("127.0.0.1", 0, api_key="sk-run-key"))
+
+    async def calls():
+        good = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="sk-run-key", max_retries=0)
+        reply = await good.chat.completions.create(model="keyed", messages=[{"role": "user", "content": "x"}], max_tokens=3)
+        refused = []
+        for key in ("sk-wrong", ""):
+            try:
+                await openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key or "unset", max_retries=0).models.list()
+            except openai.AuthenticationError as e:
+                refused.append((e.status_code, "missing or wrong token" in str(e)))
+        return reply, refused
+
+    async def one_call(c, prompt, episode):  # the agent harness's client sends the worker's key itself
+        await c.chat.completions.create(model=episode.model, messages=[{"role": "user", "content": prompt}], max_tokens=2)
+        return 1.0
+
+    from asyncrl.rollout.openai_agent import OpenAIAgentEnv
+    from asyncrl.testing import make_prompt, make_request
+
+    try:
+        reply, refused = loop.run_until_complete(calls())
+        request = make_request(make_prompt("q1", text="1+1?", ground_truth="2"), sample_index=0)
+        harnessed = loop.run_until_complete(OpenAIAgentEnv(one_call, keyed, 60.0).rollout(request, "rollout-0"))
+    finally:
+        loop.run_until_complete(keyed.stop())
+    assert reply.choices[0].message.role == "assistant" and len(reply.choices[0].token_ids) >= 1
+    assert refused == [(401, True), (401, True)]
+    assert harnessed.failure is None and harnessed.reward == 1.0 and keyed.calls == 2

@@ -4,6 +4,8 @@
 "use strict";
 
 const POLL_MS = 2000;
+// The server embeds its token in the page it serves; every API call sends it (a cross-site page cannot read it).
+const AUTH = { Authorization: "Bearer " + document.querySelector('meta[name="asyncrl-token"]').content };
 const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777", "#4b5563"];
 const QUEUE_KEYS = ["queue/ready_groups", "queue/backlog_groups", "queue/groups_in_flight", "queue/groups_ahead"];
 
@@ -181,7 +183,7 @@ const BY_KIND = { step: run.steps, eval: run.evals, sync: run.syncs, pool: run.p
 
 async function poll() {
   try {
-    const reply = await (await fetch(`/api/data?since=${run.seq}`)).json();
+    const reply = await (await fetch(`/api/data?since=${run.seq}`, { headers: AUTH })).json();
     for (const rec of reply.records) if (BY_KIND[rec.kind]) BY_KIND[rec.kind].push(rec.data);
     run.seq = reply.seq;
     run.live = reply.live;
@@ -204,7 +206,7 @@ async function scale(event) {
   event.preventDefault();
   const n = Number(document.getElementById("scale-n").value);
   const pool = document.getElementById("scale-pool").value;
-  const reply = await fetch("/api/scale", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ [pool]: n }) });
+  const reply = await fetch("/api/scale", { method: "POST", headers: { ...AUTH, "Content-Type": "application/json" }, body: JSON.stringify({ [pool]: n }) });
   const body = await reply.json();
   const unit = pool === "learner" ? "learner rank(s)" : "rollout worker(s)";
   document.getElementById("scale-result").textContent = reply.ok ? `asked for ${body[pool]} ${unit}` : body.error;

@@ -19,12 +19,21 @@ SNAPSHOT = PoolSnapshot(
 )  # fmt: skip
 
 
-def _get(url: str) -> dict:
-    return json.loads(urllib.request.urlopen(url, timeout=10).read())
+def _server(dash):
+    return dash.server if isinstance(dash, Dashboard) else dash
 
 
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"})
+def _get(dash, path: str = "api/data") -> dict:
+    """GET with the server's token (the page's own calls send it the same way)."""
+    server = _server(dash)
+    request = urllib.request.Request(server.url + path, headers={"Authorization": f"Bearer {server.token}"})
+    return json.loads(urllib.request.urlopen(request, timeout=10).read())
+
+
+def _post(dash, body: dict, path: str = "api/scale") -> tuple[int, dict]:
+    server = _server(dash)
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {server.token}"}
+    request = urllib.request.Request(server.url + path, data=json.dumps(body).encode(), method="POST", headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=10) as reply:
             return reply.status, json.loads(reply.read())
@@ -58,34 +67,34 @@ def test_pool_point_flattens_a_snapshot_into_rates_and_fractions_over_the_run():
 def test_data_endpoint_returns_the_records_after_since_with_nan_as_null():
     dash = Dashboard("run-a", port=0)
     _feed(Telemetry([dash]))
-    everything = _get(dash.url + "api/data")
+    everything = _get(dash)
     assert everything["title"] == "run-a" and everything["live"] is True and everything["seq"] == 6
     assert [r["kind"] for r in everything["records"]] == ["phase", "step", "eval", "sync", "pool", "alarm"]
     assert everything["records"][1]["data"]["loss"] is None  # NaN is not JSON a browser can parse
-    newer = _get(dash.url + "api/data?since=4")
+    newer = _get(dash, "api/data?since=4")
     assert [(r["seq"], r["kind"]) for r in newer["records"]] == [(5, "pool"), (6, "alarm")]
-    assert _get(dash.url + "api/data?since=6")["records"] == []
-    page = urllib.request.urlopen(dash.url, timeout=10).read().decode()
-    assert "/static/uPlot.iife.min.js" in page
+    assert _get(dash, "api/data?since=6")["records"] == []
+    page = urllib.request.urlopen(dash.page_url, timeout=10).read().decode()
+    assert "/static/uPlot.iife.min.js" in page and f'content="{dash.server.token}"' in page  # the page's own calls
     assert urllib.request.urlopen(dash.url + "static/uPlot.iife.min.js", timeout=10).read().startswith(b"/*! https://github.com/leeoniya/uPlot")
     dash.server.stop()
 
 
 def test_scale_goes_to_the_controls_wanted_size_and_a_finished_run_refuses_it():
     dash = Dashboard("run-b", port=0)
-    assert _post(dash.url + "api/scale", {"rollout": 2})[0] == 409  # no controller attached yet
+    assert _post(dash, {"rollout": 2})[0] == 409  # no controller attached yet
     control = LocalControl()
     dash.scaler = control.set_size
-    assert _post(dash.url + "api/scale", {"rollout": 3}) == (200, {"rollout": 3})
+    assert _post(dash, {"rollout": 3}) == (200, {"rollout": 3})
     assert control.poll().rollout == 3 and control.poll().learner is None
-    assert _post(dash.url + "api/scale", {"learner": 2}) == (200, {"learner": 2})
+    assert _post(dash, {"learner": 2}) == (200, {"learner": 2})
     assert control.poll().rollout == 3 and control.poll().learner == 2
-    assert _post(dash.url + "api/scale", {"rollout": 0})[0] == 400
-    assert _post(dash.url + "api/scale", {"learner": 0})[0] == 400
-    assert _post(dash.url + "api/scale", {"workers": 2})[0] == 400
+    assert _post(dash, {"rollout": 0})[0] == 400
+    assert _post(dash, {"learner": 0})[0] == 400
+    assert _post(dash, {"workers": 2})[0] == 400
     dash.close({"steps": 1})
-    assert _get(dash.url + "api/data")["live"] is False
-    assert _post(dash.url + "api/scale", {"rollout": 2})[0] == 409
+    assert _get(dash)["live"] is False
+    assert _post(dash, {"rollout": 2})[0] == 409
     assert control.poll().rollout == 3
     dash.server.stop()
 
@@ -97,10 +106,10 @@ def test_a_run_folder_reads_back_as_the_same_records(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps(ROW) + "\n" + '{"step": 2, "torn')  # died mid-line
     assert load_run(tmp_path).live is False
     server = serve_run_dir(tmp_path, port=0)
-    loaded, shown = _get(server.url + "api/data"), _get(live.url + "api/data")
+    loaded, shown = _get(server), _get(live)
     assert loaded["title"] == tmp_path.name and loaded["live"] is False
     assert _untimed(loaded) == _untimed(shown) and len(shown["records"]) == 6
-    assert _post(server.url + "api/scale", {"rollout": 2})[0] == 409
+    assert _post(server, {"rollout": 2})[0] == 409
     server.stop()
     live.server.stop()
 
@@ -110,8 +119,10 @@ def test_asyncrl_dash_serves_a_run_folder_and_names_a_folder_without_metrics(tmp
     proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "dash", str(tmp_path), "--port", "0"], stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
-        url = line.split(": ", 1)[1].split()[0]
-        assert [r["data"]["reward"] for r in _get(url + "api/data")["records"]] == [0.5]
+        page_url = line.split(": ", 1)[1].split()[0]
+        url, token = page_url.split("?token=")
+        data = json.loads(urllib.request.urlopen(f"{url}api/data?token={token}", timeout=10).read())
+        assert [r["data"]["reward"] for r in data["records"]] == [0.5]
     finally:
         proc.terminate()
         proc.wait(10)
@@ -123,6 +134,76 @@ def test_a_taken_port_falls_back_to_a_free_one():
     first = Dashboard("a", port=0)
     port = int(first.url.rsplit(":", 1)[1].strip("/"))
     second = Dashboard("b", port=port)
-    assert second.url != first.url and _get(second.url + "api/data")["title"] == "b"
+    assert second.url != first.url and _get(second)["title"] == "b"
     first.server.stop()
     second.server.stop()
+
+
+def _raw(server, method: str, path: str, headers: dict, body: bytes | None = None) -> tuple[int, dict]:
+    """One request with exactly these headers (urllib adds Host and Content-Length only when not given)."""
+    request = urllib.request.Request(server.url + path, data=body, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_scale_refuses_cross_site_forged_host_tokenless_and_non_json_calls():
+    dash = Dashboard("run-c", port=0)
+    control = LocalControl()
+    dash.scaler = control.set_size
+    server, body = dash.server, json.dumps({"rollout": 4}).encode()
+    auth = {"Authorization": f"Bearer {server.token}"}
+    own = {**auth, "Content-Type": "application/json", "Origin": server.url.rstrip("/")}
+    cases = {
+        "text/plain from another site": ({"Content-Type": "text/plain", "Origin": "http://evil.example"}, 403),
+        "foreign Origin with the token": ({**own, "Origin": "http://evil.example"}, 403),
+        "forged Host (DNS rebinding)": ({**own, "Host": "evil.example:8470", "Origin": "http://evil.example:8470"}, 403),
+        "no token": ({"Content-Type": "application/json"}, 401),
+        "wrong token": ({**own, "Authorization": "Bearer " + "x" * 32}, 401),
+        "text/plain with the token": ({**auth, "Content-Type": "text/plain"}, 415),
+    }
+    for name, (headers, status) in cases.items():
+        got, reply = _raw(server, "POST", "api/scale", headers, body)
+        assert (got, control.poll().rollout) == (status, None), f"{name}: {got} {reply}"
+        assert reply["error"], name
+    assert _raw(server, "GET", "api/data", {})[0] == 401  # reading the run asks for the token too
+    assert _raw(server, "GET", "", {"Host": "evil.example"})[0] == 403
+    assert _raw(server, "POST", "api/scale", own, body) == (200, {"rollout": 4})  # the page's own call
+    assert _raw(server, "POST", "api/scale", {**own, "Host": f"localhost:{server.url.rsplit(':', 1)[1]}".rstrip("/"),
+                                             "Origin": f"http://localhost:{server.url.rsplit(':', 1)[1]}".rstrip("/")}, body)[0] == 200  # fmt: skip
+    dash.server.stop()
+
+
+def test_a_dashboard_beyond_loopback_needs_a_token_and_asyncrl_check_names_the_key(monkeypatch):
+    import pytest
+
+    from asyncrl.config import load_config
+
+    monkeypatch.delenv("ASYNCRL_DASHBOARD_TOKEN", raising=False)
+    with pytest.raises(ValueError, match="telemetry.dashboard_token"):
+        Dashboard("exposed", host="0.0.0.0", port=0)
+    with pytest.raises(ValueError, match=r"telemetry.bind_host=0.0.0.0 .* set telemetry.dashboard_token"):
+        load_config(None, ["telemetry.bind_host=0.0.0.0"])
+    assert load_config(None, ["telemetry.bind_host=0.0.0.0", "telemetry.dashboard_port=0"]).telemetry.bind_host
+    monkeypatch.setenv("ASYNCRL_DASHBOARD_TOKEN", "s3cret-from-env")
+    cfg = load_config(None, ["telemetry.bind_host=0.0.0.0"])
+    assert cfg.telemetry.resolved_dashboard_token() == "s3cret-from-env" and "s3cret" not in json.dumps(cfg.dump())  # env, not the config
+
+
+def test_the_token_is_printed_once_with_the_address_and_written_nowhere(tmp_path, capsys):
+    from asyncrl.config import load_config
+    from asyncrl.controller.records import build_telemetry
+
+    cfg = load_config(None, [f"output_dir={tmp_path / 'run'}", "telemetry.dashboard_port=0", "telemetry.progress=false"])
+    cfg.telemetry.dashboard_port = 65531  # loaded off, then on (a taken port falls back to a free one)
+    telemetry = build_telemetry(cfg)
+    (dash,) = [s for s in telemetry.sinks if isinstance(s, Dashboard)]
+    printed = capsys.readouterr().out
+    assert printed.count(dash.server.token) == 1 and f"dashboard: {dash.page_url}" in printed
+    telemetry.close({"steps": 0})
+    events = (tmp_path / "run" / "events.jsonl").read_text()
+    assert f"dashboard: {dash.url} (token on the console)" in events and dash.server.token not in events
+    assert dash.server.token not in json.dumps(_get(dash))  # nor in the page's notes
+    dash.server.stop()
