@@ -13,6 +13,7 @@ from asyncrl.config import Config
 from asyncrl.controller.best import BestPolicy
 from asyncrl.controller.fleet import Fleet
 from asyncrl.controller.records import RunState
+from asyncrl.remote import is_remote
 from asyncrl.telemetry.sinks import Telemetry
 
 if TYPE_CHECKING:
@@ -31,7 +32,9 @@ class Evaluation:
         self.evals: list[dict[str, Any]] = []
         self.eval_s = 0.0
         """Seconds spent in held-out evaluations (the loop waits for them)."""
-        self.best = BestPolicy(out, cfg.checkpoint.export_best)
+        uri = cfg.run_uri()
+        remote = (uri, cfg.storage.store()) if is_remote(uri) else None
+        self.best = BestPolicy(out, cfg.checkpoint.export_best, remote)
 
     def run(self, start: float) -> None:
         """Held-out evaluation of the policy the engines serve. Single-turn tasks: `eval.samples` completions per

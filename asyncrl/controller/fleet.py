@@ -70,7 +70,8 @@ class Fleet:
             cfg.buffer,
             batch_groups=cfg.learner.prompts_per_step,
             name=f"replay_queue-{self.out.name}",
-            log_dir=self.out,
+            log_dir=cfg.run_uri(),
+            log_store=cfg.storage.store(),
         )
         self.telemetry.phase(f"starting the learner ({cfg.learner.num_ranks} rank(s))")
         self.learner = LearnerPool.from_config(cfg, model_dir)
