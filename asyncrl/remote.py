@@ -29,6 +29,8 @@ SCHEMES = ("s3", "gs")
 """Object stores a URI may name; each needs its fsspec implementation installed (s3fs, gcsfs)."""
 _PACKAGES = {"s3": "s3fs", "gs": "gcsfs"}
 _MAX_DELAY_S = 8.0
+_SLOWEST_TRANSFER_BYTES_PER_S = 8 << 20
+"""A transfer gets `request_timeout_s` plus one second per 8 MiB before it counts as failed (and is retried)."""
 log = logging.getLogger("asyncrl.storage")
 T = TypeVar("T")
 OnRetry = Callable[[str], None] | None
@@ -70,7 +72,8 @@ class Store:
     endpoint_url: str | None = None
     """An S3-compatible server's address (MinIO, Ceph, a local test server); None: the provider's own."""
     request_timeout_s: float = 20.0
-    """Connect and read timeout of one request: a server that stopped answering is retried after this."""
+    """Longest wait for one request (a transfer: plus one second per 8 MiB): a server that stopped answering is
+    retried after this. Enforced around each operation (a PUT waiting for `100 Continue` has no socket timeout)."""
     outage_timeout_s: float = 600.0
     """How long one operation is retried (with backoff) before it fails with `StorageError`."""
 
@@ -129,6 +132,9 @@ class Store:
     # ------------------------------------------------------------------------------------------------
     # Operations (each retried)
 
+    def _timeout(self, num_bytes: int = 0) -> float:
+        return self.request_timeout_s + num_bytes / _SLOWEST_TRANSFER_BYTES_PER_S
+
     def upload(self, local: str | Path, uri: str, on_retry: OnRetry = None) -> int:
         """Copy the file or folder `local` to `uri` (a folder's files keep their relative paths); -> bytes sent."""
         local = Path(local)
@@ -137,7 +143,8 @@ class Store:
         for path in files:
             target = uri if path == local else join(uri, str(path.relative_to(local)))
             fs, remote = self.filesystem(target)
-            put = lambda fs=fs, path=path, remote=remote: fs.put_file(str(path), remote)  # noqa: E731
+            timeout = self._timeout(path.stat().st_size)
+            put = lambda fs=fs, path=path, remote=remote, t=timeout: fs.put_file(str(path), remote, timeout=t)  # noqa: E731
             self.retry("upload", target, put, on_retry)
             sent += path.stat().st_size
         return sent
@@ -146,15 +153,16 @@ class Store:
         """Copy the folder `uri` (every object under it) into `local`, which appears whole (renamed into place)."""
         local = Path(local)
         fs, root = self.filesystem(uri)
-        names = self.retry("list", uri, lambda: fs.find(root), on_retry)
-        if not names:
+        sizes = self.retry("list", uri, lambda: fs.find(root, detail=True, timeout=self._timeout()), on_retry)
+        if not sizes:
             raise FileNotFoundError(f"{uri} holds no files")
         tmp = local.with_name(local.name + f".part-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        for name in names:
+        for name, info in sizes.items():
             target = tmp / name[len(root) :].lstrip("/")
             target.parent.mkdir(parents=True, exist_ok=True)
-            get = lambda n=name, t=target: fs.get_file(n, str(t))  # noqa: E731
+            timeout = self._timeout(int(info.get("size") or 0))
+            get = lambda n=name, t=target, s=timeout: fs.get_file(n, str(t), timeout=s)  # noqa: E731
             self.retry("download", f"{uri.split('://')[0]}://{name}", get, on_retry)
         shutil.rmtree(local, ignore_errors=True)
         local.parent.mkdir(parents=True, exist_ok=True)
@@ -163,21 +171,21 @@ class Store:
 
     def exists(self, uri: str) -> bool:
         fs, path = self.filesystem(uri)
-        return bool(self.retry("check", uri, lambda: fs.exists(path)))
+        return bool(self.retry("check", uri, lambda: fs.exists(path, timeout=self._timeout())))
 
     def read_text(self, uri: str) -> str:
         fs, path = self.filesystem(uri)
-        return self.retry("read", uri, lambda: fs.cat_file(path)).decode()
+        return self.retry("read", uri, lambda: fs.cat_file(path, timeout=self._timeout())).decode()
 
     def write_text(self, uri: str, text: str, on_retry: OnRetry = None) -> None:
         fs, path = self.filesystem(uri)
-        self.retry("write", uri, lambda: fs.pipe_file(path, text.encode()), on_retry)
+        self.retry("write", uri, lambda: fs.pipe_file(path, text.encode(), timeout=self._timeout()), on_retry)
 
     def listdir(self, uri: str) -> list[str]:
         """Names directly under the folder `uri` ([] when there is none)."""
         fs, path = self.filesystem(uri)
         try:
-            entries = self.retry("list", uri, lambda: fs.ls(path, detail=False))
+            entries = self.retry("list", uri, lambda: fs.ls(path, detail=False, timeout=self._timeout()))
         except FileNotFoundError:
             return []
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
@@ -186,7 +194,7 @@ class Store:
         """Delete the folder or file `uri` (nothing when it does not exist)."""
         fs, path = self.filesystem(uri)
         try:
-            self.retry("delete", uri, lambda: fs.rm(path, recursive=True))
+            self.retry("delete", uri, lambda: fs.rm(path, recursive=True, timeout=self._timeout()))
         except FileNotFoundError:
             pass
 
@@ -195,9 +203,9 @@ class Store:
         target = join(uri, f".asyncrl-probe-{os.getpid()}-{time.time_ns()}")
         try:
             fs, path = self.filesystem(target)
-            fs.pipe_file(path, b"ok")
-            ok = fs.cat_file(path) == b"ok"
-            fs.rm(path)
+            fs.pipe_file(path, b"ok", timeout=self._timeout())
+            ok = fs.cat_file(path, timeout=self._timeout()) == b"ok"
+            fs.rm(path, timeout=self._timeout())
         except Exception as e:  # noqa: BLE001 - any failure is the answer
             return f"{type(e).__name__}: {e}"
         return None if ok else "the object read back differs from the one written"

@@ -103,7 +103,7 @@ def _reachable(key: str, uri: str, store: Store) -> str | None:
         return store.probe(uri)
     try:
         fs, path = store.filesystem(join(uri, "config.json"))
-        return None if fs.exists(path) else f"{uri} has no config.json"
+        return None if fs.exists(path, timeout=store.request_timeout_s) else f"{uri} has no config.json"
     except Exception as e:  # noqa: BLE001 - any failure is the answer
         return f"{type(e).__name__}: {e}"
 
