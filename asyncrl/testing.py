@@ -204,8 +204,8 @@ def kill_processes_with_env(marker: str, grace_s: float = 2.0) -> None:
 
 
 S3_TEST_ENV = {
-    "AWS_ACCESS_KEY_ID": "asyncrl-test",
-    "AWS_SECRET_ACCESS_KEY": "asyncrl-test",
+    "AWS_ACCESS_KEY_ID": "test-key-id",
+    "AWS_SECRET_ACCESS_KEY": "test-secret-never-written",
     "AWS_DEFAULT_REGION": "us-east-1",
 }
 """Credentials a local S3 test server accepts (any do); processes reaching it need them in their environment."""

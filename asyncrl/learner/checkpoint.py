@@ -217,9 +217,12 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 def copy_tokenizer_files(model_dir: str | Path, out_dir: str | Path) -> None:
-    """Copy every non-weight file of the source model folder (tokenizer, generation config, ...)."""
+    """Copy every non-weight file of the source model folder (tokenizer, generation config, ...); not asyncrl's
+    own markers (`.asyncrl*`: where a fetched model came from)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for src in Path(model_dir).iterdir():
+        if src.name.startswith(".asyncrl"):
+            continue
         if src.is_file() and not src.name.endswith(_WEIGHT_SUFFIXES) and not src.name.endswith(".index.json"):
             shutil.copy2(src, out_dir / src.name)
