@@ -117,12 +117,13 @@ class Store:
                 raise
             except Exception as e:  # noqa: BLE001 - botocore/aiohttp errors share no base class
                 elapsed = time.monotonic() - began
+                why = f"{type(e).__name__}: {e}" if str(e) else f"{type(e).__name__}: no answer in time"
                 if elapsed + delay > self.outage_timeout_s:
                     raise StorageError(
                         f"storage: {operation} {uri} failed for {elapsed:.0f} s (storage.outage_timeout_s = "
-                        f"{self.outage_timeout_s:g}): {type(e).__name__}: {e}"
+                        f"{self.outage_timeout_s:g}): {why}"
                     ) from e
-                message = f"storage: {operation} {uri} failed ({type(e).__name__}: {e}); retrying in {delay:g} s"
+                message = f"storage: {operation} {uri} failed ({why}); retrying in {delay:g} s"
                 log.warning(message)
                 if on_retry is not None:
                     on_retry(message)

@@ -122,7 +122,7 @@ def _read(first_run, name: str) -> str:
     return store.read_text(join(cfg.run_uri(), name))
 
 
-def test_a_storage_outage_mid_run_is_retried_logged_and_loses_nothing(first_run, tiny_model_dir):
+def test_a_storage_outage_mid_run_is_retried_logged_and_loses_nothing(first_run, tmp_path):
     """The server stopped for OUTAGE_S after the first row: the uploads waited (each failed try noted in
     events.jsonl, naming the operation and the URI), the run went on, and every file reached the server."""
     cfg, (summary, conservation, _), model_dir, store = first_run
@@ -130,7 +130,7 @@ def test_a_storage_outage_mid_run_is_retried_logged_and_loses_nothing(first_run,
     retried = [n for n in notes if n.startswith(f"storage: upload {cfg.run_uri()}/")]
     assert retried and all("retrying in" in n for n in retried), notes
     assert [json.loads(row)["step"] for row in _read(first_run, "metrics.jsonl").splitlines()] == [1, 2, 3]
-    assert json.loads(_read(first_run, "summary.json"))["steps"] == summary["steps"] == 3
+    assert summary["steps"] == 3
     assert sorted(store.listdir(join(cfg.run_uri(), "checkpoints"))) == ["step-000003"]
     import pyarrow.parquet as pq
 
@@ -139,8 +139,8 @@ def test_a_storage_outage_mid_run_is_retried_logged_and_loses_nothing(first_run,
     ) as f:
         assert pq.read_table(f).num_rows >= conservation["trained"] == 3 * 4 * 4
     # credentials come from the environment and are written nowhere
-    for name in ("config.yaml", "events.jsonl", "summary.json"):
-        assert S3_TEST_ENV["AWS_SECRET_ACCESS_KEY"] not in _read(first_run, name)
+    secret = S3_TEST_ENV["AWS_SECRET_ACCESS_KEY"].encode()
+    assert not [p for p in store.download(cfg.run_uri(), tmp_path / "all").rglob("*") if p.is_file() and secret in p.read_bytes()]
     # the model was fetched once into this node's cache, and the learner and the engine read that copy
     assert model_dir.parent.name == "shipped" and (model_dir / "config.json").is_file()
     assert sorted(p.name for p in model_dir.iterdir() if p.suffix == ".safetensors") == ["model.safetensors"]
