@@ -87,7 +87,8 @@ def _usable(paths: dict[str, str], store: Store | None) -> list[bool]:
     for key, path in paths.items():
         if is_remote(path):
             out.append(_reachable(key, path, store or Store()) is None)
-        elif key != "storage.uri":
+            continue
+        if key != "storage.uri":
             out.append(os.access(path, os.R_OK))
             continue
         existing = Path(path)

@@ -7,7 +7,7 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.controller.mirror import RunMirror
-from asyncrl.controller.preflight import _storage, local_resources
+from asyncrl.controller.preflight import _storage, _usable, local_resources
 from asyncrl.remote import Store
 
 
@@ -61,3 +61,10 @@ def test_check_probes_the_store_from_this_machine_and_names_why_it_cannot_write(
     nobody = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"endpoint_url": "http://127.0.0.1:9"})})
     (problem,) = _storage(nobody, local_resources())
     assert problem.key == "storage.uri" and problem.reason.startswith(f"{cfg.run_uri()} cannot be written: ")
+
+
+def test_each_node_answers_one_verdict_per_path(cfg, tmp_path):
+    """What `check --address` runs on every node: a remote store probed, a local folder checked, in order."""
+    store = cfg.storage.store()
+    paths = {"model.path": str(tmp_path), "storage.uri": cfg.run_uri(), "learner.reference_path": str(tmp_path / "no")}
+    assert _usable(paths, store) == [True, True, False]
