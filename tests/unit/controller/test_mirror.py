@@ -15,9 +15,15 @@ from asyncrl.remote import Store
 def cfg(s3_server, tmp_path, monkeypatch):
     monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path / "cache"))
     overrides = [f"storage.uri={s3_server.uri('mirror')}", f"storage.endpoint_url={s3_server.endpoint_url}",
-                 f"output_dir=run-{tmp_path.name}", "storage.sync_every_s=0.2", "storage.request_timeout_s=0.5",
-                 "storage.outage_timeout_s=1.5"]  # fmt: skip
+                 f"output_dir=run-{tmp_path.name}", "storage.sync_every_s=0.2", "storage.request_timeout_s=5",
+                 "storage.outage_timeout_s=60"]  # fmt: skip
     return load_config(None, overrides)
+
+
+def _impatient(cfg):
+    """`cfg` whose uploads give up after 1.5 s of outage (0.5 s per request)."""
+    storage = cfg.storage.model_copy(update={"request_timeout_s": 0.5, "outage_timeout_s": 1.5})
+    return cfg.model_copy(update={"storage": storage})
 
 
 def test_the_mirror_uploads_what_changed_and_leaves_the_writers_files_to_them(cfg):
@@ -39,7 +45,7 @@ def test_an_outage_longer_than_the_timeout_asks_the_run_to_stop_and_the_end_uplo
     out = cfg.run_dir()
     out.mkdir(parents=True)
     notes, stops = [], []
-    mirror = RunMirror(cfg, note=notes.append, stop=stops.append)
+    mirror = RunMirror(_impatient(cfg), note=notes.append, stop=stops.append)
     s3_server.pause()
     try:
         (out / "metrics.jsonl").write_text('{"step": 1}\n')
@@ -52,6 +58,7 @@ def test_an_outage_longer_than_the_timeout_asks_the_run_to_stop_and_the_end_uplo
     assert len(stops) == 1 and stops[0].startswith(f"storage: upload {cfg.run_uri()}/metrics.jsonl failed for ")
     assert stops[0].endswith(f"the run's files are kept in {out}")
     assert notes and all(n.startswith(f"storage: upload {cfg.run_uri()}/metrics.jsonl failed (") for n in notes)
+    mirror.store = cfg.storage.store()  # patient again, for a loaded machine
     mirror.finish()  # the store is back: what waited is uploaded
     assert Store(cfg.storage.endpoint_url).read_text(cfg.run_uri() + "/metrics.jsonl") == '{"step": 1}\n'
 
