@@ -119,7 +119,8 @@ def _preflight(cfg, address: str | None, placement_too: bool = True) -> int:
 
     resources = None
     if placement_too:
-        resources = cluster_resources(address, paths_every_node_reads(cfg)) if address else local_resources()
+        paths = paths_every_node_reads(cfg)
+        resources = cluster_resources(address, paths, cfg.storage.store()) if address else local_resources()
     problems = preflight(cfg, resources, placement=placement_too)
     for problem in problems:
         print(f"asyncrl check: {problem}", file=sys.stderr)

@@ -207,6 +207,64 @@ def kill_processes_with_env(marker: str, grace_s: float = 2.0) -> None:
         time.sleep(grace_s)
 
 
+S3_TEST_ENV = {
+    "AWS_ACCESS_KEY_ID": "test-key-id",
+    "AWS_SECRET_ACCESS_KEY": "test-secret-never-written",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+"""Credentials a local S3 test server accepts (any do); processes reaching it need them in their environment."""
+
+
+class S3Server:
+    """A real S3-compatible server on 127.0.0.1 (moto's standalone server, test extra `moto[server]`) in a process
+    of its own: `pause` stops it (SIGSTOP: connections hang, as with a server that stopped answering) without
+    losing its in-memory objects, `resume` continues it (SIGCONT)."""
+
+    def __init__(self, bucket: str = "asyncrl-test", start_timeout_s: float = 60.0):
+        import subprocess
+        import sys
+        import urllib.request
+
+        self.port = free_port()
+        self.endpoint_url = f"http://127.0.0.1:{self.port}"
+        self.bucket = bucket
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            try:
+                request = urllib.request.Request(f"{self.endpoint_url}/{bucket}", method="PUT")
+                urllib.request.urlopen(request, timeout=5).close()  # creates the bucket
+                return
+            except OSError as e:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"the S3 test server on port {self.port} did not start: {e}") from e
+                time.sleep(0.2)
+
+    def uri(self, *parts: str) -> str:
+        return "/".join([f"s3://{self.bucket}", *parts])
+
+    def pause(self) -> None:
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.process.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.resume()
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except Exception:  # noqa: BLE001 - a server that ignores SIGTERM is killed
+            self.process.kill()
+            self.process.wait()
+
+
 def _per_token(value: Any, length: int, dtype: type) -> np.ndarray:
     """`value` repeated `length` times when it is a scalar, else the per-token values as `dtype`."""
     if np.ndim(value) == 0:

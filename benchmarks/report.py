@@ -876,7 +876,7 @@ LAYOUT = [
     "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "weight_sync_gpu",
     "moe_routing_replay",
     "install_lock",
-    "queue_throughput", "data_scale", "algo_throughput", "fsdp_rank", "megatron", "activation_checkpointing", "activation_checkpointing_gpu", "packing",
+    "queue_throughput", "data_scale", "algo_throughput", "fsdp_rank", "megatron", "activation_checkpointing", "activation_checkpointing_gpu", "packing", "storage_checkpoint",
     "profile_before", "profile", "profile_w1_quiet", "profile_w1_quiet_after", "profile_w1_afternoon",
     "profile_w1_ungrouped_1", "profile_w1_grouped_1", "profile_w1_ungrouped_2", "profile_w1_grouped_2",
     "profile_w1_unfrozen_1", "profile_w1_frozen_1", "profile_w1_unfrozen_2", "profile_w1_frozen_2",

@@ -29,6 +29,25 @@ def tiny_model_dir(tmp_path_factory):
     return build_model("tiny-0.3m", tmp_path_factory.mktemp("tiny-model"), seed=0)
 
 
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server on 127.0.0.1 (`asyncrl.testing.S3Server`) with one bucket; its credentials are
+    put in this process's environment first, so that every Ray started afterwards (whose workers inherit it) and
+    every node a test starts reaches it. Session-wide: it starts before any module's Ray."""
+    from asyncrl.testing import S3_TEST_ENV, S3Server
+
+    saved = {key: os.environ.get(key) for key in S3_TEST_ENV}
+    os.environ.update(S3_TEST_ENV)
+    server = S3Server()
+    yield server
+    server.stop()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """One local Ray per test module (starting Ray costs ~5-8 s)."""

@@ -18,6 +18,7 @@ from asyncrl.buffer.core import ReplayQueueCore
 from asyncrl.buffer.ledger import ResponseLengths
 from asyncrl.buffer.starvation import Starvation
 from asyncrl.config import BufferConfig
+from asyncrl.remote import Store
 from asyncrl.types import Batch, Exchange, Prompt, Request, Trajectory
 
 
@@ -30,9 +31,12 @@ class ReplayQueue:
         batch_groups: int = 1,
         name: str = "replay_queue",
         log_dir: str | Path | None = None,
+        log_store: Store | None = None,
     ) -> None:
         self.name = name
-        self.core = ReplayQueueCore(config, batch_groups=batch_groups, clock=time.monotonic, log_dir=log_dir)
+        self.core = ReplayQueueCore(
+            config, batch_groups=batch_groups, clock=time.monotonic, log_dir=log_dir, log_store=log_store
+        )
         self._changed = asyncio.Event()
         self._requeues: dict[str, int] = {}
         """`requeue_worker` calls per worker name: a waiting `acquire` of that worker ends when its count moves."""

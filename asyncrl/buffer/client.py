@@ -16,6 +16,7 @@ from asyncrl.buffer.actor import ReplayQueue
 from asyncrl.buffer.ledger import ResponseLengths
 from asyncrl.buffer.starvation import Starvation
 from asyncrl.config import BufferConfig
+from asyncrl.remote import Store
 from asyncrl.types import Batch, Prompt
 
 
@@ -125,10 +126,12 @@ def start_replay_queue(
     batch_groups: int = 1,
     name: str = "replay_queue",
     log_dir: str | Path | None = None,
+    log_store: Store | None = None,
     num_cpus: float = 0,
     timeouts: QueueTimeouts = QueueTimeouts(),
 ) -> QueueClient:
-    """Start the queue as a named async Ray actor; returns its client (`.handle` is the actor)."""
+    """Start the queue as a named async Ray actor; returns its client (`.handle` is the actor). `log_dir` (the
+    trajectory log's folder) may be an object-store URI, reached with `log_store`."""
     import ray
 
     actor_cls = ray.remote(ReplayQueue)
@@ -137,5 +140,6 @@ def start_replay_queue(
         batch_groups=batch_groups,
         name=name,
         log_dir=str(log_dir) if log_dir is not None else None,
+        log_store=log_store,
     )
     return QueueClient(handle, name, timeouts)

@@ -63,7 +63,7 @@ __all__ = ["ConservationError", "Member", "MemberState", "ReplayQueueCore"]
 
 class ReplayQueueCore(GroupBook):
     """Admission, readiness, filters, staleness check and conservation counters of the replay queue, on the
-    books of `groups.GroupBook` (its constructor: config, batch_groups, clock, log_dir).
+    books of `groups.GroupBook` (its constructor: config, batch_groups, clock, log_dir, log_store).
     """
 
     # ------------------------------------------------------------------------------------------------

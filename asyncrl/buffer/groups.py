@@ -24,6 +24,7 @@ from asyncrl.buffer.ledger import Ledger
 from asyncrl.buffer.starvation import READY as READY_OUTCOME
 from asyncrl.buffer.starvation import GroupOutcomes
 from asyncrl.config import BufferConfig
+from asyncrl.remote import Store
 from asyncrl.types import DROPPED_STALE, STALE_FAILURE, TRAINED, Group, Prompt, Trajectory
 
 __all__ = ["ARRIVED", "DONE", "OUT", "PENDING", "READY", "GroupBook", "GroupState", "Member", "MemberState"]
@@ -103,7 +104,8 @@ class GroupBook:
 
     `clock` (seconds) times straggler deadlines and put-to-get latency; tests pass a fake one. With
     `config.log_parquet` and a `log_dir`, every trajectory that reached the queue is appended with its
-    terminal state to `<log_dir>/trajectories.parquet` (samples that never came back have no row).
+    terminal state to `<log_dir>/trajectories.parquet` (samples that never came back have no row); `log_dir` may be
+    an object-store URI (`log_store` reaches it): the log is written locally and uploaded when it closes.
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class GroupBook:
         batch_groups: int = 1,
         clock: Callable[[], float] = time.monotonic,
         log_dir: str | Path | None = None,
+        log_store: Store | None = None,
     ) -> None:
         if batch_groups < 1:
             raise ValueError(f"batch_groups must be >= 1 (got {batch_groups})")
@@ -144,7 +147,7 @@ class GroupBook:
         if config.log_parquet and log_dir is not None:
             from asyncrl.buffer.storage import TrajectoryLog, next_log_path
 
-            self._log = TrajectoryLog(next_log_path(log_dir))
+            self._log = TrajectoryLog(*next_log_path(log_dir, log_store), store=log_store)
 
     # ------------------------------------------------------------------------------------------------
     # Arrivals.

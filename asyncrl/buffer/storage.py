@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from asyncrl.remote import Store, is_remote, join, staging
 from asyncrl.types import Trajectory
 
 _TOKEN_COLUMNS: dict[str, np.dtype] = {
@@ -119,26 +120,32 @@ def _column_or_default(batch: pa.RecordBatch, name: str) -> list:
     return [list(default) if isinstance(default, list) else default for _ in range(batch.num_rows)]
 
 
-def next_log_path(output_dir: str | Path) -> Path:
-    """`<output_dir>/trajectories.parquet`, or `trajectories.<n>.parquet` when a resumed run finds it taken."""
-    folder = Path(output_dir)
-    path = folder / "trajectories.parquet"
-    n = 1
-    while path.exists():
-        path = folder / f"trajectories.{n}.parquet"
-        n += 1
-    return path
+def next_log_path(output_dir: str | Path, store: Store | None = None) -> tuple[Path, str | None]:
+    """-> (`<output_dir>/trajectories.parquet`, or `trajectories.<n>.parquet` when a resumed run finds it taken;
+    where it is uploaded). `output_dir` may be an object-store URI: the log is written in this node's staging copy
+    of it and uploaded to the URI."""
+    remote = is_remote(output_dir)
+    folder = staging(str(output_dir)) if remote else Path(output_dir)
+    taken = set((store or Store()).listdir(str(output_dir))) if remote else set()
+    name, n = "trajectories.parquet", 1
+    while (folder / name).exists() or name in taken:
+        name, n = f"trajectories.{n}.parquet", n + 1
+    return folder / name, join(str(output_dir), name) if remote else None
 
 
 class TrajectoryLog:
     """Append-only Parquet log of trajectories with their fate, written in row groups of `rows_per_chunk`.
 
     Parquet files cannot be appended to once closed: a resumed run gets the next free name
-    (`next_log_path`). Rows buffered in memory are written by `flush()` and `close()`.
+    (`next_log_path`). Rows buffered in memory are written by `flush()` and `close()`; with `upload_to` (an
+    object-store URI) `close()` uploads the finished file there (`store` reaches it).
     """
 
-    def __init__(self, path: str | Path, rows_per_chunk: int = 4096) -> None:
+    def __init__(
+        self, path: str | Path, upload_to: str | None = None, rows_per_chunk: int = 4096, store: Store | None = None
+    ) -> None:
         self.path = Path(path)
+        self.upload_to, self.store = upload_to, store
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rows_per_chunk = rows_per_chunk
         self.rows_written = 0
@@ -167,3 +174,5 @@ class TrajectoryLog:
         self.flush()
         self._writer.close()
         self._writer = None
+        if self.upload_to is not None:
+            (self.store or Store()).upload(self.path, self.upload_to)

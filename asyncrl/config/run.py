@@ -21,6 +21,7 @@ from asyncrl.config.model import DataConfig, ModelConfig
 from asyncrl.config.observe import EvalConfig, TelemetryConfig
 from asyncrl.config.rollout import EnvConfig, RolloutConfig, ToolsConfig
 from asyncrl.redaction import redact
+from asyncrl.remote import Store, is_remote, join, staging
 
 
 class CheckpointConfig(Section):
@@ -46,11 +47,12 @@ class ClusterConfig(Section):
 
 
 class StorageConfig(Section):
-    """Where a run's files go. Every node that writes them (the driver, learner rank 0, the replay queue)
-    must see the same folder on a multi-node cluster."""
+    """Where a run's files go (docs/storage.md). Every node that writes them (the driver, learner ranks, the
+    replay queue) must reach the same place on a multi-node cluster: a mounted folder or an object store."""
 
     uri: str | None = None
-    """A folder every node mounts (NFS, a Kubernetes volume; `file://` URIs too): the run directory becomes
+    """A folder every node mounts (NFS, a Kubernetes volume; `file://` URIs too) or an object store
+    (`s3://bucket/prefix`, `gs://bucket/prefix`; credentials from the environment): the run directory becomes
     `<uri>/<output_dir>` (checkpoints, final_model, metrics.jsonl, summary.json, trajectories). None = the
     local `output_dir`, as on one machine."""
     mode: Literal["private", "group", "world"] = "private"
@@ -67,14 +69,41 @@ class StorageConfig(Section):
     def file_mode(self) -> int:
         return self.folder_mode & 0o666
 
+    endpoint_url: str | None = None
+    """An S3-compatible server's address for `s3://` URIs (MinIO, Ceph; `AWS_ENDPOINT_URL` works too); None =
+    AWS itself. Credentials never go here: they come from each node's environment (`AWS_*`)."""
+    sync_every_s: float = Field(10.0, gt=0)
+    """With an object store: how often the driver uploads what changed in its local copy of the run folder
+    (metrics.jsonl, events.jsonl, ...); everything is uploaded again at the end of the run."""
+    request_timeout_s: float = Field(20.0, gt=0)
+    """With an object store: connect and read timeout of one request (a server that stopped answering)."""
+    outage_timeout_s: float = Field(600.0, gt=0)
+    """With an object store: how long a write is retried (with backoff, each failure logged) before it fails.
+    A background upload that fails this long stops the run with a checkpoint (kept locally when it cannot be
+    uploaded either); a checkpoint, export or final upload that fails this long fails the run, naming the
+    local copy that holds what was not uploaded."""
+
     @model_validator(mode="after")
-    def _filesystem_only(self) -> StorageConfig:
+    def _supported(self) -> StorageConfig:
+        from asyncrl.remote import SCHEMES
+
         scheme = self.uri.split("://", 1)[0] if self.uri and "://" in self.uri else None
-        if scheme not in (None, "file"):
+        if scheme not in (None, "file", *SCHEMES):
             raise ValueError(
-                f"storage.uri {self.uri!r}: only mounted folders (a path or file://) are supported, not {scheme}://"
+                f"storage.uri {self.uri!r}: a path, file://, s3:// or gs:// URI is supported, not {scheme}://"
             )
+        for key, value in (("storage.uri", self.uri), ("storage.endpoint_url", self.endpoint_url)):
+            if value and "@" in value.split("://", 1)[-1].split("/", 1)[0]:
+                raise ValueError(f"{key}: no credentials in the URI; set them in the environment (AWS_* variables)")
+        if self.endpoint_url and not self.endpoint_url.startswith(("http://", "https://")):
+            raise ValueError(f"storage.endpoint_url {self.endpoint_url!r}: an http:// or https:// address")
+        if scheme in SCHEMES and self.uri and len(self.uri.split("://", 1)[1].strip("/")) == 0:
+            raise ValueError(f"storage.uri {self.uri!r} names no bucket")
         return self
+
+    def store(self) -> Store:
+        """How the run's processes talk to the object store (`asyncrl.remote.Store`)."""
+        return Store(self.endpoint_url, self.request_timeout_s, self.outage_timeout_s)
 
 
 class ChaosConfig(Section):
@@ -207,11 +236,20 @@ class Config(Section):
             )
 
     def run_dir(self) -> Path:
-        """The run's folder: `output_dir`, under `storage.uri` when one is set."""
+        """The run's folder on this machine: `output_dir`, under `storage.uri` when one is set (with an object
+        store: this node's staging copy of `run_uri()`, which the run uploads)."""
         if self.storage.uri is None:
             return Path(self.output_dir)
+        if is_remote(self.storage.uri):
+            return staging(self.run_uri())
         root = self.storage.uri.removeprefix("file://")
         return Path(root) / self.output_dir.lstrip("/")
+
+    def run_uri(self) -> str:
+        """Where the run's files end up: `<storage.uri>/<output_dir>` on an object store, else `run_dir()`."""
+        if self.storage.uri is not None and is_remote(self.storage.uri):
+            return join(self.storage.uri, self.output_dir)
+        return str(self.run_dir())
 
     def dump(self) -> dict[str, Any]:
         """Every value, secrets included: what a submitted job needs. Files and trackers get `public_dump`."""

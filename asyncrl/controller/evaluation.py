@@ -17,6 +17,7 @@ from asyncrl.config import Config
 from asyncrl.controller.best import BestPolicy
 from asyncrl.controller.fleet import Fleet
 from asyncrl.controller.records import RunState
+from asyncrl.remote import is_remote, join
 from asyncrl.telemetry.sinks import Telemetry
 
 if TYPE_CHECKING:
@@ -65,8 +66,10 @@ class Evaluation:
         """Evaluations dropped in flight (a stop)."""
         self.publishes_deferred = 0
         """Weight publications held back while an evaluation ran (`defer_publish`)."""
-        self.best = BestPolicy(out, cfg.checkpoint.export_best)
-        self.candidate = out / "best_model.candidate"
+        uri = cfg.run_uri()
+        remote = (uri, cfg.storage.store()) if is_remote(uri) else None
+        self.best = BestPolicy(out, cfg.checkpoint.export_best, remote)
+        self.candidate: str | Path = join(uri, "best_model.candidate") if remote else out / "best_model.candidate"
         """Where a non-blocking evaluation's policy is exported when it starts (`checkpoint.export_best`)."""
 
     def run(self, start: float) -> None:
@@ -91,7 +94,7 @@ class Evaluation:
         if waited or self.cfg.eval.blocking:
             pending.export = self.fleet.learner.export_hf if state.learner_at_version else None
         elif self.cfg.checkpoint.export_best and state.learner_at_version:
-            shutil.rmtree(self.candidate, ignore_errors=True)
+            self._remove_candidate()
             self.fleet.learner.export_hf(self.candidate)
             pending.export = self._move_candidate
             pending.waited_s = time.perf_counter() - began
@@ -115,7 +118,7 @@ class Evaluation:
         exporting = time.perf_counter()
         if self.best.offer(record, pending.export) and self.best.record is not None and self.best.record["exported"]:
             record["best_export_s"] = round(time.perf_counter() - exporting, 2)
-        shutil.rmtree(self.candidate, ignore_errors=True)
+        self._remove_candidate()
         self.pending, ended = None, time.perf_counter()
         pending.waited_s = ended - pending.began if whole else pending.waited_s + ended - waiting
         record |= {
@@ -144,10 +147,21 @@ class Evaluation:
         if self.pending is not None:
             self.telemetry.note(f"evaluation of version {self.pending.record['version']} dropped: the run stops")
             self.pending, self.dropped = None, self.dropped + 1
-            shutil.rmtree(self.candidate, ignore_errors=True)
+            self._remove_candidate()
 
-    def _move_candidate(self, folder: Path) -> None:
-        self.candidate.rename(folder)
+    def _move_candidate(self, folder: str | Path) -> None:
+        if self.best.remote is not None:  # the learner exported the candidate to the object store (`BestPolicy`)
+            store = self.best.remote[1]
+            store.remove(str(folder))
+            store.move(str(self.candidate), str(folder))
+        else:
+            Path(self.candidate).rename(folder)
+
+    def _remove_candidate(self) -> None:
+        if self.best.remote is not None:
+            self.best.remote[1].remove(str(self.candidate))
+        else:
+            shutil.rmtree(self.candidate, ignore_errors=True)
 
     def _dispatch(self) -> SpreadCall:
         from asyncrl.envs.base import is_multi_turn

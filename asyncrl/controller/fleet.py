@@ -95,7 +95,8 @@ class Fleet:
             cfg.buffer,
             batch_groups=cfg.learner.prompts_per_step,
             name=f"replay_queue-{self.out.name}",
-            log_dir=self.out,
+            log_dir=cfg.run_uri(),
+            log_store=cfg.storage.store(),
         )
         self.telemetry.phase(f"starting the learner ({cfg.learner.num_ranks} rank(s))")
         self.learner = LearnerPool.from_config(cfg, model_dir)
@@ -290,7 +291,7 @@ class Fleet:
             return None
         return ranks, at
 
-    def reform_learner(self, ranks: int, folder: Path, version: int) -> str | None:
+    def reform_learner(self, ranks: int, folder: str | Path, version: int) -> str | None:
         """Replace the learner pool by one of `ranks` ranks restored from the checkpoint `folder` (re-sharded)
         and point the weight sync at it; the rollout pool and the queue are not touched. A size the config
         refuses changes nothing; a pool that cannot start (no room for its ranks) is replaced by one of the old

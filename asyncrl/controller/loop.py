@@ -23,8 +23,10 @@ from asyncrl.config import Config
 from asyncrl.controller.evaluation import Evaluation
 from asyncrl.controller.faults import poison_batch
 from asyncrl.controller.fleet import Fleet
+from asyncrl.controller.mirror import RunMirror
 from asyncrl.controller.records import Records, RunState, build_telemetry
 from asyncrl.envs.parquet import ParquetPrompts
+from asyncrl.remote import is_remote, join
 from asyncrl.telemetry.alarms import Alarms
 from asyncrl.telemetry.dashboard import Dashboard
 from asyncrl.telemetry.sinks import AlarmEvent, SyncEvent, Telemetry
@@ -74,6 +76,12 @@ class Controller:
         self.alarms = Alarms(cfg.telemetry.alarms, self.telemetry, self.request_stop)
         self.fleet.stop_run = self.request_stop
         self.telemetry.sinks.append(self.alarms)
+        self.mirror: RunMirror | None = None
+        """Uploads the driver's files when the run folder is on an object store (the last sink: its close
+        uploads what the others wrote last)."""
+        if cfg.storage.uri is not None and is_remote(cfg.storage.uri):
+            self.mirror = RunMirror(cfg, self.telemetry.note, self.request_stop)
+            self.telemetry.sinks.append(self.mirror)
         for sink in self.telemetry.sinks:
             if isinstance(sink, Dashboard):
                 sink.scaler = self.fleet.request_scale
@@ -97,6 +105,8 @@ class Controller:
         from asyncrl.envs.data import eval_prompts, probe_prompt, train_stream
 
         cfg = self.cfg
+        if self.mirror is not None:
+            self.mirror.start()
         self.telemetry.phase("loading the tokenizer and prompts")
         tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.prompts = train_stream(cfg, tokenizer)
@@ -112,11 +122,16 @@ class Controller:
         self.fleet.rollout.start_generation()
 
     def shutdown(self) -> None:
-        """Stop every part (`Fleet.shutdown`), then give the run's files `storage.mode`'s modes."""
+        """Stop every part (`Fleet.shutdown`), upload what the driver wrote (`RunMirror.finish`), then give the
+        run's files `storage.mode`'s modes."""
         try:
             self.fleet.shutdown()
         finally:
-            self.cfg.seal_run_dir()
+            try:
+                if self.mirror is not None:
+                    self.mirror.finish()
+            finally:
+                self.cfg.seal_run_dir()
 
     # ------------------------------------------------------------------------------------------------
     # The loop (one screen)
@@ -344,12 +359,12 @@ class Controller:
     # ------------------------------------------------------------------------------------------------
     # Checkpoint and resume
 
-    def _checkpoint(self, export: bool = True) -> Path:
+    def _checkpoint(self, export: bool = True) -> str | Path:
         """Write `checkpoints/step-NNNNNN` (and, with `checkpoint.export_hf` and `export`, the HF model); -> the
         folder."""
         self._close_sync()  # the queue's version and the engines agree with the checkpointed learner
         state, fleet = self.state, self.fleet
-        folder = self.records.out / "checkpoints" / f"step-{state.step:06d}"
+        folder = self._location("checkpoints", f"step-{state.step:06d}")
         extra = {
             "step": state.step,
             "version": state.version,
@@ -362,7 +377,7 @@ class Controller:
         }
         fleet.learner.save_checkpoint(folder, state.version, extra)
         if export and self.cfg.checkpoint.export_hf:
-            fleet.learner.export_hf(self.records.out / "final_model")
+            fleet.learner.export_hf(self._location("final_model"))
         return folder
 
     # ------------------------------------------------------------------------------------------------
@@ -420,17 +435,30 @@ class Controller:
         """A Parquet stream's position (epoch, rows read, prompts dropped); None for the generated tasks."""
         return self.prompts.state_dict() if isinstance(self.prompts, ParquetPrompts) else None
 
-    def _resume(self, where: str) -> None:
-        from asyncrl.learner.checkpoint import STATE_FILE
+    def _location(self, *parts: str) -> str | Path:
+        """A place in the run folder the learner writes: a path, or a URI in an object store."""
+        uri = self.cfg.run_uri()
+        return join(uri, *parts) if is_remote(uri) else self.records.out.joinpath(*parts)
 
-        folder, out, state = Path(where), self.records.out, self.state
-        if where == "latest":  # the newest complete one: a checkpoint cut short by a crash has no state file
-            folders = sorted(f for f in (out / "checkpoints").glob("step-*") if (f / STATE_FILE).is_file())
-            if not folders:
-                raise FileNotFoundError(
-                    f"checkpoint.resume_from=latest: no complete checkpoint under {out / 'checkpoints'}"
-                )
-            folder = folders[-1]
+    def _latest_checkpoint(self) -> str | Path:
+        """The newest complete checkpoint of this run folder: one cut short by a crash has no state file."""
+        from asyncrl.learner.checkpoint import STATE_FILE, is_complete
+
+        where = self._location("checkpoints")
+        folders: list[str | Path]
+        if isinstance(where, str):
+            store = self.cfg.storage.store()
+            names = [n for n in reversed(store.listdir(where)) if n.startswith("step-")]
+            folders = [uri for uri in (join(where, n) for n in names) if is_complete(uri, store)]
+        else:
+            folders = [f for f in sorted(where.glob("step-*"), reverse=True) if (f / STATE_FILE).is_file()]
+        if not folders:
+            raise FileNotFoundError(f"checkpoint.resume_from=latest: no complete checkpoint under {where}")
+        return folders[0]
+
+    def _resume(self, where: str) -> None:
+        state = self.state
+        folder = self._latest_checkpoint() if where == "latest" else where if is_remote(where) else Path(where)
         restored = self.fleet.learner.load_checkpoint(folder)
         extra = restored.extra
         state.step, state.version = restored.step, restored.version

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from asyncrl.cluster.calls import named_get
 from asyncrl.config import Config
+from asyncrl.remote import Store, is_remote, join
 
 ROWS_CHECKED = 64
 """Rows of each Parquet file whose nested layout is checked (the schema is checked for the whole file), and rows
@@ -44,6 +45,8 @@ class Resources:
     """Local runs start Ray with as many CPU slots as the pools ask for (CPU is a scheduling label there)."""
     unreadable: dict[str, list[str]] = field(default_factory=dict)
     """Path -> the nodes (id prefixes) that cannot use it (probed on a cluster; empty on this machine)."""
+    probed: bool = False
+    """Whether `unreadable` was probed on every node (a cluster); else the checks probe from this machine."""
 
     def total(self, resource: str) -> float:
         return sum(node.get(resource, 0.0) for node in self.nodes)
@@ -57,7 +60,7 @@ def local_resources() -> Resources:
     return Resources("this machine", [{"CPU": float(os.cpu_count() or 1), "GPU": float(gpus)}], cpus_oversubscribe=True)
 
 
-def cluster_resources(address: str, paths: dict[str, str] | None = None) -> Resources:
+def cluster_resources(address: str, paths: dict[str, str] | None = None, store: Store | None = None) -> Resources:
     """Alive nodes of the Ray cluster at `address` and which of them cannot use `paths` (config key -> path,
     `paths_every_node_reads`); connects as a driver and runs one tiny task per node, starts no actor."""
     import ray
@@ -70,16 +73,21 @@ def cluster_resources(address: str, paths: dict[str, str] | None = None) -> Reso
     ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
     try:
         alive = [n for n in ray.nodes() if n.get("Alive")]
-        unreadable = _probe_paths([n["NodeID"] for n in alive], paths or {})
+        unreadable = _probe_paths([n["NodeID"] for n in alive], paths or {}, store=store)
     finally:
         ray.shutdown()
-    return Resources(f"the cluster at {address}", [dict(n["Resources"]) for n in alive], unreadable=unreadable)
+    nodes = [dict(n["Resources"]) for n in alive]
+    return Resources(f"the cluster at {address}", nodes, unreadable=unreadable, probed=True)
 
 
-def _usable(paths: dict[str, str]) -> list[bool]:
-    """Runs on each node: the model folder is readable; the storage folder is writable, or can be created."""
+def _usable(paths: dict[str, str], store: Store | None) -> list[bool]:
+    """Runs on each node: the model folder is readable; the storage folder is writable, or can be created; on an
+    object store: a model's config.json can be read, and the run folder can be written (one try each)."""
     out = []
     for key, path in paths.items():
+        if is_remote(path):
+            out.append(_reachable(key, path, store or Store()) is None)
+            continue
         if key != "storage.uri":
             out.append(os.access(path, os.R_OK))
             continue
@@ -90,7 +98,20 @@ def _usable(paths: dict[str, str]) -> list[bool]:
     return out
 
 
-def _probe_paths(node_ids: list[str], paths: dict[str, str], timeout_s: float = 60.0) -> dict[str, list[str]]:
+def _reachable(key: str, uri: str, store: Store) -> str | None:
+    """Why this process cannot use the object-store URI `uri` (one try, no retries), or None."""
+    if key == "storage.uri":
+        return store.probe(uri)
+    try:
+        fs, path = store.filesystem(join(uri, "config.json"))
+        return None if fs.exists(path, timeout=store.request_timeout_s) else f"{uri} has no config.json"
+    except Exception as e:  # noqa: BLE001 - any failure is the answer
+        return f"{type(e).__name__}: {e}"
+
+
+def _probe_paths(
+    node_ids: list[str], paths: dict[str, str], timeout_s: float = 60.0, store: Store | None = None
+) -> dict[str, list[str]]:
     """Path -> ids (8 characters) of the nodes where it cannot be used."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -99,7 +120,9 @@ def _probe_paths(node_ids: list[str], paths: dict[str, str], timeout_s: float = 
         return {}
     probe = ray.remote(_usable)
     refs = [
-        probe.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(paths)
+        probe.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(
+            paths, store
+        )
         for n in node_ids
     ]
     unreadable: dict[str, list[str]] = {}
@@ -116,7 +139,8 @@ def paths_every_node_reads(cfg: Config) -> dict[str, str]:
     paths = {
         "model.path": cfg.model.path,
         "learner.reference_path": cfg.learner.reference_path,
-        "storage.uri": cfg.storage.uri and cfg.storage.uri.removeprefix("file://"),
+        "storage.uri": cfg.storage.uri
+        and (cfg.run_uri() if is_remote(cfg.storage.uri) else cfg.storage.uri.removeprefix("file://")),
     }
     return {key: path for key, path in paths.items() if path}
 
@@ -124,8 +148,9 @@ def paths_every_node_reads(cfg: Config) -> dict[str, str]:
 def preflight(cfg: Config, resources: Resources | None = None, placement: bool = True) -> list[Problem]:
     """Every problem found, in config order; an empty list means the job can start. `placement=False` leaves
     the resources and shared paths to the cluster that runs the job (`asyncrl submit`)."""
-    problems = [*_model(cfg), *_engine(cfg), *_data(cfg), *_reward(cfg), *_env(cfg), *_resume(cfg)]
-    problems += [*_routing_replay(cfg), *_reference(cfg), *_rank_memory(cfg), *_megatron(cfg)]
+    fetched, problems = _fetched_model(cfg)
+    problems += [*_model(fetched), *_engine(fetched), *_data(fetched), *_reward(cfg), *_env(cfg), *_resume(cfg)]
+    problems += [*_routing_replay(fetched), *_reference(fetched), *_rank_memory(fetched), *_megatron(fetched)]
     if placement:
         resources = resources or local_resources()
         problems += [*_placement(cfg, resources), *_storage(cfg, resources)]
@@ -146,6 +171,8 @@ def _megatron(cfg: Config) -> list[Problem]:
         problems.append(
             Problem("learner.training_backend", "megatron needs megatron-core: pip install 'asyncrl[megatron]'")
         )
+    if is_remote(cfg.storage.uri):
+        problems.append(Problem("storage.uri", "megatron checkpoints need a mounted folder, not an object store (yet)"))
     config = _model_shape(cfg)
     if config is None:
         return problems  # an unreadable model folder is reported by `_model`
@@ -182,6 +209,22 @@ def _model_shape(cfg: Config) -> dict | None:
     return config if isinstance(config, dict) else None
 
 
+def _fetched_model(cfg: Config) -> tuple[Config, list[Problem]]:
+    """A `model.path` on an object store is fetched into this machine's cache (as the run does), and the checks of
+    the model folder read that copy: -> (the config they check, a problem when it cannot be fetched)."""
+    if not is_remote(cfg.model.path):
+        return cfg, []
+    from asyncrl.models.shipping import fetch
+
+    try:
+        local = fetch(str(cfg.model.path), cfg.storage.store())
+    except (OSError, ValueError) as e:
+        return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": None})}), [
+            Problem("model.path", f"cannot fetch {cfg.model.path}: {e}")
+        ]
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(local)})}), []
+
+
 def _rank_memory(cfg: Config) -> list[Problem]:
     """`learner.rank_memory_gb` holds each rank's train state at `learner.num_ranks` (a `model.path` folder; a preset
     is checked when the learner starts, once it is built)."""
@@ -201,7 +244,8 @@ def _rank_memory(cfg: Config) -> list[Problem]:
 
 def _storage(cfg: Config, resources: Resources) -> list[Problem]:
     """On a cluster, paths actors open must be readable on every node, and a multi-node run needs a shared
-    run directory (learner rank 0 and the replay queue write into it from their own nodes)."""
+    run directory (learner rank 0 and the replay queue write into it from their own nodes): a mounted folder or
+    an object store. Without a cluster to probe, an object store is probed from this machine."""
     problems = [
         Problem(
             key,
@@ -211,13 +255,20 @@ def _storage(cfg: Config, resources: Resources) -> list[Problem]:
         for key, path in paths_every_node_reads(cfg).items()
         if path in resources.unreadable
     ]
+    if not resources.probed:
+        store = cfg.storage.store()
+        for key, path in paths_every_node_reads(cfg).items():
+            reason = _reachable(key, path, store) if is_remote(path) else None
+            if reason is not None:
+                verb = "written" if key == "storage.uri" else "read"
+                problems.append(Problem(key, f"{path} cannot be {verb}: {reason}"))
     if len(resources.nodes) > 1 and cfg.storage.uri is None:
         problems.append(
             Problem(
                 "storage.uri",
-                f"{resources.where} has {len(resources.nodes)} nodes: set it to a folder every node mounts "
-                "(checkpoints, final_model and trajectories are written on the nodes of the learner and the "
-                "replay queue)",
+                f"{resources.where} has {len(resources.nodes)} nodes: set it to a folder every node mounts or an "
+                "object store (s3://, gs://) every node reaches (checkpoints, final_model and trajectories are "
+                "written on the nodes of the learner and the replay queue)",
             )
         )
     return problems
@@ -491,7 +542,12 @@ def _resume(cfg: Config) -> list[Problem]:
     where = cfg.checkpoint.resume_from
     if where is None or where == "latest":
         return []
-    from asyncrl.learner.checkpoint import STATE_FILE
+    from asyncrl.learner.checkpoint import STATE_FILE, is_complete
+
+    if is_remote(where):
+        if is_complete(where, cfg.storage.store()):
+            return []
+        return [Problem("checkpoint.resume_from", f"{where} is not a complete checkpoint (no {STATE_FILE})")]
 
     folder = Path(where)
     if not (folder / STATE_FILE).is_file():

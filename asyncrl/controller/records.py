@@ -36,8 +36,11 @@ if TYPE_CHECKING:
 def build_telemetry(cfg: Config) -> Telemetry:
     """The run's sinks, built before anything slow starts so that every start-up phase is shown; the
     dashboard's address is the first thing printed."""
+    from asyncrl.controller.mirror import pull_run_files
+
     t = cfg.telemetry
     out = cfg.make_run_dir()
+    pull_run_files(cfg)  # a run resumed from an object store appends to its predecessor's files
     sinks: list[Sink] = [
         Progress(enabled=t.progress, every_steps=t.log_every_steps, max_steps=cfg.learner.max_steps),
         RunMetrics(t.prometheus_port, cfg.algorithm.resolved_names()["correction"], t.bind_host),

@@ -1,4 +1,5 @@
-"""The model directory a run starts from: the user's `model.path` as is, or a preset built and, for the
+"""The model directory a run starts from: the user's `model.path` as is (fetched into the cache when it is on an
+object store), or a preset built and, for the
 built-in `add` and `calc` tasks, supervised warm-started (`asyncrl.envs.warm_start`) once and cached under
 $ASYNCRL_CACHE. The cache key is the warm start's whole specification, so a changed setting builds anew.
 """
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from asyncrl.models import PRESETS, build_model, cache_root, file_lock
 from asyncrl.models.tokenizer import refresh_saved_tokenizer
+from asyncrl.remote import is_remote
 
 WARM_STARTED_TASKS = ("add", "calc")
 """Built-in tasks with a supervised warm start (`add`: `warm_start`; `calc`: `warm_start_calc`)."""
@@ -21,6 +23,11 @@ def ensure_model(cfg, report: Callable[[str], None] | None = None) -> Path:
     """The model directory for a config: `model.path`, or a cached (warm-started) preset. `report` is told what
     it does (a first warm start takes minutes, and a user should see it progress)."""
     report = report or (lambda _text: None)
+    if is_remote(cfg.model.path):
+        from asyncrl.models.shipping import fetch
+
+        report(f"fetching model {cfg.model.path} (once per node)")
+        return fetch(cfg.model.path, cfg.storage.store())
     if cfg.model.path:
         path = Path(cfg.model.path)
         if not (path / "config.json").exists():

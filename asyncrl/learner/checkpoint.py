@@ -10,7 +10,9 @@ Layout of a checkpoint folder (written by `LearnerPool.save_checkpoint`):
 
 DCP stores sharded tensors with their global layout, so a checkpoint loads into a pool with another
 number of ranks (RNG states are then restored only for the ranks that existed). All ranks write into
-the same folder: on several nodes it must be a shared file system.
+the same folder: on several nodes a shared file system, or an object store (`s3://`, `gs://`): there each
+rank writes its own files into a node-local staging folder and uploads them (`asyncrl.remote`), the driver
+uploads `extra.json` and then the marker, and a loading rank downloads the shards first.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 from torch import nn
+
+from asyncrl.remote import Store, is_remote, join, staging
 
 __all__ = [
     "STATE_FILE",
@@ -90,25 +94,45 @@ def _set_rng_state(rng: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(rng["cuda"])
 
 
-def save_train_state(folder: str | Path, state: TrainState, rank: int, step: int) -> None:
-    """Collective: every rank calls it. Writes the DCP shards and this rank's RNG/scheduler file."""
+def save_train_state(folder: str | Path, state: TrainState, rank: int, step: int, store: Store | None = None) -> None:
+    """Collective: every rank calls it. Writes the DCP shards and this rank's RNG/scheduler file; into an object
+    store (`folder` a URI), each rank writes its own files in a staging folder of its own and uploads them (DCP's
+    metadata names the shard files relative to the folder, so they meet in one remote folder)."""
     import torch.distributed.checkpoint as dcp
 
-    path = Path(folder) / _DCP_DIR
+    remote = is_remote(folder)
+    root = staging(str(folder)).with_name(f"{staging(str(folder)).name}.rank-{rank}") if remote else Path(folder)
+    path = root / _DCP_DIR
+    if remote:
+        shutil.rmtree(root, ignore_errors=True)
     path.mkdir(parents=True, exist_ok=True)
     dcp.save(_sharded_state(state), checkpoint_id=str(path))
     local = {"rng": _rng_state(), "scheduler": state.scheduler.state_dict(), "step": step}
     if state.critic_scheduler is not None:
         local["critic_scheduler"] = state.critic_scheduler.state_dict()
     torch.save(local, path / f"rank_{rank}.pt")
+    if remote:
+        (store or Store()).upload(path, join(str(folder), _DCP_DIR))
+        shutil.rmtree(root)  # kept when the upload failed: it names this folder
 
 
-def load_train_state(folder: str | Path, state: TrainState, rank: int) -> int:
-    """Collective: load model, optimizer, schedulers and RNG into `state`; returns the saved step."""
+def load_train_state(folder: str | Path, state: TrainState, rank: int, store: Store | None = None) -> int:
+    """Collective: load model, optimizer, schedulers and RNG into `state`; returns the saved step. From an object
+    store each rank first downloads the shards into a staging folder of its own."""
+    if not is_remote(folder):
+        return _load_train_state(Path(folder) / _DCP_DIR, state, rank)
+    local = staging(str(folder)).with_name(f"{staging(str(folder)).name}.load-{rank}")
+    (store or Store()).download(join(str(folder), _DCP_DIR), local)
+    try:
+        return _load_train_state(local, state, rank)
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
+def _load_train_state(path: Path, state: TrainState, rank: int) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    path = Path(folder) / _DCP_DIR
     sharded = _sharded_state(state)
     dcp.load(sharded, checkpoint_id=str(path))
     set_state_dict(
@@ -140,26 +164,49 @@ def load_train_state(folder: str | Path, state: TrainState, rank: int) -> int:
 
 
 def write_learner_state(
-    folder: str | os.PathLike[str], *, step: int, version: int, num_ranks: int, extra: dict[str, Any]
+    folder: str | os.PathLike[str],
+    *,
+    step: int,
+    version: int,
+    num_ranks: int,
+    extra: dict[str, Any],
+    store: Store | None = None,
 ) -> None:
-    """Driver side, after every rank saved: the controller's extra state, then the completion marker."""
+    """Driver side, after every rank saved: the controller's extra state, then the completion marker (into an
+    object store: uploaded in that order)."""
+    state = {"step": step, "version": version, "num_ranks": num_ranks}
+    if is_remote(folder):
+        store = store or Store()
+        store.write_text(join(str(folder), EXTRA_FILE), json.dumps(extra, indent=2, sort_keys=True))
+        store.write_text(join(str(folder), STATE_FILE), json.dumps(state, indent=2))
+        return
     folder = Path(folder)
     (folder / EXTRA_FILE).write_text(json.dumps(extra, indent=2, sort_keys=True))
-    state = {"step": step, "version": version, "num_ranks": num_ranks}
     tmp = folder / (STATE_FILE + ".tmp")
     tmp.write_text(json.dumps(state, indent=2))
     tmp.rename(folder / STATE_FILE)
 
 
-def is_complete(folder: str | os.PathLike[str]) -> bool:
+def is_complete(folder: str | os.PathLike[str], store: Store | None = None) -> bool:
+    if is_remote(folder):
+        return (store or Store()).exists(join(str(folder), STATE_FILE))
     return (Path(folder) / STATE_FILE).exists()
 
 
-def read_learner_state(folder: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+def read_learner_state(
+    folder: str | os.PathLike[str], store: Store | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """-> (learner state {step, version, num_ranks}, extra). Raises if the checkpoint is incomplete."""
-    folder = Path(folder)
-    if not is_complete(folder):
+    if not is_complete(folder, store):
         raise FileNotFoundError(f"{folder} is not a complete learner checkpoint (no {STATE_FILE})")
+    if is_remote(folder):
+        store = store or Store()
+        state = json.loads(store.read_text(join(str(folder), STATE_FILE)))
+        try:
+            return state, json.loads(store.read_text(join(str(folder), EXTRA_FILE)))
+        except FileNotFoundError:
+            return state, {}
+    folder = Path(folder)
     state = json.loads((folder / STATE_FILE).read_text())
     extra_path = folder / EXTRA_FILE
     extra = json.loads(extra_path.read_text()) if extra_path.exists() else {}
@@ -170,9 +217,12 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 def copy_tokenizer_files(model_dir: str | Path, out_dir: str | Path) -> None:
-    """Copy every non-weight file of the source model folder (tokenizer, generation config, ...)."""
+    """Copy every non-weight file of the source model folder (tokenizer, generation config, ...); not asyncrl's
+    own markers (`.asyncrl*`: where a fetched model came from)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for src in Path(model_dir).iterdir():
+        if src.name.startswith(".asyncrl"):
+            continue
         if src.is_file() and not src.name.endswith(_WEIGHT_SUFFIXES) and not src.name.endswith(".index.json"):
             shutil.copy2(src, out_dir / src.name)

@@ -27,6 +27,7 @@ from asyncrl.learner.batch import TrainBatch, build_batch, loss_needs_whole_grou
 from asyncrl.learner.merge import merge_metrics
 from asyncrl.learner.rank import SEND_GROUP, SEND_THREADS, LearnerWorker
 from asyncrl.models.shipping import ShippedModel, materialise, ship
+from asyncrl.remote import Store
 from asyncrl.types import Group, StepStats
 from asyncrl.weights.group import CollectiveWeights
 from asyncrl.weights.published import ExportedWeights
@@ -128,6 +129,7 @@ class LearnerPool:
         dtype: str = "float32",
         init_timeout_s: float = 300.0,
         placement_timeout_s: float = 300.0,
+        store: Store | None = None,
     ):
         import ray
 
@@ -137,6 +139,8 @@ class LearnerPool:
         check_rank_memory(config, str(model_dir), recipe.needs_reference)  # `learner.rank_memory_gb`, before any rank
         self.config = config
         self.recipe = recipe
+        self.store = store
+        """How checkpoints and exports reach an object store (folders given as `s3://`/`gs://` URIs)."""
         self.num_ranks = config.num_ranks
         self.tensor_parallel = getattr(config, "tensor_parallel", 1)
         self.step = 0
@@ -175,6 +179,7 @@ class LearnerPool:
             cfg.model.dtype,
             init_timeout_s=cfg.learner.setup_timeout_s,
             placement_timeout_s=cfg.cluster.placement_timeout_s,
+            store=cfg.storage.store(),
         )
 
     def _call(
@@ -338,20 +343,23 @@ class LearnerPool:
         step/version marker that makes the checkpoint complete. `version`: the caller's policy version."""
         from asyncrl.learner.checkpoint import write_learner_state
 
-        self._call("save_checkpoint", str(folder))
-        write_learner_state(folder, step=self.step, version=version, num_ranks=self.num_ranks, extra=extra or {})
+        self._call("save_checkpoint", str(folder), self.store)
+        write_learner_state(
+            folder, step=self.step, version=version, num_ranks=self.num_ranks, extra=extra or {}, store=self.store
+        )
 
     def load_checkpoint(self, folder: str | os.PathLike) -> LearnerCheckpoint:
         """Restore a complete checkpoint into this pool (any number of ranks)."""
         from asyncrl.learner.checkpoint import read_learner_state
 
-        state, extra = read_learner_state(folder)
-        self._call("load_checkpoint", str(folder))
+        state, extra = read_learner_state(folder, self.store)
+        self._call("load_checkpoint", str(folder), self.store)
         self.step = int(state["step"])
         return LearnerCheckpoint(step=self.step, version=int(state["version"]), extra=extra)
 
     def export_hf(self, folder: str | os.PathLike) -> None:
-        self._call("export_hf", str(folder))
+        """A Hugging Face folder of the policy at `folder` (a path, or an object-store URI it replaces whole)."""
+        self._call("export_hf", str(folder), self.store)
 
     def memory(self) -> list[dict[str, int]]:
         """Each rank's held and resident bytes, in rank order (`LearnerWorker.memory`)."""

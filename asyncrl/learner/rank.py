@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import socket
 from collections.abc import Sequence
 from datetime import timedelta
@@ -24,6 +25,7 @@ from asyncrl.algo.sampling import SamplingDistribution
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.state import build_reference, build_train_state
 from asyncrl.learner.step import RankStep
+from asyncrl.remote import Store, is_remote, staging
 from asyncrl.types import StepStats
 from asyncrl.weights.group import CollectiveSender, CollectiveWeights
 from asyncrl.weights.published import ExportedWeights
@@ -328,35 +330,49 @@ class LearnerWorker:
 
         return {**held_bytes(self.state), **resident_bytes()}
 
-    def save_checkpoint(self, folder: str) -> None:
+    def save_checkpoint(self, folder: str, store: Store | None = None) -> None:
         from asyncrl.learner.checkpoint import save_train_state
 
         if self.megatron:
             from asyncrl.learner.megatron.state import save_megatron_state
 
+            _local_only(store)
             return save_megatron_state(folder, self.state, self.rank, self.step)
-        save_train_state(folder, self.state, self.rank, self.step)
+        save_train_state(folder, self.state, self.rank, self.step, store)
 
-    def load_checkpoint(self, folder: str) -> int:
+    def load_checkpoint(self, folder: str, store: Store | None = None) -> int:
         from asyncrl.learner.checkpoint import load_train_state
 
         if self.megatron:
             from asyncrl.learner.megatron.state import load_megatron_state
 
+            _local_only(store)
             self.step = load_megatron_state(folder, self.state, self.rank)
             return self.step
-        self.step = load_train_state(folder, self.state, self.rank)
+        self.step = load_train_state(folder, self.state, self.rank, store)
         return self.step
 
-    def export_hf(self, folder: str) -> None:
-        """A Hugging Face folder (config, tokenizer, safetensors) that transformers and vLLM load."""
+    def export_hf(self, folder: str, store: Store | None = None) -> None:
+        """A Hugging Face folder (config, tokenizer, safetensors) that transformers and vLLM load; to an object
+        store (`folder` a URI) it is written in this node's staging copy, then replaces the remote folder."""
+        state = self._hf_state()
+        if self.rank != 0:
+            return
+        if not is_remote(folder):
+            self._write_hf(state, folder)
+            return
+        local = staging(folder)
+        shutil.rmtree(local, ignore_errors=True)
+        self._write_hf(state, str(local))
+        store = store or Store()
+        store.remove(folder)
+        store.upload(local, folder)
+
+    def _write_hf(self, state: dict[str, torch.Tensor], folder: str) -> None:
         from transformers import AutoModelForCausalLM
 
         from asyncrl.learner.checkpoint import copy_tokenizer_files
 
-        state = self._hf_state()
-        if self.rank != 0:
-            return
         copy_tokenizer_files(self.model_dir, folder)
         model = AutoModelForCausalLM.from_config(self.model_config, dtype=self.dtype)
         missing, unexpected = model.load_state_dict(state, strict=False)
@@ -374,3 +390,12 @@ class LearnerWorker:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _local_only(store: Store | None) -> None:
+    """Megatron checkpoints are written to a mounted folder only (no object-store staging yet)."""
+    if store is not None:
+        raise ValueError(
+            "learner.training_backend = megatron: checkpoints on an object store (storage.uri s3://, gs://) "
+            "are not supported yet; use a mounted folder"
+        )

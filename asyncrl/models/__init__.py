@@ -8,13 +8,13 @@ task) is decided by `asyncrl.envs.model_dir.ensure_model`.
 from __future__ import annotations
 
 import fcntl
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from asyncrl.models.tokenizer import ADD_ALPHABET, ASCII_ALPHABET, CALC_ALPHABET, SPECIAL_TOKENS, build_char_tokenizer
+from asyncrl.remote import cache_root
 
 if TYPE_CHECKING:
     from transformers import Qwen2Config
@@ -44,10 +44,6 @@ PRESETS: dict[str, Preset] = {
     "w3-125m": Preset(768, 16, 12, 4, 3072),
     "qwen-0.5b": Preset(896, 24, 14, 2, 4864, alphabet=ASCII_ALPHABET, max_position_embeddings=4096),
 }
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("ASYNCRL_CACHE", Path.home() / ".cache" / "asyncrl"))
 
 
 def qwen2_config(preset: Preset) -> Qwen2Config:

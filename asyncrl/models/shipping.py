@@ -3,14 +3,17 @@
 A preset is built in the driver's `~/.cache/asyncrl`; an actor on another node (or with another HOME) cannot
 read that path. The driver packs the folder once into a small tar in the object store (`ship`); an actor
 whose node-local cache lacks it unpacks it there, keyed by the archive's content hash (`materialise`), so a
-node unpacks each model once however many actors it hosts. A user's `model.path` is not shipped: it must be
-readable on every node (`asyncrl check --address` verifies it).
+node unpacks each model once however many actors it hosts. A user's `model.path` folder is not shipped: it must
+be readable on every node (`asyncrl check --address` verifies it). A `model.path` on an object store (`s3://`,
+`gs://`) is fetched once per node into `<cache>/shipped/<name>-<digest of the URI>` (`fetch`): by the driver,
+then by an actor on a node whose cache lacks it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import shutil
 import tarfile
@@ -20,6 +23,10 @@ from typing import Any
 
 from asyncrl.cluster.calls import named_get
 from asyncrl.models import cache_root, file_lock
+from asyncrl.remote import Store, join
+
+SOURCE_FILE = ".asyncrl_source.json"
+"""In a fetched model's folder: the URI it came from and the store's endpoint (no credentials)."""
 
 
 @dataclass(frozen=True)
@@ -31,11 +38,33 @@ class ShippedModel:
     digest: str
     """sha256 of the archive (hex, 16 characters): the node-local folder's key."""
     archive: Any
-    """ray.ObjectRef of the tar bytes."""
+    """ray.ObjectRef of the tar bytes (None for a model fetched from `uri`)."""
+    uri: str | None = None
+    """The object-store folder each node fetches the model from (`fetch`), instead of the archive."""
+    store: Store | None = None
 
     @property
     def folder_name(self) -> str:
-        return f"{Path(self.source).name}-{self.digest}"
+        return Path(self.source).name if self.uri else f"{Path(self.source).name}-{self.digest}"
+
+
+def fetched_folder(uri: str) -> Path:
+    """Where `fetch` keeps the model folder `uri` on this node."""
+    digest = hashlib.sha256(uri.rstrip("/").encode()).hexdigest()[:16]
+    return cache_root() / "shipped" / f"{uri.rstrip('/').rsplit('/', 1)[-1]}-{digest}"
+
+
+def fetch(uri: str, store: Store) -> Path:
+    """The model folder `uri` (on an object store) in this node's cache, downloaded the first time (one process
+    per node downloads; the others wait for it)."""
+    target = fetched_folder(uri)
+    with file_lock(target.with_name(target.name + ".lock")):
+        if not (target / SOURCE_FILE).is_file():
+            if not store.exists(join(uri, "config.json")):
+                raise FileNotFoundError(f"model.path {uri} has no config.json (not a Hugging Face model folder)")
+            store.download(uri, target)
+            (target / SOURCE_FILE).write_text(json.dumps({"uri": uri, "endpoint_url": store.endpoint_url}))
+    return target
 
 
 _shipped: dict[tuple[str, str, str], ShippedModel] = {}
@@ -64,6 +93,9 @@ def ship(model_dir: str | os.PathLike[str]) -> ShippedModel | None:
     folder = Path(model_dir).resolve()
     if cache_root().resolve() not in folder.parents:
         return None
+    if (folder / SOURCE_FILE).is_file():  # fetched from an object store: each node fetches it there too
+        source = json.loads((folder / SOURCE_FILE).read_text())
+        return ShippedModel(str(folder), folder.name, None, source["uri"], Store(source["endpoint_url"]))
     context = ray.get_runtime_context()
     key = (str(folder), context.get_session_name(), context.get_job_id())
     if key not in _shipped:
@@ -77,6 +109,8 @@ def materialise(model: ShippedModel) -> Path:
     `<this node's cache>/shipped/<name>-<digest>`, unpacked from the archive the first time."""
     if Path(cache_root()).resolve() in Path(model.source).parents and (Path(model.source) / "config.json").is_file():
         return Path(model.source)
+    if model.uri is not None:
+        return fetch(model.uri, model.store or Store())
     target = cache_root() / "shipped" / model.folder_name
     with file_lock(target.with_name(target.name + ".lock")):
         if not (target / "config.json").is_file():

@@ -4,15 +4,26 @@ Covers: engine/learner parity after every weight sync, the staleness bound, cons
 training (non-blocking, pinned to their versions), the best evaluated policy kept in best_model/, and checkpoint ->
 stop -> resume continuing at the same version with the same counters, also with the learner pool resized (1 -> 2
 ranks); the runs read a two-file Parquet dataset, and the resumed one goes on from the checkpointed data position.
+
+The first run and its resumes live on a real S3-compatible server (`s3_server`): the model is fetched from it,
+the run folder, checkpoints and exports are written there (the server is stopped for a while mid-run), and
+the resume starts from the server alone (the local staging copy deleted).
 """
 
+import contextlib
 import json
+import shutil
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.testing import SHORT_CONTEXT
+from asyncrl.remote import Store, join
+from asyncrl.testing import S3_TEST_ENV, SHORT_CONTEXT
+
+OUTAGE_S = 4.0
 
 pytestmark = pytest.mark.integration
 
@@ -54,14 +65,87 @@ def _run(cfg, model_dir):
         controller.shutdown()
 
 
+@contextlib.contextmanager
+def _outage_after_the_first_row(server, staging: Path):
+    """Stop the S3 server (SIGSTOP) for OUTAGE_S once the run logged its first row; -> [when it stopped]."""
+    stopped: list[float] = []
+    done = threading.Event()
+
+    def outage() -> None:
+        metrics = staging / "metrics.jsonl"
+        while not done.wait(0.1):
+            if metrics.is_file() and metrics.read_text().strip():
+                server.pause()
+                stopped.append(time.monotonic())
+                done.wait(OUTAGE_S)
+                server.resume()
+                return
+
+    thread = threading.Thread(target=outage, daemon=True)
+    thread.start()
+    try:
+        yield stopped
+    finally:
+        done.set()
+        thread.join()
+        server.resume()
+
+
 @pytest.fixture(scope="module")
-def first_run(ray_cluster, tiny_model_dir, tmp_path_factory):
+def first_run(s3_server, ray_cluster, tiny_model_dir, tmp_path_factory):
+    from asyncrl.envs.model_dir import ensure_model
+
     tmp = tmp_path_factory.mktemp("controller")
+    store = Store(s3_server.endpoint_url)
+    model_uri = s3_server.uri(f"models-{tmp.name}", "tiny")
+    store.upload(tiny_model_dir, model_uri)
     # The random tiny model earns no reward, so its advantages are 0: weight decay moves its weights every step,
     # so that best_model/ can tell the steps apart.
     data = {"data.task": "parquet", "data.train_path": str(_add_parquet(tmp / "train", 2, 16)), "data.eval_path": str(_add_parquet(tmp / "eval", 1, 20, heldout=True))}
-    cfg = _config(tmp, **{"model.path": str(tiny_model_dir), "eval.every_steps": 1, "checkpoint.export_best": True, "learner.weight_decay": 0.01, **data})
-    return cfg, _run(cfg, tiny_model_dir)
+    cfg = _config(tmp, **{
+        "model.path": model_uri, "eval.every_steps": 1, **data, "checkpoint.export_best": True, "learner.weight_decay": 0.01,
+        "storage.uri": s3_server.uri("runs"), "storage.endpoint_url": s3_server.endpoint_url,
+        "storage.sync_every_s": 0.5, "storage.request_timeout_s": 1, "storage.outage_timeout_s": 120,
+    })  # fmt: skip
+    model_dir = ensure_model(cfg)  # fetched into this node's cache, as `asyncrl.controller.run` does
+    with _outage_after_the_first_row(s3_server, cfg.run_dir()) as stopped:
+        result = _run(cfg, model_dir)
+    assert stopped, "the run ended before its first row reached the outage watcher"
+    return cfg, result, model_dir, store
+
+
+def _download(first_run, name: str, tmp_path) -> Path:
+    cfg, _, _, store = first_run
+    return store.download(join(cfg.run_uri(), name), tmp_path / name)
+
+
+def _read(first_run, name: str) -> str:
+    cfg, _, _, store = first_run
+    return store.read_text(join(cfg.run_uri(), name))
+
+
+def test_a_storage_outage_mid_run_is_retried_logged_and_loses_nothing(first_run, tmp_path):
+    """The server stopped for OUTAGE_S after the first row: the uploads waited (each failed try noted in
+    events.jsonl, naming the operation and the URI), the run went on, and every file reached the server."""
+    cfg, (summary, conservation, _), model_dir, store = first_run
+    notes = [e["data"]["text"] for e in map(json.loads, _read(first_run, "events.jsonl").splitlines()) if e["kind"] == "note"]
+    retried = [n for n in notes if n.startswith(f"storage: upload {cfg.run_uri()}/")]
+    assert retried and all("retrying in" in n for n in retried), notes
+    assert [json.loads(row)["step"] for row in _read(first_run, "metrics.jsonl").splitlines()] == [1, 2, 3]
+    assert summary["steps"] == 3
+    assert sorted(store.listdir(join(cfg.run_uri(), "checkpoints"))) == ["step-000003"]
+    import pyarrow.parquet as pq
+
+    with store.filesystem(join(cfg.run_uri(), "trajectories.parquet"))[0].open(
+        join(cfg.run_uri(), "trajectories.parquet")
+    ) as f:
+        assert pq.read_table(f).num_rows >= conservation["trained"] == 3 * 4 * 4
+    # credentials come from the environment and are written nowhere
+    secret = S3_TEST_ENV["AWS_SECRET_ACCESS_KEY"].encode()
+    assert not [p for p in store.download(cfg.run_uri(), tmp_path / "all").rglob("*") if p.is_file() and secret in p.read_bytes()]
+    # the model was fetched once into this node's cache, and the learner and the engine read that copy
+    assert model_dir.parent.name == "shipped" and (model_dir / "config.json").is_file()
+    assert sorted(p.name for p in model_dir.iterdir() if p.suffix == ".safetensors") == ["model.safetensors"]
 
 
 def _add_parquet(folder, files, rows_per_file, heldout=False):
@@ -81,7 +165,7 @@ def _add_parquet(folder, files, rows_per_file, heldout=False):
 
 
 def test_every_weight_sync_restores_engine_learner_parity(first_run):
-    _, (summary, _, history) = first_run
+    _, (summary, _, history), *_ = first_run
     parities = [row["parity_max_abs_diff"] for row in history]
     assert len(parities) == 3
     assert max(parities) < 1e-5  # fp32 on both sides (invariant 4)
@@ -94,7 +178,7 @@ def test_the_run_folder_and_every_file_the_run_wrote_are_private(first_run):
     import os
     import stat
 
-    cfg, _ = first_run
+    cfg, *_ = first_run
     out = cfg.run_dir()
     modes = {str(p.relative_to(out)): stat.S_IMODE(os.stat(p).st_mode) for p in [out, *out.rglob("*")]}
     assert {"events.jsonl", "metrics.jsonl", "trajectories.parquet", "checkpoints"} <= set(modes), sorted(modes)
@@ -103,7 +187,7 @@ def test_the_run_folder_and_every_file_the_run_wrote_are_private(first_run):
 
 
 def test_no_trained_sample_exceeds_the_staleness_bound_and_counters_add_up(first_run):
-    cfg, (summary, conservation, history) = first_run
+    cfg, (summary, conservation, history), *_ = first_run
     lags = [int(k) for k in summary["staleness_histogram"]]
     assert max(lags) <= cfg.buffer.max_staleness
     assert all(row["staleness_max"] <= cfg.buffer.max_staleness for row in history)
@@ -118,20 +202,20 @@ def _weights(folder) -> dict:
     return load_file(str(Path(folder) / "model.safetensors"))
 
 
-def test_the_best_evaluated_policy_is_kept_in_best_model(first_run, tiny_model_dir):
+def test_the_best_evaluated_policy_is_kept_in_best_model(first_run, tiny_model_dir, tmp_path):
     """Evaluations at steps 0..3; the first with the highest accuracy is the best, and best_model/ holds the policy
     it evaluated: the initial weights at step 0, the final ones at step 3, neither in between."""
     import torch
 
-    cfg, (summary, _, _) = first_run
+    cfg, (summary, _, _), *_ = first_run
     evals = summary["evals"]
     assert [e["step"] for e in evals] == [0, 1, 2, 3]
     best = max(evals, key=lambda e: e["accuracy"])  # max keeps the first of equal ones
     assert summary["best_eval"] == {"step": best["step"], "version": best["version"], "samples_trained": best["samples_trained"],
                                     "accuracy": best["accuracy"], "exported": True}  # fmt: skip
-    out = Path(cfg.output_dir)
-    assert json.loads((out / "best_model" / "asyncrl_eval.json").read_text())["step"] == best["step"]
-    kept, initial, final = _weights(out / "best_model"), _weights(tiny_model_dir), _weights(out / "final_model")
+    best_model, final_model = _download(first_run, "best_model", tmp_path), _download(first_run, "final_model", tmp_path)
+    assert json.loads((best_model / "asyncrl_eval.json").read_text())["step"] == best["step"]
+    kept, initial, final = _weights(best_model), _weights(tiny_model_dir), _weights(final_model)
     assert kept.keys() == final.keys()
     same = {name: all(torch.equal(kept[k], other[k]) for k in kept) for name, other in (("initial", initial), ("final", final))}
     assert same == {"initial": best["step"] == 0, "final": best["step"] == 3}
@@ -141,7 +225,7 @@ def test_evaluations_beside_training_land_later_pinned_to_the_version_they_start
     """`eval.blocking: false` (the default): the evaluations of steps 1 and 2 ran while the learner trained the next
     step and were recorded at a later step boundary; the first (before any batch) and the last were waited for.
     Every request of each ran under the version it started at: the publications due meanwhile were held back."""
-    _, (summary, _, history) = first_run
+    _, (summary, _, history), *_ = first_run
     evals = summary["evals"]
     print([(e["step"], e["version"], e["recorded_at_step"], e["eval_s"], e["eval_wait_s"], e["publishes_deferred"]) for e in evals])
     assert [e["blocking"] for e in evals] == [True, False, False, False]
@@ -154,21 +238,22 @@ def test_evaluations_beside_training_land_later_pinned_to_the_version_they_start
     assert [row["version"] for row in history] == [0, 1, 2]  # each step still published its weights
 
 
-def test_resume_continues_at_the_same_version_with_the_same_counters(first_run, tiny_model_dir):
-    cfg, (summary, _, _) = first_run
-    out = cfg.output_dir
-    ckpt = json.loads(open(f"{out}/checkpoints/step-000003/extra.json").read())
+def test_resume_continues_at_the_same_version_with_the_same_counters(first_run, tmp_path):
+    """From the server alone: the local staging copy of the run folder is deleted first."""
+    cfg, (summary, _, _), model_dir, store = first_run
+    ckpt = json.loads(_read(first_run, "checkpoints/step-000003/extra.json"))
     assert ckpt["version"] == 3 and ckpt["step"] == 3
+    shutil.rmtree(cfg.run_dir())
     resumed_cfg = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"max_steps": 5}),
                                          "checkpoint": cfg.checkpoint.model_copy(update={"resume_from": "latest"})})
-    resumed, conservation, history = _run(resumed_cfg, tiny_model_dir)
+    resumed, conservation, history = _run(resumed_cfg, model_dir)
     assert [row["step"] for row in history] == [4, 5]
     assert history[0]["version"] == 3  # the first resumed step trains at the checkpointed version
     assert resumed["final_version"] == 5
     assert resumed["best_eval"]["accuracy"] >= summary["best_eval"]["accuracy"]  # the record came with the checkpoint
     # The Parquet stream went on from its checkpointed position: rows read (32 an epoch) = prompts drawn, both runs.
     for step in (3, 5):
-        extra = json.loads(open(f"{out}/checkpoints/step-{step:06d}/extra.json").read())
+        extra = json.loads(_read(first_run, f"checkpoints/step-{step:06d}/extra.json"))
         position = extra["data"]
         assert position["epoch"] * 32 + position["cursor"] == extra["prompts_drawn"] and position["prompts_dropped"] == 0
     assert conservation["trained"] == summary["samples_trained"] + 2 * 4 * 4
@@ -177,17 +262,20 @@ def test_resume_continues_at_the_same_version_with_the_same_counters(first_run, 
     # the exported policy of the resumed run loads in transformers
     from transformers import AutoModelForCausalLM
 
-    assert AutoModelForCausalLM.from_pretrained(f"{out}/final_model") is not None
+    assert AutoModelForCausalLM.from_pretrained(_download(first_run, "final_model", tmp_path)) is not None
+    # the resumed run appended to its predecessor's rows and wrote its own trajectory log beside the first
+    assert [json.loads(row)["step"] for row in _read(first_run, "metrics.jsonl").splitlines()] == [1, 2, 3, 4, 5]
+    assert {"trajectories.parquet", "trajectories.1.parquet"} <= set(store.listdir(cfg.run_uri()))
 
 
-def test_resume_with_two_learner_ranks_reshards_the_checkpoint_and_continues(first_run, tiny_model_dir):
+def test_resume_with_two_learner_ranks_reshards_the_checkpoint_and_continues(first_run):
     """The learner pool is resized by checkpoint + resume: the 1-rank checkpoint of step 5 (written by the
     resumed run above) is loaded by 2 FSDP2 ranks (DCP re-shards it); version and counters carry over."""
-    cfg, _ = first_run
-    saved = json.loads(open(f"{cfg.output_dir}/checkpoints/step-000005/extra.json").read())
+    cfg, _, model_dir, _ = first_run
+    saved = json.loads(_read(first_run, "checkpoints/step-000005/extra.json"))
     two_ranks = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"max_steps": 6, "num_ranks": 2}),
                                        "checkpoint": cfg.checkpoint.model_copy(update={"resume_from": "latest"})})
-    resumed, conservation, history = _run(two_ranks, tiny_model_dir)
+    resumed, conservation, history = _run(two_ranks, model_dir)
     assert [row["step"] for row in history] == [6]
     assert history[0]["version"] == 5 and resumed["final_version"] == 6
     assert conservation["trained"] == saved["samples_trained"] + 4 * 4

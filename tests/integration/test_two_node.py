@@ -3,8 +3,9 @@ whose processes have another HOME, so their `~/.cache` is not the driver's. Each
 resource of one pool (`learner_node` on the head, `rollout_node` on node 2), as deploy/ sets them up.
 
 `asyncrl submit` runs a short W1 job whose rollout pool is pinned to node 2: the engine there loads the
-preset through the object store (unpacked into node 2's own cache), the run's files land in `storage.uri`,
-and `status`/`logs` read the job back through the Jobs API. Teardown kills the processes this module
+preset through the object store (unpacked into node 2's own cache), the run's files land in `storage.uri` on a
+real S3-compatible server (`s3_server`; the nodes share no folder, their credentials come from the environment
+`ray start` ran in), and `status`/`logs` read the job back through the Jobs API. Teardown kills the processes this module
 started, found by an environment marker (never `ray stop`: it would kill every Ray on the machine).
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.remote import Store, join
 from asyncrl.testing import TINY_RUN, free_port, kill_processes_with_env, ray_node_ports
 
 pytestmark = pytest.mark.integration
@@ -46,7 +48,7 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(s3_server, tmp_path_factory):  # the S3 server's credentials are in the environment the nodes start in
     root = tmp_path_factory.mktemp("two-node")
     homes = {name: root / name for name in ("home-head", "home-node2")}
     for home in homes.values():
@@ -75,31 +77,34 @@ def _cli(args: list[str], env: dict, timeout_s: float = 900) -> subprocess.Compl
     return subprocess.run([str(BIN / "asyncrl"), *args], env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
-def test_a_job_pinned_to_node_2_loads_the_shipped_model_there_and_reads_back_through_the_jobs_api(cluster, tmp_path):
+def test_a_job_pinned_to_node_2_loads_the_shipped_model_there_and_reads_back_through_the_jobs_api(cluster, s3_server):
     address, env, home_head, home_node2 = cluster.jobs, cluster.env, cluster.home_head, cluster.home_node2
-    store = tmp_path / "shared"
+    store, run = Store(s3_server.endpoint_url), s3_server.uri("two-node-runs", "two-node")
     overrides = [
-        "output_dir=two-node", f"storage.uri={store}", "learner.max_steps=3", *TINY_RUN,
+        "output_dir=two-node", f"storage.uri={s3_server.uri('two-node-runs')}", f"storage.endpoint_url={s3_server.endpoint_url}",
+        "storage.sync_every_s=1", "learner.max_steps=3", *TINY_RUN,
         "rollout.resources={rollout_node: 1}", "learner.resources={learner_node: 1}", "cluster.placement_timeout_s=120",
     ]
     check = _cli(["check", *overrides, "--address", cluster.gcs], env)  # the placement fits and node 2 can read the store
     began = time.monotonic()
     job = subprocess.Popen([str(BIN / "asyncrl"), "submit", *overrides, "--address", address, "--working-dir", "", "--job-id", "two-node"],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = store / "two-node" / "metrics.jsonl"
-    first_step_s = _wait_for(lambda: job.poll() is not None or (metrics.exists() and metrics.read_text().strip()), 900, "the first step")
+    metrics = join(run, "metrics.jsonl")
+    first_step_s = _wait_for(lambda: job.poll() is not None or (store.exists(metrics) and store.read_text(metrics).strip()), 900, "the first step")
     out, err = job.communicate(timeout=900)
     assert job.returncode == 0, out[-3000:] + err[-3000:]
     print(f"two-node: submit -> first step {first_step_s - began:.1f}s; submit -> done {time.monotonic() - began:.1f}s")
 
-    summary = json.loads((store / "two-node" / "summary.json").read_text())
-    assert summary["steps"] == 3 and (store / "two-node" / "final_model" / "config.json").is_file()
+    summary = json.loads(store.read_text(join(run, "summary.json")))
+    assert summary["steps"] == 3 and store.exists(join(run, "final_model", "config.json"))
+    assert store.listdir(join(run, "checkpoints")) == ["step-000003"] and store.exists(join(run, "trajectories.parquet"))
+    assert store.exists(join(run, "checkpoints", "step-000003", "learner", ".metadata"))
     shipped = [p for p in (home_node2 / ".cache" / "asyncrl" / "shipped").glob("tiny-0.3m-*") if p.is_dir()]
     assert len(shipped) == 1 and (shipped[0] / "config.json").is_file()  # node 2 unpacked the driver's preset ...
     assert not (home_node2 / ".cache" / "asyncrl" / "models").exists()  # ... and never built one itself
     assert list((home_head / ".cache" / "asyncrl" / "models").glob("tiny-0.3m-*"))  # the driver built it on the head
     assert not (home_head / ".cache" / "asyncrl" / "shipped").exists()  # the learner, beside the driver, read it in place
-    assert check.returncode == 0, check.stderr
+    assert check.returncode == 0, check.stderr  # ... and every node reached the S3 server
 
     status = _cli(["status", "two-node", "--address", address], env)
     assert status.returncode == 0 and status.stdout.startswith("two-node  SUCCEEDED"), status.stdout + status.stderr
@@ -107,9 +112,12 @@ def test_a_job_pinned_to_node_2_loads_the_shipped_model_there_and_reads_back_thr
     assert logs.returncode == 0 and '"final_version": 3' in logs.stdout
 
 
-def test_check_names_the_pool_whose_resource_the_cluster_lacks(cluster):
-    done = _cli(["check", "rollout.resources={gpu_node: 1}", "storage.uri=/tmp", "--address", cluster.gcs], cluster.env, timeout_s=300)
+def test_check_names_the_pool_whose_resource_the_cluster_lacks_and_the_nodes_that_cannot_reach_the_storage(cluster):
+    nobody = f"http://127.0.0.1:{free_port()}"  # no S3 server listens there
+    done = _cli(["check", "rollout.resources={gpu_node: 1}", "storage.uri=s3://asyncrl-test/x", f"storage.endpoint_url={nobody}",
+                 "storage.request_timeout_s=2", "--address", cluster.gcs], cluster.env, timeout_s=300)
     assert done.returncode == 2 and "rollout_pool: one unit needs 1 gpu_node" in done.stderr, done.stderr
+    assert "storage.uri: s3://asyncrl-test/x/runs/default is not writable on node(s) " in done.stderr, done.stderr
 
 
 def _wait_for(predicate, timeout_s: float, what: str) -> float:

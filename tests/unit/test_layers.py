@@ -3,7 +3,7 @@ under `TYPE_CHECKING`) runs to a package on a lower layer, or stays within its o
 
 Layers, bottom to top (packages on one layer do not import each other):
 
-    types, lookup, redaction
+    types, lookup, redaction, remote
     staleness, weights, cluster, algo
     config, models
     envs, buffer, telemetry, testing
@@ -22,7 +22,7 @@ import pytest
 
 SOURCE = Path(__file__).resolve().parents[2] / "asyncrl"
 LAYERS = [
-    {"types", "lookup", "redaction"},
+    {"types", "lookup", "redaction", "remote"},
     {"staleness", "weights", "cluster", "algo"},
     {"config", "models"},
     {"envs", "buffer", "telemetry", "testing"},

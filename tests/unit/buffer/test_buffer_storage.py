@@ -87,9 +87,9 @@ def test_the_log_writes_chunks_and_flushes_the_rest_on_close(tmp_path):
 
 
 def test_a_resumed_run_logs_to_the_next_free_file(tmp_path):
-    assert next_log_path(tmp_path).name == "trajectories.parquet"
+    assert next_log_path(tmp_path)[0].name == "trajectories.parquet"
     (tmp_path / "trajectories.parquet").touch()
-    assert next_log_path(tmp_path).name == "trajectories.1.parquet"
+    assert next_log_path(tmp_path)[0].name == "trajectories.1.parquet"
 
 
 def test_the_queue_logs_every_arrived_trajectory_with_its_fate(tmp_path):
