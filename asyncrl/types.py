@@ -120,6 +120,16 @@ class Trajectory:
         return int(self.versions.max()) if len(self.versions) else self.dispatch_version
 
     @property
+    def version_span(self) -> int:
+        """max - min policy version of the model tokens (`loss_mask` 1; all tokens when none is): how many
+        weight updates a long or multi-turn episode lived through. 0 for a trajectory of one version."""
+        if not len(self.versions):
+            return 0
+        model = self.versions[self.loss_mask != 0]
+        model = model if len(model) else self.versions
+        return int(model.max()) - int(model.min())
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
 
@@ -244,6 +254,10 @@ class Request:
     group_size: int
     prompt: Prompt
     attempt: int = 0
+    context_min_version: int | None = None
+    """For a later call of a multi-turn episode: the oldest policy version among the episode's model tokens so
+    far. The engine's stale abort judges the request by it (`Engine.abort_stale`), as the episode's trajectory
+    will carry those tokens; None for a request that starts its trajectory."""
 
 
 @dataclass(frozen=True)

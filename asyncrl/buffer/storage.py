@@ -4,8 +4,9 @@ One row per trajectory; per-token arrays are Arrow list columns with the dtypes 
 (int32 ids and versions, float32 log-probs, int8 loss mask), so `trajectories_from_arrow(
 trajectories_to_arrow(ts))` gives back equal records, arrays included.
 
-Episode columns (`turn_starts`, `truncated`, `tool_calls`, and the derived `num_turns` and `turn_versions` for
-readers of the log) come last; files written before they existed still read, with single-turn defaults.
+Episode columns (`turn_starts`, `truncated`, `tool_calls`, and the derived `num_turns`, `turn_versions` and
+`version_span` for readers of the log) come last; files written before they existed still read, with single-turn
+defaults.
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ TRAJECTORY_SCHEMA = pa.schema(
         ("tool_calls", pa.int32()),
         ("num_turns", pa.int32()),
         ("turn_versions", pa.list_(pa.int32())),
+        ("version_span", pa.int32()),
     ]
 )
-_DERIVED = ("num_turns", "turn_versions")
+_DERIVED = ("num_turns", "turn_versions", "version_span")
 """Written for readers of the log, recomputed from the record when read back."""
 _EPISODE_DEFAULTS = {"turn_starts": [0], "truncated": False, "tool_calls": 0}
 

@@ -142,6 +142,9 @@ class RolloutConfig(Section):
     openai_chat_template: str = ""
     """Template the endpoint renders conversations with: "" = the model's own, a shipped name (`default`, `chatml`,
     `llama3`, `gemma`; `qwen2_tools` = `chatml`) or a `.jinja` file (docs/tokenizers.md)."""
+    openai_episode_ttl_s: float = Field(600.0, gt=0, le=86400)
+    """An endpoint episode with no call for this long (never finished by its harness) is dropped, and counted in the
+    worker's `openai_expired_episodes` stat; its calls are not trained."""
     openai_agent: str = ""
     """`module:function` agent harness run for each request instead of one generation (`asyncrl.rollout.openai_agent`):
     `async agent(client, prompt, episode) -> reward | (reward, info)`; needs `openai_port` != 0."""

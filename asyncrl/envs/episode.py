@@ -42,6 +42,13 @@ class EpisodeBuilder:
     def num_turns(self) -> int:
         return len(self.turn_starts)
 
+    @property
+    def oldest_model_version(self) -> int | None:
+        """The oldest policy version among the model tokens so far (None before the first model turn): the
+        next turn's request carries it, so the stale abort judges the whole episode (`Request.context_min_version`)."""
+        model = [v for v, m in zip(self.versions, self.mask, strict=True) if m]
+        return min(model) if model else None
+
     def add_model_turn(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
         if not len(ids) == len(logprobs) == len(versions):
             raise ValueError(

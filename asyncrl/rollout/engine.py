@@ -469,21 +469,23 @@ class Engine:
 
         A request whose first token came back while the engine served version `f` has min_version <= f, and
         any learner step that could consume it runs at a version >= the one served now
-        (`Staleness.certain_to_exceed`). Its trajectory comes back with the partial response and
-        `failure="stale: ..."` (`STALE_FAILURE`). Requests without a token yet are left alone.
+        (`Staleness.certain_to_exceed`). A later call of a multi-turn episode is judged by the episode's oldest
+        model token (`Member.oldest_version`), since its trajectory carries it. Its trajectory comes back with
+        the partial response and `failure="stale: ..."` (`STALE_FAILURE`). Requests with neither a token yet
+        nor an episode version are left alone.
         """
         self._require_started()
         bound = Staleness(abort_after_lag)
         doomed = [
             member
             for rid, member in self._running.items()
-            if member.first_version is not None
-            and bound.certain_to_exceed(member.first_version, self._version)
+            if member.oldest_version is not None
+            and bound.certain_to_exceed(member.oldest_version, self._version)
             and rid not in self._abort_reasons
         ]
         for member in doomed:
             self._abort_reasons[member.request.request_id] = (
-                f"{STALE_FAILURE}: first token at version {member.first_version}, engine serves {self._version}, "
+                f"{STALE_FAILURE}: oldest token at version {member.oldest_version}, engine serves {self._version}, "
                 f"max_staleness {abort_after_lag}"
             )
         # An abort makes vLLM emit the sample's final "abort" output: `generate` returns the partial response.

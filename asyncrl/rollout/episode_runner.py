@@ -141,7 +141,7 @@ class EpisodeRunner:
         if not ep.builder.ids:
             return request
         prompt = dataclasses.replace(request.prompt, prompt_ids=ep.builder.context_ids)
-        return dataclasses.replace(request, prompt=prompt)
+        return dataclasses.replace(request, prompt=prompt, context_min_version=ep.builder.oldest_model_version)
 
     def _encode(self, text: str) -> list[int]:
         return self.engine.encode(text) if text else []

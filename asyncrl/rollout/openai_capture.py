@@ -16,7 +16,9 @@ engine saw, in order; the model tokens of earlier segments are not trained (`dro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,12 +113,34 @@ class CapturedEpisode:
 
 class EpisodeCapture:
     """The open episodes of one endpoint, by episode id. `plan` a call, run it, then `record` it (a call that
-    failed is never recorded, so a harness may retry it); `finish` closes the episode."""
+    failed is never recorded, so a harness may retry it); `finish` closes the episode. `idle` lists the episodes
+    whose last call was recorded more than a TTL ago on `clock` (seconds), `expire` drops one."""
 
-    def __init__(self, renderer: ChatRenderer) -> None:
+    def __init__(self, renderer: ChatRenderer, clock: Callable[[], float] = time.monotonic) -> None:
         self.renderer = renderer
         self.episodes: dict[str, CapturedEpisode] = {}
         self.drifts = 0
+        self.expired = 0
+        self.clock = clock
+        self._touched: dict[str, float] = {}
+
+    def fork(self, episode_id: str, branch_id: str) -> None:
+        """Open `branch_id` as a copy of `episode_id` as it is now (nothing, for an episode not yet open): the
+        branch of one of a call's `n` choices, sharing the episode so far as its prefix."""
+        if branch_id in self.episodes:
+            raise ValueError(f"episode {branch_id!r} is open: finish it before a call branches into it")
+        if episode_id in self.episodes:
+            self.episodes[branch_id] = copy.deepcopy(self.episodes[episode_id])
+            self._touched[branch_id] = self.clock()
+
+    def idle(self, ttl_s: float) -> list[str]:
+        now = self.clock()
+        return [e for e, at in self._touched.items() if now - at > ttl_s]
+
+    def expire(self, episode_id: str) -> None:
+        if self.episodes.pop(episode_id, None) is not None:
+            self.expired += 1
+        self._touched.pop(episode_id, None)
 
     def plan(self, episode_id: str | None, rendered: str) -> PromptPlan:
         episode = self.episodes.get(episode_id) if episode_id is not None else None
@@ -149,6 +173,7 @@ class EpisodeCapture:
         episode.last_finish_reason = completion.finish_reason
         episode.calls += 1
         episode.texts.append(visible)
+        self._touched[episode_id] = self.clock()
         return episode
 
     def _count_drift(self, episode: CapturedEpisode, builder: EpisodeBuilder) -> None:
@@ -158,7 +183,10 @@ class EpisodeCapture:
 
     def finish(self, episode_id: str) -> CapturedEpisode:
         """Close the episode; KeyError names an episode id the endpoint never served."""
+        self._touched.pop(episode_id, None)
         try:
             return self.episodes.pop(episode_id)
         except KeyError:
-            raise KeyError(f"no open episode {episode_id!r} on this endpoint") from None
+            raise KeyError(
+                f"no open episode {episode_id!r} on this endpoint (never served, finished, or idle past its TTL)"
+            ) from None

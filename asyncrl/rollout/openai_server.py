@@ -1,19 +1,22 @@
 """An OpenAI-compatible chat-completions endpoint served by a rollout worker, in the worker's own event loop.
 
 An agent harness written against the `openai` client is trained by pointing its `base_url` at a worker:
-`GET /v1/models`, `POST /v1/chat/completions` (non-streaming, n=1) generate through the worker's `Engine`, so the
-calls share its batch and weights. A call that names an episode (header `X-Episode-Id`, else the `user` field) is
-captured token-exactly into that episode (`asyncrl.rollout.openai_capture`); `finish_episode` turns it into one
-`Trajectory`. Calls of one episode run one at a time, in arrival order.
+`GET /v1/models`, `POST /v1/chat/completions` (`stream` and `n` served) generate through the worker's `Engine`, so
+the calls share its batch and weights. A call that names an episode (header `X-Episode-Id`, else the `user` field) is
+captured token-exactly into that episode (`asyncrl.rollout.openai_capture`); with `n` > 1, choice i > 0 goes into
+the branch `<id>#<i>`, a copy of the episode so far. `finish_episode` turns an episode into one `Trajectory`; one
+with no call for `episode_ttl_s` is dropped and counted. Calls of one episode run one at a time, in arrival order.
+A streamed call is generated like any other and then sent as server-sent events (`stream_chunks`).
 
 Every call passes `asyncrl.cluster.http_guard`: `Host` names the server, a browser's `Origin` is its own, the
 API key when one is set (`Authorization: Bearer KEY`), and a POST is `application/json`; a body is capped at
 `MAX_BODY_BYTES`. A refused or malformed call gets a 4xx with an OpenAI-shaped error naming the problem.
 
-Beyond the OpenAI shape, a response carries `prompt_token_ids` (what the engine was fed), `choices[0].token_ids`
-(what it sampled), `policy_version` (also in the `X-Policy-Version` header: the newest weights that produced a
-token) and `episode_id`. Sampling uses the request's temperature/top_p, defaulting to the rollout's; the learner
-assumes `rollout.temperature`/`rollout.top_p`, so a harness that trains should not override them.
+Beyond the OpenAI shape, a response carries `prompt_token_ids` (what the engine was fed), `choices[i].token_ids`
+(what it sampled) and `choices[i].episode_id`, `policy_version` (also in the `X-Policy-Version` header: the newest
+weights that produced a token) and `episode_id`. Sampling uses the request's temperature/top_p, defaulting to the
+rollout's; the learner assumes `rollout.temperature`/`rollout.top_p`, so a harness that trains should not override
+them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import json
 import re
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +43,7 @@ EPISODE_HEADER = "X-Episode-Id"
 VERSION_HEADER = "X-Policy-Version"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20
+MAX_N = 64
 MAX_BODY_BYTES = 64 << 20
 """A long agent conversation resent on every call outgrows aiohttp's 1 MiB default."""
 TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
@@ -67,6 +72,9 @@ class ChatRequest:
     user: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
 
 
 def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], check=lambda v: True, hint: str = "") -> Any:
@@ -103,10 +111,13 @@ def parse_chat_request(body: Any) -> ChatRequest:
     """Check a request body; BadRequest names the first field the endpoint cannot honour."""
     if not isinstance(body, dict):
         raise BadRequest(None, "the request body must be a JSON object")
-    if body.get("stream"):
-        raise BadRequest("stream", "streaming is not supported: set 'stream' to false")
-    if body.get("n") not in (None, 1):
-        raise BadRequest("n", "only n=1 is served")
+    stream = bool(_field(body, "stream", (bool,)))
+    options = _field(body, "stream_options", (dict,), hint='an object such as {"include_usage": true}')
+    if options is not None and not stream:
+        raise BadRequest("stream_options", "'stream_options' needs 'stream': true")
+    include_usage = (options or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise BadRequest("stream_options.include_usage", f"invalid value for 'include_usage': {include_usage!r}")
     stop = _field(
         body,
         "stop",
@@ -141,6 +152,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
         user=_field(body, "user", (str,)),
         tools=tools or None,
         tool_choice=body.get("tool_choice"),
+        n=_field(body, "n", (int,), lambda v: 1 <= v <= MAX_N, f"1..{MAX_N}") or 1,
+        stream=stream,
+        include_usage=include_usage,
     )
 
 
@@ -176,6 +190,51 @@ def assistant_message(turn: SampledTurn, renderer: ChatRenderer, request: ChatRe
     return parsed if tool_calls and turn.continuation(echoed) is not None else plain
 
 
+def _pieces(renderer: ChatRenderer, token_ids: list[int], content: str) -> list[str]:
+    """The content streamed with each sampled token: its newly decoded text (none while a character is incomplete),
+    clipped so the pieces join to exactly `content` (a stop string and skipped special tokens stay out)."""
+    pieces: list[str] = []
+    sent = prefix = read = 0
+    for k in range(1, len(token_ids) + 1):
+        old, new = renderer.decode(token_ids[prefix:read]), renderer.decode(token_ids[prefix:k])
+        piece = ""
+        if not new.endswith("\ufffd") and new.startswith(old):
+            piece, prefix, read = new[len(old) :], read, k
+        pieces.append(content[sent : sent + len(piece)])
+        sent += len(pieces[-1])
+    if pieces:
+        pieces[-1] += content[sent:]
+    return pieces
+
+
+def stream_chunks(body: dict[str, Any], renderer: ChatRenderer, include_usage: bool) -> Iterator[dict[str, Any]]:
+    """A `chat.completion` body as OpenAI's `chat.completion.chunk`s: per choice, the role, one chunk per sampled
+    token (its content and log-prob) or, for a tool-call message, one chunk with the calls, then `finish_reason`
+    (with this endpoint's `token_ids` and `episode_id`); with `include_usage`, a last chunk with no choices and
+    the usage (and `prompt_token_ids`, `policy_version`)."""
+    head = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"]}
+
+    def chunk(index: int, delta: dict[str, Any], entries: list | None = None, **extra: Any) -> dict[str, Any]:
+        logprobs = None if entries is None else {"content": entries}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None, **extra}
+        return {**head, "choices": [choice]}
+
+    for choice in body["choices"]:
+        i, message, entries = choice["index"], choice["message"], (choice["logprobs"] or {}).get("content")
+        yield chunk(i, {"role": "assistant", "content": ""})
+        if "tool_calls" in message:
+            calls = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            yield chunk(i, {"content": message["content"], "tool_calls": calls}, entries)
+        else:
+            for k, piece in enumerate(_pieces(renderer, choice["token_ids"], message["content"])):
+                yield chunk(i, {"content": piece}, None if entries is None else entries[k : k + 1])
+        extra = {"token_ids": choice["token_ids"], "episode_id": choice["episode_id"]}
+        yield chunk(i, {}, **{**extra, "finish_reason": choice["finish_reason"]})
+    if include_usage:
+        extras = {k: body[k] for k in ("usage", "prompt_token_ids", "policy_version", "episode_id")}
+        yield {**head, "choices": [], **extras}
+
+
 class OpenAIServer:
     """`/v1/models` and `/v1/chat/completions` for one engine, in the running event loop.
 
@@ -185,17 +244,27 @@ class OpenAIServer:
         sampling: the worker's sampling (defaults for max_tokens, temperature, top_p, timeout).
         max_model_len: longest prompt + completion the engine serves.
         model_name: the name `/v1/models` reports.
+        episode_ttl_s: an episode with no call recorded for this long is dropped (`expire_idle`).
+        clock: seconds, for the TTL.
     """
 
     def __init__(
-        self, engine: Engine, renderer: ChatRenderer, sampling: SamplingSpec, max_model_len: int, model_name: str
+        self,
+        engine: Engine,
+        renderer: ChatRenderer,
+        sampling: SamplingSpec,
+        max_model_len: int,
+        model_name: str,
+        episode_ttl_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
         self.renderer = renderer
         self.sampling = sampling
         self.max_model_len = max_model_len
         self.model_name = model_name
-        self.capture = EpisodeCapture(renderer)
+        self.episode_ttl_s = episode_ttl_s
+        self.capture = EpisodeCapture(renderer, clock)
         self.url: str | None = None
         self.calls = 0
         self._ids = itertools.count()
@@ -238,11 +307,21 @@ class OpenAIServer:
             self._locks.pop(episode_id, None)
             return self.capture.finish(episode_id)
 
+    def expire_idle(self) -> int:
+        """Drop the episodes idle for longer than the TTL (not one with a call running); returns how many."""
+        idle = [e for e in self.capture.idle(self.episode_ttl_s) if not (e in self._locks and self._locks[e].locked())]
+        for episode_id in idle:
+            self.capture.expire(episode_id)
+            self._locks.pop(episode_id, None)
+        return len(idle)
+
     def stats(self) -> dict[str, int]:
+        self.expire_idle()
         return {
             "openai_calls": self.calls,
             "openai_drift": self.capture.drifts,
             "openai_open_episodes": len(self.capture.episodes),
+            "openai_expired_episodes": self.capture.expired,
         }
 
     # ---------------------------------------------------------------------------------------------
@@ -264,7 +343,8 @@ class OpenAIServer:
             {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "asyncrl"}]}
         )
 
-    async def _chat(self, http: web.Request) -> web.Response:
+    async def _chat(self, http: web.Request) -> web.StreamResponse:
+        self.expire_idle()
         try:
             payload = await http.json()
         except web.HTTPRequestEntityTooLarge:
@@ -283,19 +363,28 @@ class OpenAIServer:
             return _error(400, e.param, str(e))
         except EngineFailure as e:
             return _error(503, None, str(e), kind="server_error")
+        if request.stream:
+            return await self._stream(http, body, request.include_usage)
         return web.json_response(body, headers={VERSION_HEADER: str(body["policy_version"])})
+
+    async def _stream(self, http: web.Request, body: dict[str, Any], include_usage: bool) -> web.StreamResponse:
+        """The finished completion as server-sent events (`stream_chunks`), then `data: [DONE]`."""
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        response = web.StreamResponse(headers={**headers, VERSION_HEADER: str(body["policy_version"])})
+        await response.prepare(http)
+        for chunk in stream_chunks(body, self.renderer, include_usage):
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
     # ---------------------------------------------------------------------------------------------
     # Completion
 
     async def complete(self, request: ChatRequest, episode_id: str | None) -> dict[str, Any]:
-        """Serve one checked request; with an episode id, capture it. Returns the response body."""
-        try:
-            rendered = self.renderer.render(request.messages, request.tools, tool_choice=request.tool_choice)
-        except Exception as e:  # the template rejected the conversation (a missing field, a role it refuses)
-            raise BadRequest(
-                "messages", f"the chat template cannot render these messages: {type(e).__name__}: {e}"
-            ) from e
+        """Serve one checked request; with an episode id, capture it (choice i > 0 of `n` into the branch
+        `<episode_id>#<i>`). Returns the response body."""
+        rendered = self._render(request)
         plan = self.capture.plan(episode_id, rendered)
         room = self.max_model_len - len(plan.prompt_ids)
         if room < 1:
@@ -303,16 +392,57 @@ class OpenAIServer:
                 "messages",
                 f"the prompt is {len(plan.prompt_ids)} tokens; this engine serves {self.max_model_len} in all",
             )
-        tops: list[dict[int, float]] = []
-        completion = await self._generate(plan.prompt_ids, self._spec(request, room), episode_id, tops)
-        visible = _stop_cut(self.renderer.decode(completion.response_ids), request.stop)
-        turn = SampledTurn(rendered, self.renderer.decode(completion.response_ids, specials=True), visible)
+        branches = self._branches(episode_id, request.n)
+        context = None
+        if episode_id is not None and not plan.restart:
+            builder = self.capture.episodes[episode_id].builder
+            context = builder.oldest_model_version if builder is not None else None
+        tops: list[list[dict[int, float]]] = [[] for _ in range(request.n)]
+        completions = await asyncio.gather(
+            *(
+                self._generate(plan.prompt_ids, self._spec(request, room, i), branches[i], tops[i], context)
+                for i in range(request.n)
+            )
+        )
+        visibles = [_stop_cut(self.renderer.decode(c.response_ids), request.stop) for c in completions]
+        choices = [
+            (
+                c,
+                assistant_message(
+                    SampledTurn(rendered, self.renderer.decode(c.response_ids, specials=True), v),
+                    self.renderer,
+                    request,
+                ),
+            )
+            for c, v in zip(completions, visibles, strict=True)
+        ]
         if episode_id is not None:
-            self.capture.record(episode_id, plan, completion, visible)
+            for branch in branches[1:]:
+                self.capture.fork(episode_id, str(branch))
+            for branch, completion, visible in zip(branches, completions, visibles, strict=True):
+                self.capture.record(str(branch), plan, completion, visible)
         self.calls += 1
-        return self._body(request, completion, assistant_message(turn, self.renderer, request), tops, episode_id)
+        return self._body(request, choices, tops, branches)
 
-    def _spec(self, request: ChatRequest, room: int) -> SamplingSpec:
+    def _render(self, request: ChatRequest) -> str:
+        try:
+            return self.renderer.render(request.messages, request.tools, tool_choice=request.tool_choice)
+        except Exception as e:  # the template rejected the conversation (a missing field, a role it refuses)
+            raise BadRequest(
+                "messages", f"the chat template cannot render these messages: {type(e).__name__}: {e}"
+            ) from e
+
+    def _branches(self, episode_id: str | None, n: int) -> list[str | None]:
+        """The episode each of `n` choices is captured into: the episode, then its branches `<id>#1`, ..."""
+        if episode_id is None:
+            return [None] * n
+        branches = [episode_id] + [f"{episode_id}#{i}" for i in range(1, n)]
+        for branch in branches[1:]:
+            if branch in self.capture.episodes:
+                raise BadRequest("n", f"episode {branch!r} (choice branch) is open: finish it before asking n={n}")
+        return list(branches)
+
+    def _spec(self, request: ChatRequest, room: int, choice: int = 0) -> SamplingSpec:
         base = self.sampling
         return dataclasses.replace(
             base,
@@ -321,12 +451,12 @@ class OpenAIServer:
             top_p=base.top_p if request.top_p is None else float(request.top_p),
             stop=request.stop,
             top_logprobs=request.top_logprobs,
-            seed=request.seed,
+            seed=None if request.seed is None else request.seed + choice,
             ignore_eos=False,
         )
 
     async def _generate(
-        self, prompt_ids: list[int], spec: SamplingSpec, episode_id: str | None, tops: list
+        self, prompt_ids: list[int], spec: SamplingSpec, episode_id: str | None, tops: list, context: int | None
     ) -> Trajectory:
         n = next(self._ids)
         prompt = Prompt(prompt_id=f"openai-{n}", prompt_ids=prompt_ids, ground_truth="")
@@ -336,6 +466,7 @@ class OpenAIServer:
             sample_index=0,
             group_size=1,
             prompt=prompt,
+            context_min_version=context,
         )
         completion = await self.engine.generate(request, spec, top_logprobs=tops)
         if completion.failed:
@@ -343,32 +474,39 @@ class OpenAIServer:
         return completion
 
     def _body(
-        self, request: ChatRequest, completion: Trajectory, message: dict[str, Any], tops: list, episode_id: str | None
+        self,
+        request: ChatRequest,
+        choices: list[tuple[Trajectory, dict[str, Any]]],
+        tops: list[list[dict[int, float]]],
+        branches: list[str | None],
     ) -> dict[str, Any]:
-        finish = "tool_calls" if "tool_calls" in message else completion.finish_reason
-        prompt_tokens, completion_tokens = len(completion.prompt_ids), len(completion.response_ids)
+        first = choices[0][0]
+        prompt_tokens = len(first.prompt_ids)
+        completion_tokens = sum(len(completion.response_ids) for completion, _ in choices)
         return {
-            "id": f"chatcmpl-{completion.prompt_id}",
+            "id": f"chatcmpl-{first.prompt_id}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.model_name,
             "choices": [
                 {
-                    "index": 0,
+                    "index": i,
                     "message": message,
-                    "finish_reason": finish,
-                    "logprobs": {"content": self._logprobs(completion, tops)} if request.logprobs else None,
+                    "finish_reason": "tool_calls" if "tool_calls" in message else completion.finish_reason,
+                    "logprobs": {"content": self._logprobs(completion, tops[i])} if request.logprobs else None,
                     "token_ids": completion.response_ids.tolist(),
+                    "episode_id": branches[i],
                 }
+                for i, (completion, message) in enumerate(choices)
             ],
             "usage": {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
             },
-            "prompt_token_ids": completion.prompt_ids.tolist(),
-            "policy_version": completion.max_version,
-            "episode_id": episode_id,
+            "prompt_token_ids": first.prompt_ids.tolist(),
+            "policy_version": max(completion.max_version for completion, _ in choices),
+            "episode_id": branches[0],
         }
 
     def _logprobs(self, completion: Trajectory, tops: list[dict[int, float]]) -> list[dict[str, Any]]:
@@ -415,7 +553,9 @@ async def start_worker_endpoint(
     # loaded as vLLM and the controller load it, so the three encode alike (docs/tokenizers.md)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     template = load_chat_template(rollout.openai_chat_template) if rollout.openai_chat_template else None
-    server = OpenAIServer(engine, ChatRenderer(tokenizer, template), sampling, max_model_len, Path(model_dir).name)
+    renderer = ChatRenderer(tokenizer, template)
+    name = Path(model_dir).name
+    server = OpenAIServer(engine, renderer, sampling, max_model_len, name, rollout.openai_episode_ttl_s)
     api_key = secret(rollout.openai_api_key, OPENAI_API_KEY_ENV)
     await server.start(rollout.openai_host, port_for(rollout.openai_port, worker_name), api_key)
     return server

@@ -100,6 +100,14 @@ class Member:
     """The caller was cancelled."""
     done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest policy version the sample's trajectory will carry: the first token's, or, for a later call
+        of a multi-turn episode, the episode's oldest model token (`Request.context_min_version`) when older.
+        None while neither is known."""
+        known = [v for v in (self.first_version, self.request.context_min_version) if v is not None]
+        return min(known) if known else None
+
 
 @dataclass(eq=False)
 class Stream:

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 
 
 def batch_figures(batch: Batch) -> dict[str, Any]:
-    """`lag_generating_counts`, `lag_queued_counts` (histograms like `lag_counts`), `response_length_mean` (tokens)
+    """`lag_generating_counts`, `lag_queued_counts` (histograms like `lag_counts`), `version_span_max` (the largest
+    `Trajectory.version_span`: weight updates one episode lived through), `response_length_mean` (tokens)
     and `entropy_mc_nats`: mean -log mu of the sampled model tokens, an unbiased estimate of the sampling
     distribution's per-token entropy that needs no extra forward pass."""
     trajectories = [t for g in batch.groups for t in g.trajectories]
@@ -26,6 +27,7 @@ def batch_figures(batch: Batch) -> dict[str, Any]:
     return {
         "lag_generating_counts": lag_counts([t.max_version - t.min_version for t in trajectories]),
         "lag_queued_counts": lag_counts([batch.version - t.max_version for t in trajectories]),
+        "version_span_max": max((t.version_span for t in trajectories), default=0),
         "response_length_mean": sum(len(t.response_ids) for t in trajectories) / max(1, len(trajectories)),
         "entropy_mc_nats": -logprob_sum / model_tokens if model_tokens else 0.0,
     }

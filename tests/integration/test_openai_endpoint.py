@@ -130,7 +130,7 @@ def test_loopback_binding_bad_fields_and_unknown_episodes(loop, worker):
         c = client(url)
         models = await c.models.list()
         errors = {}
-        for field, extra in (("temperature", {"temperature": 5}), ("n", {"n": 2}), ("top_logprobs", {"top_logprobs": 2})):
+        for field, extra in (("temperature", {"temperature": 5}), ("n", {"n": 0}), ("top_logprobs", {"top_logprobs": 2})):
             try:
                 await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], **extra)
             except openai.BadRequestError as e:
@@ -203,3 +203,54 @@ def test_an_endpoint_with_an_api_key_serves_the_openai_client_that_sends_it_and_
     assert reply.choices[0].message.role == "assistant" and len(reply.choices[0].token_ids) >= 1
     assert refused == [(401, True), (401, True)]
     assert harnessed.failure is None and harnessed.reward == 1.0 and keyed.calls == 2
+
+
+def _same_episode(a, b) -> bool:
+    fields = ("prompt_ids", "response_ids", "rollout_logprobs", "loss_mask", "versions")
+    return all(np.array_equal(getattr(a, f), getattr(b, f)) for f in fields) and a.turn_starts == b.turn_starts
+
+
+def test_streamed_episode_equals_the_non_streamed_one_for_a_fixed_seed(loop, worker):
+    url = worker.openai.url
+
+    async def episode(name: str, stream: bool):
+        c, messages, calls = client(url, name), [{"role": "user", "content": "Hi"}], []
+        for k in range(2):
+            kwargs = dict(model="m", messages=messages, max_tokens=5, seed=7 + k, logprobs=True)
+            if not stream:
+                r = await c.chat.completions.create(**kwargs)
+                choice = r.choices[0]
+                calls.append((choice.message.content, choice.token_ids, [e.logprob for e in choice.logprobs.content], r.usage.total_tokens))
+            else:
+                chunks = [ch async for ch in await c.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})]
+                assert {ch.object for ch in chunks} == {"chat.completion.chunk"} and chunks[0].choices[0].delta.role == "assistant"
+                body = [ch.choices[0] for ch in chunks if ch.choices]
+                text = "".join(ch.delta.content or "" for ch in body)
+                logprobs = [e.logprob for ch in body if ch.logprobs for e in ch.logprobs.content]
+                assert body[-1].finish_reason in ("stop", "length") and all(ch.finish_reason is None for ch in body[:-1])
+                assert chunks[-1].choices == [] and chunks[-1].usage is not None
+                calls.append((text, body[-1].token_ids, logprobs, chunks[-1].usage.total_tokens))
+            messages += [{"role": "assistant", "content": calls[-1][0]}, {"role": "user", "content": f"next {k}"}]
+        return calls, await worker.finish_episode(name, reward=1.0)
+
+    plain_calls, plain = loop.run_until_complete(episode("plain", stream=False))
+    streamed_calls, streamed = loop.run_until_complete(episode("streamed", stream=True))
+    assert streamed_calls == plain_calls
+    assert all(len(ids) == len(lps) > 0 for _, ids, lps, _ in plain_calls)  # one log-prob chunk per sampled token
+    assert _same_episode(plain, streamed) and len(streamed.turn_starts) == 2 and worker.openai.capture.drifts == 0
+
+
+def test_n_2_gives_two_choices_each_captured_as_its_own_branch(loop, worker):
+    url = worker.openai.url
+    messages = [{"role": "user", "content": "Pick"}]
+
+    async def group():
+        r = await client(url, "grp").chat.completions.create(model="m", messages=messages, n=2, max_tokens=4, seed=3)
+        return r, await worker.finish_episode("grp", reward=1.0), await worker.finish_episode("grp#1", reward=0.0)
+
+    r, first, second = loop.run_until_complete(group())
+    assert [c.index for c in r.choices] == [0, 1] and [c.episode_id for c in r.choices] == ["grp", "grp#1"]
+    for choice, t in zip(r.choices, (first, second), strict=True):
+        assert t.prompt_ids.tolist() == r.prompt_token_ids and t.response_ids.tolist() == choice.token_ids
+    assert r.usage.completion_tokens == len(r.choices[0].token_ids) + len(r.choices[1].token_ids)
+    assert r.usage.prompt_tokens == len(r.prompt_token_ids) and (first.reward, second.reward) == (1.0, 0.0)

@@ -8,6 +8,7 @@ the engine's sampler does, so agreement to 1e-5 proves the engine reports proces
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import numpy as np
@@ -242,16 +243,21 @@ def test_abort_stale_ends_only_the_requests_certain_to_exceed_the_bound(loop, en
             await asyncio.sleep(0.005)
         await engine.update_weights(buckets, version=v0 + 1, in_flight=True)
         new = asyncio.ensure_future(engine.generate(_request(0, PROMPTS[4], "new"), spec))
-        while engine.progress("new0/0/0") < 5:
+        # A later turn of an episode whose first turn was sampled at v0: judged by that oldest model token.
+        turn = dataclasses.replace(_request(0, PROMPTS[5], "turn"), context_min_version=v0)
+        later = asyncio.ensure_future(engine.generate(turn, spec))
+        while engine.progress("new0/0/0") < 5 or engine.progress("turn0/0/0") < 5:
             await asyncio.sleep(0.005)
         await engine.update_weights(buckets, version=v0 + 2, in_flight=True)
         # old: first token at v0, lag >= 2 at any later consumption; new: first token at v0 + 1, lag may be 1.
         aborted = await engine.abort_stale(abort_after_lag=1)
         again = await engine.abort_stale(abort_after_lag=1)
-        return await old, await new, aborted, again
+        return await old, await new, await later, aborted, again
 
-    old, new, aborted, again = loop.run_until_complete(scenario())
-    assert (aborted, again) == (1, 0)
+    old, new, later, aborted, again = loop.run_until_complete(scenario())
+    assert (aborted, again) == (2, 0)
+    # Its own tokens start at v0 + 1 (lag 1 alone), but the episode it continues holds tokens of v0.
+    assert later.failure.startswith("stale:") and f"version {v0}," in later.failure and later.min_version == v0 + 1
     assert old.failure.startswith("stale:") and f"version {v0}," in old.failure and old.finish_reason == "abort"
     assert 5 <= len(old.response_ids) < 400 and len(old.versions) == len(old.rollout_logprobs) == len(old.response_ids)
     assert old.min_version == v0

@@ -121,3 +121,84 @@ def test_stop_string_tokens_stay_in_the_context(tokenizer):
     capture.record("e", plan, completion(tokenizer, "5;", eos=False), visible="5")
     plan2 = capture.plan("e", capture.renderer.render([{"role": "user", "content": "q"}, {"role": "assistant", "content": "5"}, {"role": "user", "content": "!"}]))
     assert plan2.prompt_ids == tokenizer.encode("q5;!", add_special_tokens=False)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_idle_episode_expires_after_its_ttl_and_is_counted_but_not_one_with_a_call_running(tokenizer):
+    from asyncrl.rollout.openai_server import OpenAIServer
+
+    clock = FakeClock()
+    server = OpenAIServer(None, renderer_for(tokenizer, "default"), None, 1024, "m", episode_ttl_s=600.0, clock=clock)
+    hi = [{"role": "user", "content": "hi"}]
+    for episode in ("old", "busy", "young"):
+        call(server.capture, hi, completion(tokenizer, "x"), episode=episode)
+        clock.now += 300.0 if episode == "busy" else 0.0
+    clock.now += 301.0  # old: 601 s idle, busy: 601 s idle with a call running, young: 301 s idle
+    server._locks["busy"].locked = lambda: True  # a call of it is being generated
+    assert server.expire_idle() == 1 and sorted(server.capture.episodes) == ["busy", "young"]
+    assert server.stats()["openai_expired_episodes"] == 1 and server.stats()["openai_open_episodes"] == 2
+    call(server.capture, hi, completion(tokenizer, "y"), episode="young")  # a call resets its idle time
+    clock.now += 599.0
+    del server._locks["busy"]
+    assert server.expire_idle() == 1 and list(server.capture.episodes) == ["young"]
+    with pytest.raises(KeyError, match="idle past its TTL"):
+        server.capture.finish("old")
+
+
+def test_each_choice_of_n_is_its_own_branch_sharing_the_episode_so_far(tokenizer):
+    capture = EpisodeCapture(renderer_for(tokenizer, "default"))
+    first = [{"role": "user", "content": "hi"}]
+    call(capture, first, completion(tokenizer, "ab"))
+    then = first + [{"role": "assistant", "content": "ab"}, {"role": "user", "content": "more"}]
+    plan = capture.plan("e", capture.renderer.render(then))
+    capture.fork("e", "e#1")
+    for branch, text in (("e", "cd"), ("e#1", "xyz")):
+        sampled = completion(tokenizer, text, version=1)
+        capture.record(branch, plan, sampled, text)
+    with pytest.raises(ValueError, match="'e#1' is open"):
+        capture.fork("e", "e#1")  # a later n > 1 call of the episode while its branch is not finished
+    a = capture.finish("e").trajectory(prompt_id="p", group_id="g", sample_index=0)
+    b = capture.finish("e#1").trajectory(prompt_id="p", group_id="g", sample_index=1)
+    shared = a.turn_starts[1]
+    assert shared == b.turn_starts[1] and a.response_ids[:shared].tolist() == b.response_ids[:shared].tolist()
+    assert tokenizer.decode(a.response_ids[shared:].tolist(), skip_special_tokens=True) == "cd"
+    assert b.response_text == "abxyz"
+    assert b.versions.tolist() == [0, 0, 0] + [0] * (shared - 3) + [1, 1, 1, 1]  # "ab" + EOS, observation, "xyz" + EOS
+
+
+def test_streamed_chunks_join_to_the_message_with_one_log_prob_per_token(tokenizer):
+    from asyncrl.rollout.openai_server import stream_chunks
+
+    renderer = renderer_for(tokenizer, "default")
+    ids = tokenizer.encode("a b!STOP", add_special_tokens=False)
+    entries = [{"token": tokenizer.decode([t]), "logprob": -0.5, "bytes": [], "top_logprobs": []} for t in ids]
+    body = {
+        "id": "chatcmpl-1", "created": 5, "model": "m", "usage": {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11},
+        "prompt_token_ids": [1, 2, 3], "policy_version": 4, "episode_id": "e",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "a b!"}, "finish_reason": "stop", "token_ids": ids,
+             "logprobs": {"content": entries}, "episode_id": "e"},
+            {"index": 1, "message": {"role": "assistant", "content": None, "tool_calls": [{"id": "call_0", "type": "function",
+             "function": {"name": "calc", "arguments": "{}"}}]}, "finish_reason": "tool_calls", "token_ids": [5], "logprobs": None,
+             "episode_id": "e#1"},
+        ],
+    }
+    chunks = list(stream_chunks(body, renderer, include_usage=True))
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and {c["id"] for c in chunks} == {"chatcmpl-1"}
+    zero = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == 0]
+    assert zero[0]["delta"] == {"role": "assistant", "content": ""}
+    assert len(zero) == 1 + 8 + 1  # role, one chunk per sampled token ("STOP" is cut from the content), finish
+    assert "".join(c["delta"].get("content") or "" for c in zero) == "a b!"
+    assert [c["logprobs"]["content"] for c in zero[1:-1]] == [[e] for e in entries]
+    assert (zero[-1]["finish_reason"], zero[-1]["token_ids"], zero[-1]["episode_id"]) == ("stop", ids, "e")
+    one = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == 1]
+    assert one[1]["delta"]["tool_calls"][0]["index"] == 0 and one[-1]["finish_reason"] == "tool_calls"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 11 and chunks[-1]["policy_version"] == 4
+    assert not any("usage" in c for c in stream_chunks(body, renderer, include_usage=False))

@@ -19,13 +19,16 @@ USER = [{"role": "user", "content": "hi"}]
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
         ({"messages": USER, "temperature": 5}, "temperature"),
         ({"messages": USER, "top_p": 0}, "top_p"),
-        ({"messages": USER, "n": 2}, "n"),
+        ({"messages": USER, "n": 0}, "n"),
+        ({"messages": USER, "n": 65}, "n"),
         ({"messages": USER, "max_tokens": 0}, "max_tokens"),
         ({"messages": USER, "max_completion_tokens": "8"}, "max_completion_tokens"),
         ({"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"messages": USER, "top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
         ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-        ({"messages": USER, "stream": True}, "stream"),
+        ({"messages": USER, "stream": "yes"}, "stream"),
+        ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
+        ({"messages": USER, "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
         ({"messages": USER, "tools": [{"type": "retrieval"}]}, "tools"),
         ({"messages": USER, "seed": True}, "seed"),
     ],
@@ -41,6 +44,9 @@ def test_good_request_is_read_with_its_defaults():
                             "max_tokens": 5, "max_completion_tokens": 7, "stop": "\n", "logprobs": True, "top_logprobs": 2, "user": "ep"})
     assert r.messages[0]["content"] == "ab"
     assert (r.max_tokens, r.stop, r.top_logprobs, r.user, r.temperature) == (7, ("\n",), 2, "ep", None)  # max_completion_tokens wins
+    assert (r.n, r.stream, r.include_usage) == (1, False, False)
+    r = parse_chat_request({"messages": USER, "n": 3, "stream": True, "stream_options": {"include_usage": True}})
+    assert (r.n, r.stream, r.include_usage) == (3, True, True)
 
 
 def test_ports_per_worker():
