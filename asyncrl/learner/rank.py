@@ -336,7 +336,7 @@ class LearnerWorker:
         if self.megatron:
             from asyncrl.learner.megatron.state import save_megatron_state
 
-            _local_only(store)
+            _local_only(folder)
             return save_megatron_state(folder, self.state, self.rank, self.step)
         save_train_state(folder, self.state, self.rank, self.step, store)
 
@@ -346,7 +346,7 @@ class LearnerWorker:
         if self.megatron:
             from asyncrl.learner.megatron.state import load_megatron_state
 
-            _local_only(store)
+            _local_only(folder)
             self.step = load_megatron_state(folder, self.state, self.rank)
             return self.step
         self.step = load_train_state(folder, self.state, self.rank, store)
@@ -392,10 +392,12 @@ class LearnerWorker:
             dist.destroy_process_group()
 
 
-def _local_only(store: Store | None) -> None:
+def _local_only(folder: str) -> None:
     """Megatron checkpoints are written to a mounted folder only (no object-store staging yet)."""
-    if store is not None:
+    from asyncrl.remote import is_remote
+
+    if is_remote(folder):
         raise ValueError(
-            "learner.training_backend = megatron: checkpoints on an object store (storage.uri s3://, gs://) "
-            "are not supported yet; use a mounted folder"
+            f"learner.training_backend = megatron: checkpoint {folder} is on an object store, which the megatron "
+            "backend does not support yet; use a mounted folder (storage.uri)"
         )
