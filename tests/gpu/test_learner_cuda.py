@@ -18,16 +18,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 LR = 1e-3
 
 
-@pytest.fixture(scope="module")
-def process_group():
-    import torch.distributed as dist
-
-    torch.cuda.set_device(0)
-    dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _groups(vocab: int, num_groups: int = 4, group_size: int = 4, length: int = 24):
     """A GRPO batch with reward variance in every group: every member has a non-zero advantage."""
     from asyncrl.testing import make_trajectory

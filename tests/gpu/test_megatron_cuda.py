@@ -14,16 +14,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 pytest.importorskip("megatron.core")
 
 
-@pytest.fixture(scope="module")
-def process_group():
-    import torch.distributed as dist
-
-    torch.cuda.set_device(0)
-    dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _step(model_dir, device: torch.device, megatron: bool = True):
     from asyncrl.algo.recipes import resolve_recipe
     from asyncrl.algo.sampling import RAW
