@@ -394,8 +394,6 @@ class LearnerWorker:
 
 def _local_only(folder: str) -> None:
     """Megatron checkpoints are written to a mounted folder only (no object-store staging yet)."""
-    from asyncrl.remote import is_remote
-
     if is_remote(folder):
         raise ValueError(
             f"learner.training_backend = megatron: checkpoint {folder} is on an object store, which the megatron "
