@@ -1,4 +1,4 @@
-"""`asyncrl` command line: run | check | submit | status | logs | stop | scale | dash.
+"""`asyncrl` command line: run | check | submit | status | logs | stop | scale | dash | convert-checkpoint.
 
 Thin entry point: nothing heavy (torch, Ray, vLLM) is imported before a subcommand needs it, so
 `asyncrl --help` answers at once.
@@ -66,6 +66,15 @@ def _parser() -> argparse.ArgumentParser:
         help="address to listen on (default: this machine only; beyond it, set ASYNCRL_DASHBOARD_TOKEN)",
     )
     dash.add_argument("--port", type=int, default=8470, help="port (a taken one falls back to a free one; 0 = any)")
+    convert = sub.add_parser(
+        "convert-checkpoint",
+        help="a learner checkpoint for the other learner.training_backend (fsdp2 <-> megatron), to resume there",
+    )
+    convert.add_argument("src", help="a complete checkpoint folder (<output_dir>/checkpoints/step-N)")
+    convert.add_argument("dst", help="a new folder; resume from it with checkpoint.resume_from")
+    convert.add_argument("--to", required=True, choices=("fsdp2", "megatron"), help="the backend to resume on")
+    convert.add_argument("--model", required=True, help="the run's Hugging Face model folder (config and shapes)")
+    convert.add_argument("--tensor-parallel", type=int, default=1, help="learner.tensor_parallel of a megatron run")
     for command in (submit, status, logs, stop, scale):
         command.add_argument("--address", help=f"Ray dashboard URL (default: RAY_ADDRESS, else {DEFAULT_ADDRESS})")
     return parser
@@ -239,12 +248,26 @@ def _dash(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert_checkpoint(args: argparse.Namespace) -> int:
+    from asyncrl.learner.megatron.switch import convert
+
+    try:
+        step = convert(args.src, args.dst, args.model, args.to, args.tensor_parallel)
+    except (FileNotFoundError, FileExistsError, ValueError, KeyError) as e:
+        print(f"asyncrl convert-checkpoint: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.dst}: the step-{step} checkpoint of {args.src} for learner.training_backend = {args.to}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from asyncrl.config import ConfigError
 
     if args.command == "dash":
         return _dash(args)
+    if args.command == "convert-checkpoint":
+        return _convert_checkpoint(args)
     try:
         if args.command in ("status", "logs", "stop", "scale"):
             return _cluster(args)

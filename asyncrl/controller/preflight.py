@@ -552,8 +552,23 @@ def _resume(cfg: Config) -> list[Problem]:
     folder = Path(where)
     if not (folder / STATE_FILE).is_file():
         return [Problem("checkpoint.resume_from", f"{where} is not a complete checkpoint (no {STATE_FILE})")]
-    reason = _corrupt(folder) or _other_config(cfg, folder)
+    reason = _corrupt(folder) or _other_config(cfg, folder) or _other_backend(cfg, folder)
     return [Problem("checkpoint.resume_from", reason)] if reason else []
+
+
+def _other_backend(cfg: Config, folder: Path) -> str | None:
+    """A checkpoint of the other `learner.training_backend` resumes only once converted (`asyncrl.learner.megatron
+    .switch`)."""
+    from asyncrl.learner.megatron.switch import backend_of
+
+    written, ours = backend_of(folder), cfg.learner.training_backend
+    if written == ours:
+        return None
+    tp = f" --tensor-parallel {cfg.learner.tensor_parallel}" if ours == "megatron" else ""
+    return (
+        f"{folder} was written by learner.training_backend = {written}, this config has {ours}: convert it with "
+        f"`asyncrl convert-checkpoint {folder} NEW_FOLDER --to {ours} --model MODEL_DIR{tp}` and resume from that"
+    )
 
 
 def _corrupt(folder: Path) -> str | None:

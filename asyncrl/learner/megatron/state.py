@@ -136,12 +136,14 @@ def load_megatron_state(folder: str, state, rank: int) -> int:
     file = _piece_file(Path(folder), tp_rank)
     if not file.exists():
         raise FileNotFoundError(
-            f"{folder}: no megatron checkpoint piece {file.name} (written by learner.training_backend = megatron)"
+            f"{folder}: no megatron checkpoint piece {file.name} (written by learner.training_backend = megatron; "
+            f"`asyncrl convert-checkpoint --to megatron` converts an FSDP2 one)"
         )
     piece = torch.load(file, weights_only=True)  # nothing unpickled from a user path
     if piece["tensor_parallel"] != tp:
         raise ValueError(
-            f"{folder}: written with learner.tensor_parallel = {piece['tensor_parallel']}, resumed with {tp}"
+            f"{folder}: written with learner.tensor_parallel = {piece['tensor_parallel']}, resumed with {tp} "
+            f"(`asyncrl convert-checkpoint --to megatron --tensor-parallel {tp}` converts it)"
         )
     state.policy.load_state_dict(piece["model"], strict=True)
     state.optimizer.load_state_dict(piece["optim"])

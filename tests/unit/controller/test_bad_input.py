@@ -70,15 +70,18 @@ def _model_folder(*files: str, config: str = "{}") -> Callable[[Path], list[str]
     return make
 
 
-def _checkpoint(state: str, config: str | None = None, shards: bool = True) -> Callable[[Path], list[str]]:
-    """`<tmp>/old/checkpoints/step-000002` with marker `state`, optionally the shard files and the run's config."""
+def _checkpoint(
+    state: str, config: str | None = None, shards: bool = True, megatron: bool = False
+) -> Callable[[Path], list[str]]:
+    """`<tmp>/old/checkpoints/step-000002` with marker `state`, optionally the shard files (FSDP2's, or `megatron`'s)
+    and the run's config."""
 
     def make(tmp: Path) -> list[str]:
         folder = tmp / "old" / "checkpoints" / "step-000002"
         (folder / "learner").mkdir(parents=True)
         (folder / "learner_state.json").write_text(state)
         if shards:
-            (folder / "learner" / ".metadata").write_bytes(b"x")
+            (folder / "learner" / ("megatron_tp0.pt" if megatron else ".metadata")).write_bytes(b"x")
             (folder / "learner" / "rank_0.pt").write_bytes(b"x")
         if config is not None:
             (tmp / "old" / "config.yaml").write_text(config)
@@ -171,6 +174,8 @@ CASES = [
     Case("checkpoint without its shards", _checkpoint(GOOD_STATE, shards=False), "step-000002 is corrupt: learner/.metadata, learner/rank_0.pt missing"),
     Case("checkpoint of another config", _checkpoint(GOOD_STATE, config="model:\n  preset: add-3m\n"),
          "was written by a run with model.preset = 'add-3m'; this config has 'add-1m'"),
+    Case("checkpoint of the other learner backend", _checkpoint(GOOD_STATE, megatron=True),
+         "was written by learner.training_backend = megatron, this config has fsdp2: convert it with `asyncrl convert-checkpoint"),
     Case("tensor parallelism without megatron", _overrides("learner.tensor_parallel=2"), "learner.tensor_parallel = 2 needs learner.training_backend = megatron"),
     Case("tensor parallelism that does not divide the heads", _overrides("learner.training_backend=megatron", "learner.compile=false", "learner.num_ranks=3", "learner.tensor_parallel=3"),
          "learner.tensor_parallel: 3 does not divide the model's num_attention_heads"),

@@ -1,7 +1,8 @@
 """The megatron backend (`learner.training_backend = megatron`) against transformers and the FSDP2 backend, on CPU with
 real gloo groups: each family's converter gives transformers' log-probs and round-trips strictly; one step on the same
 batch gives the FSDP2 step's loss, gradient norm and weights; two ranks splitting the layers (TP=2) or the rows
-(DP=2) give the one-rank result; a checkpoint resumes with its step and weights."""
+(DP=2) give the one-rank result; a checkpoint resumes with its step and weights, and converts to the FSDP2 backend's
+and back (`switch`) exactly."""
 
 from __future__ import annotations
 
@@ -155,8 +156,96 @@ def test_checkpoint_resumes_the_step_and_weights(one_rank, tmp_path, tiny_model_
     assert fresh.scheduler.last_epoch == state.scheduler.last_epoch == 1
 
 
-def _two_ranks(rank: int, port: int, model_dir: str, out: str) -> None:
-    """One of two processes: a step with TP=2 (both ranks the whole batch), then with DP=2 (half the rows each)."""
+def _save_megatron(folder, state, extra=None):
+    from asyncrl.learner.checkpoint import write_learner_state
+    from asyncrl.learner.megatron.state import save_megatron_state
+
+    save_megatron_state(str(folder), state, rank=0, step=1)
+    write_learner_state(folder, step=1, version=1, num_ranks=1, extra=extra or {})
+
+
+def _moments(state):
+    """AdamW's moments of a megatron state by Hugging Face name (`convert.to_hf` of each moment)."""
+    named = list(state.policy.gpt.named_parameters())
+    return {
+        m: state.policy.converter.to_hf({n: state.optimizer.state[p][m] for n, p in named}, state.policy.hf_config)
+        for m in ("exp_avg", "exp_avg_sq")
+    }
+
+
+def test_a_megatron_checkpoint_converts_to_fsdp2_and_back(one_rank, tmp_path, tiny_model_dir, mesh):
+    """megatron (TP=1) -> FSDP2 -> megatron at TP=1 (the same pieces, tensor for tensor) and at TP=2 -> FSDP2 (the
+    same as the first); the FSDP2 checkpoint resumes with megatron's weights, AdamW state, schedule, step, version and
+    counters, and its next step equals megatron's next step."""
+    from asyncrl.learner.checkpoint import load_train_state, read_learner_state
+    from asyncrl.learner.megatron.state import load_megatron_state
+    from asyncrl.learner.megatron.switch import convert, to_fsdp2, to_megatron
+    from asyncrl.learner.state import build_train_state
+
+    _, _, state = one_rank
+    extra = {"counters": {"samples_trained": 12}, "queue": {"pending": 3}}
+    _save_megatron(tmp_path / "megatron", state, extra)
+    assert to_fsdp2(str(tmp_path / "megatron"), str(tmp_path / "fsdp2"), str(tiny_model_dir)) == 1
+    assert read_learner_state(tmp_path / "fsdp2") == ({"step": 1, "version": 1, "num_ranks": 1}, extra)
+    cfg = LearnerConfig(**CFG)
+    fsdp = build_train_state(cfg, str(tiny_model_dir), torch.device("cpu"))
+    assert load_train_state(tmp_path / "fsdp2", fsdp, rank=0) == 1
+    assert fsdp.scheduler.last_epoch == 1
+    weights, moments = state.policy.full_hf_state(), _moments(state)
+    params = {n.removeprefix("causal_lm."): p for n, p in fsdp.policy.named_parameters()}
+    assert set(params) == set(weights) and all(torch.equal(params[k], weights[k]) for k in weights)
+    for m, expected in moments.items():
+        assert all(torch.equal(fsdp.optimizer.state[params[k]][m], expected[k]) for k in expected), m
+    assert float(moments["exp_avg_sq"]["model.norm.weight"].abs().max()) > 0  # a stepped optimizer
+    assert {float(s["step"]) for s in fsdp.optimizer.state.values()} == {1.0}
+
+    assert to_megatron(str(tmp_path / "fsdp2"), str(tmp_path / "back"), str(tiny_model_dir), 1) == 1
+    original = torch.load(tmp_path / "megatron/learner/megatron_tp0.pt", weights_only=True)
+    back = torch.load(tmp_path / "back/learner/megatron_tp0.pt", weights_only=True)
+    assert back["model"].keys() == original["model"].keys()
+    assert all(torch.equal(back["model"][k], v) for k, v in original["model"].items() if v is not None)
+    assert back["optim"]["param_groups"] == original["optim"]["param_groups"]
+    for i, entry in original["optim"]["state"].items():
+        assert all(torch.equal(back["optim"]["state"][i][k], v) for k, v in entry.items()), i
+    assert read_learner_state(tmp_path / "back") == read_learner_state(tmp_path / "megatron")
+
+    assert convert(str(tmp_path / "megatron"), str(tmp_path / "tp2"), str(tiny_model_dir), "megatron", 2) == 1
+    assert (tmp_path / "tp2/learner/megatron_tp1.pt").is_file()
+    to_fsdp2(str(tmp_path / "tp2"), str(tmp_path / "fsdp2-again"), str(tiny_model_dir))
+    again = build_train_state(cfg, str(tiny_model_dir), torch.device("cpu"))
+    load_train_state(tmp_path / "fsdp2-again", again, rank=0)
+    assert all(torch.equal(a, b) for a, b in zip(again.policy.parameters(), fsdp.policy.parameters(), strict=True))
+
+    resumed, step = _megatron(tiny_model_dir)
+    load_megatron_state(str(tmp_path / "back"), resumed, rank=0)
+    batch = _batch()
+    ours, theirs = step.train([batch], 1), _step(fsdp, cfg, lambda t, op="sum": t).train([batch], 1)
+    assert ours.loss == pytest.approx(theirs.loss, abs=1e-6) and ours.grad_norm == pytest.approx(
+        theirs.grad_norm, rel=1e-5
+    )
+    after = resumed.policy.full_hf_state()
+    assert max(float((after[k] - params[k].detach()).abs().max()) for k in after) < ADAM_ROUNDING
+
+
+def test_conversion_refuses_an_incomplete_or_wrong_checkpoint_and_a_used_folder(tmp_path, tiny_model_dir, capsys):
+    from asyncrl.cli import main
+    from asyncrl.learner.checkpoint import write_learner_state
+    from asyncrl.learner.megatron.switch import to_fsdp2
+
+    with pytest.raises(FileNotFoundError, match="not a complete learner checkpoint"):
+        to_fsdp2(str(tmp_path), str(tmp_path / "out"), str(tiny_model_dir))
+    write_learner_state(tmp_path, step=1, version=1, num_ranks=1, extra={})
+    with pytest.raises(FileNotFoundError, match="no learner/megatron_tp0.pt, not a megatron checkpoint"):
+        to_fsdp2(str(tmp_path), str(tmp_path / "out"), str(tiny_model_dir))
+    with pytest.raises(FileExistsError, match="is not empty"):
+        to_fsdp2(str(tmp_path), str(tmp_path), str(tiny_model_dir))
+    code = main(["convert-checkpoint", str(tmp_path), str(tmp_path / "out"), "--to", "fsdp2", "--model", "m"])
+    assert code == 2 and "is already an FSDP2 checkpoint" in capsys.readouterr().err
+
+
+def _two_ranks(rank: int, port: int, model_dir: str, out: str, converted: str) -> None:
+    """One of two processes: a step with TP=2 (both ranks the whole batch), then with DP=2 (half the rows each); then
+    a TP=2 state loads the checkpoint `converted` (`switch.convert` to TP=2)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -172,6 +261,11 @@ def _two_ranks(rank: int, port: int, model_dir: str, out: str) -> None:
             "grad_norm": stats.grad_norm,
             "weights": {k: v.tolist() for k, v in weights.items()},
         }
+    from asyncrl.learner.megatron.state import load_megatron_state
+
+    state, _ = _megatron(model_dir, tensor_parallel=2, num_ranks=2)
+    results["converted_step"] = load_megatron_state(converted, state, rank)
+    results["converted"] = {k: v.tolist() for k, v in state.policy.full_hf_state().items()}
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -187,10 +281,15 @@ def _free_port() -> int:
 def test_two_ranks_with_tp2_or_dp2_give_the_one_rank_step(one_rank, tiny_model_dir, tmp_path):
     import torch.multiprocessing as mp
 
+    from asyncrl.learner.megatron.switch import convert
+
     _, stats, state = one_rank
     out = str(tmp_path / "two_ranks.json")
     env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS",)}
-    mp.start_processes(_two_ranks, args=(_free_port(), str(tiny_model_dir), out), nprocs=2, start_method="spawn")
+    _save_megatron(tmp_path / "tp1", state)
+    convert(str(tmp_path / "tp1"), str(tmp_path / "tp2"), str(tiny_model_dir), "megatron", tensor_parallel=2)
+    args = (_free_port(), str(tiny_model_dir), out, str(tmp_path / "tp2"))
+    mp.start_processes(_two_ranks, args=args, nprocs=2, start_method="spawn")
     assert env == {k: os.environ.get(k) for k in env}
     results = json.load(open(out))
     expected = state.policy.full_hf_state()
@@ -200,6 +299,8 @@ def test_two_ranks_with_tp2_or_dp2_give_the_one_rank_step(one_rank, tiny_model_d
         assert got["grad_norm"] == pytest.approx(stats.grad_norm, rel=1e-5), name
         diff = max(float((torch.tensor(got["weights"][k]) - expected[k]).abs().max()) for k in expected)
         assert set(got["weights"]) == set(expected) and diff < ADAM_ROUNDING, name
+    assert results["converted_step"] == 1  # the TP=1 checkpoint converted to TP=2 loads the same weights
+    assert all(torch.equal(torch.tensor(results["converted"][k]), v) for k, v in expected.items())
 
 
 def test_learner_settings_megatron_does_not_run_are_refused_by_name():
