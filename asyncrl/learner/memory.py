@@ -10,11 +10,20 @@ from below however many ranks share it. With a KL-to-reference term the frozen r
 weights, sharded the same way (no gradient, no optimizer state: `state.build_reference`). Not counted, like the
 activations: bf16 compute's copies of the decoder layers' weights (under FSDP2 a layer's gathered copy at a time;
 on a plain rank `policy.cast_layers` keeps every layer's, 2 bytes per parameter, through the backward).
+
+The megatron backend (`learner.training_backend`, `megatron_rank_need`) splits by `tensor_parallel`, not by
+`num_ranks`: its `num_ranks / tensor_parallel` data-parallel replicas each hold a whole TP piece of the parameters,
+gradients and AdamW moments (torch's AdamW, no optimizer sharding). A piece holds 1/tensor_parallel of every weight
+matrix and of the Q/K/V biases (the vocabulary rows rounded up, as megatron pads them) and every norm whole
+(`model._mark_partitions`). Before
+taking its piece every rank loads the whole fp32 model and `convert.to_megatron` concatenates its Q/K/V and gate/up
+weights into new tensors: `load` counts both.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +33,7 @@ __all__ = [
     "check_rank_memory",
     "forward_backward_peak",
     "held_bytes",
+    "megatron_rank_need",
     "parameter_shapes",
     "rank_need",
     "resident_bytes",
@@ -46,6 +56,8 @@ class RankMemory:
     """The whole fp32 model(s), which every rank loads before sharding."""
     reference: int = 0
     """The frozen reference policy's fp32 weights (its share), 0 without a KL-to-reference term."""
+    tensor_parallel: int = 0
+    """The megatron backend's split (`megatron_rank_need`); 0 for FSDP2's, over `num_ranks`."""
 
     @property
     def state(self) -> int:
@@ -86,25 +98,82 @@ def _share(shapes: list[tuple[int, ...]], num_ranks: int) -> int:
     return sum(math.ceil(s[0] / num_ranks) * math.prod(s[1:]) if s else 1 for s in shapes) * _FP32
 
 
+_MEGATRON_SPLIT_1D = re.compile(r"\.self_attn\.[qkv]_proj\.bias$")
+_MEGATRON_FUSED = re.compile(r"\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.")
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def megatron_rank_need(
+    model_dir: str, tensor_parallel: int, num_ranks: int, reference: str | None = None
+) -> RankMemory:
+    """The train state of one rank of the megatron backend at `tensor_parallel` (module docstring), with the frozen
+    reference policy of `reference` (a model folder, split the same way) when given."""
+    piece, total, fused = _megatron_piece(model_dir, tensor_parallel)
+    ref = _megatron_piece(reference, tensor_parallel)[0] if reference else 0
+    return RankMemory(num_ranks, total, piece, piece, 2 * piece, (total + fused) * _FP32, ref, tensor_parallel)
+
+
+def _megatron_piece(model_dir: str, tensor_parallel: int) -> tuple[int, int, int]:
+    """(fp32 bytes of one TP piece, parameters, parameters `convert.to_megatron` copies) of `model_dir`'s policy."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        named = [(n, tuple(p.shape)) for n, p in AutoModelForCausalLM.from_config(config).named_parameters()]
+    piece = total = fused = 0
+    for name, shape in named:
+        numel = math.prod(shape)
+        total += numel
+        fused += numel if _MEGATRON_FUSED.search(name) else 0
+        if len(shape) == 1 and not _MEGATRON_SPLIT_1D.search(name):
+            piece += numel  # a norm, whole on every TP rank
+        elif name in _VOCAB:
+            piece += math.ceil(shape[0] / tensor_parallel) * math.prod(shape[1:])
+        else:
+            piece += numel // tensor_parallel
+    return piece * _FP32, total, fused
+
+
 def check_rank_memory(cfg, model_dir: str, reference: bool = False) -> RankMemory | None:
-    """`learner.rank_memory_gb` against `rank_need` of `model_dir` at `learner.num_ranks` (a `LearnerConfig`), with
-    the reference policy (`learner.reference_path`, default `model_dir`) when `reference` (the recipe's
-    `kl_coef` > 0); raises naming the figures and the smallest number of ranks that fits. None when no budget."""
+    """`learner.rank_memory_gb` against the need of `model_dir` (a `LearnerConfig`'s backend: `rank_need` at
+    `learner.num_ranks`, or `megatron_rank_need` at `learner.tensor_parallel`), with the reference policy
+    (`learner.reference_path`, default `model_dir`) when `reference` (the recipe's `kl_coef` > 0); raises naming the
+    figures and the smallest number of ranks (FSDP2) or tensor-parallel split (megatron) that fits. None when no
+    budget."""
     if cfg.rank_memory_gb is None:
         return None
+    budget, ref_dir = cfg.rank_memory_gb * 1e9, (cfg.reference_path or model_dir) if reference else None
+    if getattr(cfg, "training_backend", "fsdp2") == "megatron":
+        need = megatron_rank_need(model_dir, cfg.tensor_parallel, cfg.num_ranks, ref_dir)
+        if need.need <= budget:
+            return need
+        split = f"learner.training_backend = megatron, learner.tensor_parallel = {cfg.tensor_parallel}"
+        raise ValueError(
+            _too_small(cfg, model_dir, need, split, _fewest_tensor_parallel(cfg, model_dir, budget, ref_dir))
+        )
     shapes = parameter_shapes(model_dir, cfg.critic)
-    ref = parameter_shapes(cfg.reference_path or model_dir) if reference else None
-    need, budget = rank_need(shapes, cfg.num_ranks, ref), cfg.rank_memory_gb * 1e9
+    ref = parameter_shapes(ref_dir) if ref_dir else None
+    need = rank_need(shapes, cfg.num_ranks, ref)
     if need.need <= budget:
         return need
-    raise ValueError(
-        f"learner.rank_memory_gb = {cfg.rank_memory_gb:g} is too small for {model_dir} with learner.num_ranks = "
-        f"{cfg.num_ranks}: each rank needs {_gb(need.need)} GB ({need.parameters:,} fp32 parameters"
-        f"{' with the critic' if cfg.critic else ''}: {_gb(need.params)} GB of parameters + {_gb(need.grads)} of "
-        f"gradients + {_gb(need.optimizer)} of AdamW moments"
-        f"{f' + {_gb(need.reference)} of the reference policy' if ref else ''} per rank; every rank first loads the "
-        f"whole model, {_gb(need.load)} GB); activations come on top. "
-        f"{_fewest_ranks(shapes, cfg.num_ranks, budget, ref)}"
+    split = f"learner.num_ranks = {cfg.num_ranks}"
+    raise ValueError(_too_small(cfg, model_dir, need, split, _fewest_ranks(shapes, cfg.num_ranks, budget, ref)))
+
+
+def _too_small(cfg, model_dir: str, need: RankMemory, split: str, fits: str) -> str:
+    piece = (
+        f" (each of the {cfg.num_ranks // cfg.tensor_parallel} data-parallel replicas holds a whole TP piece)"
+        if need.tensor_parallel
+        else ""
+    )
+    load = "and concatenates its Q/K/V and gate/up weights" if need.tensor_parallel else "whole model"
+    return (
+        f"learner.rank_memory_gb = {cfg.rank_memory_gb:g} is too small for {model_dir} with {split}: each rank "
+        f"needs {_gb(need.need)} GB ({need.parameters:,} fp32 parameters{' with the critic' if cfg.critic else ''}: "
+        f"{_gb(need.params)} GB of parameters + {_gb(need.grads)} of gradients + {_gb(need.optimizer)} of AdamW "
+        f"moments{f' + {_gb(need.reference)} of the reference policy' if need.reference else ''} per rank{piece}; "
+        f"every rank first loads the {'whole model ' if need.tensor_parallel else ''}{load}, {_gb(need.load)} GB); "
+        f"activations come on top. {fits}"
     )
 
 
@@ -118,6 +187,25 @@ def _fewest_ranks(
     while rank_need(shapes, n, reference).need > budget:
         n += 1
     return f"It fits from learner.num_ranks = {n} ({_gb(rank_need(shapes, n, reference).need)} GB per rank)."
+
+
+def _fewest_tensor_parallel(cfg, model_dir: str, budget: float, reference: str | None) -> str:
+    """The smallest `tensor_parallel` above the configured one that divides the attention and key-value heads and
+    fits (more ranks do not help: each data-parallel replica holds a whole piece)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    load = megatron_rank_need(model_dir, 1, 1).load
+    if load > budget:
+        return f"No split fits: every rank first loads the whole fp32 model and its copies, {_gb(load)} GB."
+    for tp in range(cfg.tensor_parallel + 1, heads + 1):
+        if heads % tp == 0 and kv_heads % tp == 0:
+            need = megatron_rank_need(model_dir, tp, tp, reference)
+            if need.need <= budget:
+                return f"It fits from learner.tensor_parallel = {tp} ({_gb(need.need)} GB per rank)."
+    return "No learner.tensor_parallel that divides the attention and key-value heads fits."
 
 
 def _gb(num_bytes: float) -> str:

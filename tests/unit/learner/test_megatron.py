@@ -6,6 +6,7 @@ and back (`switch`) exactly."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -248,6 +249,8 @@ def _two_ranks(rank: int, port: int, model_dir: str, out: str, converted: str) -
     a TP=2 state loads the checkpoint `converted` (`switch.convert` to TP=2)."""
     import torch.distributed as dist
 
+    from asyncrl.learner.memory import held_bytes
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.set_num_threads(1)
     results = {}
@@ -257,6 +260,7 @@ def _two_ranks(rank: int, port: int, model_dir: str, out: str, converted: str) -
         stats = step.train([rows], 0)
         weights = state.policy.full_hf_state()
         results[name] = {
+            "param_bytes": held_bytes(state)["param_bytes"],
             "loss": stats.loss,
             "grad_norm": stats.grad_norm,
             "weights": {k: v.tolist() for k, v in weights.items()},
@@ -282,6 +286,7 @@ def test_two_ranks_with_tp2_or_dp2_give_the_one_rank_step(one_rank, tiny_model_d
     import torch.multiprocessing as mp
 
     from asyncrl.learner.megatron.switch import convert
+    from asyncrl.learner.memory import megatron_rank_need
 
     _, stats, state = one_rank
     out = str(tmp_path / "two_ranks.json")
@@ -299,8 +304,44 @@ def test_two_ranks_with_tp2_or_dp2_give_the_one_rank_step(one_rank, tiny_model_d
         assert got["grad_norm"] == pytest.approx(stats.grad_norm, rel=1e-5), name
         diff = max(float((torch.tensor(got["weights"][k]) - expected[k]).abs().max()) for k in expected)
         assert set(got["weights"]) == set(expected) and diff < ADAM_ROUNDING, name
+    # what a rank holds is the estimate of `learner.rank_memory_gb` (a TP piece; DP replicas the whole model)
+    assert results["tp2"]["param_bytes"] == megatron_rank_need(str(tiny_model_dir), 2, 2).params
+    assert results["dp2"]["param_bytes"] == megatron_rank_need(str(tiny_model_dir), 1, 2).params
     assert results["converted_step"] == 1  # the TP=1 checkpoint converted to TP=2 loads the same weights
     assert all(torch.equal(torch.tensor(results["converted"][k]), v) for k, v in expected.items())
+
+
+def test_the_rank_memory_of_megatron_splits_by_tensor_parallel_not_by_ranks(tiny_model_dir, tmp_path):
+    """tiny-0.3m (H 64, F 256, 2 heads, 1 key-value head of 32, vocabulary 16, 4 layers, tied): 247,872 parameters.
+    A TP=2 piece per layer: Q 2,048 + 32, K and V 2 x (1,024 + 16), O 2,048, gate/up/down 3 x 8,192, norms 128 =
+    30,912; x 4 layers + 8 x 64 vocabulary rows + the final norm 64 = 124,224. Load: the
+    model and its concatenated Q/K/V (8,320 per layer) and gate/up (32,768) copies, 247,872 + 4 x 41,088."""
+    from asyncrl.learner.memory import check_rank_memory, megatron_rank_need
+    from asyncrl.models import build_model
+
+    need = megatron_rank_need(str(tiny_model_dir), tensor_parallel=2, num_ranks=4)
+    assert (need.parameters, need.params, need.grads, need.optimizer) == (
+        247_872,
+        *(124_224 * 4 * k for k in (1, 1, 2)),
+    )
+    assert need.load == (247_872 + 164_352) * 4 and need.need == 124_224 * 16
+    assert megatron_rank_need(str(tiny_model_dir), 2, 2) == dataclasses.replace(need, num_ranks=2)
+    assert megatron_rank_need(str(tiny_model_dir), 1, 1).params == 247_872 * 4
+    # two data-parallel ranks each hold the whole model: 3.97 MB, where FSDP2's two ranks hold half each
+    megatron = dict(training_backend="megatron", num_ranks=2, rank_memory_gb=0.003)
+    with pytest.raises(ValueError) as error:
+        check_rank_memory(LearnerConfig(**megatron), str(tiny_model_dir))
+    for part in ("learner.training_backend = megatron, learner.tensor_parallel = 1", "each rank needs 0.00397 GB",
+                 "each of the 2 data-parallel replicas holds a whole TP piece",
+                 "No learner.tensor_parallel that divides the attention and key-value heads fits"):  # fmt: skip
+        assert part in str(error.value), (part, str(error.value))
+    assert check_rank_memory(LearnerConfig(rank_memory_gb=0.003, num_ranks=2), str(tiny_model_dir)) is not None
+    kl = check_rank_memory(LearnerConfig(**megatron, tensor_parallel=2), str(tiny_model_dir), reference=True)
+    assert kl is not None and kl.reference == 124_224 * 4 and kl.need == 124_224 * 20
+    add = str(build_model("add-1m", tmp_path / "add", seed=0))  # 4 heads, 2 key-value heads: TP=2 divides them
+    tp1, tp2 = (megatron_rank_need(add, tp, 2).need for tp in (1, 2))
+    with pytest.raises(ValueError, match=r"It fits from learner.tensor_parallel = 2 \("):
+        check_rank_memory(LearnerConfig(**dict(megatron, rank_memory_gb=(tp1 + tp2) / 2e9)), add)
 
 
 def test_learner_settings_megatron_does_not_run_are_refused_by_name():
@@ -326,8 +367,6 @@ def test_an_moe_model_with_tensor_parallelism_is_refused():
 
 def test_the_kl_to_reference_term_equals_the_fsdp2_one(tiny_model_dir, tmp_path):
     """A reference of other weights (so the KL term is not 0 at the first step), split like the policy."""
-    import dataclasses
-
     from asyncrl.learner.megatron.state import build_megatron_reference
     from asyncrl.learner.state import build_reference, build_train_state
     from asyncrl.learner.step import RankStep
