@@ -24,7 +24,7 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 RUN_PACKAGES ?= g++:g++
 SYSTEM_PACKAGES ?= $(RUN_PACKAGES) chromium:chromium prometheus:prometheus bubblewrap:bwrap
 
-.PHONY: install lock run lint test test-fast test-gpu bench bench-quick clean system-deps run-deps
+.PHONY: install lock run lint test test-fast test-gpu gpu-wheels bench bench-quick clean system-deps run-deps
 
 $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -93,6 +93,10 @@ test-fast: $(STAMP)
 # on the GPU (tests/gpu; `make test` collects them too and skips them without a GPU).
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -rs tests/gpu
+
+# The megatron-core wheel `deploy/gpu_check.sh` installs on a GPU machine without it (and without a network).
+gpu-wheels:
+	$(PY) -m pip download megatron-core==0.16.1 --no-deps -d .wheels
 
 BENCH_SCRIPTS := algo_throughput queue_throughput weight_sync async_speedup limits learning_add agent_tool logprob_layout engine_start model_scale
 

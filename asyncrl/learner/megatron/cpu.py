@@ -10,8 +10,9 @@ What megatron-core assumes that a CPU process lacks, and what stands in for it:
   no-op tracker (its inference one). The backend runs without dropout, so no random draw happens inside a fork.
 
 Still CUDA-only and not used on CPU: megatron's pipeline schedules (`forward_backward_func`), its optimizer
-(`get_megatron_optimizer`) and `model_parallel_cuda_manual_seed`; the CPU step is asyncrl's own micro-batch loop
-(`asyncrl.learner.step`) with torch's AdamW.
+(`get_megatron_optimizer`) and `model_parallel_cuda_manual_seed` (which `model.init_parallel` calls where there is
+CUDA); the CPU step is asyncrl's own micro-batch loop (`asyncrl.learner.step`) with torch's AdamW. tests/gpu/
+test_megatron_cuda.py runs megatron's schedule and optimizer on the backend's model and loss on a GPU.
 """
 
 from __future__ import annotations

@@ -31,9 +31,10 @@ if TYPE_CHECKING:
 __all__ = ["MegatronPolicy", "build_gpt", "init_parallel", "partition_dim", "transformer_config"]
 
 
-def init_parallel(tensor_parallel: int) -> None:
+def init_parallel(tensor_parallel: int, seed: int = 0) -> None:
     """megatron's process groups over the initialized default group: TP groups of `tensor_parallel` consecutive ranks,
-    data parallel across them; the CPU shims (`cpu.apply`) where there is no CUDA."""
+    data parallel across them; the CPU shims (`cpu.apply`) where there is no CUDA, and with CUDA the RNG states its
+    attention forks (`model_parallel_cuda_manual_seed`: the fork raises without them)."""
     from megatron.core import parallel_state
 
     cpu.apply()
@@ -43,6 +44,10 @@ def init_parallel(tensor_parallel: int) -> None:
             return
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    if torch.cuda.is_available():
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
 
 
 def transformer_config(hf_config, tensor_parallel: int):

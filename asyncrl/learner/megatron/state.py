@@ -39,7 +39,7 @@ def build_megatron_train_state(cfg, model_dir: str, device: torch.device):
     from asyncrl.learner.policy import load_causal_lm
     from asyncrl.learner.state import lr_factor, materialize_optimizer_state
 
-    init_parallel(cfg.tensor_parallel)
+    init_parallel(cfg.tensor_parallel, cfg.seed)
     causal_lm = load_causal_lm(model_dir, torch.float32)
     policy = MegatronPolicy(build_gpt(causal_lm.config, cfg.tensor_parallel), causal_lm.config)
     policy.load_hf_state(causal_lm.state_dict())
