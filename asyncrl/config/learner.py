@@ -17,7 +17,8 @@ class LearnerConfig(Section):
     """What trains the policy on the ranks: `fsdp2` (the Hugging Face model sharded with FSDP2, `fsdp`; every
     supported family, a critic, `compile`, `activation_checkpointing`, `routing_replay`, bf16 compute) or `megatron`
     (megatron-core's `GPTModel` with tensor parallelism, `tensor_parallel`; Qwen2, Qwen3, Llama and Mistral, and
-    Qwen3-MoE without tensor parallelism; the policy only, fp32 compute, the same step, losses and exports).
+    Qwen3-MoE without tensor parallelism; the policy only, fp32 or bf16 compute (`model.dtype`) as FSDP2's, the same
+    step, losses and exports; its checkpoints convert to FSDP2's and back: `asyncrl convert-checkpoint`).
     (`backend` is the torch.distributed backend.) docs/architecture.md#learner-backends."""
     tensor_parallel: int = Field(1, ge=1, le=64)
     """Ranks that split each layer of the policy (megatron's tensor parallelism, `training_backend` megatron only):

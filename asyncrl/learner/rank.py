@@ -135,7 +135,7 @@ class LearnerWorker:
         if self.megatron:
             from asyncrl.learner.megatron.state import build_megatron_train_state
 
-            state = build_megatron_train_state(self.config, self.model_dir, self.device)
+            state = build_megatron_train_state(self.config, self.model_dir, self.device, self.dtype)
             self.model_config = state.policy.hf_config
             return state
         state = build_train_state(
@@ -157,7 +157,7 @@ class LearnerWorker:
             if self.megatron:
                 from asyncrl.learner.megatron.state import build_megatron_reference
 
-                self.reference = build_megatron_reference(path, self.config.tensor_parallel, self.device)
+                self.reference = build_megatron_reference(path, self.config.tensor_parallel, self.device, self.dtype)
                 return self.reference
             self.reference = build_reference(
                 path, self.device, lambda module: shard(module, mesh, self.dtype, self.config.fsdp)

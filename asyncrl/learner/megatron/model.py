@@ -4,7 +4,8 @@ or apex) built from a Hugging Face config, its weights loaded from and returned 
 
 `MegatronPolicy` is called exactly like the FSDP2 backend's `PolicyModel` (`asyncrl.learner.policy`): input ids,
 attention mask and position ids [B, L] -> learner log-probs [B, L] under the engines' processed sampling
-distribution, the head and the log-softmax in fp32, so `asyncrl.learner.step.RankStep` drives either.
+distribution, the head and the log-softmax in fp32 (the decoder layers in bf16 with `model.dtype` bfloat16, as
+FSDP2's), so `asyncrl.learner.step.RankStep` drives either.
 
 Rows are right-padded with positions 0..n-1 (`asyncrl.learner.batch`), which megatron's rotary embedding assumes
 (it numbers positions 0..L-1 itself); padding columns hold garbage, as in `PolicyModel`.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -152,12 +153,19 @@ def partition_dim(param: torch.Tensor) -> int | None:
 class MegatronPolicy(nn.Module):
     """The policy on one rank: megatron's `GPTModel` (this rank's TP piece) behind `PolicyModel`'s call."""
 
-    def __init__(self, gpt, hf_config):
+    def __init__(self, gpt, hf_config, compute_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.gpt = gpt
         self.hf_config = hf_config
         self.converter = converter_for(hf_config)
         self._skeleton = None  # the meta-device transformers model `checkpoint_layout` needs (MoE), built once
+        if compute_dtype != torch.float32:
+            _mixed_precision(self, compute_dtype)
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        """The decoder layers (`asyncrl.learner.policy.cast_layers` puts their compute dtype in place)."""
+        return self.gpt.decoder.layers
 
     def forward(
         self,
@@ -239,6 +247,20 @@ class MegatronPolicy(nn.Module):
 
     def _unpadded(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         return tensor[: self.hf_config.vocab_size] if name in _VOCAB_ROWS else tensor
+
+
+def _mixed_precision(policy: MegatronPolicy, dtype: torch.dtype) -> None:
+    """bf16 compute with the FSDP2 backend's numerics (`policy.cast_layers`): each decoder layer runs on `dtype` copies
+    of the fp32 master weights (the gradients reach the masters in fp32) and takes and returns `dtype` activations; the
+    embedding, the final norm (its input cast back to fp32) and the head stay fp32."""
+    from asyncrl.learner.policy import cast_layers
+
+    cast_layers(cast(Any, policy), dtype)
+    policy.gpt.decoder.final_layernorm.register_forward_pre_hook(_fp32_inputs)
+
+
+def _fp32_inputs(_module: nn.Module, args: tuple) -> tuple:
+    return tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 
 def _mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -31,9 +31,10 @@ __all__ = [
 ]
 
 
-def build_megatron_train_state(cfg, model_dir: str, device: torch.device):
+def build_megatron_train_state(cfg, model_dir: str, device: torch.device, compute_dtype: torch.dtype = torch.float32):
     """The policy of `model_dir` as megatron's `GPTModel` split over `cfg.tensor_parallel` ranks (the process group
-    must be up), with AdamW and its schedule. Unsupported learner settings (a critic, compile, activation
+    must be up), fp32 master weights whose decoder layers compute in `compute_dtype` (`model.MegatronPolicy`), with
+    AdamW and its schedule. Unsupported learner settings (a critic, compile, activation
     checkpointing, routing replay) are refused by `LearnerConfig`."""
     from asyncrl.learner.checkpoint import TrainState
     from asyncrl.learner.policy import load_causal_lm
@@ -41,7 +42,7 @@ def build_megatron_train_state(cfg, model_dir: str, device: torch.device):
 
     init_parallel(cfg.tensor_parallel, cfg.seed)
     causal_lm = load_causal_lm(model_dir, torch.float32)
-    policy = MegatronPolicy(build_gpt(causal_lm.config, cfg.tensor_parallel), causal_lm.config)
+    policy = MegatronPolicy(build_gpt(causal_lm.config, cfg.tensor_parallel), causal_lm.config, compute_dtype)
     policy.load_hf_state(causal_lm.state_dict())
     del causal_lm
     policy.to(device)
@@ -156,13 +157,15 @@ def load_megatron_state(folder: str, state, rank: int) -> int:
     return int(local["step"])
 
 
-def build_megatron_reference(model_dir: str, tensor_parallel: int, device: torch.device) -> MegatronPolicy:
-    """The frozen reference policy of the KL-to-reference term, split like the policy: eval mode, no gradients, no
-    optimizer."""
+def build_megatron_reference(
+    model_dir: str, tensor_parallel: int, device: torch.device, compute_dtype: torch.dtype = torch.float32
+) -> MegatronPolicy:
+    """The frozen reference policy of the KL-to-reference term, split and computing like the policy: eval mode, no
+    gradients, no optimizer."""
     from asyncrl.learner.policy import load_causal_lm
 
     causal_lm = load_causal_lm(model_dir, torch.float32)
-    reference = MegatronPolicy(build_gpt(causal_lm.config, tensor_parallel), causal_lm.config)
+    reference = MegatronPolicy(build_gpt(causal_lm.config, tensor_parallel), causal_lm.config, compute_dtype)
     reference.load_hf_state(causal_lm.state_dict())
     reference.requires_grad_(False)
     return reference.to(device).eval()
