@@ -294,8 +294,10 @@ class LearnerPool:
         """(batch loss, full policy gradient by HF name) without an optimizer step (tests, debugging).
         `recipe` (default: the pool's) must be the one `batch` was built with."""
         recipe = recipe or self.recipe
-        shards = split_rows(batch, self.num_ranks, loss_needs_whole_groups(recipe), self._shares_prompts)
-        loss, grads = self._call("compute_gradients", per_rank=[(s, recipe) for s in shards])[0]
+        replicas = self.num_ranks // self.tensor_parallel  # a tensor-parallel group's ranks take the same rows
+        shards = split_rows(batch, replicas, loss_needs_whole_groups(recipe), self._shares_prompts)
+        per_rank = [(shards[rank // self.tensor_parallel], recipe) for rank in range(self.num_ranks)]
+        loss, grads = self._call("compute_gradients", per_rank=per_rank)[0]
         return loss, grads
 
     def score(

@@ -185,10 +185,6 @@ class LearnerWorker:
         """The full (unsharded) policy gradient of the batch loss, without stepping; -> (loss, grads on
         rank 0 / None elsewhere), by Hugging Face name. `recipe` overrides the pool's for this call."""
         recipe = recipe or self.recipe
-        if self.megatron:
-            raise NotImplementedError(
-                "compute_gradients: learner.training_backend = megatron has no unsharded gradients"
-            )
         loss, grads = dataclasses.replace(self._step, recipe=recipe, reference=self._reference(recipe)).gradients(rows)
         return loss, (grads if self.rank == 0 else None)
 

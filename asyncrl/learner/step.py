@@ -221,11 +221,17 @@ class RankStep:
         return Update(loss, grad_norm, stepped, clipfrac, approx_kl, metrics)
 
     def gradients(self, rows: TrainBatch) -> tuple[float, dict[str, np.ndarray]]:
-        """(batch loss, full unsharded policy gradient by Hugging Face name) without stepping."""
+        """(batch loss, full unsharded policy gradient by Hugging Face name) without stepping; collective. A policy
+        that joins its own gradient (megatron's `full_hf_grads`: data-parallel sum, TP pieces joined) gives that."""
         from asyncrl.learner.policy import hf_name
 
         acc = self.accumulate(rows)
         grads = {}
+        joined = getattr(self.state.policy, "full_hf_grads", None)
+        if joined is not None:
+            grads = {name: grad.float().numpy() for name, grad in joined().items()}
+            self.state.optimizer.zero_grad(set_to_none=True)
+            return acc.loss, grads
         for name, param in self.state.policy.named_parameters():
             grad = param.grad
             if grad is None:

@@ -205,12 +205,29 @@ class MegatronPolicy(nn.Module):
     def full_hf_state(self) -> dict[str, torch.Tensor]:
         """Every parameter joined over the TP ranks (one all-gather per split tensor, in the same order on every
         rank; collective over the TP group) under Hugging Face names, on the CPU."""
+        return self._full_hf({name: param.detach() for name, param in self.gpt.named_parameters()})
+
+    def full_hf_grads(self) -> dict[str, torch.Tensor]:
+        """The batch gradient under Hugging Face names, on the CPU: every parameter's gradient summed over the
+        data-parallel group and joined over the TP ranks (collective over both); a tied head's is the embedding's."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        grads = {}
+        for name, param in self.gpt.named_parameters():
+            grad = param.grad.detach().clone() if param.grad is not None else torch.zeros_like(param)
+            if ps.get_data_parallel_world_size() > 1:
+                dist.all_reduce(grad, group=ps.get_data_parallel_group())
+            grads[name] = grad
+        return self._full_hf(grads)
+
+    def _full_hf(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         from megatron.core import parallel_state as ps
 
         group, size = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
-        full = {}
-        for name, param in self.gpt.named_parameters():
-            dim, local = partition_dim(param), param.detach()
+        params, full = dict(self.gpt.named_parameters()), {}
+        for name, local in tensors.items():
+            dim = partition_dim(params[name])
             if dim is not None and size > 1:
                 pieces = [torch.empty_like(local) for _ in range(size)]
                 torch.distributed.all_gather(pieces, local.contiguous(), group=group)

@@ -11,6 +11,7 @@ import json
 import os
 import socket
 
+import numpy as np
 import pytest
 import torch
 
@@ -134,13 +135,12 @@ def test_megatron_gradients_equal_the_fsdp2_gradients(tiny_model_dir, mesh):
     fsdp = build_train_state(cfg, str(tiny_model_dir), torch.device("cpu"), lambda m: shard(m, mesh, torch.float32))
     loss, expected = _step(fsdp, cfg, lambda t, op="sum": t).gradients(batch)
     state, step = _megatron(tiny_model_dir)
-    assert step.accumulate(batch).loss == pytest.approx(loss, abs=1e-7)
-    grads = state.policy.converter.to_hf(
-        {k: p.grad for k, p in state.policy.gpt.named_parameters()}, state.policy.hf_config
-    )
+    ours, grads = step.gradients(batch)  # `LearnerPool.compute_gradients` on each rank
+    assert ours == pytest.approx(loss, abs=1e-7)
     assert set(grads) == set(expected) - {"lm_head.weight"}
     assert max(float(abs(g).max()) for g in expected.values()) > 1e-3  # a real gradient
-    assert max(float((grads[k] - torch.from_numpy(expected[k])).abs().max()) for k in grads) < 1e-7
+    assert max(float(abs(grads[k] - expected[k]).max()) for k in grads) < 1e-7
+    assert all(p.grad is None for p in state.policy.parameters())  # nothing left for a step
 
 
 def test_checkpoint_resumes_the_step_and_weights(one_rank, tmp_path, tiny_model_dir):
@@ -257,10 +257,12 @@ def _two_ranks(rank: int, port: int, model_dir: str, out: str, converted: str) -
     batch = _batch()
     for name, tp, rows in (("tp2", 2, batch), ("dp2", 1, split_rows(batch, 2)[rank])):
         state, step = _megatron(model_dir, tensor_parallel=tp, num_ranks=2)
+        _, grads = step.gradients(rows)  # `compute_gradients`: summed over DP, joined over TP
         stats = step.train([rows], 0)
         weights = state.policy.full_hf_state()
         results[name] = {
             "param_bytes": held_bytes(state)["param_bytes"],
+            "grads": {k: v.tolist() for k, v in grads.items()},
             "loss": stats.loss,
             "grad_norm": stats.grad_norm,
             "weights": {k: v.tolist() for k, v in weights.items()},
@@ -298,8 +300,10 @@ def test_two_ranks_with_tp2_or_dp2_give_the_one_rank_step(one_rank, tiny_model_d
     assert env == {k: os.environ.get(k) for k in env}
     results = json.load(open(out))
     expected = state.policy.full_hf_state()
+    _, grads = _megatron(tiny_model_dir)[1].gradients(_batch())
     for name in ("tp2", "dp2"):
         got = results[name]
+        assert max(float(abs(np.array(got["grads"][k]) - g).max()) for k, g in grads.items()) < 1e-7, name
         assert got["loss"] == pytest.approx(stats.loss, abs=1e-6), name
         assert got["grad_norm"] == pytest.approx(stats.grad_norm, rel=1e-5), name
         diff = max(float((torch.tensor(got["weights"][k]) - expected[k]).abs().max()) for k in expected)
