@@ -71,8 +71,8 @@ def to_fsdp2(src: str, dst: str, model_dir: str) -> int:
             m: {n: _joined(skeleton, n, dims[n], [o["state"][i][m] for o in optims]) for i, n in enumerate(names)}
             for m in _MOMENTS
         }
-        convert = skeleton.converter
-        hf = {m: convert.to_hf(t, skeleton.hf_config) for m, t in (("param", full), *moments.items())}
+        converter = skeleton.converter
+        hf = {m: converter.to_hf(t, skeleton.hf_config) for m, t in (("param", full), *moments.items())}
         state, local = _fsdp2_state(model_dir), torch.load(src_dir / _LEARNER / "rank_0.pt", weights_only=True)
         _set_fsdp2(state, hf, _adam_step(optims[0]), optims[0]["param_groups"])
         state.scheduler.load_state_dict(local["scheduler"])
@@ -88,6 +88,8 @@ def to_megatron(src: str, dst: str, model_dir: str, tensor_parallel: int) -> int
     from asyncrl.learner.checkpoint import _rng_state, _set_rng_state, load_train_state
     from asyncrl.learner.megatron.convert import shard
 
+    if tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel = {tensor_parallel}: at least 1")
     src_dir, out = _complete(src), _fresh(dst)
     rng = _rng_state()
     with _one_process_group():
@@ -100,8 +102,8 @@ def to_megatron(src: str, dst: str, model_dir: str, tensor_parallel: int) -> int
             **{m: {n: state.optimizer.state[p][m] for n, p in params.items()} for m in _MOMENTS},
         }
         skeleton = _megatron_skeleton(model_dir)
-        convert, config = skeleton.converter, skeleton.hf_config
-        mc = {m: convert.to_megatron(t, config) for m, t in per_param.items()}
+        converter, config = skeleton.converter, skeleton.hf_config
+        mc = {m: converter.to_megatron(t, config) for m, t in per_param.items()}
         mc_step = _adam_step({"state": dict(enumerate(state.optimizer.state.values()))})
         groups = [dict(g, params=[]) for g in state.optimizer.state_dict()["param_groups"]]
         named = list(skeleton.gpt.named_parameters())
