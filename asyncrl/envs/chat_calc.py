@@ -29,12 +29,18 @@ CALCULATOR_TOOL: dict[str, Any] = {
         "name": TOOL_NAME,
         "description": "Evaluate an arithmetic expression.",
         "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string"}},
+            "properties": {"expression": {"title": "Expression", "type": "string"}},
             "required": ["expression"],
+            "title": "calculator_args",
+            "type": "object",
+            "additionalProperties": False,
         },
+        "strict": True,
     },
 }
+"""The calculator as a function tool, key for key as the OpenAI Agents SDK sends `calculator(expression: str)`
+(`asyncrl.envs.agents_sdk`): the chat template writes the tools into the prompt as given, so the warm start
+teaches the prompt either harness sends."""
 MAX_MODEL_CALLS = 3
 
 
@@ -97,8 +103,8 @@ def run_tool(name: str, arguments: str) -> str:
 async def agent(client: Any, prompt: str, episode: Any) -> tuple[float, dict[str, Any]]:
     """The built-in harness (`rollout.openai_agent: asyncrl.envs.chat_calc:agent`): up to MAX_MODEL_CALLS calls
     through the OpenAI client; every tool call is answered with a tool message; the first reply without tool calls
-    is the answer, scored by exact match. A run out of calls scores 0, truncated."""
-    messages = question(prompt)
+    is the answer, scored by exact match. A run out of calls scores 0, truncated. `info` counts the tool calls."""
+    messages, calls = question(prompt), 0
     for _ in range(MAX_MODEL_CALLS):
         reply = await client.chat.completions.create(model=episode.model, messages=messages, tools=[CALCULATOR_TOOL])
         choice = reply.choices[0]
@@ -106,8 +112,10 @@ async def agent(client: Any, prompt: str, episode: Any) -> tuple[float, dict[str
         messages.append(message)
         if not choice.message.tool_calls:
             reason = "length" if choice.finish_reason == "length" else "stop"
-            return exact_match(choice.message.content or "", episode.prompt.ground_truth, finish_reason=reason), {}
+            reward = exact_match(choice.message.content or "", episode.prompt.ground_truth, finish_reason=reason)
+            return reward, {"tool_calls": calls}
         for call in choice.message.tool_calls:
             content = run_tool(call.function.name, call.function.arguments)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
-    return 0.0, {"truncated": True}
+            calls += 1
+    return 0.0, {"truncated": True, "tool_calls": calls}

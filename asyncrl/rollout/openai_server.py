@@ -230,6 +230,8 @@ class OpenAIServer:
         self.max_body_bytes = MAX_BODY_BYTES
         self.api_key = ""
         """The key a client sends ("" = none asked); the agent harness's client uses it."""
+        self.greedy_episodes: set[str] = set()
+        """Episodes served at temperature 0 whatever their calls ask (an agent harness's held-out evaluation)."""
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, api_key: str = "") -> str:
         """Listen on host:port (0: a free port); returns the base URL (`http://host:port`). With `api_key`
@@ -407,7 +409,7 @@ class OpenAIServer:
             *(
                 self._generate(
                     plan.prompt_ids,
-                    self._spec(request, room, i),
+                    self._spec(request, room, i, episode_id in self.greedy_episodes),
                     branches[i],
                     tops[i],
                     context,
@@ -454,12 +456,13 @@ class OpenAIServer:
                 raise BadRequest("n", f"episode {branch!r} (choice branch) is open: finish it before asking n={n}")
         return list(branches)
 
-    def _spec(self, request: ChatRequest, room: int, choice: int = 0) -> SamplingSpec:
+    def _spec(self, request: ChatRequest, room: int, choice: int = 0, greedy: bool = False) -> SamplingSpec:
         base = self.sampling
+        temperature = base.temperature if request.temperature is None else float(request.temperature)
         return dataclasses.replace(
             base,
             max_tokens=min(request.max_tokens or base.max_tokens, room),
-            temperature=base.temperature if request.temperature is None else float(request.temperature),
+            temperature=0.0 if greedy else temperature,
             top_p=base.top_p if request.top_p is None else float(request.top_p),
             stop=request.stop,
             top_logprobs=request.top_logprobs,

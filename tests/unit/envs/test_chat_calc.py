@@ -83,7 +83,7 @@ def test_the_harness_answers_each_tool_call_and_scores_the_final_answer():
         [({"content": None, "tool_calls": call["tool_calls"]}, "tool_calls"), ({"content": "1368"}, "stop")]
     )
     reward, info = asyncio.run(chat_calc.agent(client, "123+456+789=", _Episode()))
-    assert (reward, info) == (1.0, {})
+    assert (reward, info) == (1.0, {"tool_calls": 1})
     second = client.sent[1]["messages"]
     assert second[2]["tool_calls"][0]["function"] == {
         "name": "calculator",
@@ -98,9 +98,10 @@ def test_the_harness_scores_a_wrong_or_cut_answer_zero_and_a_run_out_of_calls_tr
     cut = _Client([({"content": "1368"}, "length")])
     call = chat_calc.tool_call_message("1+1")
     looping = _Client([({"content": None, "tool_calls": call["tool_calls"]}, "tool_calls")] * chat_calc.MAX_MODEL_CALLS)
-    assert asyncio.run(chat_calc.agent(wrong, "123+456+789=", _Episode())) == (0.0, {})
-    assert asyncio.run(chat_calc.agent(cut, "123+456+789=", _Episode())) == (0.0, {})
-    assert asyncio.run(chat_calc.agent(looping, "123+456+789=", _Episode())) == (0.0, {"truncated": True})
+    assert asyncio.run(chat_calc.agent(wrong, "123+456+789=", _Episode())) == (0.0, {"tool_calls": 0})
+    assert asyncio.run(chat_calc.agent(cut, "123+456+789=", _Episode())) == (0.0, {"tool_calls": 0})
+    truncated = (0.0, {"truncated": True, "tool_calls": chat_calc.MAX_MODEL_CALLS})
+    assert asyncio.run(chat_calc.agent(looping, "123+456+789=", _Episode())) == truncated
     assert len(looping.sent) == chat_calc.MAX_MODEL_CALLS
 
 
@@ -119,3 +120,27 @@ def test_the_config_family_names_are_the_families_asyncrl_builds():
     from asyncrl.models.families import FAMILIES
 
     assert set(typing.get_args(FamilyName)) == set(FAMILIES)
+
+
+def test_the_agents_sdk_harness_sends_the_calculator_tool_key_for_key_and_answers_its_calls():
+    pytest.importorskip("agents")
+    import httpx
+    import openai
+
+    from asyncrl.envs import agents_sdk
+
+    call = chat_calc.tool_call_message("123+456+789")
+    replies = _Client([({"content": None, "tool_calls": call["tool_calls"]}, "tool_calls"), ({"content": "1368"}, "stop")])
+    sent = []
+
+    def answer(request):  # the OpenAI client's HTTP, answered in process
+        sent.append(json.loads(request.content))
+        return httpx.Response(200, json=replies.replies[len(sent) - 1].model_dump())
+
+    transport = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    client = openai.AsyncOpenAI(base_url="http://endpoint/v1", api_key="k", http_client=transport, max_retries=0)
+    assert asyncio.run(agents_sdk.agent(client, "123+456+789=", _Episode())) == (1.0, {"tool_calls": 1})
+    first, second = sent
+    assert first["tools"] == TOOLS and first["messages"] == chat_calc.question("123+456+789=")
+    assert second["messages"][2]["tool_calls"] == call["tool_calls"]
+    assert second["messages"][3] == {"role": "tool", "tool_call_id": "call_0", "content": "1368"}
