@@ -170,6 +170,10 @@ class Engine:
     def started(self) -> bool:
         return self._llm is not None
 
+    def running(self) -> dict[str, int]:
+        """Tokens received so far per running request, by `Request.request_id`."""
+        return dict(self._progress)
+
     def progress(self, request_id: str) -> int:
         """Tokens received so far for a running request, by `Request.request_id` (0 once finished or unknown)."""
         return self._progress.get(request_id, 0)
