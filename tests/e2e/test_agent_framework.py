@@ -84,7 +84,7 @@ def test_the_warm_start_calls_the_tool_and_the_next_turn_continues_the_episode_t
     drifts = worker.openai.capture.drifts
     turns, messages, t = loop.run_until_complete(run())
     (first, finish, ids), (_, _, second_ids) = turns
-    assert finish == "tool_calls" and first["content"] is None and len(first["tool_calls"]) == 1
+    assert finish == "tool_calls" and first.get("content") is None and len(first["tool_calls"]) == 1
     call = first["tool_calls"][0]["function"]
     assert call["name"] == "calculator" and isinstance(json.loads(call["arguments"])["expression"], str)
     # one trajectory: the call's tokens, the tool result as the template writes it (not trained), the next turn
