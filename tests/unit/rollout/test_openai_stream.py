@@ -50,9 +50,10 @@ class PacedEngine:
 
     def __init__(self, tokenizer, text: str, pause_after: int):
         self.ids = tokenizer.encode(text, add_special_tokens=False) + [EOS]
-        self.pause_after, self.go, self.handed = pause_after, asyncio.Event(), 0
+        self.pause_after, self.go, self.handed, self.temperatures = pause_after, asyncio.Event(), 0, []
 
     async def generate(self, request, spec, top_logprobs=None, on_tokens=None) -> Trajectory:
+        self.temperatures.append(spec.temperature)
         for k, token in enumerate(self.ids):
             if k == self.pause_after:
                 await self.go.wait()
@@ -150,3 +151,34 @@ def test_a_refused_streamed_call_gets_the_error_response_not_a_stream(tokenizer)
 
     error = asyncio.run(run())
     assert error.status_code == 400 and error.param == "messages" and "serves 8 in all" in str(error)
+
+
+def test_a_greedy_agent_rollout_is_served_at_temperature_0_and_keeps_the_harness_tool_call_count(tokenizer):
+    from asyncrl.rollout.openai_agent import OpenAIAgentEnv
+    from asyncrl.testing import make_prompt, make_request
+
+    engine = PacedEngine(tokenizer, "4", pause_after=0)
+    engine.go.set()
+    server = _serve(tokenizer, engine)
+
+    async def harness(client, prompt, episode):  # asks for temperature 1 and reports two tool calls
+        await client.chat.completions.create(model=episode.model, messages=[{"role": "user", "content": prompt}], temperature=1.0)
+        return 1.0, {"tool_calls": 2}
+
+    async def miscounting(client, prompt, episode):
+        await client.chat.completions.create(model=episode.model, messages=[{"role": "user", "content": prompt}])
+        return 1.0, {"tool_calls": "two"}
+
+    async def run():
+        await server.start()
+        request = make_request(make_prompt("q", text="2+2?", ground_truth="4"), sample_index=0)
+        greedy = await OpenAIAgentEnv(harness, server, 30.0).rollout(request, "rollout-0", greedy=True)
+        sampled = await OpenAIAgentEnv(harness, server, 30.0).rollout(request, "rollout-0")
+        bad = await OpenAIAgentEnv(miscounting, server, 30.0).rollout(request, "rollout-0")
+        await server.stop()
+        return greedy, sampled, bad
+
+    greedy, sampled, bad = asyncio.run(run())
+    assert engine.temperatures == [0.0, 1.0, 1.0] and not server.greedy_episodes
+    assert (greedy.tool_calls, greedy.reward, sampled.tool_calls) == (2, 1.0, 2)
+    assert bad.failure == "agent_error: the agent returned tool_calls 'two', not a count"
