@@ -144,3 +144,19 @@ def test_the_agents_sdk_harness_sends_the_calculator_tool_key_for_key_and_answer
     assert first["tools"] == TOOLS and first["messages"] == chat_calc.question("123+456+789=")
     assert second["messages"][2]["tool_calls"] == call["tool_calls"]
     assert second["messages"][3] == {"role": "tool", "tool_call_id": "call_0", "content": "1368"}
+
+
+def test_model_family_builds_that_family_with_its_chat_template_once(tmp_path, monkeypatch):
+    import json as _json
+
+    from asyncrl.config import load_config
+    from asyncrl.envs.model_dir import ensure_model
+
+    monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path))
+    cfg = load_config("calc_chat", ["model.warm_start_examples=0"])  # the family alone: no warm start
+    said: list[str] = []
+    first, again = ensure_model(cfg, said.append), ensure_model(cfg, said.append)
+    assert first == again and first.parent == tmp_path / "models" and first.name.startswith("qwen2-")
+    assert _json.loads((first / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    assert "<|im_start|>" in (first / "chat_template.jinja").read_text()
+    assert said[0].startswith("building model family qwen2") and said[1].endswith("(cached)") and len(said) == 2
