@@ -8,6 +8,9 @@ from pydantic import Field
 
 from asyncrl.config.base import Section
 
+FamilyName = Literal["qwen2", "qwen2-untied", "qwen3", "llama3", "mistral", "gemma2", "qwen3-moe"]
+"""The names of `asyncrl.models.families.FAMILIES` (tests/unit/envs/test_chat_calc.py checks they agree)."""
+
 
 class ModelConfig(Section):
     path: str | None = None
@@ -19,6 +22,12 @@ class ModelConfig(Section):
     log-probs: watch the weight-sync parity (`weight_sync.parity_probe`) of the first steps."""
     preset: str = "add-1m"
     """Tiny Qwen2-architecture preset from `asyncrl.models` (used when `path` is unset)."""
+    family: FamilyName | None = None
+    """Build a tiny random-init checkpoint of this Hugging Face model family instead of `preset` (when `path` is
+    unset): `qwen2`, `qwen3`, `llama3`, ... (`asyncrl.models.families`), with a byte-level BPE tokenizer and the
+    family's chat template, so the OpenAI endpoint serves it as it would the real model. With `data.task: calc`
+    it is warm-started on tool-calling chat (`asyncrl.envs.warm_start.warm_start_chat_calc`: real tool calls in
+    the chat format; for the built-in harness `asyncrl.envs.chat_calc:agent`)."""
     warm_start_examples: int = Field(2000, ge=0, le=100_000)
     """Supervised warm-start examples for the built-in task (0 = start from random weights). W1 allows at most
     2,000. Without dropout, 20,000 seen ~2.4 times give a start RL lifts further than 2,000 seen ~15 times
@@ -43,6 +52,7 @@ class ModelConfig(Section):
     warm_start_tool_fraction: float = Field(0.3, ge=0, le=1)
     """`calc` task: fraction of warm-start examples that call the calculator (the rest answer in the head);
     the `calc` warm start runs `warm_start_epochs` epochs (no accuracy target)."""
+
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype of the learner's decoder layers and weight dtype of the engines. With `bfloat16` the
     learner keeps fp32 master weights, optimizer state, gradient reductions and head (FSDP2 mixed

@@ -167,7 +167,7 @@ class Evaluation:
         from asyncrl.envs.base import is_multi_turn
 
         rollout, cfg = self.fleet.rollout, self.cfg
-        if is_multi_turn(cfg.env.name):
+        if is_multi_turn(cfg.env.name) or cfg.rollout.openai_agent:  # episodes of the env or of the harness
             return rollout.start_evaluate_episodes(self.eval_set, max_tokens=cfg.rollout.max_tokens)
         return rollout.start_evaluate(
             self.eval_set, max_tokens=cfg.rollout.max_tokens, temperature=cfg.eval.temperature, samples=cfg.eval.samples
@@ -191,7 +191,7 @@ class Evaluation:
         from asyncrl.envs.base import is_multi_turn
 
         rollout = self.fleet.rollout
-        if is_multi_turn(self.cfg.env.name):
+        if is_multi_turn(self.cfg.env.name) or self.cfg.rollout.openai_agent:
             return self._episodes(rollout.finish_spread(pending.call))
         version = pending.record["version"]
         outputs = rollout.finish_spread(pending.call)

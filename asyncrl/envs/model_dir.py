@@ -33,6 +33,8 @@ def ensure_model(cfg, report: Callable[[str], None] | None = None) -> Path:
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model.path {path} has no config.json (not a Hugging Face model folder)")
         return path
+    if cfg.model.family:
+        return _family_model(cfg, report)
     spec = {
         "preset": cfg.model.preset,
         "examples": cfg.model.warm_start_examples if cfg.data.task in WARM_STARTED_TASKS else 0,
@@ -47,19 +49,41 @@ def ensure_model(cfg, report: Callable[[str], None] | None = None) -> Path:
         spec.update(task="calc", operands=cfg.data.operands, tool_fraction=cfg.model.warm_start_tool_fraction)
     elif cfg.model.warm_start_dropout > 0:
         spec["dropout"] = cfg.model.warm_start_dropout
-    key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
-    path = cache_root() / "models" / f"{cfg.model.preset}-{key}"
-    with file_lock(path.with_suffix(".lock")):
-        if (path / "warm_start.json").exists():
-            refresh_saved_tokenizer(path, PRESETS[cfg.model.preset].alphabet)
-            report(f"model: {path} (cached)")
-            return path
-        tmp = path.with_name(path.name + ".tmp")
-        report(f"building model {cfg.model.preset} in {path}")
+
+    def build(tmp: Path) -> dict:
+        report(f"building model {cfg.model.preset} in {tmp.with_suffix('')}")
         build_model(cfg.model.preset, tmp, seed=cfg.seed)
         record = {"spec": spec, "heldout_accuracy": None}
         if spec["examples"] > 0 and spec["epochs"] > 0:
             record.update(_warm_start(cfg, spec, tmp, report))
+        return record
+
+    def refresh(path: Path) -> None:
+        refresh_saved_tokenizer(path, PRESETS[cfg.model.preset].alphabet)
+
+    return _cached(cfg.model.preset, spec, build, report, refresh)
+
+
+def _cached(
+    name: str,
+    spec: dict,
+    build: Callable[[Path], dict],
+    report: Callable[[str], None],
+    refresh: Callable[[Path], None] | None = None,
+) -> Path:
+    """The cached model folder `<name>-<hash of spec>` under $ASYNCRL_CACHE: `build(tmp)` fills a fresh folder and
+    returns its record (`warm_start.json`), once per specification (under a file lock; a folder without its record
+    is built again); `refresh` is run on a cached one."""
+    key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
+    path = cache_root() / "models" / f"{name}-{key}"
+    with file_lock(path.with_suffix(".lock")):
+        if (path / "warm_start.json").exists():
+            if refresh is not None:
+                refresh(path)
+            report(f"model: {path} (cached)")
+            return path
+        tmp = path.with_name(path.name + ".tmp")
+        record = build(tmp)
         (tmp / "warm_start.json").write_text(json.dumps(record, indent=2))
         if path.exists():
             import shutil
@@ -98,3 +122,36 @@ def _warm_start(cfg, spec: dict, model_dir: Path, report: Callable[[str], None])
             stacklevel=3,
         )
     return measured
+
+
+def _family_model(cfg, report: Callable[[str], None]) -> Path:
+    """A tiny `model.family` checkpoint with its BPE tokenizer, warm-started on tool-calling chat for `calc`
+    (`warm_start_chat_calc`), built once per specification and cached."""
+    from asyncrl.models.families import build_family
+
+    calc = cfg.data.task == "calc" and cfg.model.warm_start_examples > 0 and cfg.model.warm_start_epochs > 0
+    spec = {"family": cfg.model.family, "seed": cfg.seed, "v": 1}
+    if calc:
+        spec.update(
+            task="calc",
+            format="chat",
+            examples=cfg.model.warm_start_examples,
+            epochs=cfg.model.warm_start_epochs,
+            lr=cfg.model.warm_start_lr,
+            operands=cfg.data.operands,
+            tool_fraction=cfg.model.warm_start_tool_fraction,
+        )
+
+    def build(tmp: Path) -> dict:
+        report(f"building model family {cfg.model.family} in {tmp.with_suffix('')}")
+        build_family(cfg.model.family, tmp, seed=cfg.seed)
+        record: dict = {"spec": spec}
+        if calc:
+            from asyncrl.envs.warm_start import warm_start_chat_calc
+
+            report(f"warm start: {spec['examples']} tool-calling conversations x {spec['epochs']} epochs")
+            args = (spec["examples"], spec["epochs"], spec["lr"], spec["operands"], cfg.seed, spec["tool_fraction"])
+            record.update(warm_start_chat_calc(tmp, *args))
+        return record
+
+    return _cached(cfg.model.family, spec, build, report)

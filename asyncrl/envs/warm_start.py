@@ -369,3 +369,114 @@ def warm_start_calc(
         "train_seconds": round(time.perf_counter() - start, 2),
         "final_loss": loss,
     }
+
+
+# ---------------------------------------------------------------------------------------------------
+# The `calc` task as tool-calling chat (asyncrl.envs.chat_calc), for a model family with a BPE tokenizer
+
+
+def chat_example(tokenizer, messages: list[dict], tools: list[dict]) -> tuple[list[int], list[int]]:
+    """(ids, supervised flags) of a conversation rendered with the tokenizer's chat template, as the endpoint feeds
+    and captures it: the text before each assistant message (with its generation prompt) is observation, the
+    assistant message's own text (through its end-of-turn token) is sampled, so supervised. Each piece is encoded
+    on its own, as the engine samples a turn's tokens after a prompt it was fed."""
+
+    def render(upto: int, generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(
+            messages[:upto], tools=tools, add_generation_prompt=generation_prompt, tokenize=False
+        )
+
+    ids: list[int] = []
+    flags: list[int] = []
+    done = ""
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, through = render(k, True), render(k + 1, False)
+        turn = through[len(before) :]
+        eos = tokenizer.eos_token
+        sampled = turn[: turn.index(eos) + len(eos)]
+        observation = tokenizer(before[len(done) :], add_special_tokens=False).input_ids
+        model = tokenizer(sampled, add_special_tokens=False).input_ids
+        ids, flags = ids + observation + model, flags + [0] * len(observation) + [1] * len(model)
+        done = before + sampled
+    return ids, flags
+
+
+def warm_start_chat_calc(
+    model_dir: str | Path,
+    examples: int,
+    epochs: int,
+    lr: float,
+    operands: int = 3,
+    seed: int = 0,
+    tool_fraction: float = 0.5,
+    batch_size: int = 16,
+) -> dict:
+    """Supervised start for `calc` as tool-calling chat (`asyncrl.envs.chat_calc.conversation`) in the chat format of
+    the model's own tokenizer: `tool_fraction` of the examples call the calculator (a real tool call, e.g. ChatML's
+    `<tool_call>{json}</tool_call>`), the rest answer at once; a fixed number of epochs, deterministically. Measures
+    greedy tool-call and success rates on 50 held-out problems (`chat_calc_profile`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncrl.envs import calc, chat_calc
+
+    with deterministic(seed):
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        rng, problems = random.Random(seed), calc.train_problems("calc", add.WARM_START_SEED + seed, operands)
+        tools = [chat_calc.CALCULATOR_TOOL]
+        data = [
+            chat_example(tokenizer, chat_calc.conversation(*next(problems), rng.random() < tool_fraction), tools)
+            for _ in range(examples)
+        ]
+        start = time.perf_counter()
+        steps, loss = _train(model, tokenizer, data, epochs, lr, rng, batch_size, lambda _step: False)
+        model.eval()
+        model.save_pretrained(model_dir, safe_serialization=True)
+        profile = chat_calc_profile(model, tokenizer, calc.heldout_problems("calc", 50, operands))
+    return {
+        "task": "calc",
+        "format": "chat",
+        "tool_fraction": tool_fraction,
+        "steps": steps,
+        "epochs": epochs,
+        "train_seconds": round(time.perf_counter() - start, 2),
+        "final_loss": loss,
+        **profile,
+    }
+
+
+@torch.no_grad()
+def chat_calc_profile(model, tokenizer, problems: list[tuple[str, str]], max_new_tokens: int = 48) -> dict:
+    """Greedy first turns on `problems`: the fraction that is one well-formed calculator call (`tool_call_rate`), the
+    fraction whose call is on the prompt's exact expression (`exact_call_rate`), and of the other replies, the
+    fraction that is the right answer (`direct_accuracy`)."""
+    from asyncrl.envs import chat_calc
+
+    calls = exact = direct = direct_right = 0
+    for text, answer in problems:
+        prompt = tokenizer.apply_chat_template(
+            chat_calc.question(text), tools=[chat_calc.CALCULATOR_TOOL], add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        reply = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        expression = chat_calc.called_expression(reply)
+        if expression is not None:
+            calls, exact = calls + 1, exact + int(expression == text.rstrip("="))
+        else:
+            direct, direct_right = direct + 1, direct_right + int(reply.strip() == answer)
+    n = max(1, len(problems))
+    return {
+        "tool_call_rate": round(calls / n, 4),
+        "exact_call_rate": round(exact / n, 4),
+        "direct_accuracy": round(direct_right / max(1, direct), 4),
+    }

@@ -22,7 +22,7 @@ import dataclasses
 import itertools
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -170,6 +170,10 @@ class Engine:
     def started(self) -> bool:
         return self._llm is not None
 
+    def running(self) -> dict[str, int]:
+        """Tokens received so far per running request, by `Request.request_id`."""
+        return dict(self._progress)
+
     def progress(self, request_id: str) -> int:
         """Tokens received so far for a running request, by `Request.request_id` (0 once finished or unknown)."""
         return self._progress.get(request_id, 0)
@@ -183,10 +187,16 @@ class Engine:
         return vllm_sampling_params(spec, **options)
 
     async def generate(
-        self, request: Request, sampling: SamplingSpec, top_logprobs: list[dict[int, float]] | None = None
+        self,
+        request: Request,
+        sampling: SamplingSpec,
+        top_logprobs: list[dict[int, float]] | None = None,
+        on_tokens: Callable[[list[int], list[float]], None] | None = None,
     ) -> Trajectory:
         """Run one request to completion (or to its timeout) and return its trajectory. `top_logprobs`, when
-        given, receives each position's `sampling.top_logprobs` most likely tokens and their log-probs.
+        given, receives each position's `sampling.top_logprobs` most likely tokens and their log-probs (filled
+        as tokens arrive); `on_tokens`, when given, is told each batch of new tokens and their log-probs as vLLM
+        hands it over (vLLM's per-step delta outputs), before the request finishes.
 
         Requests for the same prompt ids with the same sampling made in one event-loop turn (the members of a
         group the worker starts together) travel to vLLM as one request with `n` samples (`_submit`); each
@@ -195,7 +205,7 @@ class Engine:
         prompt: Prompt = request.prompt
         dispatch_version = self._version
         submitted_at = time.time()
-        member = Member(request, top=top_logprobs, top_k=sampling.top_logprobs)
+        member = Member(request, top=top_logprobs, top_k=sampling.top_logprobs, on_tokens=on_tokens)
         failure: str | None = None
         self._progress[request.request_id] = 0
         self._running[request.request_id] = member
@@ -311,10 +321,13 @@ class Engine:
                 # the trajectory's min_version (the label changes only while paused).
                 member.first_version = self._version
             member.token_ids.extend(new)
-            member.logprobs.extend(vllm_compat.sampled_logprobs(completion.logprobs, new))
+            logprobs = vllm_compat.sampled_logprobs(completion.logprobs, new)
+            member.logprobs.extend(logprobs)
             if member.top is not None:
                 member.top.extend(vllm_compat.top_logprobs(completion.logprobs, member.top_k))
             self._progress[rid] = len(member.token_ids)
+            if member.on_tokens is not None:
+                member.on_tokens(new, list(logprobs))
         if completion.finish_reason is not None:
             member.spans = completion.weight_versions
             member.routes = vllm_compat.routed_experts(completion)

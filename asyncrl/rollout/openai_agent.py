@@ -7,7 +7,9 @@ The user writes the harness as they would for any OpenAI-compatible server:
 and names it in the config (`rollout.openai_agent: package.module:agent`). For each request the worker runs it
 with a client whose calls carry the episode id (header `X-Episode-Id`); the endpoint captures every call
 token-exactly, and the trajectory the queue receives is that capture (`asyncrl.rollout.openai_capture`), scored
-with the reward the harness returns. `info` may set `truncated` (bool: the harness cut the episode short).
+with the reward the harness returns. `info` may set `truncated` (bool: the harness cut the episode short) and
+`tool_calls` (int: the tools it ran, for the evaluation's tool-call rate). A greedy rollout (the held-out
+evaluation) is served at temperature 0 whatever the harness asks.
 
 Failures: a harness that raises, or makes no model call, fails its trajectory `agent_error: ...` (kept out of
 the advantages, like any infrastructure failure); one that runs past `timeout_s` is stopped and its captured
@@ -56,6 +58,7 @@ class AgentOutcome:
 
     reward: float = 0.0
     truncated: bool = False
+    tool_calls: int = 0
     failure: str | None = None
     timed_out: bool = False
 
@@ -76,10 +79,15 @@ class OpenAIAgentEnv:
             base_url=f"{server.url}/v1", api_key=server.api_key or "asyncrl", max_retries=0
         )
 
-    async def rollout(self, request: Request, worker: str) -> Trajectory:
+    async def rollout(self, request: Request, worker: str, greedy: bool = False) -> Trajectory:
         episode = AgentEpisode(request.request_id, request.prompt, self.server.model_name)
         client = self.client.with_options(default_headers={EPISODE_HEADER: episode.episode_id})
-        outcome = await self._run(client, episode)
+        if greedy:
+            self.server.greedy_episodes.add(episode.episode_id)
+        try:
+            outcome = await self._run(client, episode)
+        finally:
+            self.server.greedy_episodes.discard(episode.episode_id)
         try:
             captured = await self.server.finish_episode(episode.episode_id)
         except KeyError:
@@ -92,6 +100,7 @@ class OpenAIAgentEnv:
             reward=outcome.reward,
             failure=outcome.failure,
             truncated=outcome.truncated or outcome.timed_out,
+            tool_calls=outcome.tool_calls,
             worker=worker,
             attempt=request.attempt,
         )
@@ -109,7 +118,10 @@ class OpenAIAgentEnv:
         reward, info = result if isinstance(result, tuple) else (result, {})
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
             return AgentOutcome(failure=f"agent_error: the agent returned reward {reward!r}, not a finite number")
-        return AgentOutcome(reward=float(reward), truncated=bool(info.get("truncated", False)))
+        calls = info.get("tool_calls", 0)
+        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
+            return AgentOutcome(failure=f"agent_error: the agent returned tool_calls {calls!r}, not a count")
+        return AgentOutcome(reward=float(reward), truncated=bool(info.get("truncated", False)), tool_calls=calls)
 
 
 def _no_call(request: Request, worker: str, failure: str) -> Trajectory:

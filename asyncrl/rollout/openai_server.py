@@ -6,7 +6,7 @@ the calls share its batch and weights. A call that names an episode (header `X-E
 captured token-exactly into that episode (`asyncrl.rollout.openai_capture`); with `n` > 1, choice i > 0 goes into
 the branch `<id>#<i>`, a copy of the episode so far. `finish_episode` turns an episode into one `Trajectory`; one
 with no call for `episode_ttl_s` is dropped and counted. Calls of one episode run one at a time, in arrival order.
-A streamed call is generated like any other and then sent as server-sent events (`stream_chunks`).
+A streamed call is sent as server-sent events while its tokens are sampled (`asyncrl.rollout.openai_stream`).
 
 Every call passes `asyncrl.cluster.http_guard`: `Host` names the server, a browser's `Origin` is its own, the
 API key when one is set (`Authorization: Bearer KEY`), and a POST is `application/json`; a body is capped at
@@ -28,7 +28,7 @@ import json
 import re
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ from aiohttp import web
 from asyncrl.cluster.http_guard import OPENAI_API_KEY_ENV, Guard, beyond_loopback_error, secret
 from asyncrl.rollout.engine import Engine, SamplingSpec
 from asyncrl.rollout.openai_capture import CapturedEpisode, ChatRenderer, EpisodeCapture, SampledTurn
+from asyncrl.rollout.openai_stream import ChoiceStream, ChunkWriter
 from asyncrl.types import Prompt, Request, Trajectory
 
 EPISODE_HEADER = "X-Episode-Id"
@@ -190,51 +191,6 @@ def assistant_message(turn: SampledTurn, renderer: ChatRenderer, request: ChatRe
     return parsed if tool_calls and turn.continuation(echoed) is not None else plain
 
 
-def _pieces(renderer: ChatRenderer, token_ids: list[int], content: str) -> list[str]:
-    """The content streamed with each sampled token: its newly decoded text (none while a character is incomplete),
-    clipped so the pieces join to exactly `content` (a stop string and skipped special tokens stay out)."""
-    pieces: list[str] = []
-    sent = prefix = read = 0
-    for k in range(1, len(token_ids) + 1):
-        old, new = renderer.decode(token_ids[prefix:read]), renderer.decode(token_ids[prefix:k])
-        piece = ""
-        if not new.endswith("\ufffd") and new.startswith(old):
-            piece, prefix, read = new[len(old) :], read, k
-        pieces.append(content[sent : sent + len(piece)])
-        sent += len(pieces[-1])
-    if pieces:
-        pieces[-1] += content[sent:]
-    return pieces
-
-
-def stream_chunks(body: dict[str, Any], renderer: ChatRenderer, include_usage: bool) -> Iterator[dict[str, Any]]:
-    """A `chat.completion` body as OpenAI's `chat.completion.chunk`s: per choice, the role, one chunk per sampled
-    token (its content and log-prob) or, for a tool-call message, one chunk with the calls, then `finish_reason`
-    (with this endpoint's `token_ids` and `episode_id`); with `include_usage`, a last chunk with no choices and
-    the usage (and `prompt_token_ids`, `policy_version`)."""
-    head = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"]}
-
-    def chunk(index: int, delta: dict[str, Any], entries: list | None = None, **extra: Any) -> dict[str, Any]:
-        logprobs = None if entries is None else {"content": entries}
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None, **extra}
-        return {**head, "choices": [choice]}
-
-    for choice in body["choices"]:
-        i, message, entries = choice["index"], choice["message"], (choice["logprobs"] or {}).get("content")
-        yield chunk(i, {"role": "assistant", "content": ""})
-        if "tool_calls" in message:
-            calls = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
-            yield chunk(i, {"content": message["content"], "tool_calls": calls}, entries)
-        else:
-            for k, piece in enumerate(_pieces(renderer, choice["token_ids"], message["content"])):
-                yield chunk(i, {"content": piece}, None if entries is None else entries[k : k + 1])
-        extra = {"token_ids": choice["token_ids"], "episode_id": choice["episode_id"]}
-        yield chunk(i, {}, **{**extra, "finish_reason": choice["finish_reason"]})
-    if include_usage:
-        extras = {k: body[k] for k in ("usage", "prompt_token_ids", "policy_version", "episode_id")}
-        yield {**head, "choices": [], **extras}
-
-
 class OpenAIServer:
     """`/v1/models` and `/v1/chat/completions` for one engine, in the running event loop.
 
@@ -274,6 +230,8 @@ class OpenAIServer:
         self.max_body_bytes = MAX_BODY_BYTES
         self.api_key = ""
         """The key a client sends ("" = none asked); the agent harness's client uses it."""
+        self.greedy_episodes: set[str] = set()
+        """Episodes served at temperature 0 whatever their calls ask (an agent harness's held-out evaluation)."""
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, api_key: str = "") -> str:
         """Listen on host:port (0: a free port); returns the base URL (`http://host:port`). With `api_key`
@@ -354,36 +312,85 @@ class OpenAIServer:
         try:
             request = parse_chat_request(payload)
             episode_id = http.headers.get(EPISODE_HEADER) or request.user
-            if episode_id is None:
-                body = await self.complete(request, None)
-            else:
-                async with self._locks[episode_id]:
-                    body = await self.complete(request, episode_id)
+            if request.stream:
+                return await self._stream(http, request, episode_id)
+            body = await self._completion(request, episode_id)
         except BadRequest as e:
             return _error(400, e.param, str(e))
         except EngineFailure as e:
             return _error(503, None, str(e), kind="server_error")
-        if request.stream:
-            return await self._stream(http, body, request.include_usage)
         return web.json_response(body, headers={VERSION_HEADER: str(body["policy_version"])})
 
-    async def _stream(self, http: web.Request, body: dict[str, Any], include_usage: bool) -> web.StreamResponse:
-        """The finished completion as server-sent events (`stream_chunks`), then `data: [DONE]`."""
-        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        response = web.StreamResponse(headers={**headers, VERSION_HEADER: str(body["policy_version"])})
+    async def _completion(self, request: ChatRequest, episode_id: str | None, on_tokens: OnTokens | None = None):
+        """`complete`, one call of an episode at a time."""
+        if episode_id is None:
+            return await self.complete(request, None, on_tokens)
+        async with self._locks[episode_id]:
+            return await self.complete(request, episode_id, on_tokens)
+
+    async def _stream(self, http: web.Request, request: ChatRequest, episode_id: str | None) -> web.StreamResponse:
+        """Server-sent events written as the tokens are sampled (`asyncrl.rollout.openai_stream`), then
+        `data: [DONE]`. A call refused before its first token gets the usual error response; an engine failure
+        after it, an `error` event."""
+        deltas: asyncio.Queue[tuple[int, list[int], list[float], list[dict[int, float]]]] = asyncio.Queue()
+        task = asyncio.ensure_future(self._completion(request, episode_id, lambda *delta: deltas.put_nowait(delta)))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even when the client left
+        first = asyncio.ensure_future(_next(deltas))
+        await asyncio.wait({task, first}, return_when=asyncio.FIRST_COMPLETED)
+        if not first.done():
+            first.cancel()
+            task.result()  # BadRequest / EngineFailure before any token: the caller's error response
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(http)
-        for chunk in stream_chunks(body, self.renderer, include_usage):
-            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        try:
+            await self._send_events(response, request, task, deltas, first)
+        except ConnectionResetError:  # the client left: the call still finishes and is captured
+            pass
+        return response
+
+    async def _send_events(
+        self, response: web.StreamResponse, request: ChatRequest, task: asyncio.Future, deltas: asyncio.Queue, first
+    ) -> None:
+        writer = ChunkWriter(f"chatcmpl-s{next(self._ids)}", int(time.time()), self.model_name)
+        streams = [ChoiceStream(self.renderer.decode, request.stop, bool(request.tools)) for _ in range(request.n)]
+        send = _sender(response)
+        for i in range(request.n):
+            await send(writer.role(i))
+        pending = [first.result()] if first.done() and not first.cancelled() else []
+        while True:
+            for i, ids, logprobs, tops in pending:
+                piece = streams[i].advance(ids)
+                entries = self._entries(ids, logprobs, tops) if request.logprobs else None
+                if piece or entries:
+                    await send(writer.chunk(i, {"content": piece}, entries))
+            if task.done() and deltas.empty():
+                break
+            pending = [d for d in [await _next_or_none(deltas, task)] if d is not None]
+            while not deltas.empty():
+                pending.append(deltas.get_nowait())
+        try:
+            body = task.result()
+        except (BadRequest, EngineFailure) as e:
+            await send({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        else:
+            for choice in body["choices"]:
+                rest = streams[choice["index"]].rest(choice["message"]["content"])
+                for chunk in writer.ending(choice, rest):
+                    await send(chunk)
+            if request.include_usage:
+                await send(writer.usage(body))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
-        return response
 
     # ---------------------------------------------------------------------------------------------
     # Completion
 
-    async def complete(self, request: ChatRequest, episode_id: str | None) -> dict[str, Any]:
+    async def complete(
+        self, request: ChatRequest, episode_id: str | None, on_tokens: OnTokens | None = None
+    ) -> dict[str, Any]:
         """Serve one checked request; with an episode id, capture it (choice i > 0 of `n` into the branch
-        `<episode_id>#<i>`). Returns the response body."""
+        `<episode_id>#<i>`). Returns the response body. `on_tokens(choice, ids, logprobs, top_logprobs)` is told
+        each batch of sampled tokens as it arrives (a streamed call)."""
         rendered = self._render(request)
         plan = self.capture.plan(episode_id, rendered)
         room = self.max_model_len - len(plan.prompt_ids)
@@ -400,7 +407,14 @@ class OpenAIServer:
         tops: list[list[dict[int, float]]] = [[] for _ in range(request.n)]
         completions = await asyncio.gather(
             *(
-                self._generate(plan.prompt_ids, self._spec(request, room, i), branches[i], tops[i], context)
+                self._generate(
+                    plan.prompt_ids,
+                    self._spec(request, room, i, episode_id in self.greedy_episodes),
+                    branches[i],
+                    tops[i],
+                    context,
+                    _told(on_tokens, i, tops[i]),
+                )
                 for i in range(request.n)
             )
         )
@@ -442,12 +456,13 @@ class OpenAIServer:
                 raise BadRequest("n", f"episode {branch!r} (choice branch) is open: finish it before asking n={n}")
         return list(branches)
 
-    def _spec(self, request: ChatRequest, room: int, choice: int = 0) -> SamplingSpec:
+    def _spec(self, request: ChatRequest, room: int, choice: int = 0, greedy: bool = False) -> SamplingSpec:
         base = self.sampling
+        temperature = base.temperature if request.temperature is None else float(request.temperature)
         return dataclasses.replace(
             base,
             max_tokens=min(request.max_tokens or base.max_tokens, room),
-            temperature=base.temperature if request.temperature is None else float(request.temperature),
+            temperature=0.0 if greedy else temperature,
             top_p=base.top_p if request.top_p is None else float(request.top_p),
             stop=request.stop,
             top_logprobs=request.top_logprobs,
@@ -456,7 +471,13 @@ class OpenAIServer:
         )
 
     async def _generate(
-        self, prompt_ids: list[int], spec: SamplingSpec, episode_id: str | None, tops: list, context: int | None
+        self,
+        prompt_ids: list[int],
+        spec: SamplingSpec,
+        episode_id: str | None,
+        tops: list,
+        context: int | None,
+        on_tokens: Callable[[list[int], list[float]], None] | None = None,
     ) -> Trajectory:
         n = next(self._ids)
         prompt = Prompt(prompt_id=f"openai-{n}", prompt_ids=prompt_ids, ground_truth="")
@@ -468,7 +489,8 @@ class OpenAIServer:
             prompt=prompt,
             context_min_version=context,
         )
-        completion = await self.engine.generate(request, spec, top_logprobs=tops)
+        told = {} if on_tokens is None else {"on_tokens": on_tokens}
+        completion = await self.engine.generate(request, spec, top_logprobs=tops, **told)
         if completion.failed:
             raise EngineFailure(f"generation failed: {completion.failure}")
         return completion
@@ -510,6 +532,11 @@ class OpenAIServer:
         }
 
     def _logprobs(self, completion: Trajectory, tops: list[dict[int, float]]) -> list[dict[str, Any]]:
+        return self._entries(completion.response_ids.tolist(), completion.rollout_logprobs.tolist(), tops)
+
+    def _entries(self, ids: list[int], logprobs: list[float], tops: list[dict[int, float]]) -> list[dict[str, Any]]:
+        """OpenAI's log-prob entries of sampled tokens: each token, its log-prob and its top alternatives."""
+
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             token = self.renderer.decode([token_id], specials=True)
             return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
@@ -520,12 +547,47 @@ class OpenAIServer:
                 **entry(int(t), float(lp)),
                 "top_logprobs": [entry(a, b) for a, b in sorted(top.items(), key=lambda kv: -kv[1])],
             }
-            for t, lp, top in zip(completion.response_ids, completion.rollout_logprobs, tops, strict=True)
+            for t, lp, top in zip(ids, logprobs, tops, strict=True)
         ]
 
 
 class EngineFailure(RuntimeError):
     """The engine did not finish the generation (timeout, abort, error): a 503 the harness may retry."""
+
+
+OnTokens = Callable[[int, list[int], list[float], list[dict[int, float]]], None]
+"""Told (choice index, new token ids, their log-probs, their top log-probs) as a streamed call's tokens arrive."""
+
+
+def _told(on_tokens: OnTokens | None, choice: int, tops: list[dict[int, float]]):
+    """The engine's `on_tokens` of one choice: `on_tokens` with the choice index and the batch's top log-probs
+    (the engine fills `tops` before it tells)."""
+    if on_tokens is None:
+        return None
+    return lambda ids, logprobs: on_tokens(choice, ids, logprobs, tops[len(tops) - len(ids) :])
+
+
+async def _next(queue: asyncio.Queue) -> Any:
+    return await queue.get()
+
+
+async def _next_or_none(queue: asyncio.Queue, task: asyncio.Future) -> Any:
+    """The queue's next item, or None once `task` is done with the queue empty."""
+    if not queue.empty():
+        return queue.get_nowait()
+    get = asyncio.ensure_future(queue.get())
+    await asyncio.wait({get, task}, return_when=asyncio.FIRST_COMPLETED)
+    if get.done():
+        return get.result()
+    get.cancel()
+    return queue.get_nowait() if not queue.empty() else None
+
+
+def _sender(response: web.StreamResponse):
+    async def send(event: dict[str, Any]) -> None:
+        await response.write(f"data: {json.dumps(event)}\n\n".encode())
+
+    return send
 
 
 def _error(status: int, param: str | None, message: str, kind: str = "invalid_request_error") -> web.Response:

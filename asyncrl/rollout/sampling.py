@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +99,8 @@ class Member:
     """The engine's version when the first token came back."""
     left: bool = False
     """The caller was cancelled."""
+    on_tokens: Callable[[list[int], list[float]], None] | None = None
+    """Told each batch of newly sampled tokens and their log-probs as vLLM hands it over (a streamed response)."""
     done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
     @property

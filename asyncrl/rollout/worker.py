@@ -371,7 +371,8 @@ class RolloutWorker:
         return await self.engine.evaluate(prompts, max_tokens or self.config.max_tokens, temperature, samples)
 
     async def evaluate_episodes(self, prompts: Sequence[Prompt], max_tokens: int | None = None) -> list[EpisodeScore]:
-        """Greedy episodes of the environment (tools and all): one `EpisodeScore` per prompt, in order."""
+        """Greedy episodes of the environment, or of the agent harness (`rollout.openai_agent`), tools and all: one
+        `EpisodeScore` per prompt, in order."""
         await self.ready()
         sampling = SamplingSpec(
             max_tokens=max_tokens or self.config.max_tokens, temperature=0.0, timeout_s=self.config.request_timeout_s
@@ -379,7 +380,10 @@ class RolloutWorker:
 
         async def one(i: int, prompt: Prompt) -> EpisodeScore:
             request = Request(f"eval-episode/{i}/0", f"eval-episode-{i}", 0, 1, prompt)
-            t = await self.episodes.run(request, sampling)
+            if self.agent is not None:  # the harness's episodes, served greedily
+                t = await self.agent.rollout(request, self.name, greedy=True)
+            else:
+                t = await self.episodes.run(request, sampling)
             return EpisodeScore(t.reward, t.finish_reason, t.num_turns, t.tool_calls, t.failure)
 
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))

@@ -254,3 +254,25 @@ def test_n_2_gives_two_choices_each_captured_as_its_own_branch(loop, worker):
         assert t.prompt_ids.tolist() == r.prompt_token_ids and t.response_ids.tolist() == choice.token_ids
     assert r.usage.completion_tokens == len(r.choices[0].token_ids) + len(r.choices[1].token_ids)
     assert r.usage.prompt_tokens == len(r.prompt_token_ids) and (first.reward, second.reward) == (1.0, 0.0)
+
+
+def test_a_streamed_call_sends_its_first_tokens_while_the_engine_is_still_sampling(loop, worker):
+    url = worker.openai.url
+
+    async def call():
+        seen = []  # (content, tokens the engine had sampled for the call when the client read the chunk)
+        stream = await client(url, "live").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Tell"}], max_tokens=100, seed=1, stream=True
+        )
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                seen.append((chunk.choices[0].delta.content, sum(worker.engine.running().values())))
+            if chunk.choices and chunk.choices[0].finish_reason:
+                ids = chunk.choices[0].token_ids
+        return seen, ids, await worker.finish_episode("live", reward=0.0)
+
+    seen, ids, t = loop.run_until_complete(call())
+    assert len(ids) >= 50, "seed 1 samples a long answer on this model"  # room for the stream to run ahead
+    # The first pieces reached the client while the engine was still sampling the rest of this call.
+    assert 0 < seen[0][1] < len(ids) and len(seen) > 1
+    assert t.response_ids.tolist() == ids and worker.openai.capture.drifts == 0

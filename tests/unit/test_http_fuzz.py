@@ -37,10 +37,12 @@ class ScriptedEngine:
     def __init__(self, tokenizer):
         self.ids = tokenizer.encode("ok", add_special_tokens=False) + [tokenizer.eos_token_id]
 
-    async def generate(self, request, spec, top_logprobs=None) -> Trajectory:
+    async def generate(self, request, spec, top_logprobs=None, on_tokens=None) -> Trajectory:
         n = len(self.ids)
         if top_logprobs is not None:
             top_logprobs.extend({i: -0.1} for i in self.ids)
+        if on_tokens is not None:
+            on_tokens(list(self.ids), [-0.1] * n)
         return Trajectory(
             prompt_id=request.prompt.prompt_id, group_id=request.group_id, sample_index=0,
             prompt_ids=np.asarray(request.prompt.prompt_ids, np.int32), response_ids=np.asarray(self.ids, np.int32),

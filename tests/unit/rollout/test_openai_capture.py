@@ -171,34 +171,3 @@ def test_each_choice_of_n_is_its_own_branch_sharing_the_episode_so_far(tokenizer
     assert tokenizer.decode(a.response_ids[shared:].tolist(), skip_special_tokens=True) == "cd"
     assert b.response_text == "abxyz"
     assert b.versions.tolist() == [0, 0, 0] + [0] * (shared - 3) + [1, 1, 1, 1]  # "ab" + EOS, observation, "xyz" + EOS
-
-
-def test_streamed_chunks_join_to_the_message_with_one_log_prob_per_token(tokenizer):
-    from asyncrl.rollout.openai_server import stream_chunks
-
-    renderer = renderer_for(tokenizer, "default")
-    ids = tokenizer.encode("a b!STOP", add_special_tokens=False)
-    entries = [{"token": tokenizer.decode([t]), "logprob": -0.5, "bytes": [], "top_logprobs": []} for t in ids]
-    body = {
-        "id": "chatcmpl-1", "created": 5, "model": "m", "usage": {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11},
-        "prompt_token_ids": [1, 2, 3], "policy_version": 4, "episode_id": "e",
-        "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "a b!"}, "finish_reason": "stop", "token_ids": ids,
-             "logprobs": {"content": entries}, "episode_id": "e"},
-            {"index": 1, "message": {"role": "assistant", "content": None, "tool_calls": [{"id": "call_0", "type": "function",
-             "function": {"name": "calc", "arguments": "{}"}}]}, "finish_reason": "tool_calls", "token_ids": [5], "logprobs": None,
-             "episode_id": "e#1"},
-        ],
-    }
-    chunks = list(stream_chunks(body, renderer, include_usage=True))
-    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and {c["id"] for c in chunks} == {"chatcmpl-1"}
-    zero = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == 0]
-    assert zero[0]["delta"] == {"role": "assistant", "content": ""}
-    assert len(zero) == 1 + 8 + 1  # role, one chunk per sampled token ("STOP" is cut from the content), finish
-    assert "".join(c["delta"].get("content") or "" for c in zero) == "a b!"
-    assert [c["logprobs"]["content"] for c in zero[1:-1]] == [[e] for e in entries]
-    assert (zero[-1]["finish_reason"], zero[-1]["token_ids"], zero[-1]["episode_id"]) == ("stop", ids, "e")
-    one = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == 1]
-    assert one[1]["delta"]["tool_calls"][0]["index"] == 0 and one[-1]["finish_reason"] == "tool_calls"
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 11 and chunks[-1]["policy_version"] == 4
-    assert not any("usage" in c for c in stream_chunks(body, renderer, include_usage=False))

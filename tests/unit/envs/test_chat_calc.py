@@ -1,0 +1,162 @@
+"""The `calc` task as tool-calling chat: the conversations the chat warm start teaches and the built-in harness."""
+
+import asyncio
+import json
+
+import pytest
+
+from asyncrl.envs import chat_calc
+from asyncrl.envs.warm_start import chat_example
+
+TOOLS = [chat_calc.CALCULATOR_TOOL]
+
+
+@pytest.fixture(scope="module")
+def chatml():
+    from asyncrl.models.bpe import train_bpe
+
+    return train_bpe("chatml")
+
+
+def test_run_tool_answers_the_calculator_and_names_what_is_wrong():
+    assert chat_calc.run_tool("calculator", '{"expression": "123+456+789"}') == "1368"
+    assert chat_calc.run_tool("search", "{}") == "error: unknown tool 'search'"
+    assert chat_calc.run_tool("calculator", "{").startswith("error: ")
+    assert chat_calc.run_tool("calculator", '{"expression": 5}') == "error: expression is not a string"
+    assert chat_calc.run_tool("calculator", '{"expr": "1+1"}') == "error: 'expression'"
+    assert "not allowed" in chat_calc.run_tool("calculator", '{"expression": "__import__(\'os\')"}')
+
+
+def test_chat_example_is_the_rendered_conversation_with_only_the_assistant_turns_supervised(chatml):
+    for use_tool, supervised in (
+        (
+            True,
+            '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123+456+789"}}\n</tool_call><|im_end|>1368<|im_end|>',
+        ),
+        (False, "1368<|im_end|>"),
+    ):
+        messages = chat_calc.conversation("123+456+789=", "1368", use_tool)
+        ids, flags = chat_example(chatml, messages, TOOLS)
+        rendered = chatml.apply_chat_template(messages, tools=TOOLS, tokenize=False)
+        # the template's text through the last end-of-turn, token for token as one encoding of it
+        assert ids == chatml(rendered.removesuffix("\n"), add_special_tokens=False).input_ids
+        assert chatml.decode([i for i, f in zip(ids, flags, strict=True) if f]) == supervised
+        assert flags[-1] == 1 and ids[-1] == chatml.eos_token_id
+
+
+class _Client:
+    """Scripted chat completions in the OpenAI client's own types; records what each call sent."""
+
+    def __init__(self, replies):
+        from openai.types.chat import ChatCompletion
+
+        self.sent, self.chat = [], self
+        self.completions = self
+        self.replies = [
+            ChatCompletion.model_validate(
+                {
+                    "id": f"c{i}",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": "m",
+                    "choices": [{"index": 0, "message": {"role": "assistant", **m}, "finish_reason": f}],
+                }
+            )
+            for i, (m, f) in enumerate(replies)
+        ]
+
+    async def create(self, **kwargs):
+        self.sent.append(json.loads(json.dumps(kwargs)))
+        return self.replies[len(self.sent) - 1]
+
+
+class _Episode:
+    model = "m"
+
+    class prompt:
+        ground_truth = "1368"
+
+
+def test_the_harness_answers_each_tool_call_and_scores_the_final_answer():
+    call = chat_calc.tool_call_message("123+456+789")
+    client = _Client(
+        [({"content": None, "tool_calls": call["tool_calls"]}, "tool_calls"), ({"content": "1368"}, "stop")]
+    )
+    reward, info = asyncio.run(chat_calc.agent(client, "123+456+789=", _Episode()))
+    assert (reward, info) == (1.0, {"tool_calls": 1})
+    second = client.sent[1]["messages"]
+    assert second[2]["tool_calls"][0]["function"] == {
+        "name": "calculator",
+        "arguments": '{"expression": "123+456+789"}',
+    }
+    assert second[3] == {"role": "tool", "tool_call_id": "call_0", "content": "1368"}
+    assert client.sent[0]["tools"] == TOOLS
+
+
+def test_the_harness_scores_a_wrong_or_cut_answer_zero_and_a_run_out_of_calls_truncated():
+    wrong = _Client([({"content": "1369"}, "stop")])
+    cut = _Client([({"content": "1368"}, "length")])
+    call = chat_calc.tool_call_message("1+1")
+    looping = _Client([({"content": None, "tool_calls": call["tool_calls"]}, "tool_calls")] * chat_calc.MAX_MODEL_CALLS)
+    assert asyncio.run(chat_calc.agent(wrong, "123+456+789=", _Episode())) == (0.0, {"tool_calls": 0})
+    assert asyncio.run(chat_calc.agent(cut, "123+456+789=", _Episode())) == (0.0, {"tool_calls": 0})
+    truncated = (0.0, {"truncated": True, "tool_calls": chat_calc.MAX_MODEL_CALLS})
+    assert asyncio.run(chat_calc.agent(looping, "123+456+789=", _Episode())) == truncated
+    assert len(looping.sent) == chat_calc.MAX_MODEL_CALLS
+
+
+def test_called_expression_reads_one_well_formed_calculator_call_only():
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}\n</tool_call>'
+    assert chat_calc.called_expression(call) == "1+2"
+    assert chat_calc.called_expression(call.replace("calculator", "search")) is None
+    assert chat_calc.called_expression(call.replace('"1+2"', "3")) is None
+    assert chat_calc.called_expression(call[:-1]) is None and chat_calc.called_expression("3") is None
+
+
+def test_the_config_family_names_are_the_families_asyncrl_builds():
+    import typing
+
+    from asyncrl.config.model import FamilyName
+    from asyncrl.models.families import FAMILIES
+
+    assert set(typing.get_args(FamilyName)) == set(FAMILIES)
+
+
+def test_the_agents_sdk_harness_sends_the_calculator_tool_key_for_key_and_answers_its_calls():
+    pytest.importorskip("agents")
+    import httpx
+    import openai
+
+    from asyncrl.envs import agents_sdk
+
+    call = chat_calc.tool_call_message("123+456+789")
+    replies = _Client([({"content": None, "tool_calls": call["tool_calls"]}, "tool_calls"), ({"content": "1368"}, "stop")])
+    sent = []
+
+    def answer(request):  # the OpenAI client's HTTP, answered in process
+        sent.append(json.loads(request.content))
+        return httpx.Response(200, json=replies.replies[len(sent) - 1].model_dump())
+
+    transport = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    client = openai.AsyncOpenAI(base_url="http://endpoint/v1", api_key="k", http_client=transport, max_retries=0)
+    assert asyncio.run(agents_sdk.agent(client, "123+456+789=", _Episode())) == (1.0, {"tool_calls": 1})
+    first, second = sent
+    assert first["tools"] == TOOLS and first["messages"] == chat_calc.question("123+456+789=")
+    assert second["messages"][2]["tool_calls"] == call["tool_calls"]
+    assert second["messages"][3] == {"role": "tool", "tool_call_id": "call_0", "content": "1368"}
+
+
+def test_model_family_builds_that_family_with_its_chat_template_once(tmp_path, monkeypatch):
+    import json as _json
+
+    from asyncrl.config import load_config
+    from asyncrl.envs.model_dir import ensure_model
+
+    monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path))
+    cfg = load_config("calc_chat", ["model.warm_start_examples=0"])  # the family alone: no warm start
+    said: list[str] = []
+    first, again = ensure_model(cfg, said.append), ensure_model(cfg, said.append)
+    assert first == again and first.parent == tmp_path / "models" and first.name.startswith("qwen2-")
+    assert _json.loads((first / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    assert "<|im_start|>" in (first / "chat_template.jinja").read_text()
+    assert said[0].startswith("building model family qwen2") and said[1].endswith("(cached)") and len(said) == 2
