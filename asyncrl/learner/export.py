@@ -8,13 +8,14 @@ How the buckets reach the engines is the weight sync's business (`asyncrl.weight
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from asyncrl.learner.policy import hf_name
+from asyncrl.weights.published import ExportedWeights
 
-__all__ = ["cast_state", "checkpoint_layout", "hf_state_dict", "pack_state_dict"]
+__all__ = ["cast_state", "checkpoint_layout", "hf_state_dict", "pack_state_dict", "put_buckets"]
 
 
 def hf_state_dict(full_state: Mapping[str, torch.Tensor], tie_word_embeddings: bool) -> dict[str, torch.Tensor]:
@@ -53,3 +54,14 @@ def pack_state_dict(
     named = list(cast_state(state, dtype).items())
     num_bytes = sum(v.numel() * v.element_size() for _, v in named)
     return pack_buckets(named, bucket_bytes), num_bytes, len(named)
+
+
+def put_buckets(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> ExportedWeights:
+    """Pack named tensors (as they are) into safetensors buckets and put each in the Ray object store."""
+    import ray
+
+    from asyncrl.weights.buckets import pack_buckets
+
+    num_bytes = sum(t.numel() * t.element_size() for _, t in named)
+    refs = [ray.put(b) for b in pack_buckets(named, bucket_bytes)]
+    return ExportedWeights(refs=refs, num_bytes=num_bytes, num_tensors=len(named))

@@ -27,6 +27,7 @@ from asyncrl.learner.state import build_reference, build_train_state
 from asyncrl.learner.step import RankStep
 from asyncrl.remote import Store, is_remote, staging
 from asyncrl.types import StepStats
+from asyncrl.weights.delta import DeltaEncoder
 from asyncrl.weights.group import CollectiveSender, CollectiveWeights
 from asyncrl.weights.published import ExportedWeights
 from asyncrl.weights.segment import SegmentWriter, SharedWeights
@@ -74,6 +75,8 @@ class LearnerWorker:
         """The shared-memory weight segment this rank writes (rank 0, `weight_sync.transport` shared_memory)."""
         self._sender: CollectiveSender | None = None
         """The staging buffer engines pull from (rank 0, `weight_sync.transport` collective)."""
+        self._delta: DeltaEncoder | None = None
+        """The last version sent, in the engines' dtype (rank 0, `weight_sync.delta`)."""
         self.reference: torch.nn.Module | None = None
         """The frozen reference policy of the KL term, built when a recipe first needs it (`_reference`)."""
         self.megatron = getattr(config, "training_backend", "fsdp2") == "megatron"
@@ -257,6 +260,31 @@ class LearnerWorker:
             return None
         buckets, num_bytes, num_tensors = pack_state_dict(state, bucket_bytes, self.dtype)
         return ExportedWeights(refs=[ray.put(b) for b in buckets], num_bytes=num_bytes, num_tensors=num_tensors)
+
+    def export_delta(self, version: int, bucket_bytes: int, full: bool = False) -> ExportedWeights | None:
+        """Rank 0 puts in the object store what changed since the last version it exported this way (all of it
+        when `full` or the first time): `weights.delta` payloads packed as safetensors buckets."""
+        from asyncrl.learner.export import cast_state, put_buckets
+
+        state = self._hf_state(checkpoint=True)
+        if self.rank != 0:
+            return None
+        if self._delta is None:
+            self._delta = DeltaEncoder()
+        return put_buckets(self._delta.encode(cast_state(state, self.dtype), version, full), bucket_bytes)
+
+    def export_delta_base(self, version: int, bucket_bytes: int) -> ExportedWeights | None:
+        """Rank 0 puts in the object store the last version `export_delta` exported, in full (for an engine that
+        joins or missed a delta); raises unless that is `version`. No gather: the other ranks do nothing."""
+        from asyncrl.learner.export import put_buckets
+
+        if self.rank != 0:
+            return None
+        held = self._delta.version if self._delta is not None else None
+        if held != version:
+            raise RuntimeError(f"export_delta_base: rank 0 holds delta version {held}, not {version}")
+        assert self._delta is not None
+        return put_buckets(self._delta.full(), bucket_bytes)
 
     def export_shared(self, root: str, version: int) -> SharedWeights | None:
         """Rank 0 copies the HF-named weights into the shared-memory slot of `version` (`weights.segment`)."""

@@ -74,7 +74,7 @@ class DeltaHeader:
 
 def checksum(tensor: torch.Tensor) -> int:
     """CRC-32 of the tensor's bytes (C order)."""
-    return zlib.crc32(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return zlib.crc32(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
 def state_digest(checksums: Mapping[str, int]) -> str:
@@ -110,7 +110,9 @@ class DeltaEncoder:
     def digest(self) -> str:
         return state_digest(self.checksums)
 
-    def encode(self, state: Mapping[str, torch.Tensor], version: int, full: bool = False) -> list[tuple[str, torch.Tensor]]:
+    def encode(
+        self, state: Mapping[str, torch.Tensor], version: int, full: bool = False
+    ) -> list[tuple[str, torch.Tensor]]:
         """`state`: every tensor in the engines' dtype. A full payload when `full`, at the first version, or when
         the names, shapes or dtypes changed; else a delta. The state becomes the base (copied)."""
         if full or not self.base or _signature(state) != _signature(self.base):
