@@ -123,10 +123,12 @@ def test_delta_sync_on_the_same_engine_is_exact_and_resyncs_an_engine_that_misse
     """`weight_sync.delta` through the object store, on this module's engine (in-place loads of the changed
     tensors only): parity after a full first sync and a delta; bit-identical scores after the delta and after the
     full version of it; a version without a learner step sends the header alone; a delta the engine cannot
-    apply (rank 0 exported a version the engine never got) falls back to the full version."""
+    apply (rank 0 exported a version the engine never got; the engine loaded weights another way) falls back to the
+    full version."""
     import numpy as np
 
     from asyncrl.weight_sync.delta import DeltaSync
+    from asyncrl.weight_sync.object_store import ObjectStoreSync
     from tests.integration.weight_sync_checks import PROBE, PROMPT_LEN
 
     learner, rollout, _ = pools
@@ -142,3 +144,7 @@ def test_delta_sync_on_the_same_engine_is_exact_and_resyncs_an_engine_that_misse
     learner.export_delta(11, 1 << 20)  # rank 0 moves on, the engine never sees 11
     before, after = step_and_sync(pools, sync, version=12, seed=12)
     assert sync.resyncs == 1 and before > 1e-3 and after <= PARITY_ATOL
+    other = ObjectStoreSync(learner, rollout, WeightSyncConfig(transport="object_store", timeout_s=60.0), "streaming")
+    step_and_sync(pools, other, version=13, seed=13)  # weights that came another way: the engine forgets its copy
+    before, after = step_and_sync(pools, sync, version=14, seed=14)
+    assert sync.resyncs == 2 and before > 1e-3 and after <= PARITY_ATOL

@@ -75,6 +75,7 @@ class WeightReceiver:
         first = unpack_bucket(buckets[0]) if buckets else {}
         if HEADER in first:
             return self._asyncrl_load_delta(first, buckets[1:], in_place)
+        self._asyncrl_forget_delta()
         names: list[str] = []
 
         def named_tensors():  # one bucket deserialized at a time
@@ -112,12 +113,19 @@ class WeightReceiver:
             self._asyncrl_load(iter(list(state.items())), in_place=False)
         return len(changed)
 
+    def _asyncrl_forget_delta(self) -> None:
+        """Weights that came another way: the delta copy no longer holds what the model serves, so the next delta
+        is refused (and the full version sent) rather than loaded over weights it does not describe."""
+        if hasattr(self, "_asyncrl_mirror"):
+            del self._asyncrl_mirror
+
     def asyncrl_load_shared_weights(self, wire: str, in_place: bool = False) -> int:
         """Load a version from the shared-memory segment (`SharedWeights.to_wire()`): the model reads views of
         the mapped file, so nothing is deserialized; the file stays mapped for the next versions."""
         from asyncrl.weights.segment import SegmentReader, SharedWeights
 
         shared = SharedWeights.from_wire(wire)
+        self._asyncrl_forget_delta()
         if not hasattr(self, "_asyncrl_segments"):
             self._asyncrl_segments = SegmentReader()
         named = self._asyncrl_segments.tensors(shared)
@@ -135,6 +143,7 @@ class WeightReceiver:
         if not hasattr(self, "_asyncrl_receiver"):
             self._asyncrl_receiver = CollectiveReceiver(self.device)
         version, named = self._asyncrl_receiver.receive(wire)
+        self._asyncrl_forget_delta()
         self._asyncrl_load(iter(named), in_place)
         return len(named), version
 

@@ -1,0 +1,167 @@
+"""W3 `delta`: full vs delta weight payloads (`weight_sync.delta`, `asyncrl.weights.delta`) at the W3 shapes.
+
+Part `wire` (no Ray, no engine): the random-initialised Qwen2 preset's state in the engines' dtype (bf16 and
+fp32); a copy with a given fraction of every tensor's elements changed (each moved by one unit in the last
+place, at random positions: the smallest change a sync must carry); then, timed:
+
+    full    learner: pack every tensor into safetensors buckets    engine: unpack them
+    delta   learner: `DeltaEncoder.encode` (bit compare, sparse     engine: unpack, `DeltaMirror.apply` (scatter,
+            or dense per tensor, CRCs) + pack                               CRCs, digest check)
+
+Figures per dtype and fraction: payload bytes (the buckets, headers included) and seconds on each side, and
+their ratio to the full payload. The break-even in bytes is where a tensor goes dense (1/3 of its elements in
+bf16, 1/2 in fp32); the one in seconds is measured. The object store's own copy (ray.put, the engine's fetch)
+and the engine's load are not in `wire`: they scale with the bytes (full) or the changed tensors (delta).
+
+Part `steps`: what fraction of the elements a real optimizer step changes, by dtype: one AdamW step (lr 1e-6,
+1e-5, 1e-4; weight decay 0) of the preset on a random-token language-model loss, then the fraction of elements
+whose bits changed in bf16 and in fp32, and the delta's bytes over the full payload's for that step.
+
+    python benchmarks/weight_sync_delta.py                         # w3-125m, both parts (~3 min on 2 busy cores)
+    python benchmarks/weight_sync_delta.py --presets w3-25m --fractions 0 0.01 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import common  # benchmarks/common.py: a script's own folder is on sys.path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+FRACTIONS = [0.0, 0.001, 0.01, 0.1, 0.2, 0.3, 0.4, 0.5, 1.0]
+LRS = [1e-6, 1e-5, 1e-4]
+DTYPES = ["bfloat16", "float32"]
+
+
+def load_state(preset: str, root: Path):
+    """The preset's HF model (random init, seed 0) and its state under HF names, tied head included."""
+    from asyncrl.models import build_model
+    from asyncrl.weights.buckets import hf_named_tensors
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(build_model(preset, root / preset, seed=0))
+    return model, dict(hf_named_tensors(model))
+
+
+def nudged(state: dict, fraction: float, seed: int) -> dict:
+    """A copy of `state` with `fraction` of every tensor's elements moved by one unit in the last place."""
+    import torch
+
+    from asyncrl.weights.delta import _bits
+
+    g, out = torch.Generator().manual_seed(seed), {}
+    for name, t in state.items():
+        t = t.clone()
+        k = round(fraction * t.numel())
+        if k:
+            _bits(t)[torch.randperm(t.numel(), generator=g)[:k]] += 1
+        out[name] = t
+    return out
+
+
+def wire_row(state: dict, dtype: str, fraction: float, bucket_bytes: int) -> dict:
+    import torch
+
+    from asyncrl.weights.buckets import pack_buckets, unpack_bucket
+    from asyncrl.weights.delta import DeltaEncoder, DeltaMirror
+
+    base = {n: t.detach().to(getattr(torch, dtype)).contiguous() for n, t in state.items()}
+    new = nudged(base, fraction, seed=1)
+    encoder, mirror = DeltaEncoder(), DeltaMirror()
+    for data in [pack_buckets(encoder.encode(base, 1), bucket_bytes)]:  # untimed: the first (full) sync
+        mirror.apply({k: v for b in data for k, v in unpack_bucket(b).items()})
+    t0 = time.perf_counter()
+    full = pack_buckets(new.items(), bucket_bytes)
+    t1 = time.perf_counter()
+    for b in full:
+        unpack_bucket(b)
+    t2 = time.perf_counter()
+    delta = pack_buckets(encoder.encode(new, 2), bucket_bytes)
+    t3 = time.perf_counter()
+    header, changed = mirror.apply({k: v for b in delta for k, v in unpack_bucket(b).items()})
+    t4 = time.perf_counter()
+    assert mirror.digest == encoder.digest
+    row = {
+        "dtype": dtype, "fraction": fraction, "full_bytes": sum(map(len, full)), "delta_bytes": sum(map(len, delta)),
+        "full_learner_s": t1 - t0, "full_engine_s": t2 - t1, "delta_learner_s": t3 - t2, "delta_engine_s": t4 - t3,
+        "changed_tensors": header.changed, "sparse_tensors": header.sparse, "tensors": len(new),
+    }  # fmt: skip
+    row["bytes_ratio"] = row["delta_bytes"] / row["full_bytes"]
+    row["seconds_ratio"] = (t4 - t2) / (t2 - t0)
+    return row
+
+
+def step_rows(model, lrs: list[float], seed: int = 0) -> list[dict]:
+    """For each lr, one AdamW step from the same weights: the fraction of elements whose bits changed."""
+    import torch
+
+    from asyncrl.weights.buckets import hf_named_tensors, pack_buckets
+    from asyncrl.weights.delta import DeltaEncoder, _bits
+
+    initial = {n: t.clone() for n, t in model.state_dict().items()}
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (4, 64), generator=g)
+    rows = []
+    for lr in lrs:
+        model.load_state_dict(initial)
+        before = {n: t.clone() for n, t in hf_named_tensors(model)}
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        after = dict(hf_named_tensors(model))
+        for dtype in DTYPES:
+            d = getattr(torch, dtype)
+            changed = sum(int((_bits(before[n].to(d)) != _bits(after[n].to(d))).sum()) for n in before)
+            total = sum(t.numel() for t in before.values())
+            encoder = DeltaEncoder()
+            encoder.encode({n: t.to(d) for n, t in before.items()}, 1)
+            delta = sum(map(len, pack_buckets(encoder.encode({n: t.to(d) for n, t in after.items()}, 2), 1 << 30)))
+            full = sum(t.numel() * t.element_size() for t in encoder.base.values())
+            rows.append({"lr": lr, "dtype": dtype, "changed_fraction": changed / total, "bytes_ratio": delta / full})
+        model.zero_grad(set_to_none=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=["w3-125m"])
+    parser.add_argument("--fractions", nargs="+", type=float, default=FRACTIONS)
+    parser.add_argument("--lrs", nargs="+", type=float, default=LRS)
+    parser.add_argument("--bucket-bytes", type=int, default=64 << 20)
+    common.add_output_options(parser, "weight_sync_delta", "w3-0.5m, fractions 0 0.01 1, lr 1e-5")
+    args = parser.parse_args()
+    if args.quick:
+        args.presets, args.fractions, args.lrs = ["w3-0.5m"], [0.0, 0.01, 1.0], [1e-5]
+    common.set_runtime_env()
+    load_start = common.load_average()
+    import torch
+
+    torch.set_num_threads(1)  # a learner rank and an engine each copy on one thread (W3's convention)
+    results: dict = {"wire": [], "steps": []}
+    with tempfile.TemporaryDirectory() as root:
+        for preset in args.presets:
+            model, state = load_state(preset, Path(root))
+            for dtype in DTYPES:
+                for fraction in args.fractions:
+                    row = {"preset": preset, **wire_row(state, dtype, fraction, args.bucket_bytes)}
+                    results["wire"].append(row)
+                    print(f"{preset} {dtype} {fraction:>6}: bytes {row['bytes_ratio']:.3f} of full "
+                          f"({row['delta_bytes'] / 1e6:.1f} MB), seconds {row['seconds_ratio']:.2f} of full "
+                          f"(learner {row['delta_learner_s']:.2f}/{row['full_learner_s']:.2f} s, "
+                          f"engine {row['delta_engine_s']:.2f}/{row['full_engine_s']:.2f} s)", flush=True)  # fmt: skip
+            del state
+            for row in step_rows(model, args.lrs):
+                results["steps"].append({"preset": preset, **row})
+                print(f"{preset} AdamW lr {row['lr']:g} {row['dtype']}: {row['changed_fraction']:.4f} of the elements "
+                      f"changed, delta {row['bytes_ratio']:.3f} of full", flush=True)  # fmt: skip
+    results["machine"] = common.machine(load_start)
+    common.write_json(common.output_path("weight_sync_delta", args), results)
+
+
+if __name__ == "__main__":
+    main()
