@@ -148,3 +148,26 @@ def test_delta_sync_on_the_same_engine_is_exact_and_resyncs_an_engine_that_misse
     step_and_sync(pools, other, version=13, seed=13)  # weights that came another way: the engine forgets its copy
     before, after = step_and_sync(pools, sync, version=14, seed=14)
     assert sync.resyncs == 2 and before > 1e-3 and after <= PARITY_ATOL
+
+
+def test_two_fsdp_ranks_write_their_own_rows_into_the_segment_after_the_first_export(pools, tiny_model_dir):
+    """A 2-rank FSDP2 learner on this module's engine: the first export gathers on rank 0 (it fixes the layout),
+    later ones have each rank write its dim-0 shard into the slot, no gather; parity holds after each."""
+    import ray
+
+    from asyncrl.algo.recipes import resolve_recipe
+    from asyncrl.config import LearnerConfig
+    from asyncrl.learner.pool import LearnerPool
+    from asyncrl.weight_sync.shared_memory import SharedMemorySync
+
+    rollout = pools[1]
+    learner = LearnerPool(tiny_model_dir, LearnerConfig(num_ranks=2, lr=1e-2, tokens_per_microbatch=4096), resolve_recipe("grpo"))
+    sync = SharedMemorySync(learner, rollout, WeightSyncConfig(transport="shared_memory", timeout_s=60.0), "streaming")
+    try:
+        for version in (15, 16, 17):
+            before, after = step_and_sync((learner, rollout, sync), sync, version=version, seed=version)
+            assert before > 1e-3 and after <= PARITY_ATOL, (version, before, after)
+        assert ray.get([w.__ray_call__.remote(lambda self: self._rows_ready) for w in learner.workers]) == [True, True]
+    finally:
+        sync.shutdown()
+        learner.shutdown()
