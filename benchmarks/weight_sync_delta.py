@@ -13,11 +13,16 @@ their ratio to the full payload. The break-even in bytes is where a tensor goes 
 bf16, 1/2 in fp32); the one in seconds is measured. The object store's own copy (ray.put, the engine's fetch)
 and the engine's load are not in `wire`: they scale with the bytes (full) or the changed tensors (delta).
 
+Part `export` (point 3 of issue 49): a 2-rank FSDP2 learner (gloo, Ray) exports into the shared-memory segment
+either by gathering the full state on rank 0, which writes it (every export before; now the first), or by every
+rank writing its own dim-0 rows (`LearnerWorker.export_shared`, every later export): seconds per export.
+
 Part `steps`: what fraction of the elements a real optimizer step changes, by dtype: one AdamW step (lr 1e-6,
 1e-5, 1e-4; weight decay 0) of the preset on a random-token language-model loss, then the fraction of elements
 whose bits changed in bf16 and in fp32, and the delta's bytes over the full payload's for that step.
 
-    python benchmarks/weight_sync_delta.py                         # w3-125m, both parts (~3 min on 2 busy cores)
+    python benchmarks/weight_sync_delta.py                         # w3-125m, all parts (~5 min on 2 busy cores)
+    python benchmarks/weight_sync_delta.py --presets qwen-0.5b --parts export --out benchmarks/results/weight_export_0.5b.json
     python benchmarks/weight_sync_delta.py --presets w3-25m --fractions 0 0.01 1
 """
 
@@ -127,26 +132,65 @@ def step_rows(model, lrs: list[float], seed: int = 0) -> list[dict]:
     return rows
 
 
+def export_rows(preset: str, root: Path, syncs: int) -> list[dict]:
+    """A 2-rank FSDP2 learner (gloo) on the preset: `export_shared` seconds, the gather on rank 0 against every
+    rank writing its own rows (alternating, after the first export that fixes the layout), and rank 0's peak
+    RSS growth is not measured (the gather holds one full copy of the weights on rank 0 at once; rows none)."""
+    import ray
+
+    from asyncrl.algo.recipes import resolve_recipe
+    from asyncrl.config import LearnerConfig
+    from asyncrl.learner.pool import LearnerPool
+    from asyncrl.models import build_model
+    from asyncrl.weight_sync.shared_memory import _unlink_slots, segment_root
+
+    model_dir = build_model(preset, root / preset, seed=0)
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    learner = LearnerPool(model_dir, LearnerConfig(num_ranks=2, lr=1e-5, tokens_per_microbatch=4096), resolve_recipe("grpo"))
+    segment, rows = segment_root(), []
+    try:
+        record = learner._call("export_shared", segment, 0, True)[0]
+        for k in range(syncs):
+            for gather in (True, False):
+                version = 1 + 2 * k + (0 if gather else 1)
+                began = time.perf_counter()
+                learner._call("export_shared", segment, version, gather)
+                rows.append({"preset": preset, "ranks": 2, "path": "gather" if gather else "rows",
+                             "seconds": time.perf_counter() - began, "bytes": record.num_bytes})  # fmt: skip
+                print(f"{preset} export_shared {rows[-1]['path']}: {rows[-1]['seconds']:.3f} s", flush=True)
+    finally:
+        learner.shutdown()
+        _unlink_slots(segment)
+        ray.shutdown()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=["w3-125m"])
     parser.add_argument("--fractions", nargs="+", type=float, default=FRACTIONS)
     parser.add_argument("--lrs", nargs="+", type=float, default=LRS)
     parser.add_argument("--bucket-bytes", type=int, default=64 << 20)
+    parser.add_argument("--parts", nargs="+", default=["wire", "steps", "export"], choices=["wire", "steps", "export"])
+    parser.add_argument("--export-syncs", type=int, default=3)
     common.add_output_options(parser, "weight_sync_delta", "w3-0.5m, fractions 0 0.01 1, lr 1e-5")
     args = parser.parse_args()
     if args.quick:
-        args.presets, args.fractions, args.lrs = ["w3-0.5m"], [0.0, 0.01, 1.0], [1e-5]
+        args.presets, args.fractions, args.lrs, args.export_syncs = ["w3-0.5m"], [0.0, 0.01, 1.0], [1e-5], 1
     common.set_runtime_env()
     load_start = common.load_average()
     import torch
 
     torch.set_num_threads(1)  # a learner rank and an engine each copy on one thread (W3's convention)
-    results: dict = {"wire": [], "steps": []}
+    results: dict = {"wire": [], "steps": [], "export": []}
     with tempfile.TemporaryDirectory() as root:
         for preset in args.presets:
+            if "export" in args.parts:
+                results["export"] += export_rows(preset, Path(root), args.export_syncs)
+            if "wire" not in args.parts and "steps" not in args.parts:
+                continue
             model, state = load_state(preset, Path(root))
-            for dtype in DTYPES:
+            for dtype in DTYPES if "wire" in args.parts else []:
                 for fraction in args.fractions:
                     row = {"preset": preset, **wire_row(state, dtype, fraction, args.bucket_bytes)}
                     results["wire"].append(row)
@@ -155,7 +199,7 @@ def main() -> None:
                           f"(learner {row['delta_learner_s']:.2f}/{row['full_learner_s']:.2f} s, "
                           f"engine {row['delta_engine_s']:.2f}/{row['full_engine_s']:.2f} s)", flush=True)  # fmt: skip
             del state
-            for row in step_rows(model, args.lrs):
+            for row in step_rows(model, args.lrs) if "steps" in args.parts else []:
                 results["steps"].append({"preset": preset, **row})
                 print(f"{preset} AdamW lr {row['lr']:g} {row['dtype']}: {row['changed_fraction']:.4f} of the elements "
                       f"changed, delta {row['bytes_ratio']:.3f} of full", flush=True)  # fmt: skip
