@@ -130,13 +130,11 @@ class DeltaEncoder:
                 continue
             idx_dtype = torch.int32 if old.numel() < 2**31 else torch.int64
             idx_bytes = torch.empty((), dtype=idx_dtype).element_size()
+            old.copy_(new)  # one sequential copy: cheaper than scattering the changed elements
             if changed.numel() * (idx_bytes + new.element_size()) < new.numel() * new.element_size():
-                values = new.reshape(-1)[changed]
-                entries += [(IDX + name, changed.to(idx_dtype)), (VAL + name, values)]
-                old.view(-1)[changed] = values
+                entries += [(IDX + name, changed.to(idx_dtype)), (VAL + name, old.reshape(-1)[changed])]
                 sparse += 1
             else:
-                old.copy_(new)
                 entries.append((name, old))
             self.checksums[name] = checksum(old)
         self.version = version
