@@ -125,13 +125,15 @@ class DeltaEncoder:
         for name, new in state.items():
             new = new.detach().to("cpu")
             old = self.base[name]
-            changed = (_bits(old) != _bits(new)).nonzero().squeeze(1)
-            if changed.numel() == 0:
+            mask = _bits(old) != _bits(new)
+            count = int(mask.sum())
+            if count == 0:
                 continue
             idx_dtype = torch.int32 if old.numel() < 2**31 else torch.int64
             idx_bytes = torch.empty((), dtype=idx_dtype).element_size()
             old.copy_(new)  # one sequential copy: cheaper than scattering the changed elements
-            if changed.numel() * (idx_bytes + new.element_size()) < new.numel() * new.element_size():
+            if count * (idx_bytes + new.element_size()) < new.numel() * new.element_size():
+                changed = mask.reshape(-1).nonzero().squeeze(1)  # indices only where they travel
                 entries += [(IDX + name, changed.to(idx_dtype)), (VAL + name, old.reshape(-1)[changed])]
                 sparse += 1
             else:
@@ -192,8 +194,14 @@ class DeltaMirror:
                 target = name.removeprefix(IDX)
                 self._place(target).view(-1)[tensor.long()] = named[VAL + target]
                 yield target
-            else:
-                self._place(name).copy_(tensor)
+            else:  # the received tensor becomes the held one (no copy)
+                held = self._place(name)
+                if (held.shape, held.dtype) != (tensor.shape, tensor.dtype):
+                    raise RuntimeError(
+                        f"{BASE_MISMATCH}: {name!r} is {tuple(tensor.shape)} {tensor.dtype} in the delta, "
+                        f"{tuple(held.shape)} {held.dtype} here"
+                    )
+                self.state[name] = tensor
                 yield name
 
     def _place(self, name: str) -> torch.Tensor:

@@ -78,9 +78,9 @@ class WeightReceiver:
         self._asyncrl_forget_delta()
         names: list[str] = []
 
-        def named_tensors():  # one bucket deserialized at a time
-            for data in buckets:
-                for name, tensor in unpack_bucket(data).items():
+        def named_tensors():  # one bucket deserialized at a time (the first one already is)
+            for i, data in enumerate(buckets):
+                for name, tensor in (first if i == 0 else unpack_bucket(data)).items():
                     names.append(name)
                     yield name, tensor
 
@@ -104,8 +104,11 @@ class WeightReceiver:
         state = self._asyncrl_mirror.state
         model = self.model_runner.get_model()
         if in_place and _unpack_linear_layers(model):
+            # Expert tensors all go again: `repack_cpu_experts` re-packs every expert of a layer after the load.
+            wanted = set(changed)
+            names = [n for n in state if n in wanted or EXPERTS in n]
             named = _without_retied_head(
-                model, ((n, state[n]) for n in changed), self.vllm_config.model_config.hf_text_config
+                model, ((n, state[n]) for n in names), self.vllm_config.model_config.hf_text_config
             )
             _load_in_place(model, named, every_parameter=header.kind == "full")
             repack_cpu_experts(model)
@@ -175,6 +178,8 @@ class WeightReceiver:
 
 
 TIED_HEAD = "lm_head.weight"
+EXPERTS = ".experts."
+"""In the checkpoint name of every MoE expert tensor (`model.layers.<i>.mlp.experts.<e>.gate_proj.weight`)."""
 TIED_EMBEDDING = "model.embed_tokens.weight"
 
 

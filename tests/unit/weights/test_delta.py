@@ -37,8 +37,8 @@ def test_a_mirror_fed_deltas_holds_exactly_the_bits_of_a_full_sync(dtype):
     enc, mirror = DeltaEncoder(), DeltaMirror()
     s = state(dtype)
     mirror.apply(wire(enc.encode(s, 1)))
-    for version, fraction in [(2, 0.01), (3, 0.5), (4, 0.0), (5, 1.0)]:
-        s = nudge(s, fraction, b_all=version != 4, seed=version)
+    for version, fraction in [(2, 0.01), (3, 0.5), (4, 0.01), (5, 0.0), (6, 1.0)]:  # 4: sparse after dense
+        s = nudge(s, fraction, b_all=version != 5, seed=version)
         header, names = mirror.apply(wire(enc.encode(s, version)))
         assert header.version == version and mirror.version == version
         for name, tensor in s.items():
