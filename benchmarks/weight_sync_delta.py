@@ -17,6 +17,10 @@ Part `export` (point 3 of issue 49): a 2-rank FSDP2 learner (gloo, Ray) exports 
 either by gathering the full state on rank 0, which writes it (every export before; now the first), or by every
 rank writing its own dim-0 rows (`LearnerWorker.export_shared`, every later export): seconds per export.
 
+Part `e2e` (on request: it starts a vLLM engine): one learner rank and one engine (fp32, loading in place) through
+Ray's object store: full syncs (`ObjectStoreSync`) against `DeltaSync` when every element changed (a fp32 step) and
+when nothing did, timed from `start` to the engine serving the version, parity after each.
+
 Part `steps`: what fraction of the elements a real optimizer step changes, by dtype: one AdamW step (lr 1e-6,
 1e-5, 1e-4; weight decay 0) of the preset on a random-token language-model loss, then the fraction of elements
 whose bits changed in bf16 and in fp32, and the delta's bytes over the full payload's for that step.
@@ -24,6 +28,7 @@ whose bits changed in bf16 and in fp32, and the delta's bytes over the full payl
     python benchmarks/weight_sync_delta.py                         # w3-125m, all parts (~5 min on 2 busy cores)
     python benchmarks/weight_sync_delta.py --presets qwen-0.5b --parts export --out benchmarks/results/weight_export_0.5b.json
     python benchmarks/weight_sync_delta.py --presets w3-25m --fractions 0 0.01 1
+    python benchmarks/weight_sync_delta.py --presets w3-25m --parts e2e --out benchmarks/results/weight_sync_delta_e2e.json
 """
 
 from __future__ import annotations
@@ -170,13 +175,73 @@ def export_rows(preset: str, root: Path, syncs: int) -> list[dict]:
     return rows
 
 
+def e2e_rows(preset: str, root: Path, syncs: int, timeout_s: float = 300.0) -> list[dict]:
+    """One learner rank and one vLLM engine (fp32, in place), Ray's object store: `syncs` full syncs after a learner
+    step (`ObjectStoreSync`), then `DeltaSync`: its first (full) sync, `syncs` deltas after a learner step (fp32:
+    every element changes, the worst case) and `syncs` deltas with no step between (nothing changed, the best).
+    Timed as W3 times a sync: `start` to every engine serving the version."""
+    import numpy as np
+    import ray
+
+    from asyncrl.algo.recipes import resolve_recipe
+    from asyncrl.algo.sampling import RAW
+    from asyncrl.config import EnvConfig, LearnerConfig, RolloutConfig, WeightSyncConfig
+    from asyncrl.learner.pool import LearnerPool
+    from asyncrl.models import PRESETS as MODEL_PRESETS
+    from asyncrl.models import build_model
+    from asyncrl.models.tokenizer import SPECIAL_TOKENS
+    from asyncrl.rollout.pool import RolloutPool
+    from asyncrl.weight_sync.delta import DeltaSync
+    from asyncrl.weight_sync.object_store import ObjectStoreSync
+
+    model_dir = build_model(preset, root / preset, seed=0)
+    vocab = len(SPECIAL_TOKENS) + len(MODEL_PRESETS[preset].alphabet)
+    probe = [1] + np.random.default_rng(123).integers(3, vocab, 31).tolist()
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    learner = LearnerPool(model_dir, LearnerConfig(num_ranks=1, lr=1e-3, tokens_per_microbatch=4096), resolve_recipe("grpo"))
+    rollout = RolloutPool(str(model_dir), RolloutConfig(num_workers=1, weight_load="in_place"), EnvConfig(), queue=None,
+                          dtype="float32", max_model_len=128)  # fmt: skip
+    rows, version = [], 0
+    try:
+        rollout.start()
+        full = ObjectStoreSync(learner, rollout, WeightSyncConfig(transport="object_store", timeout_s=timeout_s), "streaming")
+        delta = DeltaSync(learner, rollout, WeightSyncConfig(transport="object_store", delta=True, timeout_s=timeout_s), "streaming")
+        plan = [("full", full, True)] * syncs + [("delta first (full)", delta, True)]
+        plan += [("delta, all changed", delta, True)] * syncs + [("delta, none changed", delta, False)] * syncs
+        for kind, sync, step in plan:
+            if step:
+                learner.train_step(_groups(vocab, version))
+            version += 1
+            began = time.perf_counter()
+            result = sync.finish(sync.start(version))
+            seconds = time.perf_counter() - began
+            engine = np.asarray(rollout.score(probe, 8))
+            parity = float(np.max(np.abs(engine - np.asarray(learner.score(probe, 8, RAW)))))
+            rows.append({"preset": preset, "kind": kind, "seconds": seconds, "bytes": result.num_bytes, "parity_after": parity})
+            print(f"{preset} {kind}: {seconds:.3f} s, {result.num_bytes / 1e6:.1f} MB, parity {parity:.1e}", flush=True)
+        assert delta.resyncs == 0
+    finally:
+        rollout.shutdown()
+        learner.shutdown()
+        ray.shutdown()
+    return rows
+
+
+def _groups(vocab: int, seed: int):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from weight_sync import synthetic_groups
+
+    return synthetic_groups(vocab, seed=seed)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=["w3-125m"])
     parser.add_argument("--fractions", nargs="+", type=float, default=FRACTIONS)
     parser.add_argument("--lrs", nargs="+", type=float, default=LRS)
     parser.add_argument("--bucket-bytes", type=int, default=64 << 20)
-    parser.add_argument("--parts", nargs="+", default=["wire", "steps", "export"], choices=["wire", "steps", "export"])
+    parser.add_argument("--parts", nargs="+", default=["wire", "steps", "export"], choices=["wire", "steps", "export", "e2e"])
+    parser.add_argument("--e2e-syncs", type=int, default=3)
     parser.add_argument("--export-syncs", type=int, default=3)
     parser.add_argument("--dtypes", nargs="+", default=DTYPES, choices=DTYPES, help="engine dtypes of part wire")
     common.add_output_options(parser, "weight_sync_delta", "w3-0.5m, fractions 0 0.01 1, lr 1e-5")
@@ -188,11 +253,13 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)  # a learner rank and an engine each copy on one thread (W3's convention)
-    results: dict = {"wire": [], "steps": [], "export": []}
+    results: dict = {"wire": [], "steps": [], "export": [], "e2e": []}
     with tempfile.TemporaryDirectory() as root:
         for preset in args.presets:
             if "export" in args.parts:
                 results["export"] += export_rows(preset, Path(root), args.export_syncs)
+            if "e2e" in args.parts:
+                results["e2e"] += e2e_rows(preset, Path(root), args.e2e_syncs)
             if "wire" not in args.parts and "steps" not in args.parts:
                 continue
             model, state = load_state(preset, Path(root))
