@@ -13,6 +13,12 @@ from asyncrl.rollout.vllm_compat.weights import WeightReceiver
 from asyncrl.weights.buckets import pack_buckets
 from asyncrl.weights.delta import BASE_MISMATCH, DeltaEncoder
 
+@pytest.fixture(autouse=True)
+def no_expert_repack(monkeypatch):
+    """The fake model has no CPU experts; skip vLLM's kernels import (tens of seconds on a busy machine)."""
+    monkeypatch.setattr("asyncrl.rollout.vllm_compat.weights.repack_cpu_experts", lambda model: 0)
+
+
 NAMES = ["model.embed_tokens.weight", "model.layers.0.mlp.experts.0.up_proj.weight", "model.layers.0.q_proj.weight"]
 
 
