@@ -14,17 +14,16 @@ from asyncrl.weights.buckets import pack_buckets
 from asyncrl.weights.delta import BASE_MISMATCH, DeltaEncoder
 
 @pytest.fixture(autouse=True)
-def no_expert_repack(monkeypatch):
-    """The fake model has no CPU experts; skip vLLM's kernels import (tens of seconds on a busy machine)."""
+def no_vllm_kernels(monkeypatch):
+    """The fake model has no CPU experts and nothing to unpack; skip vLLM's imports (tens of seconds here)."""
     monkeypatch.setattr("asyncrl.rollout.vllm_compat.weights.repack_cpu_experts", lambda model: 0)
+    monkeypatch.setattr("asyncrl.rollout.vllm_compat.weights._unpack_linear_layers", lambda model: True)
 
 
 NAMES = ["model.embed_tokens.weight", "model.layers.0.mlp.experts.0.up_proj.weight", "model.layers.0.q_proj.weight"]
 
 
 class FakeModel(torch.nn.Module):
-    _asyncrl_in_place = True  # `_unpack_linear_layers` done
-
     def __init__(self):
         super().__init__()
         self.loads: list[list[str]] = []
