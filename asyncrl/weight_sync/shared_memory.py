@@ -7,8 +7,7 @@ What travels to the engines through Ray is a small `SharedWeights` record (path,
 vLLM worker maps the file and loads from views of it (`vllm_compat.WeightReceiver.asyncrl_load_shared_weights`): a
 copy into its parameters, or vLLM's layerwise `reload_weights`, which re-runs the CPU kernels' weight packing
 (`rollout.weight_load`). Versions, pause/resume and parity are the engine's `update_weights` flow, the same as for
-the object store. Both slots
-are created, and their pages faulted in, by the first export.
+the object store. Both slots are created, and their pages faulted in, by the first export.
 
 Only the first export is waited for; later ones are handed to the engines pending, and rank 0 writes the slot
 while the controller goes on (`staged.StagedSync`, shared with the collective transport).
