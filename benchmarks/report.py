@@ -822,7 +822,58 @@ def moe_routing_replay(d: dict) -> list[str]:
     ]
 
 
+def weight_sync_delta(d: dict, title: str = "## W3 `delta` — full vs delta payloads, and the export without a gather (`benchmarks/weight_sync_delta.py`)") -> list[str]:
+    lines = [title, ""]
+    wire, steps, export = d.get("wire", []), d.get("steps", []), d.get("export", [])
+    if wire:
+        lines += [
+            "Wire only (no Ray, no engine; one thread each side): a fraction of every tensor's elements moved by one "
+            "unit in the last place; full = pack every tensor into safetensors buckets + unpack; delta = "
+            "`DeltaEncoder.encode` + pack, unpack + `DeltaMirror.apply` (CRCs and digest check included).",
+            "",
+            "| preset | dtype | changed | delta bytes | ÷ full | sparse / changed tensors | learner s delta / full | engine s delta / full | seconds ÷ full |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['preset']} | {r['dtype']} | {r['fraction']:g} | {r['delta_bytes'] / 1e6:.1f} MB | {r['bytes_ratio']:.3f} | "
+            f"{r['sparse_tensors']} / {r['changed_tensors']} of {r['tensors']} | {r['delta_learner_s']:.2f} / {r['full_learner_s']:.2f} | "
+            f"{r['delta_engine_s']:.2f} / {r['full_engine_s']:.2f} | {r['seconds_ratio']:.2f} |"
+            for r in wire
+        ]  # fmt: skip
+        lines.append("")
+    if steps:
+        lines += ["One AdamW step (weight decay 0) from the same weights: the fraction of elements whose bits changed in "
+                  "the engines' dtype, and the delta's bytes over the full payload's.", "",
+                  "| preset | lr | dtype | elements changed | delta ÷ full bytes |", "|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {r['preset']} | {r['lr']:g} | {r['dtype']} | {r['changed_fraction']:.4f} | {r['bytes_ratio']:.3f} |" for r in steps]
+        lines.append("")
+    if d.get("e2e"):
+        lines += ["Through a vLLM engine (1 learner rank, 1 engine, fp32, in place, Ray's object store): `start` → the "
+                  "engine serves the version; median of the syncs of each kind.", "",
+                  "| preset | sync | seconds (median) | MB | parity after (max) |", "|---|---|---|---|---|"]  # fmt: skip
+        for kind in dict.fromkeys(r["kind"] for r in d["e2e"]):
+            rows = [r for r in d["e2e"] if r["kind"] == kind]
+            secs = sorted(r["seconds"] for r in rows)
+            lines.append(f"| {rows[0]['preset']} | {kind} | {secs[len(secs) // 2]:.3f} | {rows[0]['bytes'] / 1e6:.1f} | "
+                         f"{max(r['parity_after'] for r in rows):.1e} |")  # fmt: skip
+        lines.append("")
+    if export:
+        lines += ["`export_shared` on a 2-rank FSDP2 learner (gloo): the full state gathered on rank 0, which writes it, "
+                  "against every rank writing its own dim-0 rows into the segment.", "",
+                  "| preset | path | seconds (each export) | median |", "|---|---|---|---|"]  # fmt: skip
+        for path in ("gather", "rows"):
+            rows = [r for r in export if r["path"] == path]
+            if rows:
+                secs = sorted(r["seconds"] for r in rows)
+                lines.append(f"| {rows[0]['preset']} | {path} | {', '.join(f'{x:.3f}' for x in (r['seconds'] for r in rows))} | {secs[len(secs) // 2]:.3f} |")
+        lines.append("")
+    return lines
+
+
 FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
+    "weight_sync_delta": weight_sync_delta,
+    "weight_sync_delta_e2e": lambda d: weight_sync_delta(d, "## W3 `delta` through a vLLM engine (`benchmarks/weight_sync_delta.py --presets w3-25m --parts e2e`)"),
+    "weight_export_0.5b": lambda d: weight_sync_delta(d, "## W3 export without a gather at 0.36B parameters (`benchmarks/weight_sync_delta.py --presets qwen-0.5b --parts export`)"),
     "weight_sync": weight_sync,
     "weight_sync_0.5b": lambda d: weight_sync(d, "## W3 `sync` at 0.36B parameters (`benchmarks/weight_sync.py --presets qwen-0.5b`)"),
     "weight_sync_gpu": weight_sync_gpu,
@@ -874,7 +925,7 @@ LAYOUT = [
     "readme_results",
     "learning_add", "learning_add_120", "learning_add_packed", "learning_add_informative", "learning_add_compile", "learner_compile", "learning_add_bf16", "learning_add_ready_cap", "learning_add_mb4", "learning_add_mb4_same_lr", "lr_decay", "correction", "dtype", "ready_cap", "staleness_w1", "warm_start_lift",
     "async_speedup", "async_speedup_continue", "limits", "limits_busy", "eval_overlap", "eval_overlap_w1",
-    "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "weight_sync_gpu",
+    "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "weight_sync_gpu", "weight_sync_delta", "weight_sync_delta_e2e", "weight_export_0.5b",
     "moe_routing_replay",
     "install_lock",
     "queue_throughput", "data_scale", "algo_throughput", "fsdp_rank", "megatron", "activation_checkpointing", "activation_checkpointing_gpu", "packing", "storage_checkpoint",

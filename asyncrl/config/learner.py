@@ -205,3 +205,17 @@ class WeightSyncConfig(Section):
     node), `collective` (learner rank 0 broadcasts to each engine over its own torch.distributed group, in
     buckets of `bucket_bytes`: gloo on CPU, NCCL on GPU, where every engine needs a GPU the learner's rank 0
     does not use; any cluster), `auto` (shared memory on a single-node Ray cluster, else the object store)."""
+    delta: bool = False
+    """Send only what changed since the version the engines serve (full fine-tuning): rank 0 keeps the last
+    version sent and each engine one copy of the weights it serves; changed tensors travel dense or as indices +
+    values, bit-exact; a join, a replacement or a digest mismatch gets the full version (docs/weight_sync.md).
+    Through the object store only: `transport` must be `object_store` or `auto` (which then picks it)."""
+
+    @model_validator(mode="after")
+    def _delta_through_the_object_store(self) -> WeightSyncConfig:
+        if self.delta and self.transport not in ("object_store", "auto"):
+            raise ValueError(
+                f"weight_sync.delta sends deltas through the object store: weight_sync.transport = "
+                f"{self.transport!r} cannot carry them (set transport to object_store or auto, or delta to false)"
+            )
+        return self

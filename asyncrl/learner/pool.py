@@ -313,6 +313,15 @@ class LearnerPool:
         object store; the refs are owned by rank 0."""
         return self._call("export_weights", bucket_bytes)[0]
 
+    def export_delta(self, version: int, bucket_bytes: int, full: bool = False) -> ExportedWeights:
+        """Gather the policy and put in the object store what changed since the last `export_delta` (all of it
+        when `full` or the first time), as `asyncrl.weights.delta` payloads in safetensors buckets (rank 0)."""
+        return self._call("export_delta", version, bucket_bytes, full)[0]
+
+    def export_delta_base(self, version: int, bucket_bytes: int) -> ExportedWeights:
+        """`version`, the last `export_delta`, in full from rank 0's copy (no gather, no new weights)."""
+        return self._call("export_delta_base", version, bucket_bytes)[0]
+
     def export_shared(self, root: str, version: int) -> SharedWeights:
         """Gather the policy and copy it (HF names, tied lm_head explicit) into the shared-memory slot of
         `version` under `root` (rank 0 writes; `asyncrl.weights.segment`)."""

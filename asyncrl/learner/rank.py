@@ -27,9 +27,10 @@ from asyncrl.learner.state import build_reference, build_train_state
 from asyncrl.learner.step import RankStep
 from asyncrl.remote import Store, is_remote, staging
 from asyncrl.types import StepStats
+from asyncrl.weights.delta import DeltaEncoder
 from asyncrl.weights.group import CollectiveSender, CollectiveWeights
 from asyncrl.weights.published import ExportedWeights
-from asyncrl.weights.segment import SegmentWriter, SharedWeights
+from asyncrl.weights.segment import SegmentLayout, SegmentWriter, SharedWeights
 
 __all__ = ["LearnerWorker"]
 
@@ -71,9 +72,15 @@ class LearnerWorker:
         self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         self.step = 0
         self._segment: SegmentWriter | None = None
-        """The shared-memory weight segment this rank writes (rank 0, `weight_sync.transport` shared_memory)."""
+        """The shared-memory weight segment this rank writes (`weight_sync.transport` shared_memory: rank 0, and
+        every rank once each writes its own rows, `export_shared`)."""
+        self._shm_root: str | None = None
+        self._rows_ready = False
+        """Every rank writes its own rows of the weights into the segment (no gather on rank 0)."""
         self._sender: CollectiveSender | None = None
         """The staging buffer engines pull from (rank 0, `weight_sync.transport` collective)."""
+        self._delta: DeltaEncoder | None = None
+        """The last version sent, in the engines' dtype (rank 0, `weight_sync.delta`)."""
         self.reference: torch.nn.Module | None = None
         """The frozen reference policy of the KL term, built when a recipe first needs it (`_reference`)."""
         self.megatron = getattr(config, "training_backend", "fsdp2") == "megatron"
@@ -254,16 +261,96 @@ class LearnerWorker:
         buckets, num_bytes, num_tensors = pack_state_dict(state, bucket_bytes, self.dtype)
         return ExportedWeights(refs=[ray.put(b) for b in buckets], num_bytes=num_bytes, num_tensors=num_tensors)
 
-    def export_shared(self, root: str, version: int) -> SharedWeights | None:
-        """Rank 0 copies the HF-named weights into the shared-memory slot of `version` (`weights.segment`)."""
-        from asyncrl.learner.export import cast_state
+    def export_delta(self, version: int, bucket_bytes: int, full: bool = False) -> ExportedWeights | None:
+        """Rank 0 puts in the object store what changed since the last version it exported this way (all of it
+        when `full` or the first time): `weights.delta` payloads packed as safetensors buckets."""
+        from asyncrl.learner.export import cast_state, put_buckets
 
         state = self._hf_state(checkpoint=True)
         if self.rank != 0:
             return None
-        if self._segment is None or self._segment.root != root:
+        if self._delta is None:
+            self._delta = DeltaEncoder()
+        return put_buckets(self._delta.encode(cast_state(state, self.dtype), version, full), bucket_bytes)
+
+    def export_delta_base(self, version: int, bucket_bytes: int) -> ExportedWeights | None:
+        """Rank 0 puts in the object store the last version `export_delta` exported, in full (for an engine that
+        joins or missed a delta); raises unless that is `version`. No gather: the other ranks do nothing."""
+        from asyncrl.learner.export import put_buckets
+
+        if self.rank != 0:
+            return None
+        held = self._delta.version if self._delta is not None else None
+        if held != version:
+            raise RuntimeError(f"export_delta_base: rank 0 holds delta version {held}, not {version}")
+        assert self._delta is not None
+        return put_buckets(self._delta.full(), bucket_bytes)
+
+    def export_shared(self, root: str, version: int, gather: bool = False) -> SharedWeights | None:
+        """The HF-named weights into the shared-memory slot of `version` (`weights.segment`); rank 0's record.
+        The first export under `root` gathers the full state on rank 0, which writes it and fixes the layout.
+        Later ones, when every rank can (`_rows_ready`), have each rank write its own rows of every tensor (FSDP2
+        shards dim 0) into the slot: no gather, no full copy on rank 0. `gather`: always gather (measurements)."""
+        from asyncrl.learner.export import cast_state
+
+        first, self._shm_root = self._shm_root != root, root
+        if not first and not gather and self._rows_ready:
+            return self._write_rows(version)
+        state = self._hf_state(checkpoint=True)
+        record = None
+        if self.rank == 0:
+            if self._segment is None or self._segment.root != root:
+                self._segment = SegmentWriter(root)
+            record = self._segment.write(cast_state(state, self.dtype), version)
+        if first:
+            self._rows_ready = self._can_write_rows(root)
+        return record
+
+    def _can_write_rows(self, root: str) -> bool:
+        """Collective, after the first export under `root`: whether every rank can write its rows of every tensor
+        into the segment under rank 0's layout (several ranks, all on rank 0's node, dim-0 shards, the layout's
+        names: a model whose checkpoint layout renames tensors, or a megatron learner, keeps gathering). A rank
+        other than 0 maps the slots here."""
+        import torch.distributed as dist
+
+        from asyncrl.learner.export import shard_rows
+
+        if self.num_ranks == 1 or self.megatron:
+            return False
+        node = ray.get_runtime_context().get_node_id()
+        held = self._segment.layout if self.rank == 0 and self._segment is not None else None
+        box: list[Any] = [(held.to_json(), node) if held is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        layout_json, rank0_node = box[0]
+        layout = SegmentLayout.from_json(layout_json)
+        names = {p.name for p in layout.places}
+        rows = shard_rows(self.state.policy.state_dict(), self._tied, self.dtype, self.rank)
+        ok = node == rank0_node and rows is not None and (set(rows) == names if self.rank == 0 else set(rows) <= names)
+        if ok and self.rank != 0:
             self._segment = SegmentWriter(root)
-        return self._segment.write(cast_state(state, self.dtype), version)
+            self._segment.attach(layout)
+        flag = torch.tensor([int(ok)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def _write_rows(self, version: int) -> SharedWeights | None:
+        """Every rank writes its rows into the slot of `version` between two barriers; rank 0 stamps it."""
+        import torch.distributed as dist
+
+        from asyncrl.learner.export import shard_rows
+
+        rows = shard_rows(self.state.policy.state_dict(), self._tied, self.dtype, self.rank)
+        assert rows is not None and self._segment is not None
+        if self.rank == 0:
+            self._segment.begin(version)
+        dist.barrier()
+        self._segment.write_rows(rows, version)
+        dist.barrier()
+        return self._segment.finish(version) if self.rank == 0 else None
+
+    @property
+    def _tied(self) -> bool:
+        return bool(getattr(self.model_config, "tie_word_embeddings", False))
 
     def export_collective(
         self, version: int, loopback: bool, bucket_bytes: int, timeout_s: float

@@ -33,6 +33,14 @@ class WeightPublisher(Protocol):
         """Safetensors buckets of `bucket_bytes` at most, put in the object store."""
         ...
 
+    def export_delta(self, version: int, bucket_bytes: int, full: bool = False) -> ExportedWeights:
+        """What changed since the last `export_delta` (`weights.delta` payloads), in the object store."""
+        ...
+
+    def export_delta_base(self, version: int, bucket_bytes: int) -> ExportedWeights:
+        """`version`, the last `export_delta`, in full (`weights.delta` payload), in the object store."""
+        ...
+
     def export_shared(self, root: str, version: int) -> SharedWeights:
         """The weights copied into the shared-memory slot of `version` under `root`."""
         ...

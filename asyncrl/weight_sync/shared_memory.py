@@ -1,12 +1,13 @@
 """`SharedMemorySync`: weights through one shared-memory segment on the node (no serialization, no object store).
 
 Learner rank 0 gathers the full, Hugging Face-named state and copies it into the slot of the version
-(`weights.segment.SegmentWriter`, layout fixed at the first sync); what travels to the engines through Ray is a
-small `SharedWeights` record (path, version, layout). Each engine's vLLM worker maps the file and loads from
-views of it (`vllm_compat.WeightReceiver.asyncrl_load_shared_weights`): a copy into its parameters, or vLLM's
-layerwise `reload_weights`, which re-runs the CPU kernels' weight packing (`rollout.weight_load`). Versions,
-pause/resume and parity are the engine's `update_weights` flow, the same as for the object store. Both slots
-are created, and their pages faulted in, by the first export.
+(`weights.segment.SegmentWriter`, layout fixed at the first sync); from the second sync on, a learner of several
+FSDP2 ranks on this node has each rank write its own rows instead, with no gather (`LearnerWorker.export_shared`).
+What travels to the engines through Ray is a small `SharedWeights` record (path, version, layout). Each engine's
+vLLM worker maps the file and loads from views of it (`vllm_compat.WeightReceiver.asyncrl_load_shared_weights`): a
+copy into its parameters, or vLLM's layerwise `reload_weights`, which re-runs the CPU kernels' weight packing
+(`rollout.weight_load`). Versions, pause/resume and parity are the engine's `update_weights` flow, the same as for
+the object store. Both slots are created, and their pages faulted in, by the first export.
 
 Only the first export is waited for; later ones are handed to the engines pending, and rank 0 writes the slot
 while the controller goes on (`staged.StagedSync`, shared with the collective transport).

@@ -31,9 +31,12 @@ def make_weight_sync(
     import ray
 
     from asyncrl.weight_sync.collective import CollectiveSync
+    from asyncrl.weight_sync.delta import DeltaSync
     from asyncrl.weight_sync.object_store import ObjectStoreSync
     from asyncrl.weight_sync.shared_memory import SharedMemorySync
 
+    if config.delta:  # through the object store (`WeightSyncConfig` refuses another transport)
+        return DeltaSync(learner, rollout, config, mode)
     num_nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
     transport = resolve_transport(config.transport, num_nodes)
     if transport == "collective":

@@ -179,6 +179,37 @@ class SegmentWriter:
         slot.stamp.fill_(version)
         return SharedWeights(path, version, self.layout)
 
+    def attach(self, layout: SegmentLayout) -> None:
+        """Map the slots another rank created under `layout` (`write_rows` on a rank other than 0)."""
+        self.layout = layout
+        if not self._slots:
+            for parity in (0, 1):
+                path = slot_path(self.root, parity)
+                self._slots[path] = _Mapping(path, layout, create=False)
+
+    def begin(self, version: int) -> None:
+        """Stamp the slot of `version` as being written (before any rank writes rows into it)."""
+        self._slots[slot_path(self.root, version)].stamp.fill_(WRITING)
+
+    def write_rows(self, rows: Mapping[str, tuple[int, torch.Tensor]], version: int) -> None:
+        """Copy each `(first row, tensor)` into rows `first row...` of its place in the slot of `version`: a rank's
+        shard of every tensor (dim 0), written beside the other ranks' (`begin` before, `finish` after, on rank 0)."""
+        assert self.layout is not None, "write_rows before the layout is known (write or attach)"
+        views = self._slots[slot_path(self.root, version)].views
+        for name, (first, tensor) in rows.items():
+            view = views[name]
+            if tensor.dim() == 0:
+                view.copy_(tensor)
+            else:
+                view[first : first + tensor.shape[0]].copy_(tensor)
+
+    def finish(self, version: int) -> SharedWeights:
+        """Stamp the slot of `version` as holding it (every rank's rows written)."""
+        assert self.layout is not None
+        path = slot_path(self.root, version)
+        self._slots[path].stamp.fill_(version)
+        return SharedWeights(path, version, self.layout)
+
     def _open_slots(self, layout: SegmentLayout) -> None:
         """Create both slots and fault their pages in now, with the first (waited-for) export: a slot's first
         write otherwise made a later sync 8x slower (0.36B parameters: 3.5 s against 0.4 s). Stamped as being

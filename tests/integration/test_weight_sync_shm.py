@@ -117,3 +117,57 @@ def test_a_megatron_tp2_learner_publishes_to_the_same_engine_and_exports_hf(pool
         for sync in (shm, store, collective):
             sync.shutdown()
         learner.shutdown()
+
+
+def test_delta_sync_on_the_same_engine_is_exact_and_resyncs_an_engine_that_missed_a_version(pools):
+    """`weight_sync.delta` through the object store, on this module's engine (in-place loads of the changed
+    tensors only): parity after a full first sync and a delta; bit-identical scores after the delta and after the
+    full version of it; a version without a learner step sends the header alone; a delta the engine cannot
+    apply (rank 0 exported a version the engine never got; the engine loaded weights another way) falls back to the
+    full version."""
+    import numpy as np
+
+    from asyncrl.weight_sync.delta import DeltaSync
+    from asyncrl.weight_sync.object_store import ObjectStoreSync
+    from tests.integration.weight_sync_checks import PROBE, PROMPT_LEN
+
+    learner, rollout, _ = pools
+    sync = DeltaSync(learner, rollout, WeightSyncConfig(delta=True, transport="object_store", timeout_s=60.0), "streaming")
+    for version in (8, 9):  # 8: full (the first); 9: a delta
+        before, after = step_and_sync(pools, sync, version=version, seed=version)
+        assert before > 1e-3 and after <= PARITY_ATOL, (version, before, after)
+    after_delta = np.asarray(rollout.score(PROBE, PROMPT_LEN))
+    rollout.update_weights(sync.latest().refs, 9)  # the full version 9, as a joining engine gets it
+    assert np.array_equal(np.asarray(rollout.score(PROBE, PROMPT_LEN)), after_delta)
+    unchanged = sync.finish(sync.start(10))  # no learner step since 9
+    assert (unchanged.num_tensors, sync.resyncs) == (1, 0)  # the header alone
+    learner.export_delta(11, 1 << 20)  # rank 0 moves on, the engine never sees 11
+    before, after = step_and_sync(pools, sync, version=12, seed=12)
+    assert sync.resyncs == 1 and before > 1e-3 and after <= PARITY_ATOL
+    other = ObjectStoreSync(learner, rollout, WeightSyncConfig(transport="object_store", timeout_s=60.0), "streaming")
+    step_and_sync(pools, other, version=13, seed=13)  # weights that came another way: the engine forgets its copy
+    before, after = step_and_sync(pools, sync, version=14, seed=14)
+    assert sync.resyncs == 2 and before > 1e-3 and after <= PARITY_ATOL
+
+
+def test_two_fsdp_ranks_write_their_own_rows_into_the_segment_after_the_first_export(pools, tiny_model_dir):
+    """A 2-rank FSDP2 learner on this module's engine: the first export gathers on rank 0 (it fixes the layout),
+    later ones have each rank write its dim-0 shard into the slot, no gather; parity holds after each."""
+    import ray
+
+    from asyncrl.algo.recipes import resolve_recipe
+    from asyncrl.config import LearnerConfig
+    from asyncrl.learner.pool import LearnerPool
+    from asyncrl.weight_sync.shared_memory import SharedMemorySync
+
+    rollout = pools[1]
+    learner = LearnerPool(tiny_model_dir, LearnerConfig(num_ranks=2, lr=1e-2, tokens_per_microbatch=4096), resolve_recipe("grpo"))
+    sync = SharedMemorySync(learner, rollout, WeightSyncConfig(transport="shared_memory", timeout_s=60.0), "streaming")
+    try:
+        for version in (15, 16, 17):
+            before, after = step_and_sync((learner, rollout, sync), sync, version=version, seed=version)
+            assert before > 1e-3 and after <= PARITY_ATOL, (version, before, after)
+        assert ray.get([w.__ray_call__.remote(lambda self: self._rows_ready) for w in learner.workers]) == [True, True]
+    finally:
+        sync.shutdown()
+        learner.shutdown()

@@ -69,18 +69,58 @@ class WeightReceiver:
 
     def asyncrl_load_staged_weights(self, in_place: bool = False) -> int:
         from asyncrl.weights.buckets import unpack_bucket
+        from asyncrl.weights.delta import HEADER
 
         buckets, self._asyncrl_staged = getattr(self, "_asyncrl_staged", []), []
+        first = unpack_bucket(buckets[0]) if buckets else {}
+        if HEADER in first:
+            return self._asyncrl_load_delta(first, buckets[1:], in_place)
+        self._asyncrl_forget_delta()
         names: list[str] = []
 
-        def named_tensors():  # one bucket deserialized at a time
-            for data in buckets:
-                for name, tensor in unpack_bucket(data).items():
+        def named_tensors():  # one bucket deserialized at a time (the first one already is)
+            for i, data in enumerate(buckets):
+                for name, tensor in (first if i == 0 else unpack_bucket(data)).items():
                     names.append(name)
                     yield name, tensor
 
         self._asyncrl_load(named_tensors(), in_place)
         return len(names)
+
+    def _asyncrl_load_delta(self, first: dict[str, Any], rest: list[bytes], in_place: bool) -> int:
+        """Apply a `weights.delta` payload (full or delta) to this worker's copy of the weights it serves and load
+        the result: in place only the tensors that changed, else (vLLM's reload sees the whole model) every one.
+        A delta this copy cannot take raises with `BASE_MISMATCH` before anything is loaded (the transport then
+        sends the full version)."""
+        from asyncrl.weights.buckets import unpack_bucket
+        from asyncrl.weights.delta import DeltaMirror
+
+        payload = dict(first)
+        for data in rest:
+            payload.update(unpack_bucket(data))
+        if not hasattr(self, "_asyncrl_mirror"):
+            self._asyncrl_mirror = DeltaMirror()
+        header, changed = self._asyncrl_mirror.apply(payload)
+        state = self._asyncrl_mirror.state
+        model = self.model_runner.get_model()
+        if in_place and _unpack_linear_layers(model):
+            # Expert tensors all go again: `repack_cpu_experts` re-packs every expert of a layer after the load.
+            wanted = set(changed)
+            names = [n for n in state if n in wanted or EXPERTS in n]
+            named = _without_retied_head(
+                model, ((n, state[n]) for n in names), self.vllm_config.model_config.hf_text_config
+            )
+            _load_in_place(model, named, every_parameter=header.kind == "full")
+            repack_cpu_experts(model)
+        else:
+            self._asyncrl_load(iter(list(state.items())), in_place=False)
+        return len(changed)
+
+    def _asyncrl_forget_delta(self) -> None:
+        """Weights that came another way: the delta copy no longer holds what the model serves, so the next delta
+        is refused (and the full version sent) rather than loaded over weights it does not describe."""
+        if hasattr(self, "_asyncrl_mirror"):
+            del self._asyncrl_mirror
 
     def asyncrl_load_shared_weights(self, wire: str, in_place: bool = False) -> int:
         """Load a version from the shared-memory segment (`SharedWeights.to_wire()`): the model reads views of
@@ -88,6 +128,7 @@ class WeightReceiver:
         from asyncrl.weights.segment import SegmentReader, SharedWeights
 
         shared = SharedWeights.from_wire(wire)
+        self._asyncrl_forget_delta()
         if not hasattr(self, "_asyncrl_segments"):
             self._asyncrl_segments = SegmentReader()
         named = self._asyncrl_segments.tensors(shared)
@@ -105,6 +146,7 @@ class WeightReceiver:
         if not hasattr(self, "_asyncrl_receiver"):
             self._asyncrl_receiver = CollectiveReceiver(self.device)
         version, named = self._asyncrl_receiver.receive(wire)
+        self._asyncrl_forget_delta()
         self._asyncrl_load(iter(named), in_place)
         return len(named), version
 
@@ -136,6 +178,8 @@ class WeightReceiver:
 
 
 TIED_HEAD = "lm_head.weight"
+EXPERTS = ".experts."
+"""In the checkpoint name of every MoE expert tensor (`model.layers.<i>.mlp.experts.<e>.gate_proj.weight`)."""
 TIED_EMBEDDING = "model.embed_tokens.weight"
 
 
@@ -167,10 +211,13 @@ def _same_tensor(a: Any, b: Any) -> bool:
     return a.shape == b.shape and bool(torch.equal(a, b))
 
 
-def _load_in_place(model: Any, named: Iterator[tuple[str, Any]]) -> None:
+def _load_in_place(model: Any, named: Iterator[tuple[str, Any]], every_parameter: bool = True) -> None:
     """Copy checkpoint-named tensors into the parameters (`_unpack_linear_layers` done); raise naming the
-    parameters that no tensor reached, rather than serve a half-updated model."""
+    parameters that no tensor reached, rather than serve a half-updated model (`every_parameter`; a delta
+    names only the tensors that changed)."""
     loaded = model.load_weights(named)
+    if not every_parameter:
+        return
     missing = {name for name, _ in model.named_parameters()} - set(loaded or ())
     if missing:
         raise RuntimeError(f"in-place weight load left {len(missing)} parameters unchanged, e.g. {sorted(missing)[:3]}")

@@ -124,6 +124,8 @@ CASES = [
          "learner.num_gpus_per_rank (1) and rollout.num_gpus_per_worker (0) must both be 0 or both be > 0"),
     Case("collective weights from a share of a GPU", _overrides("weight_sync.transport=collective", "learner.num_gpus_per_rank=0.5", "rollout.num_gpus_per_worker=0.5"),
          "needs whole GPUs per learner rank: learner.num_gpus_per_rank is 0.5, so an engine can share rank 0's GPU"),
+    Case("delta weights over shared memory", _overrides("weight_sync.delta=true", "weight_sync.transport=shared_memory"),
+         "weight_sync.delta sends deltas through the object store: weight_sync.transport = 'shared_memory' cannot carry them"),
     Case("a custom resource no node has", _overrides("rollout.resources={node2: 1}"), "rollout_pool: one unit needs 1 node2; the largest node of this machine has 0"),
     Case("unknown placement strategy", _overrides("learner.placement_strategy=ROUND"), "learner.placement_strategy: Input should be 'PACK'"),
     Case("the dashboard beyond loopback without a token", _overrides("telemetry.bind_host=0.0.0.0"),

@@ -81,3 +81,27 @@ def test_the_first_write_creates_both_slots_and_the_unwritten_one_holds_no_versi
 def test_segment_files_are_private_to_the_user(tmp_path):
     shared = SegmentWriter(str(tmp_path / "w")).write(_state(), version=0)
     assert os.stat(shared.path).st_mode & 0o777 == 0o600
+
+
+def test_ranks_writing_their_own_rows_fill_the_slot_as_one_full_write_does(tmp_path):
+    """Rank 0 creates the slots (the first, full write); another rank maps them (`attach`); each writes its rows of
+    every tensor (dim-0 shards, the second rank's possibly empty) between rank 0's `begin` and `finish`."""
+    root = str(tmp_path / "seg")
+    rank0 = SegmentWriter(root)
+    rank0.write(_state(), 1)
+    rank1 = SegmentWriter(root)
+    rank1.attach(rank0.layout)
+    full = _state(2.0)
+    rank0.begin(2)
+    rank0.write_rows({"a.weight": (0, full["a.weight"][:1]), "b.bias": (0, full["b.bias"][:2]),
+                      "c.weight": (0, full["c.weight"][:2]), "d.step": (0, full["d.step"])}, 2)
+    rank1.write_rows({"a.weight": (1, full["a.weight"][1:]), "b.bias": (2, full["b.bias"][2:]),
+                      "c.weight": (2, full["c.weight"][2:])}, 2)
+    shared = rank0.finish(2)
+    reader = SegmentReader()
+    got = dict(reader.tensors(shared))
+    assert all(torch.equal(got[name], tensor) for name, tensor in full.items())
+    rank0.begin(4)  # the same slot, being written again: a reader refuses it
+    with pytest.raises(RuntimeError, match="holds version -1, not 2"):
+        reader.check(shared)
+    rank0.close()
