@@ -20,12 +20,14 @@ The peer runs in a subprocess when `trl` is installed (`pip install -e .[bench]`
 benchmarks/results/learning_add.json (and a PNG plot when matplotlib is installed).
 
     python benchmarks/learning_add.py [--quick] [--steps N] [--target 0.5] [--mini-batches 4] [--modes sync,streaming,sao]
-                                      [--mb-set learner.lr=5e-5] [--no-baselines] [--out PATH]
+                                      [--mb-set learner.lr=5e-5] [--variant NAME:KEY=VALUE,...] [--no-baselines] [--out PATH]
 
 `--mini-batches N` (N > 1) also runs every mode with `learner.mini_batches=N` as `<mode>_mbN`, so the
 JSON and the plot hold both curves (accuracy per trained sample with one and with N updates per batch).
 `--modes` picks a subset of the modes and `--no-baselines` leaves out the peer and the plain loop, e.g. the
-mini-batch comparison alone: `--modes streaming --mini-batches 4 --no-baselines`.
+mini-batch comparison alone: `--modes streaming --mini-batches 4 --no-baselines`. `--variant NAME:KEY=VALUE,...`
+(repeatable) also runs streaming's recipe with those overrides as `streaming_NAME`, in the same session, e.g. a setting
+against the shipped one: `--variant nice0:learner.cpu_nice=0`.
 """
 
 from __future__ import annotations
@@ -224,13 +226,16 @@ def print_limit(limit: dict) -> None:
             print(f"  {mode}: {r['samples_per_s']:.0f} samples/s = {r['fraction_of_limit']:.2f} of its limit{peer}")
 
 
-def runs(mini_batches: int, modes: Sequence[str] = tuple(MODES), mb_overrides: Sequence[str] = ()) -> list[tuple[str, str, list[str]]]:
+def runs(mini_batches: int, modes: Sequence[str] = tuple(MODES), mb_overrides: Sequence[str] = (),
+         variants: Sequence[tuple[str, list[str]]] = ()) -> list[tuple[str, str, list[str]]]:
     """(run name, recipe file, extra overrides): each of `modes` as shipped, then with `mini_batches`
-    updates per rollout batch (and `mb_overrides`, e.g. a smaller learning rate) when that is more than 1."""
+    updates per rollout batch (and `mb_overrides`, e.g. a smaller learning rate) when that is more than 1, then
+    streaming's recipe once per `variants` entry (name, overrides: `--variant`)."""
     shipped = [(mode, MODES[mode], []) for mode in modes]
+    extra = [(f"streaming_{name}", MODES["streaming"], list(overrides)) for name, overrides in variants]
     if mini_batches <= 1:
-        return shipped
-    return shipped + [(f"{mode}_mb{mini_batches}", file, [f"learner.mini_batches={mini_batches}", *mb_overrides]) for mode, file, _ in shipped]
+        return shipped + extra
+    return shipped + [(f"{mode}_mb{mini_batches}", file, [f"learner.mini_batches={mini_batches}", *mb_overrides]) for mode, file, _ in shipped] + extra
 
 
 def main() -> None:
@@ -243,7 +248,7 @@ def main() -> None:
     load_start = common.load_average()
     steps, every = (3, 1) if args.quick else (args.steps, 5)
     out = Path(tempfile.mkdtemp(prefix="learning_add-"))
-    planned = [(mode, file, [*extra, *BF16_OVERRIDES]) if args.bf16 else (mode, file, extra) for mode, file, extra in runs(args.mini_batches, args.modes, args.mb_set)]
+    planned = [(mode, file, [*extra, *BF16_OVERRIDES]) if args.bf16 else (mode, file, extra) for mode, file, extra in runs(args.mini_batches, args.modes, args.mb_set, args.variant)]
     results = asyncrl_runs(out, steps, every, args.target, planned)
     if args.baselines and importlib.util.find_spec("trl") is None:
         print("peer baseline (TRL GRPOTrainer): trl is not installed (pip install -e .[bench])")
@@ -275,11 +280,21 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--replot", action="store_true", help="only redraw the PNG from the existing JSON")
     parser.add_argument("--mini-batches", type=int, default=1, help="N > 1: also run each mode with learner.mini_batches=N")
     parser.add_argument("--mb-set", action="append", default=[], metavar="KEY=VALUE", help="config override for the _mbN runs only (repeatable)")
+    parser.add_argument("--variant", type=_variant, action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                        help="also run streaming's recipe with these overrides, as streaming_NAME (repeatable; side by side with the rest)")
     parser.add_argument("--modes", type=_modes, default=tuple(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--no-baselines", dest="baselines", action="store_false", help="leave out the TRL peer and the plain loop")
     parser.add_argument("--bf16", action="store_true", help="asyncrl's modes with model.dtype=bfloat16 and TRL with bf16=True (both with "
                         "eager attention); no plain loop, learner-alone or limit figures (they train fp32)")
     return parser.parse_args()
+
+
+def _variant(text: str) -> tuple[str, list[str]]:
+    name, _, overrides = text.partition(":")
+    pairs = [o.strip() for o in overrides.split(",") if o.strip()]
+    if not name.isidentifier() or not pairs or any("=" not in o for o in pairs):
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: expected NAME:KEY=VALUE[,KEY=VALUE], e.g. nice:learner.cpu_nice=10")
+    return name, pairs
 
 
 def _modes(text: str) -> tuple[str, ...]:

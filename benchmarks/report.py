@@ -889,6 +889,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "learning_add": learning_add,
     "learning_add_120": learning_add,
     "learning_add_packed": learning_add,
+    "learning_add_w1speed": learning_add,
     "learning_add_informative": learning_add,
     "learning_add_compile": learning_add,
     "learning_add_bf16": learning_add,
@@ -923,7 +924,7 @@ def formatter(stem: str) -> Callable[[dict], list[str]] | None:
 
 LAYOUT = [
     "readme_results",
-    "learning_add", "learning_add_120", "learning_add_packed", "learning_add_informative", "learning_add_compile", "learner_compile", "learning_add_bf16", "learning_add_ready_cap", "learning_add_mb4", "learning_add_mb4_same_lr", "lr_decay", "correction", "dtype", "ready_cap", "staleness_w1", "warm_start_lift",
+    "learning_add", "learning_add_120", "learning_add_packed", "learning_add_w1speed", "learning_add_informative", "learning_add_compile", "learner_compile", "learning_add_bf16", "learning_add_ready_cap", "learning_add_mb4", "learning_add_mb4_same_lr", "lr_decay", "correction", "dtype", "ready_cap", "staleness_w1", "warm_start_lift",
     "async_speedup", "async_speedup_continue", "limits", "limits_busy", "eval_overlap", "eval_overlap_w1",
     "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "weight_sync_gpu", "weight_sync_delta", "weight_sync_delta_e2e", "weight_export_0.5b",
     "moe_routing_replay",
@@ -932,7 +933,7 @@ LAYOUT = [
     "profile_before", "profile", "profile_w1_quiet", "profile_w1_quiet_after", "profile_w1_afternoon",
     "profile_w1_ungrouped_1", "profile_w1_grouped_1", "profile_w1_ungrouped_2", "profile_w1_grouped_2",
     "profile_w1_unfrozen_1", "profile_w1_frozen_1", "profile_w1_unfrozen_2", "profile_w1_frozen_2",
-    "profile_w1_whole_groups_1", "profile_w1_split_groups_1", "profile_w1_whole_groups_2", "profile_w1_split_groups_2", "profile_w1_threads", "profile_w1_compile", "profile_w1_bf16",
+    "profile_w1_whole_groups_1", "profile_w1_split_groups_1", "profile_w1_whole_groups_2", "profile_w1_split_groups_2", "profile_w1_threads", "profile_w1_compile", "profile_w1_bf16", "profile_w1_w1speed",
     "rollout_overhead", "client_floor_no_freeze", "client_floor", "logprob_layout", "engine_start", "model_scale", "model_scale_mmap0", "model_scale_bfloat16",
     "agent_learning", "agent_tool", "openai_endpoint", "soak", "readme_results_archive",
 ]  # fmt: skip

@@ -122,6 +122,10 @@ class LearnerConfig(Section):
     """torch.distributed backend: auto = nccl on GPU, gloo on CPU."""
     num_cpus_per_rank: float = Field(1.0, gt=0)
     """Ray CPUs reserved by each learner rank."""
+    cpu_nice: int = Field(0, ge=0, le=19)
+    """The niceness each learner rank's process runs at (POSIX `nice`, 0-19; higher yields the CPU more): on a
+    CPU machine whose engines and learner share cores, a nice learner leaves the engines the cores they need
+    while both have work, and still gets every cycle they leave idle (benchmarks/notes/learning_add_w1speed.md)."""
     num_gpus_per_rank: float = Field(0.0, ge=0)
     """Ray GPUs reserved by each learner rank."""
     resources: dict[str, float] = Field(default_factory=dict)

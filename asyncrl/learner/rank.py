@@ -128,6 +128,8 @@ class LearnerWorker:
         else:
             self.device = torch.device("cpu")
             torch.set_num_threads(max(1, int(cfg.num_cpus_per_rank)))
+        if cfg.cpu_nice:
+            lower_priority(cfg.cpu_nice)
         dist.init_process_group(
             backend,
             init_method=f"tcp://{master_addr}:{master_port}",
@@ -482,3 +484,15 @@ def _local_only(folder: str) -> None:
             f"learner.training_backend = megatron: checkpoint {folder} is on an object store, which the megatron "
             "backend does not support yet; use a mounted folder (storage.uri)"
         )
+
+
+def lower_priority(nice: int) -> None:
+    """Run every thread of this process (and those it starts later) at niceness `nice` at least (`learner.cpu_nice`);
+    on Linux a niceness is per thread, so each of /proc/self/task is set."""
+    tasks = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
+    for tid in tasks:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError:
+            pass  # a thread that ended meanwhile

@@ -109,12 +109,13 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 def compile_now(module, device: torch.device) -> None:
     """Compile `module`'s decoder layers (`policy.compile_layers`) and build their graphs at once, during set-up
-    rather than in the first steps: a forward and backward of a batch with padding, of one without and of a packed
-    one (the attention mask takes three paths), under the random state as it was (dropout draws nothing the run
-    sees), the gradients dropped."""
+    rather than in the first steps: a forward and backward of a batch with padding, of one without and of packed
+    ones (the attention mask takes three paths) of one bin and of two (torch specializes a dimension of size 1: a
+    real packed micro-batch of several bins would compile again in the first step, 8 s of a W1 run's clock here),
+    under the random state as it was (dropout draws nothing the run sees), the gradients dropped."""
     from asyncrl.algo.sampling import RAW
     from asyncrl.learner.batch import dummy_microbatch
-    from asyncrl.learner.packing import packed_micro_batches
+    from asyncrl.learner.packing import PACK_WIDTH, packed_micro_batches
     from asyncrl.learner.policy import PolicyModel, compile_layers
 
     _require_cxx()
@@ -125,14 +126,42 @@ def compile_now(module, device: torch.device) -> None:
     padded[0, -2:] = 0
     cuda = device.type == "cuda"
     with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda"):
-        layout = packed_micro_batches(dummy_microbatch(), 64, share=False)[0].layout
-        assert layout is not None  # a packed micro-batch has one
-        layout = layout.to(device)
-        for mask, packed in ((padded, None), (torch.ones_like(ids), None), (padded, layout)):
+        one_bin = packed_micro_batches(dummy_microbatch(), 64, share=False)[0].layout
+        # Two rows longer than half a bin: two bins of PACK_WIDTH slots.
+        two_bins = packed_micro_batches(_dummy_rows(2, PACK_WIDTH // 2 + 1), 2 * PACK_WIDTH, share=False)[0].layout
+        assert one_bin is not None and two_bins is not None  # a packed micro-batch has one
+        assert one_bin.input_ids.shape[0] == 1 and two_bins.input_ids.shape[0] == 2
+        packed_paths = [(padded, one_bin.to(device)), (padded, two_bins.to(device))]
+        for mask, packed in [(padded, None), (torch.ones_like(ids), None), *packed_paths]:
             policy = isinstance(module, PolicyModel)
             out = module(ids, mask, positions, RAW, packed) if policy else module(ids, mask, positions, packed)
             torch.where(torch.isfinite(out), out, 0.0).sum().backward()
     module.zero_grad(set_to_none=True)
+
+
+def _dummy_rows(rows: int, length: int):
+    """`rows` rows of `length` tokens with zero loss mask and weights (`batch.dummy_microbatch`, wider)."""
+    import dataclasses
+
+    from asyncrl.learner.batch import dummy_microbatch
+
+    one = dummy_microbatch()
+    ints, floats = torch.zeros(rows, length, dtype=torch.long), torch.zeros(rows, length)
+    return dataclasses.replace(
+        one,
+        input_ids=ints,
+        attention_mask=torch.ones_like(ints),
+        position_ids=torch.arange(length).expand(rows, length).clone(),
+        loss_mask=torch.zeros(rows, length, dtype=torch.bool),
+        rollout_logprobs=floats,
+        advantages=floats,
+        token_weights=floats,
+        value_weights=floats,
+        rewards=torch.zeros(rows),
+        group_ids=torch.arange(rows),
+        dones=torch.ones(rows, dtype=torch.bool),
+        seq_lens=torch.full((rows,), length, dtype=torch.long),
+    )
 
 
 def _require_cxx() -> None:

@@ -309,9 +309,13 @@ def test_wait_and_continue_train_long_samples_within_the_bound_instead_of_droppi
     generated, trained = summary["response_lengths"]["generated"], summary["response_lengths"]["trained"]
     assert trained["count"] == conservation["trained"] == 4 * 4 * 4
     assert trained["p90"] == trained["max"] == 200
-    # Not asserted since the batch wait closes an in-flight sync after 0.1 s (non-blocking evaluation's loop): the
-    # trained mean is no longer always >= the generated one (28.5 against 53.0 once: long groups left over at the
-    # end); the share of long groups trained by the run's last steps is an open question (issue #48's notes).
-    assert generated["count"] >= trained["count"]
+    # Every generated sample was trained or is still queued at the end (`in_flight`: ready, never dropped). The trained
+    # mean length is not asserted >= the generated one: that held only while admission stayed closed for a whole step
+    # after each publication. The batch wait now closes an overlapped sync after 0.1 s, admission reopens, and short
+    # groups admitted at the last versions overtake the long ones, which the run's end leaves queued (under
+    # `continue`, which never waits: 2 of the 5 long groups trained, 3 queued; trained mean 28.5 against 53.0).
+    assert trained["count"] <= generated["count"] <= trained["count"] + conservation["in_flight"]
+    long = {k: round(v["count"] * (v["mean"] - 4) / 196) for k, v in (("generated", generated), ("trained", trained))}
+    assert long["generated"] - long["trained"] <= conservation["in_flight"]  # samples of 200 tokens, the others 4
     if policy == "wait":
         assert conservation["stale_tokens_masked"] == 0

@@ -61,6 +61,20 @@ def test_passes_without_gradients_run_the_eager_layers(states):
         assert torch.equal(compiled.policy(*args), eager.policy(*args))
 
 
+def test_a_packed_micro_batch_of_several_bins_runs_the_graphs_built_at_set_up(states):
+    """The warm-up's packed micro-batches of one and two bins leave nothing to compile in a run (a dimension of size 1
+    is specialized: with a one-bin warm-up the first real micro-batch compiled again inside the run's clock)."""
+    from asyncrl.learner.packing import packed_micro_batches
+
+    _, (compiled, _) = states
+    batch = build_batch(random_groups(num_groups=24, group_size=4, seed=5), resolve_recipe("grpo"))
+    micro = packed_micro_batches(batch, 4 * 128, share=True)[0]
+    assert micro.layout is not None and micro.layout.input_ids.shape[0] >= 3
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled.policy(micro.input_ids, micro.attention_mask, micro.position_ids, RAW, micro.layout).sum().backward()
+    compiled.policy.zero_grad(set_to_none=True)
+
+
 def test_compiling_keeps_names_and_the_random_state(states):
     (eager, (rng, _)), (compiled, (rng_c, grads_left)) = states
     assert list(compiled.policy.state_dict()) == list(eager.policy.state_dict())
