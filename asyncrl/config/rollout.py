@@ -156,6 +156,11 @@ class RolloutConfig(Section):
                 f"rollout.min_healthy_engines = {self.min_healthy_engines} exceeds rollout.num_workers = "
                 f"{self.num_workers}: the run would stop at its first quarantined engine"
             )
+        if self.autoscale.max and self.autoscale.min < self.min_healthy_engines:
+            raise ValueError(
+                f"rollout.autoscale.min = {self.autoscale.min} is below rollout.min_healthy_engines = "
+                f"{self.min_healthy_engines}: the autoscaler would shrink the pool to a size the run refuses"
+            )
         return self
 
     @model_validator(mode="after")

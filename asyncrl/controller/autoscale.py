@@ -4,8 +4,8 @@ Grow by one engine while the learner waits for data (`live.learner_idle_fraction
 by one while it does not (<= `shrink_learner_idle`, lower: hysteresis) and finished samples pile up (ready groups
 >= `shrink_ready_batches` batches) or go stale (`live.stale_drop_fraction` >= `shrink_stale_fraction`). A
 condition must hold for `sustain` snapshots in a row, and after a change (or the run's start) nothing changes for
-`cooldown_s`, so the new size's figures fill the rate window first. The decision goes to the job's control like
-`asyncrl scale` (`Fleet.autoscale`).
+`cooldown_s` from when no engine is joining any more (`hold`), so the new size's figures fill the rate window
+first. The decision goes to the job's control like `asyncrl scale` (`Fleet.autoscale`).
 """
 
 from __future__ import annotations
@@ -77,6 +77,10 @@ class Autoscaler:
             )
             return self._change(figures, size - 1, f"learner idle {figures.learner_idle:.0%}, {what}")
         return None
+
+    def hold(self, wall_s: float) -> None:
+        """A change is still settling at `wall_s` (an engine joining): the cool-down starts again from now."""
+        self.last_change_s = max(self.last_change_s, wall_s)
 
     def _change(self, figures: Figures, size: int, reason: str) -> Decision:
         self.last_change_s, self._grow, self._shrink = figures.wall_s, 0, 0

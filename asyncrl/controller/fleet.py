@@ -53,6 +53,9 @@ class Fleet:
         """Wanted pool sizes: a job's control actor (`asyncrl scale`) or, for a local run, the dashboard's."""
         self.wanted = Wanted()
         """The sizes last read from `control`."""
+        self.scaled_at: float | None = None
+        """When the rollout size request `scale` last took was made: each request is applied once (an engine
+        that dies later is the restart policy's business, not a reason to scale again)."""
         self.refused_learner: tuple[int, float | None] | None = None
         """A learner size request (ranks, requested at) that could not be met: not tried again."""
         self.model_dir: Path | None = None
@@ -165,7 +168,13 @@ class Fleet:
     def request_scale(self, pool: str, size: int) -> int:
         """Ask for a rollout pool of `size` workers or a learner of `size` ranks (the dashboard's control);
         `scale` applies the first between steps, `Controller._resize_learner` the second at a step boundary."""
+        if pool == "rollout" and 1 <= size < self.cfg.rollout.min_healthy_engines:  # below 1: `set_size` says
+            raise ValueError(self._below_minimum(size))
         return self.control.set_size(pool, size)
+
+    def _below_minimum(self, size: int) -> str:
+        minimum = self.cfg.rollout.min_healthy_engines
+        return f"rollout={size} is below rollout.min_healthy_engines = {minimum}: refused, the pool keeps its size"
 
     def upkeep(self) -> None:
         """Rollout pool upkeep without waiting: dead workers are replaced (their requests re-dispatched), hung
@@ -247,8 +256,15 @@ class Fleet:
             return
         self.wanted = polled
         wanted, requested_at = self.wanted.rollout, self.wanted.rollout_at
+        if wanted is None or requested_at == self.scaled_at:
+            return
+        self.scaled_at = requested_at
+        if wanted < self.cfg.rollout.min_healthy_engines:  # `asyncrl scale` reaches the control actor directly
+            self.event(kind="scale_refused", worker="rollout", size=wanted, requested_at=requested_at)
+            self.telemetry.note(self._below_minimum(wanted))
+            return
         have = len(self.rollout.names) + len(self.rollout.joining)
-        if wanted is None or wanted == have:
+        if wanted == have:
             return
         version = self.state.version
         self.telemetry.note(f"scaling the rollout pool {have} -> {wanted} at version {version}")
@@ -271,7 +287,10 @@ class Fleet:
         if self.autoscaler is None:
             return
         size = len(self.rollout.names) + len(self.rollout.joining)
-        decision = self.autoscaler.decide(size, Figures.of(snapshot))
+        figures = Figures.of(snapshot)
+        if self.rollout.joining:  # a change still settling: the cool-down counts from when the engine serves
+            self.autoscaler.hold(figures.wall_s)
+        decision = self.autoscaler.decide(size, figures)
         if decision is None:
             return
         rollout = self.cfg.rollout

@@ -79,3 +79,33 @@ def test_the_fleet_hands_a_decision_to_the_runs_control_and_logs_it(tmp_path):
     assert fleet.control.poll().rollout == 2
     (event,) = fleet.pool_events
     assert (event["kind"], event["from_size"], event["size"], event["reason"]) == ("autoscale", 1, 2, "learner idle 80% >= 25%")
+
+
+def test_the_cool_down_counts_from_when_a_joining_engine_serves(tmp_path):
+    from asyncrl.controller.loop import Controller
+    from asyncrl.telemetry.sinks import LiveRates, PoolSnapshot
+
+    cfg = load_config(None, [f"output_dir={tmp_path}", "telemetry.progress=false", "telemetry.dashboard_port=0",
+                             "rollout.autoscale.max=2", "rollout.autoscale.cooldown_s=10", "rollout.autoscale.sustain=1"])  # fmt: skip
+    fleet = Controller(cfg, tmp_path).fleet
+    fleet.rollout = FakePool()
+    fleet.rollout.names, fleet.rollout.joining = ["rollout-0"], ["rollout-1"]  # one still joining
+    live = LiveRates(30.0, 0.0, 0.0, rollout_idle_fraction=0.0, learner_idle_fraction=0.0, stale_drop_fraction=0.0)
+    queue = {"batch_groups": 4, "ready_groups": 12}
+    for wall_s in (20.0, 30.0):
+        fleet.autoscale(PoolSnapshot(wall_s=wall_s, version=3, counters={}, queue=queue, engines={}, live=live))
+    assert fleet.pool_events == []  # past the cool-down from the start, but an engine was joining at 30 s
+    fleet.rollout.names, fleet.rollout.joining = ["rollout-0", "rollout-1"], []
+    for wall_s in (35.0, 40.0):  # it served from 30 s on: the cool-down ends at 40 s
+        fleet.autoscale(PoolSnapshot(wall_s=wall_s, version=3, counters={}, queue=queue, engines={}, live=live))
+    assert [(e["from_size"], e["size"], e["reason"]) for e in fleet.pool_events] == [(2, 1, "learner idle 0%, 3.0 batches ready")]
+    assert fleet.autoscaler.last_change_s == 40.0
+
+
+def test_an_autoscale_minimum_below_min_healthy_engines_and_a_bad_learner_delay_are_refused_naming_the_keys():
+    with pytest.raises(ValueError, match="rollout.autoscale.min = 1 is below rollout.min_healthy_engines = 2"):
+        load_config(None, ["rollout.num_workers=2", "rollout.min_healthy_engines=2", "rollout.autoscale.max=3"])
+    with pytest.raises(ValueError, match=r"faults.learner_delay_s: \{0: 1.0\} wants a step >= 1"):
+        load_config(None, ['faults.learner_delay_s={"0": 1}'])
+    faults = load_config(None, ['faults.learner_delay_s={"1": 0.5, "12": 2}']).faults
+    assert [faults.learner_delay(step) for step in (1, 11, 12, 40)] == [0.5, 0.5, 2.0, 2.0]
