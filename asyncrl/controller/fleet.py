@@ -61,6 +61,8 @@ class Fleet:
         self.model_dir: Path | None = None
         self.stop_run: Callable[[str], None] = lambda reason: None
         """Asks the run to stop at the next step boundary, with a checkpoint (`Controller.request_stop`)."""
+        self.below_minimum = False
+        """A pool fell below its minimum of healthy workers: the run stops, the autoscaler no longer grows it."""
         self.tools: ToolPool | None = None
         """The sandboxed tool-worker pool, when the run needs one (`needs_tool_pool`)."""
         self.pool_events: list[dict[str, Any]] = []
@@ -169,10 +171,10 @@ class Fleet:
         """Ask for a rollout pool of `size` workers or a learner of `size` ranks (the dashboard's control);
         `scale` applies the first between steps, `Controller._resize_learner` the second at a step boundary."""
         if pool == "rollout" and 1 <= size < self.cfg.rollout.min_healthy_engines:  # below 1: `set_size` says
-            raise ValueError(self._below_minimum(size))
+            raise ValueError(self._scale_refusal(size))
         return self.control.set_size(pool, size)
 
-    def _below_minimum(self, size: int) -> str:
+    def _scale_refusal(self, size: int) -> str:
         minimum = self.cfg.rollout.min_healthy_engines
         return f"rollout={size} is below rollout.min_healthy_engines = {minimum}: refused, the pool keeps its size"
 
@@ -215,6 +217,7 @@ class Fleet:
         for what, key, wanted, left, quarantined in pools:
             if left < max(wanted, 1):
                 named = "; ".join(f"{name}: {why}" for name, why in quarantined.items())
+                self.below_minimum = True
                 self.stop_run(f"{left} healthy {what}(s) left, below {key} = {wanted} (quarantined: {named})")
                 return
 
@@ -261,7 +264,7 @@ class Fleet:
         self.scaled_at = requested_at
         if wanted < self.cfg.rollout.min_healthy_engines:  # `asyncrl scale` reaches the control actor directly
             self.event(kind="scale_refused", worker="rollout", size=wanted, requested_at=requested_at)
-            self.telemetry.note(self._below_minimum(wanted))
+            self.telemetry.note(self._scale_refusal(wanted))
             return
         have = len(self.rollout.names) + len(self.rollout.joining)
         if wanted == have:
@@ -284,7 +287,7 @@ class Fleet:
     def autoscale(self, snapshot: PoolSnapshot) -> None:
         """`rollout.autoscale`: ask for the size the policy picks from `snapshot` (as `asyncrl scale` does; `scale`
         applies it), on a cluster asking Ray's autoscaler for the engines' bundles first; logged and kept."""
-        if self.autoscaler is None:
+        if self.autoscaler is None or self.below_minimum:
             return
         size = len(self.rollout.names) + len(self.rollout.joining)
         figures = Figures.of(snapshot)

@@ -22,7 +22,7 @@ from asyncrl.testing import SHORT_CONTEXT
 
 pytestmark = pytest.mark.integration
 
-SLOW_FROM_STEP = 12
+SLOW_FROM_STEP = 20
 """The learner waits 1.5 s per step from this step on; before it, it trains as fast as it can."""
 
 
