@@ -23,7 +23,7 @@ from asyncrl.testing import SHORT_CONTEXT
 pytestmark = pytest.mark.integration
 
 SLOW_FROM_STEP = 60
-"""The learner waits 1.5 s per step from this step on; before it, it trains as fast as it can."""
+"""The learner waits 2.5 s per step from this step on; before it, it trains as fast as it can."""
 
 
 def _config(out: Path, model_dir: Path):
@@ -36,7 +36,14 @@ def _config(out: Path, model_dir: Path):
         "rollout.max_tokens": 12,
         "rollout.max_model_len": SHORT_CONTEXT,
         "rollout.max_restarts_per_engine": 0,  # the first death quarantines the slot
-        "rollout.autoscale": {"min": 1, "max": 2, "cooldown_s": 4, "sustain": 2, "shrink_learner_idle": 0.1},
+        "rollout.autoscale": {
+            "min": 1,
+            "max": 2,
+            "cooldown_s": 4,
+            "sustain": 2,
+            "grow_learner_idle": 0.3,
+            "shrink_learner_idle": 0.15,
+        },
         "buffer.max_staleness": 3,  # room for 3 batches ready ahead of the learner (the admission window)
         "buffer.filter_zero_variance": False,
         "algorithm.preset": "grpo",
@@ -50,7 +57,7 @@ def _config(out: Path, model_dir: Path):
         "telemetry.rate_window_s": 3,
         "checkpoint.every_steps": 0,
         "checkpoint.export_hf": False,
-        "faults.learner_delay_s": {1: 0.0, SLOW_FROM_STEP: 1.5},
+        "faults.learner_delay_s": {1: 0.0, SLOW_FROM_STEP: 2.5},
     }
     return load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
 
