@@ -32,6 +32,10 @@ class AutoscaleConfig(Section):
     """Shrink only while the learner waited at most this fraction (below `grow_learner_idle`: hysteresis) ..."""
     shrink_ready_batches: float = Field(2.0, gt=0)
     """... and finished groups pile up: at least this many batches ready in the queue, ..."""
+    shrink_rollout_idle: float = Field(0.5, gt=0, le=1)
+    """... or the engines sat idle at least this fraction of the window: the queue holds new groups back while
+    `buffer.max_ready_batches` batches are ready (1 by default, so ready groups alone rarely reach
+    `shrink_ready_batches`) ..."""
     shrink_stale_fraction: float = Field(0.1, gt=0, le=1)
     """... or at least this fraction of the window's finished samples were dropped as stale."""
     request_resources: bool = True

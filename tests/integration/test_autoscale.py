@@ -22,7 +22,7 @@ from asyncrl.testing import SHORT_CONTEXT
 
 pytestmark = pytest.mark.integration
 
-SLOW_FROM_STEP = 60
+SLOW_FROM_STEP = 200
 """The learner waits 2.5 s per step from this step on; before it, it trains as fast as it can."""
 
 
@@ -41,10 +41,10 @@ def _config(out: Path, model_dir: Path):
             "max": 2,
             "cooldown_s": 4,
             "sustain": 2,
-            "grow_learner_idle": 0.3,
-            "shrink_learner_idle": 0.15,
+            "grow_learner_idle": 0.2,
+            "shrink_learner_idle": 0.1,
         },
-        "buffer.max_staleness": 3,  # room for 3 batches ready ahead of the learner (the admission window)
+        "buffer.max_staleness": 1,
         "buffer.filter_zero_variance": False,
         "algorithm.preset": "grpo",
         "learner.prompts_per_step": 4,
@@ -68,7 +68,7 @@ def _records(dashboard: Dashboard) -> list[dict]:
     return json.loads(urllib.request.urlopen(request, timeout=10).read())["records"]
 
 
-def _wait_for(what: str, check, timeout_s: float = 240.0):
+def _wait_for(what: str, check, timeout_s: float = 200.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if (found := check()) is not None:

@@ -4,11 +4,13 @@ a cool-down and the bounds; and the fleet hands a decision to the run's control 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from asyncrl.config import load_config
 from asyncrl.config.rollout import AutoscaleConfig
-from asyncrl.controller.autoscale import Autoscaler, Figures
+from asyncrl.controller.autoscale import Autoscaler, Decision, Figures
 
 CONFIG = AutoscaleConfig(min=1, max=3, cooldown_s=30, sustain=3)
 
@@ -109,3 +111,12 @@ def test_an_autoscale_minimum_below_min_healthy_engines_and_a_bad_learner_delay_
         load_config(None, ['faults.learner_delay_s={"0": 1}'])
     faults = load_config(None, ['faults.learner_delay_s={"1": 0.5, "12": 2}']).faults
     assert [faults.learner_delay(step) for step in (1, 11, 12, 40)] == [0.5, 0.5, 2.0, 2.0]
+
+
+def test_engines_idle_because_the_queue_holds_starts_back_count_as_samples_piling_up():
+    scaler = Autoscaler(AutoscaleConfig(min=1, max=2, cooldown_s=5, sustain=2))
+    held = Figures(wall_s=0, learner_idle=0.01, stale_drop=0.0, ready_batches=1.0, rollout_idle=0.9)
+    decisions = [scaler.decide(2, replace(held, wall_s=t)) for t in (2.0, 4.0, 6.0)]
+    assert decisions[:2] == [None, None] and decisions[2] == Decision(1, "learner idle 1%, engines idle 90%")
+    busy = Autoscaler(AutoscaleConfig(min=1, max=2, cooldown_s=5, sustain=2))
+    assert [busy.decide(2, replace(held, wall_s=t, rollout_idle=0.3)) for t in (6.0, 8.0)] == [None, None]
