@@ -32,6 +32,10 @@ class AutoscaleConfig(Section):
     """Shrink only while the learner waited at most this fraction (below `grow_learner_idle`: hysteresis) ..."""
     shrink_ready_batches: float = Field(2.0, gt=0)
     """... and finished groups pile up: at least this many batches ready in the queue, ..."""
+    shrink_rollout_idle: float = Field(0.5, gt=0, le=1)
+    """... or the engines sat idle at least this fraction of the window: the queue holds new groups back while
+    `buffer.max_ready_batches` batches are ready (1 by default, so ready groups alone rarely reach
+    `shrink_ready_batches`) ..."""
     shrink_stale_fraction: float = Field(0.1, gt=0, le=1)
     """... or at least this fraction of the window's finished samples were dropped as stale."""
     request_resources: bool = True
@@ -155,6 +159,11 @@ class RolloutConfig(Section):
             raise ValueError(
                 f"rollout.min_healthy_engines = {self.min_healthy_engines} exceeds rollout.num_workers = "
                 f"{self.num_workers}: the run would stop at its first quarantined engine"
+            )
+        if self.autoscale.max and self.autoscale.min < self.min_healthy_engines:
+            raise ValueError(
+                f"rollout.autoscale.min = {self.autoscale.min} is below rollout.min_healthy_engines = "
+                f"{self.min_healthy_engines}: the autoscaler would shrink the pool to a size the run refuses"
             )
         return self
 

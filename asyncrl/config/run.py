@@ -135,6 +135,24 @@ class FaultsConfig(Section):
     it (a broken reward path): the step must be skipped and the weights stay finite."""
     chaos: ChaosConfig = Field(default_factory=ChaosConfig)
     """Engine kills and stops at random steps (`ChaosConfig`)."""
+    learner_delay_s: dict[int, float] = Field(default_factory=dict)
+    """A learner made slow (or fast again) at a step: from step N (key) on, the driver waits S seconds (value) in
+    each optimizer step while the ranks train, e.g. `{1: 0, 20: 2.0}`. The wait counts as training, not as
+    waiting for data (what `rollout.autoscale` reads)."""
+
+    @model_validator(mode="after")
+    def _delays(self) -> FaultsConfig:
+        for step, seconds in self.learner_delay_s.items():
+            if step < 1 or not 0 <= seconds <= 3600:
+                raise ValueError(
+                    f"faults.learner_delay_s: {{{step}: {seconds}}} wants a step >= 1 and 0 to 3600 seconds"
+                )
+        return self
+
+    def learner_delay(self, step: int) -> float:
+        """`learner_delay_s` at `step`: the value of the last key at or before it (0 before the first)."""
+        keys = [k for k in self.learner_delay_s if k <= step]
+        return self.learner_delay_s[max(keys)] if keys else 0.0
 
 
 class Config(Section):

@@ -53,11 +53,16 @@ class Fleet:
         """Wanted pool sizes: a job's control actor (`asyncrl scale`) or, for a local run, the dashboard's."""
         self.wanted = Wanted()
         """The sizes last read from `control`."""
+        self.scaled_at: float | None = None
+        """When the rollout size request `scale` last took was made: each request is applied once (an engine
+        that dies later is the restart policy's business, not a reason to scale again)."""
         self.refused_learner: tuple[int, float | None] | None = None
         """A learner size request (ranks, requested at) that could not be met: not tried again."""
         self.model_dir: Path | None = None
         self.stop_run: Callable[[str], None] = lambda reason: None
         """Asks the run to stop at the next step boundary, with a checkpoint (`Controller.request_stop`)."""
+        self.below_minimum = False
+        """A pool fell below its minimum of healthy workers: the run stops, the autoscaler no longer grows it."""
         self.tools: ToolPool | None = None
         """The sandboxed tool-worker pool, when the run needs one (`needs_tool_pool`)."""
         self.pool_events: list[dict[str, Any]] = []
@@ -165,7 +170,13 @@ class Fleet:
     def request_scale(self, pool: str, size: int) -> int:
         """Ask for a rollout pool of `size` workers or a learner of `size` ranks (the dashboard's control);
         `scale` applies the first between steps, `Controller._resize_learner` the second at a step boundary."""
+        if pool == "rollout" and 1 <= size < self.cfg.rollout.min_healthy_engines:  # below 1: `set_size` says
+            raise ValueError(self._scale_refusal(size))
         return self.control.set_size(pool, size)
+
+    def _scale_refusal(self, size: int) -> str:
+        minimum = self.cfg.rollout.min_healthy_engines
+        return f"rollout={size} is below rollout.min_healthy_engines = {minimum}: refused, the pool keeps its size"
 
     def upkeep(self) -> None:
         """Rollout pool upkeep without waiting: dead workers are replaced (their requests re-dispatched), hung
@@ -206,6 +217,7 @@ class Fleet:
         for what, key, wanted, left, quarantined in pools:
             if left < max(wanted, 1):
                 named = "; ".join(f"{name}: {why}" for name, why in quarantined.items())
+                self.below_minimum = True
                 self.stop_run(f"{left} healthy {what}(s) left, below {key} = {wanted} (quarantined: {named})")
                 return
 
@@ -247,8 +259,15 @@ class Fleet:
             return
         self.wanted = polled
         wanted, requested_at = self.wanted.rollout, self.wanted.rollout_at
+        if wanted is None or requested_at == self.scaled_at:
+            return
+        self.scaled_at = requested_at
+        if wanted < self.cfg.rollout.min_healthy_engines:  # `asyncrl scale` reaches the control actor directly
+            self.event(kind="scale_refused", worker="rollout", size=wanted, requested_at=requested_at)
+            self.telemetry.note(self._scale_refusal(wanted))
+            return
         have = len(self.rollout.names) + len(self.rollout.joining)
-        if wanted is None or wanted == have:
+        if wanted == have:
             return
         version = self.state.version
         self.telemetry.note(f"scaling the rollout pool {have} -> {wanted} at version {version}")
@@ -268,10 +287,13 @@ class Fleet:
     def autoscale(self, snapshot: PoolSnapshot) -> None:
         """`rollout.autoscale`: ask for the size the policy picks from `snapshot` (as `asyncrl scale` does; `scale`
         applies it), on a cluster asking Ray's autoscaler for the engines' bundles first; logged and kept."""
-        if self.autoscaler is None:
+        if self.autoscaler is None or self.below_minimum:
             return
         size = len(self.rollout.names) + len(self.rollout.joining)
-        decision = self.autoscaler.decide(size, Figures.of(snapshot))
+        figures = Figures.of(snapshot)
+        if self.rollout.joining:  # a change still settling: the cool-down counts from when the engine serves
+            self.autoscaler.hold(figures.wall_s)
+        decision = self.autoscaler.decide(size, figures)
         if decision is None:
             return
         rollout = self.cfg.rollout

@@ -155,6 +155,7 @@ class Controller:
             state.step += 1
             state.learner_at_version = False
             self.fleet.upkeep()  # while the learner trains: its Ray calls leave the step's critical path
+            time.sleep(cfg.faults.learner_delay(state.step))  # a learner made slow for a test (0: none)
             self._record(self.fleet.learner.finish_step(step), batch, learner_wait_s)
             self._first_step_after_resize()
             if state.step % cfg.weight_sync.every_steps == 0:

@@ -71,7 +71,8 @@ class PoolEvent:
     kind: str
     """`died` (its requests re-dispatched, `replacement` started), `hung` (alive but it missed a heartbeat: killed,
     then handled as `died`), `joined` (serves `version`, `seconds` after its start), `failed_to_start` (`detail`
-    says why) or `quarantined` (`worker` names the engine slot that is no longer restarted, `detail` why)."""
+    says why; a `replacement` when it was restarted) or `quarantined` (`worker` names the engine slot that is no
+    longer restarted, `detail` why)."""
     requeued: int = 0
     replacement: str | None = None
     version: int | None = None
@@ -92,7 +93,8 @@ class PoolEvent:
             return f"rollout worker {self.worker} serves {weights} ({self.seconds:.1f}s after its start)"
         if self.kind == "quarantined":
             return f"rollout engine slot {self.worker} quarantined, not restarted again: {self.detail}"
-        return f"rollout worker {self.worker} failed to start: {self.detail}"
+        restarted = f"; restarted as {self.replacement}" if self.replacement else ""
+        return f"rollout worker {self.worker} failed to start: {self.detail}{restarted}"
 
 
 class Heartbeat:

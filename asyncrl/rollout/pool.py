@@ -112,6 +112,8 @@ class RolloutPool(WorkerCalls):
         """A worker that dies (generating or loading weights) is replaced and the run goes on; False raises."""
         self._joining: dict[str, Joining] = {}
         self._events: list[PoolEvent] = []
+        self._awaited: set[str] = set()
+        """Workers a caller waits for (`start`, `add_worker()`): a failed start raises there, it is not restarted."""
         self._removed: set[str] = set()
         """Workers stopped by `remove_worker` or killed as hung (names are never reused): a weight sync in flight
         no longer waits for them."""
@@ -342,16 +344,21 @@ class RolloutPool(WorkerCalls):
                 f"rollout worker {name} {'died' if kind == 'died' else 'hung and was killed'} "
                 f"(rollout.replace_dead_workers is off); {requeued} requests re-queued"
             )
-        quarantined = None if force else self.restarts.failed(name)
-        if quarantined is not None:
-            event = self._event(PoolEvent(name, kind, requeued=requeued, detail=detail))
-            slot = self.restarts.slot(name)
-            self._event(PoolEvent(slot, "quarantined", detail=f"{name} was its last engine: {quarantined}"))
+        return self._restart(PoolEvent(name, kind, requeued=requeued, detail=detail), budget=not force)
+
+    def _restart(self, event: PoolEvent, budget: bool = True, last: str = "was its last engine") -> PoolEvent:
+        """Start a replacement taking the slot of the worker `event` reports, unless the slot's restart budget
+        (`restarts`) says no: then a `quarantined` event follows and the pool runs one engine short."""
+        name = event.worker
+        why = self.restarts.failed(name) if budget else None
+        if why is not None:
+            self._event(event)
+            self._event(PoolEvent(self.restarts.slot(name), "quarantined", detail=f"{name} {last}: {why}"))
             return event
         replacement = self._new_name()
         self.restarts.replaced(name, replacement)
         self._launch(replacement)
-        return self._event(PoolEvent(name, kind, requeued=requeued, replacement=replacement, detail=detail))
+        return self._event(dataclasses.replace(event, replacement=replacement))
 
     def _event(self, event: PoolEvent) -> PoolEvent:
         self._events.append(event)
@@ -393,6 +400,13 @@ class RolloutPool(WorkerCalls):
         self._joining[name] = Joining(handle, handle.ready.remote(), time.monotonic(), placed=group.ready())
 
     def _await_joined(self, names: list[str], timeout_s: float) -> None:
+        self._awaited.update(names)
+        try:
+            self._await(names, timeout_s)
+        finally:
+            self._awaited.difference_update(names)
+
+    def _await(self, names: list[str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while any(n in self._joining for n in names):
             failed = [e for e in self._advance_joining() if e.kind == "failed_to_start" and e.worker in names]
@@ -461,8 +475,13 @@ class RolloutPool(WorkerCalls):
         return self._event(PoolEvent(name, "joined", version=j.version, seconds=time.monotonic() - j.began))
 
     def _failed_start(self, name: str, detail: str) -> PoolEvent:
+        """`name` did not start. One nobody waits for (a replacement, a scale-up) is restarted like a dead one
+        (with `replace_dead`), under its slot's restart budget; past it the slot is quarantined."""
         self._abandon([name])
-        return self._event(PoolEvent(name, "failed_to_start", detail=detail))
+        event = PoolEvent(name, "failed_to_start", detail=detail)
+        if name in self._awaited or not self.replace_dead:
+            return self._event(event)
+        return self._restart(event, last="failed to start, its last engine")
 
     def _abandon(self, names: list[str]) -> None:
         for name in names:

@@ -4,11 +4,13 @@ a cool-down and the bounds; and the fleet hands a decision to the run's control 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from asyncrl.config import load_config
 from asyncrl.config.rollout import AutoscaleConfig
-from asyncrl.controller.autoscale import Autoscaler, Figures
+from asyncrl.controller.autoscale import Autoscaler, Decision, Figures
 
 CONFIG = AutoscaleConfig(min=1, max=3, cooldown_s=30, sustain=3)
 
@@ -79,3 +81,42 @@ def test_the_fleet_hands_a_decision_to_the_runs_control_and_logs_it(tmp_path):
     assert fleet.control.poll().rollout == 2
     (event,) = fleet.pool_events
     assert (event["kind"], event["from_size"], event["size"], event["reason"]) == ("autoscale", 1, 2, "learner idle 80% >= 25%")
+
+
+def test_the_cool_down_counts_from_when_a_joining_engine_serves(tmp_path):
+    from asyncrl.controller.loop import Controller
+    from asyncrl.telemetry.sinks import LiveRates, PoolSnapshot
+
+    cfg = load_config(None, [f"output_dir={tmp_path}", "telemetry.progress=false", "telemetry.dashboard_port=0",
+                             "rollout.autoscale.max=2", "rollout.autoscale.cooldown_s=10", "rollout.autoscale.sustain=1"])  # fmt: skip
+    fleet = Controller(cfg, tmp_path).fleet
+    fleet.rollout = FakePool()
+    fleet.rollout.names, fleet.rollout.joining = ["rollout-0"], ["rollout-1"]  # one still joining
+    live = LiveRates(30.0, 0.0, 0.0, rollout_idle_fraction=0.0, learner_idle_fraction=0.0, stale_drop_fraction=0.0)
+    queue = {"batch_groups": 4, "ready_groups": 12}
+    for wall_s in (20.0, 30.0):
+        fleet.autoscale(PoolSnapshot(wall_s=wall_s, version=3, counters={}, queue=queue, engines={}, live=live))
+    assert fleet.pool_events == []  # past the cool-down from the start, but an engine was joining at 30 s
+    fleet.rollout.names, fleet.rollout.joining = ["rollout-0", "rollout-1"], []
+    for wall_s in (35.0, 40.0):  # it served from 30 s on: the cool-down ends at 40 s
+        fleet.autoscale(PoolSnapshot(wall_s=wall_s, version=3, counters={}, queue=queue, engines={}, live=live))
+    assert [(e["from_size"], e["size"], e["reason"]) for e in fleet.pool_events] == [(2, 1, "learner idle 0%, 3.0 batches ready")]
+    assert fleet.autoscaler.last_change_s == 40.0
+
+
+def test_an_autoscale_minimum_below_min_healthy_engines_and_a_bad_learner_delay_are_refused_naming_the_keys():
+    with pytest.raises(ValueError, match="rollout.autoscale.min = 1 is below rollout.min_healthy_engines = 2"):
+        load_config(None, ["rollout.num_workers=2", "rollout.min_healthy_engines=2", "rollout.autoscale.max=3"])
+    with pytest.raises(ValueError, match=r"faults.learner_delay_s: \{0: 1.0\} wants a step >= 1"):
+        load_config(None, ['faults.learner_delay_s={"0": 1}'])
+    faults = load_config(None, ['faults.learner_delay_s={"1": 0.5, "12": 2}']).faults
+    assert [faults.learner_delay(step) for step in (1, 11, 12, 40)] == [0.5, 0.5, 2.0, 2.0]
+
+
+def test_engines_idle_because_the_queue_holds_starts_back_count_as_samples_piling_up():
+    scaler = Autoscaler(AutoscaleConfig(min=1, max=2, cooldown_s=5, sustain=2))
+    held = Figures(wall_s=0, learner_idle=0.01, stale_drop=0.0, ready_batches=1.0, rollout_idle=0.9)
+    decisions = [scaler.decide(2, replace(held, wall_s=t)) for t in (2.0, 4.0, 6.0)]
+    assert decisions[:2] == [None, None] and decisions[2] == Decision(1, "learner idle 1%, engines idle 90%")
+    busy = Autoscaler(AutoscaleConfig(min=1, max=2, cooldown_s=5, sustain=2))
+    assert [busy.decide(2, replace(held, wall_s=t, rollout_idle=0.3)) for t in (6.0, 8.0)] == [None, None]

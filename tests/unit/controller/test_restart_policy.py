@@ -3,6 +3,8 @@ and its slot is quarantined; below the minimum healthy size the run is asked to 
 
 from __future__ import annotations
 
+import pytest
+
 from asyncrl.cluster.restarts import RestartBudget
 from asyncrl.config import RolloutConfig, load_config
 from asyncrl.controller.loop import Controller
@@ -94,3 +96,48 @@ def test_chaos_faults_fall_on_distinct_seeded_steps_apart_from_the_listed_kills(
     assert chaos_schedule(ChaosConfig(), 10) == {}
     with pytest.raises(ValueError, match="faults.chaos: 3 faults .* do not fit on the 2 free steps from first_step = 8 to 10"):
         chaos_schedule(ChaosConfig(kills=3, first_step=8), max_steps=10, excluded=[9])
+
+
+def test_an_engine_that_fails_to_start_is_restarted_under_its_slots_budget_then_quarantined(monkeypatch):
+    pool = RolloutPool("model", RolloutConfig(max_restarts_per_engine=1), replace_dead=True)
+    launched: list[str] = []
+    monkeypatch.setattr(pool, "_launch", launched.append)
+    monkeypatch.setattr(pool, "_abandon", lambda names: None)
+    pool._index = iter(range(3, 10))  # rollout-2 was a scale-up; the next names are rollout-3, rollout-4, ...
+    first = pool._failed_start("rollout-2", "rollout-2 failed to start: no room")
+    assert (first.replacement, launched) == ("rollout-3", ["rollout-3"])
+    assert str(first) == "rollout worker rollout-2 failed to start: rollout-2 failed to start: no room; restarted as rollout-3"
+    second = pool._failed_start("rollout-3", "rollout-3 failed to start: no room")
+    assert second.replacement is None and launched == ["rollout-3"]
+    assert [(e.worker, e.kind) for e in pool._events] == [
+        ("rollout-2", "failed_to_start"), ("rollout-3", "failed_to_start"), ("rollout-2", "quarantined")]  # fmt: skip
+    assert pool.restarts.summary() == {
+        "restarts": {"rollout-2": 1},
+        "quarantined": {"rollout-2": "its restart budget is spent (1 restarts)"},
+    }
+    assert pool._events[2].detail == "rollout-3 failed to start, its last engine: its restart budget is spent (1 restarts)"
+
+
+def test_an_engine_a_caller_waits_for_is_not_restarted_the_caller_hears_of_it(monkeypatch):
+    pool = RolloutPool("model", RolloutConfig(), replace_dead=True)
+    monkeypatch.setattr(pool, "_abandon", lambda names: None)
+    pool._awaited.add("rollout-0")  # `start`: a model that does not load fails the run's start, with its reason
+    assert pool._failed_start("rollout-0", "bad model").replacement is None
+    assert pool.restarts.summary() == {"restarts": {}, "quarantined": {}}
+
+
+def test_a_manual_scale_below_min_healthy_engines_is_refused_and_each_request_is_applied_once(tmp_path):
+    from tests.unit.controller.test_local_scale import FakePool
+
+    controller, fleet = _fleet(tmp_path, "rollout.num_workers=2", "rollout.min_healthy_engines=2")
+    fleet.rollout = FakePool(["rollout-0", "rollout-1"])
+    with pytest.raises(ValueError, match=r"rollout=1 is below rollout.min_healthy_engines = 2: refused"):
+        fleet.request_scale("rollout", 1)  # the dashboard answers 400 with this
+    fleet.control.set_size("rollout", 1)  # `asyncrl scale JOB rollout=1` reaches the job's control actor directly
+    fleet.scale()
+    assert [(e["kind"], e["size"]) for e in fleet.pool_events] == [("scale_refused", 1)] and fleet.rollout.removed == []
+    fleet.request_scale("rollout", 3)
+    fleet.scale()
+    fleet.rollout.joining.clear()  # the new engine failed to start: the pool runs short, nothing scales it again
+    fleet.scale()
+    assert [e["kind"] for e in fleet.pool_events] == ["scale_refused", "scaled_up"]

@@ -219,3 +219,30 @@ def test_the_store_file_of_a_killed_sender_is_swept_by_the_next_one(tmp_path):
         path.write_text("")
     _sweep_stores(str(tmp_path))
     assert not orphan.exists() and ours.exists() and other.exists()
+
+
+def test_after_a_learner_resize_an_engine_opens_a_group_with_the_new_rank_0_over_gloo(tmp_path):
+    """A resize replaces rank 0: the engine's next record keeps its key but names the new rank 0's store
+    (`CollectiveSync.rewire`), and the engine leaves the old group for one with the new sender."""
+    import gc
+
+    from asyncrl.weights.group import _shut_down
+
+    old = CollectiveSender("127.0.0.1", torch.device("cpu"), 40, 60.0)
+    new = CollectiveSender("127.0.0.1", torch.device("cpu"), 40, 60.0)
+    served = old.stage(_state(1.0), 3)
+    new.stage(_state(1.0), 3)  # the rewire: the new rank 0 stages the version the engines serve ...
+    after = new.stage(_state(-2.5), 4)  # ... and the next publication is staged there
+    assert served.store != after.store
+    receiver = _receiver(tmp_path, [served.to_wire("rollout-0-a"), after.to_wire("rollout-0-a")])
+    assert old.send("rollout-0-a") == 3
+    _shut_down(old._groups)  # the old ranks are stopped
+    del old
+    gc.collect()
+    assert new.send("rollout-0-a") == 4  # opens a new group: the engine joined the new store
+    assert receiver.wait(60) == 0
+    for i, (version, scale) in enumerate(((3, 1.0), (4, -2.5))):
+        got = torch.load(tmp_path / f"{i}.pt")
+        assert got.pop("version") == version, (tmp_path / f"{i}.err").read_text() if (tmp_path / f"{i}.err").exists() else ""
+        for name, tensor in _state(scale).items():
+            assert torch.equal(got[name], tensor), name
