@@ -9,6 +9,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock 2>/dev/null | cksum | cut -d' ' -f1)
 LOCKED_EXTRAS := cpu,test,bench
 EXTRAS ?= $(LOCKED_EXTRAS)
+# uv installs the lock (downloads and unpacks in parallel, checking the same hashes); pinned with its hash in
+# deploy/uv.lock, pip puts it in $(UV_DIR), outside site-packages, so the environment holds the lock alone.
+UV_DIR := $(VENV)/uv
+UV := $(UV_DIR)/bin/uv
 # The CUDA-only wheels vLLM drags in; they break imports on CPU machines, so a CPU install removes them.
 CUDA_ONLY := torchvision torchaudio torchcodec
 export RAY_AUTH_MODE ?= disabled
@@ -30,8 +34,9 @@ $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 ifeq ($(EXTRAS),$(LOCKED_EXTRAS))
 	$(PY) deploy/lock.py check --extras $(EXTRAS)
-	$(PY) -m pip install -q --require-hashes --no-deps -r requirements.lock
-	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m pip install -q --require-hashes --no-deps --upgrade --target $(UV_DIR) -r deploy/uv.lock
+	$(UV) pip install -q --python $(PY) --require-hashes --no-deps --compile-bytecode $$($(PY) deploy/lock.py uv-index) -r requirements.lock
+	$(UV) pip install -q --python $(PY) --no-deps $$($(PY) deploy/lock.py uv-index) -e .
 else
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'

@@ -3,6 +3,7 @@ with its wheel's sha256, so two machines that run `make install` get the same de
 
     python deploy/lock.py check [--extras cpu,test,bench]   # `make install` runs it first
     python deploy/lock.py write [--extras ...] [--drop a,b]   # `make lock`
+    python deploy/lock.py uv-index                            # pip's index settings as uv flags (`make install`)
 
 `check` fails, naming `make lock`, when a requirement of pyproject.toml (the project's and those of the extras)
 is not met by a pinned version, or names a package the lock lacks. `write` resolves the project with pip's
@@ -128,6 +129,25 @@ def write(extras: list[str], drop: set[str]) -> int:
     return 0
 
 
+PIP_TO_UV = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links"}
+
+
+def uv_index(pip_config: str) -> list[str]:
+    """uv's flags for the indexes and wheel folders in `pip config list` output, so uv installs the lock from
+    where pip would (uv reads no pip configuration); an environment setting overrides the same key of a file."""
+    found: dict[str, str] = {}
+    for line in pip_config.splitlines():
+        scope, _, rest = line.partition(".")
+        key, _, value = rest.partition("=")
+        if key in PIP_TO_UV and (scope == ":env:" or key not in found):
+            found[key] = value.strip().strip("'\"")
+    return [arg for key, value in found.items() for location in value.split() for arg in (PIP_TO_UV[key], location)]
+
+
+def _pip_config() -> str:
+    return subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+
+
 def _freeze() -> dict[str, str]:
     with tempfile.NamedTemporaryFile("w+", suffix=".txt") as f:
         f.write(subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"], capture_output=True,
@@ -144,13 +164,16 @@ _HEADER = """\
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["check", "write"])
+    parser.add_argument("command", choices=["check", "write", "uv-index"])
     parser.add_argument("--extras", default="cpu,test,bench")
     parser.add_argument("--drop", default="", help="comma-separated packages to leave out of the lock")
     args = parser.parse_args()
     extras = [e for e in args.extras.split(",") if e]
     if args.command == "check":
         return check(extras)
+    if args.command == "uv-index":
+        print(" ".join(uv_index(_pip_config())))
+        return 0
     return write(extras, {canonicalize_name(d) for d in args.drop.split(",") if d})
 
 
