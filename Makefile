@@ -13,6 +13,8 @@ EXTRAS ?= $(LOCKED_EXTRAS)
 # deploy/uv.lock, pip puts it in $(UV_DIR), outside site-packages, so the environment holds the lock alone.
 UV_DIR := $(VENV)/uv
 UV := $(UV_DIR)/bin/uv
+# pip's indexes and wheel folders, every index searched for each version as pip does (the hashes pin the files).
+UV_INDEX = --index-strategy unsafe-best-match $$($(PY) deploy/lock.py uv-index)
 # The CUDA-only wheels vLLM drags in; they break imports on CPU machines, so a CPU install removes them.
 CUDA_ONLY := torchvision torchaudio torchcodec
 export RAY_AUTH_MODE ?= disabled
@@ -35,8 +37,8 @@ $(STAMP): pyproject.toml requirements.lock
 ifeq ($(EXTRAS),$(LOCKED_EXTRAS))
 	$(PY) deploy/lock.py check --extras $(EXTRAS)
 	$(PY) -m pip install -q --require-hashes --no-deps --upgrade --target $(UV_DIR) -r deploy/uv.lock
-	$(UV) pip install -q --python $(PY) --require-hashes --no-deps --compile-bytecode $$($(PY) deploy/lock.py uv-index) -r requirements.lock
-	$(UV) pip install -q --python $(PY) --no-deps $$($(PY) deploy/lock.py uv-index) -e .
+	$(UV) pip install -q --python $(PY) $(UV_INDEX) --require-hashes --no-deps --compile-bytecode -r requirements.lock
+	$(UV) pip install -q --python $(PY) $(UV_INDEX) --no-deps -e .
 else
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
