@@ -129,19 +129,21 @@ def write(extras: list[str], drop: set[str]) -> int:
     return 0
 
 
-PIP_TO_UV = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links"}
-
-
-def uv_index(pip_config: str) -> list[str]:
-    """uv's flags for the indexes and wheel folders in `pip config list` output, so uv installs the lock from
-    where pip would (uv reads no pip configuration); an environment setting overrides the same key of a file."""
+def uv_index(pip_config: str, default_index: str) -> list[str]:
+    """uv's flags for the indexes and wheel folders in `pip config list` output (uv reads no pip configuration), so
+    uv installs the lock from where pip would; an environment setting overrides the same key of a file. pip's main
+    index (`index-url`, else `default_index`) comes first: pip keeps, of a version's files on several indexes, the
+    one whose hash is locked, while uv takes the first index's and then checks its hash."""
     found: dict[str, str] = {}
     for line in pip_config.splitlines():
         scope, _, rest = line.partition(".")
         key, _, value = rest.partition("=")
-        if key in PIP_TO_UV and (scope == ":env:" or key not in found):
+        if key in ("index-url", "extra-index-url", "find-links") and (scope == ":env:" or key not in found):
             found[key] = value.strip().strip("'\"")
-    return [arg for key, value in found.items() for location in value.split() for arg in (PIP_TO_UV[key], location)]
+    indexes = [found.get("index-url", default_index), *found.get("extra-index-url", "").split()]
+    return [arg for url in indexes for arg in ("--extra-index-url", url)] + [
+        arg for folder in found.get("find-links", "").split() for arg in ("--find-links", folder)
+    ]
 
 
 def _pip_config() -> str:
@@ -172,7 +174,9 @@ def main() -> int:
     if args.command == "check":
         return check(extras)
     if args.command == "uv-index":
-        print(" ".join(uv_index(_pip_config())))
+        from pip._internal.models.index import PyPI
+
+        print(" ".join(uv_index(_pip_config(), PyPI.simple_url)))
         return 0
     return write(extras, {canonicalize_name(d) for d in args.drop.split(",") if d})
 

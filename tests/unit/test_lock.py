@@ -45,8 +45,9 @@ def test_uv_installs_from_the_indexes_and_wheel_folders_of_pips_configuration(lo
         ":env:.find-links='/srv/wheels'",  # the environment overrides the files
         ":env:.default-timeout='180'",
     ])  # fmt: skip
-    assert lock.uv_index(listed) == [
+    assert lock.uv_index(listed, "https://default.example/simple") == [
+        "--extra-index-url", "https://mirror.example/simple",  # pip's main index first
         "--extra-index-url", "file:///opt/a/simple", "--extra-index-url", "file:///opt/b/simple",
-        "--find-links", "/srv/wheels", "--index-url", "https://mirror.example/simple",
+        "--find-links", "/srv/wheels",
     ]  # fmt: skip
-    assert lock.uv_index("") == []
+    assert lock.uv_index("", "https://default.example/simple") == ["--extra-index-url", "https://default.example/simple"]
