@@ -10,7 +10,8 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock 2>/dev/
 LOCKED_EXTRAS := cpu,test,bench
 EXTRAS ?= $(LOCKED_EXTRAS)
 # uv installs the lock (downloads and unpacks in parallel, checking the same hashes); pinned with its hash in
-# deploy/uv.lock, pip puts it in $(UV_DIR), outside site-packages, so the environment holds the lock alone.
+# deploy/uv.lock, pip puts it in $(UV_DIR), outside site-packages, so the environment holds the lock alone. Should
+# uv fail, pip installs the same lock (slower: one wheel at a time, every module byte-compiled).
 UV_DIR := $(VENV)/uv
 UV := $(UV_DIR)/bin/uv
 # pip's indexes and wheel folders, every index searched for each version as pip does (the hashes pin the files).
@@ -37,7 +38,9 @@ $(STAMP): pyproject.toml requirements.lock
 ifeq ($(EXTRAS),$(LOCKED_EXTRAS))
 	$(PY) deploy/lock.py check --extras $(EXTRAS)
 	$(PY) -m pip install -q --require-hashes --no-deps --upgrade --target $(UV_DIR) -r deploy/uv.lock
-	$(UV) pip install -q --python $(PY) $(UV_INDEX) --require-hashes --no-deps -r requirements.lock
+	$(UV) pip install -q --python $(PY) $(UV_INDEX) --require-hashes --no-deps -r requirements.lock \
+	  || { echo "uv could not install requirements.lock (above): pip installs it"; \
+	       $(PY) -m pip install -q --require-hashes --no-deps -r requirements.lock; }
 	$(UV) pip install -q --python $(PY) $(UV_INDEX) --no-deps -e .
 else
 	$(PY) -m pip install -q --upgrade pip
