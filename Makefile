@@ -38,7 +38,7 @@ $(STAMP): pyproject.toml requirements.lock
 ifeq ($(EXTRAS),$(LOCKED_EXTRAS))
 	$(PY) deploy/lock.py check --extras $(EXTRAS)
 	$(PY) -m pip install -q --require-hashes --no-deps --upgrade --target $(UV_DIR) -r deploy/uv.lock
-	$(UV) pip install -q --python $(PY) $(UV_INDEX) --require-hashes --no-deps -r requirements.lock \
+	$(UV) pip install -q --python $(PY) $(UV_INDEX) --require-hashes --no-deps --compile-bytecode -r requirements.lock \
 	  || { echo "uv could not install requirements.lock (above): pip installs it"; \
 	       $(PY) -m pip install -q --require-hashes --no-deps -r requirements.lock; }
 	$(UV) pip install -q --python $(PY) $(UV_INDEX) --no-deps -e .
