@@ -9,6 +9,13 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock 2>/dev/null | cksum | cut -d' ' -f1)
 LOCKED_EXTRAS := cpu,test,bench
 EXTRAS ?= $(LOCKED_EXTRAS)
+# uv installs the lock (downloads and unpacks in parallel, checking the same hashes); pinned with its hash in
+# deploy/uv.lock, pip puts it in $(UV_DIR), outside site-packages, so the environment holds the lock alone. Should
+# uv fail, pip installs the same lock (slower: one wheel at a time, every module byte-compiled).
+UV_DIR := $(VENV)/uv
+UV := $(UV_DIR)/bin/uv
+# pip's indexes and wheel folders, every index searched for each version as pip does (the hashes pin the files).
+UV_INDEX = --index-strategy unsafe-best-match $$($(PY) deploy/lock.py uv-index)
 # The CUDA-only wheels vLLM drags in; they break imports on CPU machines, so a CPU install removes them.
 CUDA_ONLY := torchvision torchaudio torchcodec
 export RAY_AUTH_MODE ?= disabled
@@ -30,8 +37,11 @@ $(STAMP): pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 ifeq ($(EXTRAS),$(LOCKED_EXTRAS))
 	$(PY) deploy/lock.py check --extras $(EXTRAS)
-	$(PY) -m pip install -q --require-hashes --no-deps -r requirements.lock
-	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m pip install -q --require-hashes --no-deps --upgrade --target $(UV_DIR) -r deploy/uv.lock
+	$(UV) pip install -q --python $(PY) $(UV_INDEX) --require-hashes --no-deps --compile-bytecode -r requirements.lock \
+	  || { echo "uv could not install requirements.lock (above): pip installs it"; \
+	       $(PY) -m pip install -q --require-hashes --no-deps -r requirements.lock; }
+	$(UV) pip install -q --python $(PY) $(UV_INDEX) --no-deps -e .
 else
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
@@ -84,7 +94,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: $(STAMP) system-deps lint
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 -m 'not bench_quick' tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit -x; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
@@ -107,6 +117,7 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	@for b in $(BENCH_SCRIPTS); do test -f benchmarks/$$b.py && $(PY) benchmarks/$$b.py --quick || exit 1; done
+	$(PY) -m pytest -q -p no:cacheprovider tests/e2e/test_benchmarks_quick.py  # with the checks, bench_quick too
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import sys
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -48,14 +49,57 @@ def s3_server():
             os.environ[key] = value
 
 
+_SHARED_RAY: dict[str, dict[str, str]] = {}
+"""The environment the test process's local Ray started with (its workers inherit it)."""
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """One local Ray per test module (starting Ray costs ~5-8 s)."""
+    """A local Ray for the module. The modules of a test process take turns on one Ray (a start costs ~10 s and
+    ~7 s of CPU): a module gets a fresh one when the environment differs from the one Ray's workers inherited, and
+    a module that leaves an actor alive or a resource held ends its Ray, so the next module never sees its state."""
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    if ray.is_initialized() and _SHARED_RAY.get("env") != _environment():
+        ray.shutdown()
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        _SHARED_RAY["env"] = _environment()
     yield ray
-    ray.shutdown()
+    if not _ray_is_idle(ray):
+        ray.shutdown()
+
+
+def _environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}  # the test's name changes, not its setup
+
+
+def _ray_is_idle(ray, timeout_s: float = 5.0) -> bool:
+    """Every actor dead and every resource free again (a killed actor's resources return shortly after)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            alive = [a for a in ray._private.state.actors().values() if a["State"] != "DEAD"]
+            total, free = ray.cluster_resources(), ray.available_resources()
+        except Exception:
+            return False
+        if not alive and all(abs(free.get(k, 0.0) - v) < 1e-6 for k, v in total.items()):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_shared_ray_in_modules_without_ray_cluster(request):
+    """A module that does not ask for `ray_cluster` starts (or joins) its own Ray, as if none ran in this process."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        items = [item for item in request.session.items if item.module is request.module]
+        if not any("ray_cluster" in item.fixturenames for item in items):
+            ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """A ~100M-parameter model end to end: a Qwen2 of hidden 512, 8 layers, 8 query heads of 64 (2 KV heads),
 intermediate 2048, tied embeddings, random init, with the production byte-level BPE vocabulary (131,075 ids,
 `asyncrl.models.bpe.production_tokenizer`, ChatML), built with `save_pretrained` (benchmarks/model_scale.py's
-builder, which also builds the 0.5B shape). Two steps of a real run from `model.path` on verl Parquet: Ray, one
-vLLM CPU engine, one FSDP2 learner rank, a weight sync and a parity probe after each step.
+builder, which also builds the 0.5B shape). One step of a real run from `model.path` on verl Parquet: Ray, one
+vLLM CPU engine, one FSDP2 learner rank, a weight sync and a parity probe after it (repeated steps and syncs are
+the tiny models' tests: this one is about the size).
 
 Parameters: embedding 131,075 x 512 = 67,110,400 (tied: the head is the same matrix); per layer q 512x512+512,
 k and v 512x128+128 each, o 512x512, MLP 3 x 512x2048, two norms of 512: 3,802,880; 8 layers 30,423,040;
@@ -20,7 +21,7 @@ from asyncrl.config import load_config
 sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 pytestmark = pytest.mark.integration
-STEPS = 2
+STEPS = 1
 PROMPTS_PER_STEP = 2
 SAMPLES_PER_PROMPT = 2
 

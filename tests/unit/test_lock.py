@@ -34,3 +34,20 @@ def test_a_changed_range_or_a_new_dependency_is_named_with_make_lock(lock, tmp_p
     assert "`make lock`" in err
     with pytest.raises(SystemExit, match="no extra 'nope'"):
         lock.out_of_step(["nope"])
+
+
+def test_uv_installs_from_the_indexes_and_wheel_folders_of_pips_configuration(lock):
+    listed = "\n".join([
+        "global.cert='/etc/ssl/certs/ca-certificates.crt'",
+        "global.extra-index-url='file:///opt/a/simple file:///opt/b/simple'",
+        "global.find-links='/opt/wheels'",
+        "site.index-url='https://mirror.example/simple'",
+        ":env:.find-links='/srv/wheels'",  # the environment overrides the files
+        ":env:.default-timeout='180'",
+    ])  # fmt: skip
+    assert lock.uv_index(listed, "https://default.example/simple") == [
+        "--extra-index-url", "https://mirror.example/simple",  # pip's main index first
+        "--extra-index-url", "file:///opt/a/simple", "--extra-index-url", "file:///opt/b/simple",
+        "--find-links", "/srv/wheels",
+    ]  # fmt: skip
+    assert lock.uv_index("", "https://default.example/simple") == ["--extra-index-url", "https://default.example/simple"]
