@@ -27,6 +27,7 @@ from asyncrl.learner.state import build_reference, build_train_state
 from asyncrl.learner.step import RankStep
 from asyncrl.remote import Store, is_remote, staging
 from asyncrl.types import StepStats
+from asyncrl.weights.adapter import AdapterWeights
 from asyncrl.weights.group import CollectiveSender, CollectiveWeights
 from asyncrl.weights.published import ExportedWeights
 from asyncrl.weights.segment import SegmentWriter, SharedWeights
@@ -208,12 +209,12 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------ weights, snapshots, checkpoints
 
-    def _full_model_state(self, module) -> dict[str, torch.Tensor]:
+    def _full_model_state(self, module, keep=lambda name: True) -> dict[str, torch.Tensor]:
         """Full state dict gathered by all ranks (one all-gather per sharded tensor, in the same order on every
         rank; none on one rank, whose shard is the whole tensor); populated on rank 0 (CPU tensors), empty
-        elsewhere. The weight sync runs this every step: `torch.distributed.checkpoint`'s
-        `get_model_state_dict(full_state_dict=True)` gives the same tensors but took 40-90 ms for the
-        1M-parameter W1 model on this loaded 2-core CPU, against a few ms here.
+        elsewhere; `keep(name)` picks the tensors (the same on every rank). The weight sync runs this every step:
+        `torch.distributed.checkpoint`'s `get_model_state_dict(full_state_dict=True)` gives the same tensors but
+        took 40-90 ms for the 1M-parameter W1 model on this loaded 2-core CPU, against a few ms here.
 
         On one CPU rank the tensors are the parameters themselves, not copies: every caller serializes or copies
         them before the rank's next call can step the optimizer (a fresh 0.5 GB copy per sync at 125M parameters
@@ -222,6 +223,8 @@ class LearnerWorker:
 
         full = {}
         for name, value in module.state_dict().items():
+            if not keep(name):
+                continue
             if isinstance(value, DTensor):
                 value = value.to_local() if value.device_mesh.size() == 1 else value.full_tensor()
             if self.rank == 0:
@@ -229,8 +232,8 @@ class LearnerWorker:
         return full
 
     def _hf_state(self, checkpoint: bool = False) -> dict[str, torch.Tensor]:
-        """The policy under Hugging Face names on rank 0 ({} elsewhere); `checkpoint`: in a checkpoint's layout,
-        what engines load (`export.checkpoint_layout`)."""
+        """The policy under Hugging Face names on rank 0 ({} elsewhere), its adapters merged (`learner.lora`);
+        `checkpoint`: in a checkpoint's layout, what engines load (`export.checkpoint_layout`)."""
         from asyncrl.learner.export import checkpoint_layout, hf_state_dict
 
         tied = bool(getattr(self.model_config, "tie_word_embeddings", False))
@@ -243,6 +246,10 @@ class LearnerWorker:
         full = self._full_model_state(self.state.policy)
         if self.rank != 0:
             return {}
+        if self.config.lora is not None:
+            from asyncrl.learner.lora import merged
+
+            full = merged(full, self.config.lora.alpha / self.config.lora.rank)
         state = hf_state_dict(full, tied)
         return checkpoint_layout(self.state.policy.causal_lm, state) if checkpoint else state
 
@@ -284,6 +291,38 @@ class LearnerWorker:
             self._sender = CollectiveSender(host, self.device, bucket_bytes, timeout_s)
         record = self._sender.stage(cast_state(state, self.dtype), version)
         return dataclasses.replace(record, sender=ray.get_runtime_context().current_actor)
+
+    def _adapter_state(self) -> dict[str, torch.Tensor]:
+        """The policy's adapters (`learner.lora`) under PEFT's names on rank 0 ({} elsewhere)."""
+        from asyncrl.learner.lora import adapter_state, is_adapter
+        from asyncrl.learner.policy import hf_name
+
+        if self.config.lora is None:
+            raise ValueError("this learner trains every weight (learner.lora is not set): it has no adapter to export")
+        full = self._full_model_state(self.state.policy, keep=is_adapter)
+        return adapter_state({hf_name(k): v for k, v in full.items()}) if self.rank == 0 else {}
+
+    def export_adapter(self) -> AdapterWeights | None:
+        """Rank 0's record of the adapters in the engines' dtype (`weights.adapter`): only they travel."""
+        from safetensors.torch import save
+
+        from asyncrl.learner.export import cast_state
+        from asyncrl.learner.lora import peft_config
+
+        state = self._adapter_state()
+        if self.rank != 0:
+            return None
+        data = save({k: v.contiguous() for k, v in cast_state(state, self.dtype).items()})
+        return AdapterWeights(data, peft_config(self.config.lora, self.model_dir), len(state))
+
+    def export_peft(self, folder: str) -> None:
+        """A PEFT adapter folder of the policy's adapters (fp32) at `folder` (a path), which
+        `peft.PeftModel.from_pretrained` and vLLM's LoRA load on top of the run's base model."""
+        from asyncrl.learner.lora import peft_config, write_adapter
+
+        state = self._adapter_state()
+        if self.rank == 0:
+            write_adapter(folder, state, peft_config(self.config.lora, self.model_dir))
 
     @ray.method(concurrency_group=SEND_GROUP)
     def send_collective(self, key: str) -> int:

@@ -3,7 +3,8 @@ weight-sync transports between them.
 
 `buckets`: safetensors buckets of Hugging Face-named tensors (the object-store transport). `segment`: the
 shared-memory segment's file layout and its reader and writer. `group`: the collective transport's wire over
-a torch.distributed group per engine. `published`: the records of one published version.
+a torch.distributed group per engine. `published`: the records of one published version. `adapter`: the record of
+one published LoRA adapter (`learner.lora`).
 
 This package sits on the lowest layers (beside `cluster` and `algo`; it imports nothing of asyncrl):
 `learner`, `rollout` and `weight_sync` all import it, and nothing here imports them. Nothing is imported
