@@ -20,7 +20,7 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -90,7 +90,8 @@ def _add_delta(linear: nn.Module, args: tuple, output: torch.Tensor, *, scale: f
     x = args[0]
     if dropout > 0 and torch.is_grad_enabled() and linear.training:
         x = F.dropout(x, dropout)
-    return output + linear.lora_B(linear.lora_A(x)) * scale
+    lora_a, lora_b = cast(nn.Linear, linear.lora_A), cast(nn.Linear, linear.lora_B)
+    return output + lora_b(lora_a(x)) * scale
 
 
 def merged(state: Mapping[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:

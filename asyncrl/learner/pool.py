@@ -336,10 +336,6 @@ class LearnerPool:
         """Gather the policy's adapters (`learner.lora`) on rank 0: PEFT-named safetensors bytes and config."""
         return self._call("export_adapter")[0]
 
-    def export_peft(self, folder: str | os.PathLike) -> None:
-        """A PEFT adapter folder of the policy's adapters at `folder` (a local path; `learner.lora` runs)."""
-        self._call("export_peft", str(folder))
-
     def finish_call(self, call: LearnerCall) -> list:
         """Every rank's result of a call started without waiting (`start_export_shared`), errors named by rank."""
         return self._collect(call)

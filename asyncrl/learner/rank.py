@@ -35,6 +35,8 @@ from asyncrl.weights.segment import SegmentWriter, SharedWeights
 __all__ = ["LearnerWorker"]
 
 
+ADAPTER_FOLDER = "adapter"
+"""The sub-folder of an `export_hf` folder that holds the PEFT adapter of a `learner.lora` run."""
 SEND_GROUP = "weight_send"
 """The rank's Ray concurrency group for `send_collective`: engines pull while the rank trains."""
 SEND_THREADS = 32
@@ -315,15 +317,6 @@ class LearnerWorker:
         data = save({k: v.contiguous() for k, v in cast_state(state, self.dtype).items()})
         return AdapterWeights(data, peft_config(self.config.lora, self.model_dir), len(state))
 
-    def export_peft(self, folder: str) -> None:
-        """A PEFT adapter folder of the policy's adapters (fp32) at `folder` (a path), which
-        `peft.PeftModel.from_pretrained` and vLLM's LoRA load on top of the run's base model."""
-        from asyncrl.learner.lora import peft_config, write_adapter
-
-        state = self._adapter_state()
-        if self.rank == 0:
-            write_adapter(folder, state, peft_config(self.config.lora, self.model_dir))
-
     @ray.method(concurrency_group=SEND_GROUP)
     def send_collective(self, key: str) -> int:
         """Broadcast the staged version to the engine that asked (its group `key`); -> that version. Runs in its
@@ -392,25 +385,30 @@ class LearnerWorker:
         return self.step
 
     def export_hf(self, folder: str, store: Store | None = None) -> None:
-        """A Hugging Face folder (config, tokenizer, safetensors) that transformers and vLLM load; to an object
-        store (`folder` a URI) it is written in this node's staging copy, then replaces the remote folder."""
+        """A Hugging Face folder (config, tokenizer, safetensors) that transformers and vLLM load (`learner.lora`:
+        the merged model, and the adapter alone in its `adapter` sub-folder, `_write_hf`); to an object store
+        (`folder` a URI) it is written in this node's staging copy, then replaces the remote folder."""
         state = self._hf_state()
+        adapter = self._adapter_state() if self.config.lora is not None else None
         if self.rank != 0:
             return
         if not is_remote(folder):
-            self._write_hf(state, folder)
+            self._write_hf(state, folder, adapter)
             return
         local = staging(folder)
         shutil.rmtree(local, ignore_errors=True)
-        self._write_hf(state, str(local))
+        self._write_hf(state, str(local), adapter)
         store = store or Store()
         store.remove(folder)
         store.upload(local, folder)
 
-    def _write_hf(self, state: dict[str, torch.Tensor], folder: str) -> None:
+    def _write_hf(self, state: dict[str, torch.Tensor], folder: str, adapter: dict[str, torch.Tensor] | None) -> None:
+        """The merged model at `folder` and, with `adapter` (`learner.lora`), the PEFT adapter folder
+        `folder/adapter` (fp32) that `peft.PeftModel.from_pretrained` and vLLM's LoRA load on the run's base model."""
         from transformers import AutoModelForCausalLM
 
         from asyncrl.learner.checkpoint import copy_tokenizer_files
+        from asyncrl.learner.lora import peft_config, write_adapter
 
         copy_tokenizer_files(self.model_dir, folder)
         model = AutoModelForCausalLM.from_config(self.model_config, dtype=self.dtype)
@@ -420,6 +418,8 @@ class LearnerWorker:
                 f"export_hf: state dict does not match the model (missing {missing}, unexpected {unexpected})"
             )
         model.save_pretrained(folder, safe_serialization=True)
+        if adapter is not None:
+            write_adapter(os.path.join(folder, ADAPTER_FOLDER), adapter, peft_config(self.config.lora, self.model_dir))
 
     def shutdown(self) -> None:
         import torch.distributed as dist
