@@ -14,6 +14,10 @@ dense families), as named in transformers' modules, PEFT adapters and vLLM's LoR
 
 
 class LoraConfig(Section):
+    """Low-rank adapters (LoRA) trained instead of the policy's weights, when `learner.lora` is set (e.g.
+    `learner.lora.rank=16`, or `learner.lora={}` for the defaults): the base model stays frozen on the learner and
+    in the engines, which serve it with the adapter through vLLM's LoRA; only the adapter travels at each sync."""
+
     rank: int = Field(8, ge=1, le=512)
     """Rank r of each adapter: a target layer y = W x computes y = W x + (alpha / r) B A x with A [r, in] and
     B [out, r]; B starts at zero, so the first step starts from the base model exactly."""
@@ -24,7 +28,7 @@ class LoraConfig(Section):
     learner's training forward differs from the engines' (and from pi_old's, which runs without gradients)."""
     target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS))
     """Which linear layers of every decoder block get an adapter (names from `LORA_TARGETS`); each must exist in
-    the model (checked when the learner builds it, and by `asyncrl check`)."""
+    the model (checked when the learner builds it, naming this key)."""
 
     @model_validator(mode="after")
     def _known_targets(self) -> LoraConfig:
