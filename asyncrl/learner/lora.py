@@ -10,7 +10,8 @@ only its optimizer holds the adapters alone. With B = 0 the first forward is the
 Names: the adapters' parameters are `<layer>.lora_A.weight` / `<layer>.lora_B.weight` under the Hugging Face
 layer name, which with `PEFT_PREFIX` is PEFT's saved adapter layout (`adapter_model.safetensors`), the one vLLM's
 LoRA loader and `peft.PeftModel.from_pretrained` read. `merged` folds them into the base weights (W + scale B A)
-for everything that wants a plain model (full weight syncs, `export_hf`).
+for everything that wants a plain model (full weight syncs, `export_hf`). `BaseModelView` runs the policy with
+the adapters off: the base model, the reference policy of the KL term unless `learner.reference_path` names one.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch import nn
 
 __all__ = [
     "ADAPTER_CONFIG",
+    "BaseModelView",
     "ADAPTER_WEIGHTS",
     "PEFT_PREFIX",
     "add_adapters",
@@ -43,6 +45,8 @@ PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _A, _B = ".lora_A.weight", ".lora_B.weight"
+_SWITCH = "_asyncrl_lora_switch"
+"""Where the decoder layers keep the switch their adapters' hooks read (`BaseModelView` turns it off)."""
 
 
 def is_adapter(name: str) -> bool:
@@ -55,6 +59,7 @@ def add_adapters(decoder_layers: nn.ModuleList, cfg, seed: int = 0) -> int:
     freeze every other parameter of the layers' model (the caller freezes what lies outside the layers); -> the
     number of adapters. A ValueError names `learner.lora.target_modules` when a target is in no block."""
     generator = torch.Generator().manual_seed(seed)
+    switch = decoder_layers.__dict__.setdefault(_SWITCH, {"on": True})
     found: set[str] = set()
     count = 0
     for layer in decoder_layers:
@@ -62,7 +67,7 @@ def add_adapters(decoder_layers: nn.ModuleList, cfg, seed: int = 0) -> int:
         for name, module in list(layer.named_modules()):
             leaf = name.rsplit(".", 1)[-1]
             if leaf in cfg.target_modules and isinstance(module, nn.Linear):
-                _attach(module, cfg, generator)
+                _attach(module, cfg, generator, switch)
                 found.add(leaf)
                 count += 1
     missing = [m for m in cfg.target_modules if m not in found]
@@ -74,7 +79,7 @@ def add_adapters(decoder_layers: nn.ModuleList, cfg, seed: int = 0) -> int:
     return count
 
 
-def _attach(linear: nn.Linear, cfg, generator: torch.Generator) -> None:
+def _attach(linear: nn.Linear, cfg, generator: torch.Generator, switch: dict[str, bool]) -> None:
     weight = linear.weight
     lora_a = nn.Linear(linear.in_features, cfg.rank, bias=False, device=weight.device, dtype=weight.dtype)
     lora_b = nn.Linear(cfg.rank, linear.out_features, bias=False, device=weight.device, dtype=weight.dtype)
@@ -83,15 +88,38 @@ def _attach(linear: nn.Linear, cfg, generator: torch.Generator) -> None:
         lora_a.weight.copy_(torch.rand(lora_a.weight.shape, generator=generator) * 2 * bound - bound)
         lora_b.weight.zero_()
     linear.lora_A, linear.lora_B = lora_a, lora_b
-    linear.register_forward_hook(functools.partial(_add_delta, scale=cfg.alpha / cfg.rank, dropout=cfg.dropout))
+    delta = functools.partial(_add_delta, scale=cfg.alpha / cfg.rank, dropout=cfg.dropout, switch=switch)
+    linear.register_forward_hook(delta)
 
 
-def _add_delta(linear: nn.Module, args: tuple, output: torch.Tensor, *, scale: float, dropout: float) -> torch.Tensor:
+def _add_delta(
+    linear: nn.Module, args: tuple, output: torch.Tensor, *, scale: float, dropout: float, switch: dict[str, bool]
+) -> torch.Tensor:
+    if not switch["on"]:
+        return output
     x = args[0]
     if dropout > 0 and torch.is_grad_enabled() and linear.training:
         x = F.dropout(x, dropout)
     lora_a, lora_b = cast(nn.Linear, linear.lora_A), cast(nn.Linear, linear.lora_B)
     return output + lora_b(lora_a(x)) * scale
+
+
+class BaseModelView(nn.Module):
+    """The policy with its adapters switched off while it runs: the base model, frozen by construction, which is
+    a LoRA run's reference policy when `learner.reference_path` is unset (no second copy of the model). It owns no
+    parameters (the policy is not registered as its child), so nothing optimizes, checkpoints or exports it."""
+
+    def __init__(self, policy: nn.Module, decoder_layers: nn.ModuleList):
+        super().__init__()
+        self.__dict__["policy"], self.__dict__["switch"] = policy, decoder_layers.__dict__[_SWITCH]
+
+    def forward(self, *args, **kwargs):
+        self.switch["on"] = False
+        try:
+            with torch.no_grad():
+                return self.policy(*args, **kwargs)
+        finally:
+            self.switch["on"] = True
 
 
 def merged(state: Mapping[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:

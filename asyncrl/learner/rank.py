@@ -150,11 +150,16 @@ class LearnerWorker:
     def _reference(self, recipe):
         """The frozen reference policy (`learner.reference_path`, default the starting weights) when `recipe` has a
         KL-to-reference term, else None; built on the first such recipe (collective: every rank asks together),
-        sharded like the policy. Not part of the train state, so no checkpoint or export holds it."""
+        sharded like the policy (`learner.lora` without a `reference_path`: the policy with its adapters off,
+        `lora.BaseModelView`, no second model). Not part of the train state, so no checkpoint or export holds it."""
         from asyncrl.learner.policy import shard
 
         if not recipe.needs_reference:
             return None
+        if self.reference is None and self.config.lora is not None and self.config.reference_path is None:
+            from asyncrl.learner.lora import BaseModelView
+
+            self.reference = BaseModelView(self.state.policy, self.state.policy.decoder_layers)
         if self.reference is None:
             path, mesh = self.config.reference_path or self.model_dir, self.mesh
             if self.megatron:

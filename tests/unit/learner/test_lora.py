@@ -190,3 +190,19 @@ def test_the_peft_export_loads_in_transformers_with_the_same_logprobs(tiny_model
     ours = _logprobs(state.policy)[0, :-1]
     assert float((ours - _logprobs(_state(tiny_model_dir).policy)[0, :-1]).abs().max()) > 1e-2  # the adapter acts
     torch.testing.assert_close(peft_lp, ours, atol=1e-5, rtol=0)
+
+
+def test_with_the_adapters_off_the_policy_is_the_base_model_the_reference_of_a_lora_run(tiny_model_dir, mesh):
+    from asyncrl.learner.lora import BaseModelView
+    from asyncrl.learner.policy import shard
+
+    base = _logprobs(_state(tiny_model_dir).policy)
+    for fsdp in ("never", "always"):
+        place = lambda m, f=fsdp: (_randomize_b(m), shard(m, mesh, torch.float32, f))  # noqa: E731 -- B != 0 first
+        state = _state(tiny_model_dir, place, lora=LORA, fsdp=fsdp)
+        adapted = _logprobs(state.policy)
+        reference = BaseModelView(state.policy, state.policy.decoder_layers)
+        assert list(reference.parameters()) == []  # nothing to optimize, checkpoint or export
+        assert float((adapted - base)[0, :-1].abs().max()) > 1e-2
+        torch.testing.assert_close(reference(PROBE, torch.ones_like(PROBE), torch.arange(14)[None], RAW), base)
+        assert torch.equal(_logprobs(state.policy), adapted)  # the adapters are on again
