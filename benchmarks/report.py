@@ -870,10 +870,28 @@ def weight_sync_delta(d: dict, title: str = "## W3 `delta` — full vs delta pay
     return lines
 
 
+def lora(d: dict) -> list[str]:
+    """`lora.py`: W1 streaming with `learner.lora` next to full fine-tuning over the same steps, and each run's sync."""
+    rows = [
+        [mode, fnum(r["start_accuracy"], ".3f"), fnum(r["final_accuracy"], ".3f"), fnum(r["gain"], "+.3f"),
+         fnum(r["wall_clock_s"], ".0f"), f"{r.get('bytes_per_sync', 0):,}", fnum(r.get("s_per_sync_mean"), ".3f")]
+        for mode, r in d["runs"].items()
+    ]  # fmt: skip
+    return [
+        f"## W1 `add` with LoRA next to full fine-tuning, {d['steps']} steps (`benchmarks/lora.py`)",
+        "",
+        f"The streaming recipe from the same warm start; `lora`: {', '.join(d['lora'])}, lr {d['lora_lr']} (full: the "
+        "recipe's). Only the adapter travels at each sync (`AdapterSync`).",
+        "",
+        *table(["run", "held-out start", "final", "gain", "wall s", "bytes / sync", "s / sync"], rows),
+    ]
+
+
 FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "weight_sync_delta": weight_sync_delta,
     "weight_sync_delta_e2e": lambda d: weight_sync_delta(d, "## W3 `delta` through a vLLM engine (`benchmarks/weight_sync_delta.py --presets w3-25m --parts e2e`)"),
     "weight_export_0.5b": lambda d: weight_sync_delta(d, "## W3 export without a gather at 0.36B parameters (`benchmarks/weight_sync_delta.py --presets qwen-0.5b --parts export`)"),
+    "lora": lora,
     "weight_sync": weight_sync,
     "weight_sync_0.5b": lambda d: weight_sync(d, "## W3 `sync` at 0.36B parameters (`benchmarks/weight_sync.py --presets qwen-0.5b`)"),
     "weight_sync_gpu": weight_sync_gpu,
@@ -926,7 +944,7 @@ LAYOUT = [
     "readme_results",
     "learning_add", "learning_add_120", "learning_add_packed", "learning_add_w1speed", "learning_add_informative", "learning_add_compile", "learner_compile", "learning_add_bf16", "learning_add_ready_cap", "learning_add_mb4", "learning_add_mb4_same_lr", "lr_decay", "correction", "dtype", "ready_cap", "staleness_w1", "warm_start_lift",
     "async_speedup", "async_speedup_continue", "limits", "limits_busy", "eval_overlap", "eval_overlap_w1",
-    "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "weight_sync_gpu", "weight_sync_delta", "weight_sync_delta_e2e", "weight_export_0.5b",
+    "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "weight_sync_gpu", "weight_sync_delta", "weight_sync_delta_e2e", "weight_export_0.5b", "lora",
     "moe_routing_replay",
     "install_lock",
     "queue_throughput", "data_scale", "algo_throughput", "fsdp_rank", "megatron", "activation_checkpointing", "activation_checkpointing_gpu", "packing", "storage_checkpoint",

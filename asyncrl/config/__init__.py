@@ -12,7 +12,7 @@ every name from here. The package imports only pydantic and yaml so that `asyncr
 from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.config.base import ConfigError, Mode, Section
 from asyncrl.config.buffer import BufferConfig
-from asyncrl.config.learner import LearnerConfig, WeightSyncConfig
+from asyncrl.config.learner import LearnerConfig, LoraConfig, WeightSyncConfig
 from asyncrl.config.loading import (
     DEFAULT_CONFIG,
     RECIPES,
@@ -43,6 +43,7 @@ __all__ = [
     "EvalConfig",
     "FaultsConfig",
     "LearnerConfig",
+    "LoraConfig",
     "Mode",
     "ModelConfig",
     "RolloutConfig",

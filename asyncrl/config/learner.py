@@ -8,6 +8,39 @@ from pydantic import Field, model_validator
 
 from asyncrl.config.base import Section
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear layers of a decoder block that `learner.lora` may adapt (the attention and MLP projections of the
+dense families), as named in transformers' modules, PEFT adapters and vLLM's LoRA."""
+
+
+class LoraConfig(Section):
+    """Low-rank adapters (LoRA) trained instead of the policy's weights, when `learner.lora` is set (e.g.
+    `learner.lora.rank=16`, or `learner.lora={}` for the defaults): the base model stays frozen on the learner and
+    in the engines, which serve it with the adapter through vLLM's LoRA; only the adapter travels at each sync."""
+
+    rank: int = Field(8, ge=1, le=512)
+    """Rank r of each adapter: a target layer y = W x computes y = W x + (alpha / r) B A x with A [r, in] and
+    B [out, r]; B starts at zero, so the first step starts from the base model exactly."""
+    alpha: float = Field(16.0, gt=0)
+    """Scale numerator: the adapter's output is multiplied by alpha / rank (PEFT's `lora_alpha`)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input during the passes with gradients (PEFT's `lora_dropout`). Above 0 the
+    learner's training forward differs from the engines' (and from pi_old's, which runs without gradients)."""
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS))
+    """Which linear layers of every decoder block get an adapter (names from `LORA_TARGETS`); each must exist in
+    the model (checked when the learner builds it, naming this key)."""
+
+    @model_validator(mode="after")
+    def _known_targets(self) -> LoraConfig:
+        unknown = [m for m in self.target_modules if m not in LORA_TARGETS]
+        if unknown or not self.target_modules:
+            raise ValueError(
+                f"learner.lora.target_modules {self.target_modules}: "
+                + (f"unknown {unknown}; " if unknown else "empty; ")
+                + f"choose among {', '.join(LORA_TARGETS)}"
+            )
+        return self
+
 
 class LearnerConfig(Section):
     num_ranks: int = Field(1, ge=1, le=4096)
@@ -145,6 +178,11 @@ class LearnerConfig(Section):
     test machine (benchmarks/RESULTS.md, model_scale): raise it for larger models or slow storage."""
     seed: int = 0
     """Seed of model init noise and micro-batch order."""
+    lora: LoraConfig | None = None
+    """Train low-rank adapters (LoRA) instead of every weight: the base model stays frozen, only the adapters are
+    in the optimizer, checkpoints and weight syncs (the engines serve the base model with the adapter through vLLM's
+    LoRA support, loaded in place at each sync); `export_hf` writes the merged model and a PEFT adapter folder.
+    None (the default) trains every weight. The fsdp2 backend only. docs/weight_sync.md#lora."""
 
     @model_validator(mode="after")
     def _several_ranks_shard(self) -> LearnerConfig:
@@ -168,7 +206,7 @@ class LearnerConfig(Section):
                 f"learner.tensor_parallel ({self.tensor_parallel}) must divide learner.num_ranks ({self.num_ranks})"
             )
         unsupported = [
-            k for k in ("critic", "compile", "activation_checkpointing", "routing_replay") if getattr(self, k)
+            k for k in ("critic", "compile", "activation_checkpointing", "routing_replay", "lora") if getattr(self, k)
         ]
         if unsupported:
             raise ValueError(

@@ -114,7 +114,9 @@ class Fleet:
             latest=lambda: self.sync.latest(),
             tools=self.tools.client() if self.tools else None,
         )
-        self.sync = make_weight_sync(self.learner, self.rollout, cfg.weight_sync, cfg.mode)
+        self.sync = make_weight_sync(
+            self.learner, self.rollout, cfg.weight_sync, cfg.mode, adapter=cfg.learner.lora is not None
+        )
         self.rollout.start()
         self.telemetry.phase("engines ready")
         self._tools_ready()

@@ -29,6 +29,7 @@ from asyncrl.learner.rank import SEND_GROUP, SEND_THREADS, LearnerWorker
 from asyncrl.models.shipping import ShippedModel, materialise, ship
 from asyncrl.remote import Store
 from asyncrl.types import Group, StepStats
+from asyncrl.weights.adapter import AdapterWeights
 from asyncrl.weights.group import CollectiveWeights
 from asyncrl.weights.published import ExportedWeights
 from asyncrl.weights.segment import SharedWeights
@@ -341,6 +342,10 @@ class LearnerPool:
     def start_export_collective(self, version: int, loopback: bool, bucket_bytes: int, timeout_s: float) -> LearnerCall:
         """`export_collective` without the wait, as `start_export_shared` is."""
         return self._submit("export_collective", version, loopback, bucket_bytes, timeout_s)
+
+    def export_adapter(self) -> AdapterWeights:
+        """Gather the policy's adapters (`learner.lora`) on rank 0: PEFT-named safetensors bytes and config."""
+        return self._call("export_adapter")[0]
 
     def finish_call(self, call: LearnerCall) -> list:
         """Every rank's result of a call started without waiting (`start_export_shared`), errors named by rank."""

@@ -27,6 +27,7 @@ from asyncrl.learner.state import build_reference, build_train_state
 from asyncrl.learner.step import RankStep
 from asyncrl.remote import Store, is_remote, staging
 from asyncrl.types import StepStats
+from asyncrl.weights.adapter import AdapterWeights
 from asyncrl.weights.delta import DeltaEncoder
 from asyncrl.weights.group import CollectiveSender, CollectiveWeights
 from asyncrl.weights.published import ExportedWeights
@@ -35,6 +36,8 @@ from asyncrl.weights.segment import SegmentLayout, SegmentWriter, SharedWeights
 __all__ = ["LearnerWorker"]
 
 
+ADAPTER_FOLDER = "adapter"
+"""The sub-folder of an `export_hf` folder that holds the PEFT adapter of a `learner.lora` run."""
 SEND_GROUP = "weight_send"
 """The rank's Ray concurrency group for `send_collective`: engines pull while the rank trains."""
 SEND_THREADS = 32
@@ -156,11 +159,16 @@ class LearnerWorker:
     def _reference(self, recipe):
         """The frozen reference policy (`learner.reference_path`, default the starting weights) when `recipe` has a
         KL-to-reference term, else None; built on the first such recipe (collective: every rank asks together),
-        sharded like the policy. Not part of the train state, so no checkpoint or export holds it."""
+        sharded like the policy (`learner.lora` without a `reference_path`: the policy with its adapters off,
+        `lora.BaseModelView`, no second model). Not part of the train state, so no checkpoint or export holds it."""
         from asyncrl.learner.policy import shard
 
         if not recipe.needs_reference:
             return None
+        if self.reference is None and self.config.lora is not None and self.config.reference_path is None:
+            from asyncrl.learner.lora import BaseModelView
+
+            self.reference = BaseModelView(self.state.policy, self.state.policy.decoder_layers)
         if self.reference is None:
             path, mesh = self.config.reference_path or self.model_dir, self.mesh
             if self.megatron:
@@ -213,12 +221,12 @@ class LearnerWorker:
 
     # ------------------------------------------------------------------ weights, snapshots, checkpoints
 
-    def _full_model_state(self, module) -> dict[str, torch.Tensor]:
+    def _full_model_state(self, module, keep=lambda name: True) -> dict[str, torch.Tensor]:
         """Full state dict gathered by all ranks (one all-gather per sharded tensor, in the same order on every
         rank; none on one rank, whose shard is the whole tensor); populated on rank 0 (CPU tensors), empty
-        elsewhere. The weight sync runs this every step: `torch.distributed.checkpoint`'s
-        `get_model_state_dict(full_state_dict=True)` gives the same tensors but took 40-90 ms for the
-        1M-parameter W1 model on this loaded 2-core CPU, against a few ms here.
+        elsewhere; `keep(name)` picks the tensors (the same on every rank). The weight sync runs this every step:
+        `torch.distributed.checkpoint`'s `get_model_state_dict(full_state_dict=True)` gives the same tensors but
+        took 40-90 ms for the 1M-parameter W1 model on this loaded 2-core CPU, against a few ms here.
 
         On one CPU rank the tensors are the parameters themselves, not copies: every caller serializes or copies
         them before the rank's next call can step the optimizer (a fresh 0.5 GB copy per sync at 125M parameters
@@ -227,6 +235,8 @@ class LearnerWorker:
 
         full = {}
         for name, value in module.state_dict().items():
+            if not keep(name):
+                continue
             if isinstance(value, DTensor):
                 value = value.to_local() if value.device_mesh.size() == 1 else value.full_tensor()
             if self.rank == 0:
@@ -234,8 +244,8 @@ class LearnerWorker:
         return full
 
     def _hf_state(self, checkpoint: bool = False) -> dict[str, torch.Tensor]:
-        """The policy under Hugging Face names on rank 0 ({} elsewhere); `checkpoint`: in a checkpoint's layout,
-        what engines load (`export.checkpoint_layout`)."""
+        """The policy under Hugging Face names on rank 0 ({} elsewhere), its adapters merged (`learner.lora`);
+        `checkpoint`: in a checkpoint's layout, what engines load (`export.checkpoint_layout`)."""
         from asyncrl.learner.export import checkpoint_layout, hf_state_dict
 
         tied = bool(getattr(self.model_config, "tie_word_embeddings", False))
@@ -248,6 +258,10 @@ class LearnerWorker:
         full = self._full_model_state(self.state.policy)
         if self.rank != 0:
             return {}
+        if self.config.lora is not None:
+            from asyncrl.learner.lora import merged
+
+            full = merged(full, self.config.lora.alpha / self.config.lora.rank)
         state = hf_state_dict(full, tied)
         return checkpoint_layout(self.state.policy.causal_lm, state) if checkpoint else state
 
@@ -370,6 +384,29 @@ class LearnerWorker:
         record = self._sender.stage(cast_state(state, self.dtype), version)
         return dataclasses.replace(record, sender=ray.get_runtime_context().current_actor)
 
+    def _adapter_state(self) -> dict[str, torch.Tensor]:
+        """The policy's adapters (`learner.lora`) under PEFT's names on rank 0 ({} elsewhere)."""
+        from asyncrl.learner.lora import adapter_state, is_adapter
+        from asyncrl.learner.policy import hf_name
+
+        if self.config.lora is None:
+            raise ValueError("this learner trains every weight (learner.lora is not set): it has no adapter to export")
+        full = self._full_model_state(self.state.policy, keep=is_adapter)
+        return adapter_state({hf_name(k): v for k, v in full.items()}) if self.rank == 0 else {}
+
+    def export_adapter(self) -> AdapterWeights | None:
+        """Rank 0's record of the adapters in the engines' dtype (`weights.adapter`): only they travel."""
+        from safetensors.torch import save
+
+        from asyncrl.learner.export import cast_state
+        from asyncrl.learner.lora import peft_config
+
+        state = self._adapter_state()
+        if self.rank != 0:
+            return None
+        data = save({k: v.contiguous() for k, v in cast_state(state, self.dtype).items()})
+        return AdapterWeights(data, peft_config(self.config.lora, self.model_dir), len(state))
+
     @ray.method(concurrency_group=SEND_GROUP)
     def send_collective(self, key: str) -> int:
         """Broadcast the staged version to the engine that asked (its group `key`); -> that version. Runs in its
@@ -438,25 +475,30 @@ class LearnerWorker:
         return self.step
 
     def export_hf(self, folder: str, store: Store | None = None) -> None:
-        """A Hugging Face folder (config, tokenizer, safetensors) that transformers and vLLM load; to an object
-        store (`folder` a URI) it is written in this node's staging copy, then replaces the remote folder."""
+        """A Hugging Face folder (config, tokenizer, safetensors) that transformers and vLLM load (`learner.lora`:
+        the merged model, and the adapter alone in its `adapter` sub-folder, `_write_hf`); to an object store
+        (`folder` a URI) it is written in this node's staging copy, then replaces the remote folder."""
         state = self._hf_state()
+        adapter = self._adapter_state() if self.config.lora is not None else None
         if self.rank != 0:
             return
         if not is_remote(folder):
-            self._write_hf(state, folder)
+            self._write_hf(state, folder, adapter)
             return
         local = staging(folder)
         shutil.rmtree(local, ignore_errors=True)
-        self._write_hf(state, str(local))
+        self._write_hf(state, str(local), adapter)
         store = store or Store()
         store.remove(folder)
         store.upload(local, folder)
 
-    def _write_hf(self, state: dict[str, torch.Tensor], folder: str) -> None:
+    def _write_hf(self, state: dict[str, torch.Tensor], folder: str, adapter: dict[str, torch.Tensor] | None) -> None:
+        """The merged model at `folder` and, with `adapter` (`learner.lora`), the PEFT adapter folder
+        `folder/adapter` (fp32) that `peft.PeftModel.from_pretrained` and vLLM's LoRA load on the run's base model."""
         from transformers import AutoModelForCausalLM
 
         from asyncrl.learner.checkpoint import copy_tokenizer_files
+        from asyncrl.learner.lora import peft_config, write_adapter
 
         copy_tokenizer_files(self.model_dir, folder)
         model = AutoModelForCausalLM.from_config(self.model_config, dtype=self.dtype)
@@ -466,6 +508,8 @@ class LearnerWorker:
                 f"export_hf: state dict does not match the model (missing {missing}, unexpected {unexpected})"
             )
         model.save_pretrained(folder, safe_serialization=True)
+        if adapter is not None:
+            write_adapter(os.path.join(folder, ADAPTER_FOLDER), adapter, peft_config(self.config.lora, self.model_dir))
 
     def shutdown(self) -> None:
         import torch.distributed as dist

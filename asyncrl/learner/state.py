@@ -43,11 +43,13 @@ def build_train_state(cfg, model_dir: str, device: torch.device, place=lambda mo
     from asyncrl.learner.policy import PolicyModel, ValueModel, load_causal_lm
 
     policy = PolicyModel(load_causal_lm(model_dir, torch.float32)).to(device)
+    _adapt(cfg, policy)
     _checkpoint_activations(cfg, policy)
     place(policy)
     if cfg.compile:
         compile_now(policy, device)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     materialize_optimizer_state(optimizer)
     state = TrainState(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg)))
     if cfg.critic:
@@ -61,6 +63,18 @@ def build_train_state(cfg, model_dir: str, device: torch.device, place=lambda mo
         state.critic, state.critic_optimizer = critic, critic_optimizer
         state.critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lr_factor(cfg))
     return state
+
+
+def _adapt(cfg, policy) -> None:
+    """`learner.lora`: freeze the policy and attach the adapters (`asyncrl.learner.lora`), before the checkpointing
+    and `place`, so that they live inside the decoder layers' FSDP2 units and casts."""
+    lora = getattr(cfg, "lora", None)
+    if lora is None:
+        return
+    from asyncrl.learner.lora import add_adapters
+
+    policy.requires_grad_(False)
+    add_adapters(policy.decoder_layers, lora, cfg.seed)
 
 
 def _checkpoint_activations(cfg, module) -> None:

@@ -41,6 +41,7 @@ from asyncrl.rollout.sampling import (
 from asyncrl.rollout.vllm_compat import EngineStartError
 from asyncrl.staleness import Staleness
 from asyncrl.types import STALE_FAILURE, Prompt, Request, Trajectory
+from asyncrl.weights.adapter import AdapterWeights
 
 __all__ = ["Engine", "EngineStartError", "EvalResult", "SamplingSpec"]
 
@@ -68,6 +69,7 @@ class Engine:
         weight_load: str = "auto",
         group_requests: bool = True,
         fork_core: bool = True,
+        lora_rank: int | None = None,
     ) -> None:
         self.model_dir = str(model_dir)
         self.name = name
@@ -77,6 +79,7 @@ class Engine:
             max_num_seqs=max_num_seqs,
             gpu_memory_utilization=gpu_memory_utilization,
             seed=seed,
+            lora_rank=lora_rank,
         )
         self._kv_cache_gib = kv_cache_gib
         self._version = initial_version
@@ -86,6 +89,11 @@ class Engine:
         """Samples of one prompt and sampling asked for in one event-loop turn share a vLLM request (`_submit`)."""
         self._fork_core = fork_core
         """Fork vLLM's engine core from a preloaded server on CPU (`RolloutConfig.fork_engine_core`)."""
+        self._lora: Any = None
+        """The `LoRARequest` every request names once an adapter was loaded (`learner.lora`; `_load_adapter`);
+        None: the base model (version 0 of a LoRA run: its adapters start at B = 0)."""
+        self._adapter_dir: str | None = None
+        """This engine's adapter folder, made on the first adapter load and removed at shutdown."""
         self._in_place = False
         """Whether new weights are copied into the parameters (decided at start) or go through vLLM's reload."""
         self._llm: Any = None
@@ -125,7 +133,8 @@ class Engine:
         args = vllm_compat.engine_args(self.model_dir, **self._engine_kwargs)
         self._llm = vllm_compat.create_async_llm(args, fork_core=fork)
         self._tokenizer = self._llm.tokenizer
-        if self._weight_load != "reload":
+        if self._weight_load != "reload" and self._engine_kwargs["lora_rank"] is None:
+            # A LoRA engine's layers wrap their base weights (`base_layer`), which stay as loaded: nothing to unpack.
             self._in_place = await vllm_compat.prepare_in_place(self._llm, self._weight_load == "auto")
         await vllm_compat.set_weight_version(self._llm, self._version)
         await self._warm_up()
@@ -161,6 +170,10 @@ class Engine:
             self._llm.shutdown()
             self._llm = None
             vllm_compat.unfreeze_heap()
+        if self._adapter_dir is not None:
+            import shutil
+
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
 
     @property
     def version(self) -> int:
@@ -301,7 +314,10 @@ class Engine:
         engine that dies or rejects the request fails every member still running."""
         try:
             params = self._sampling_params(sampling, logprobs=sampling.top_logprobs, flat=True, n=len(stream.members))
-            async for out in self._llm.generate(vllm_compat.token_input(prompt_ids), params, stream.vllm_id):
+            out_stream = self._llm.generate(
+                vllm_compat.token_input(prompt_ids), params, stream.vllm_id, lora_request=self._lora
+            )
+            async for out in out_stream:
                 for completion in out.outputs:
                     self._receive(stream.members[completion.index], completion)
         except Exception as e:
@@ -392,7 +408,9 @@ class Engine:
         params = self._sampling_params(SamplingSpec(max_tokens=1, temperature=1.0), logprobs=None, prompt_logprobs=0)
         request_id = f"score#{next(self._ids)}"
         prompt_logprobs = None
-        async for out in self._llm.generate(vllm_compat.token_input(list(token_ids)), params, request_id):
+        async for out in self._llm.generate(
+            vllm_compat.token_input(list(token_ids)), params, request_id, lora_request=self._lora
+        ):
             if out.prompt_logprobs is not None:
                 prompt_logprobs = out.prompt_logprobs  # position 0 is None: nothing predicts the first token
         if prompt_logprobs is None:
@@ -408,7 +426,10 @@ class Engine:
         spec = dataclasses.replace(sampling, max_tokens=1, ignore_eos=True, timeout_s=None)
         params = self._sampling_params(spec, logprobs=None, logprob_token_ids=[int(target)])
         logprob = float("nan")
-        async for out in self._llm.generate(vllm_compat.token_input(list(prefix)), params, f"score#{next(self._ids)}"):
+        request_id = f"score#{next(self._ids)}"
+        async for out in self._llm.generate(
+            vllm_compat.token_input(list(prefix)), params, request_id, lora_request=self._lora
+        ):
             if out.outputs[0].logprobs:
                 logprob = float(out.outputs[0].logprobs[0][int(target)].logprob)
         return logprob
@@ -429,7 +450,11 @@ class Engine:
             dispatch_version = self._version
             tokens: list[list[int]] = [[] for _ in range(n)]
             reasons, spans = ["abort"] * n, [None] * n
-            async for out in self._llm.generate(vllm_compat.token_input(list(ids)), params, f"eval#{next(self._ids)}"):
+            request_id = f"eval#{next(self._ids)}"
+            out_stream = self._llm.generate(
+                vllm_compat.token_input(list(ids)), params, request_id, lora_request=self._lora
+            )
+            async for out in out_stream:
                 for completion in out.outputs:
                     tokens[completion.index].extend(completion.token_ids)
                     if completion.finish_reason is not None:
@@ -449,10 +474,11 @@ class Engine:
     # Weights
 
     async def update_weights(self, buckets: Sequence[Any], version: int, in_flight: bool = True) -> int:
-        """Load weight buckets (safetensors bytes, or one `SharedWeights` / `CollectiveWeights` record) and set
-        the policy version; returns the number of tensors loaded (0 when the engine already serves a newer
-        version: versions never go back). A collective pull may bring a newer version than `version` (the
-        learner staged the next one first): the engine serves it under its own number.
+        """Load weight buckets (safetensors bytes, or one `SharedWeights` / `CollectiveWeights` record; or one
+        `AdapterWeights` record: the policy's LoRA adapter, `learner.lora`) and set the policy version; returns
+        the number of tensors loaded (0 when the engine already serves a newer version: versions never go back).
+        A collective pull may bring a newer version than `version` (the learner staged the next one first): the
+        engine serves it under its own number.
 
         in_flight: running requests are frozen (not dropped) during the load and continue afterwards;
         their later tokens carry `version`. Otherwise running requests finish first. Either way no token
@@ -464,9 +490,12 @@ class Engine:
                 return 0  # a newer sync overtook this one (a joining worker gets both): the engine keeps the newer
             await vllm_compat.pause_for_update(self._llm, in_flight)
             try:
-                num_tensors, version = await vllm_compat.load_weights(
-                    self._llm, list(buckets), self._in_place, version, self._group_key
-                )
+                if len(buckets) == 1 and isinstance(buckets[0], AdapterWeights):
+                    num_tensors = await self._load_adapter(buckets[0])
+                else:
+                    num_tensors, version = await vllm_compat.load_weights(
+                        self._llm, list(buckets), self._in_place, version, self._group_key
+                    )
                 await vllm_compat.set_weight_version(self._llm, version)
                 self._version = version
             except Exception:
@@ -474,6 +503,16 @@ class Engine:
                 raise
             finally:
                 await vllm_compat.resume_after_update(self._llm)
+        return num_tensors
+
+    async def _load_adapter(self, record: AdapterWeights) -> int:
+        """Load the policy's LoRA adapter (`learner.lora`) in place (`vllm_compat.adapter`); every request names it
+        from now on, those running included."""
+        if self._adapter_dir is None:
+            import tempfile
+
+            self._adapter_dir = tempfile.mkdtemp(prefix=f"asyncrl-adapter-{self.name}-")
+        num_tensors, self._lora = await vllm_compat.load_adapter(self._llm, record, self._adapter_dir)
         return num_tensors
 
     async def abort_stale(self, abort_after_lag: int) -> int:

@@ -89,6 +89,7 @@ class RolloutPool(WorkerCalls):
         placement_timeout_s: float = 300.0,
         model: ShippedModel | None = None,
         tools: ToolExecutor | None = None,
+        lora_rank: int | None = None,
     ) -> None:
         self.spec = WorkerSpec(
             model_dir=str(model_dir),
@@ -100,6 +101,7 @@ class RolloutPool(WorkerCalls):
             sampling=sampling,
             abort_after_lag=abort_after_lag,
             tools=tools,
+            lora_rank=lora_rank,
         )
         self.rollout = rollout
         self.queue = queue
@@ -165,6 +167,7 @@ class RolloutPool(WorkerCalls):
             placement_timeout_s=cfg.cluster.placement_timeout_s,
             model=ship(model_dir),
             tools=tools,
+            lora_rank=cfg.learner.lora.rank if cfg.learner.lora is not None else None,
         )
 
     @property

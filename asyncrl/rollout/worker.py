@@ -64,6 +64,8 @@ class WorkerSpec:
     (`Engine.abort_stale`; `buffer.abort_after_lag`); None never aborts."""
     tools: ToolExecutor | None = None
     """Runs tools and the reward (asyncrl/envs/tools); None: in this process (`InProcessTools`)."""
+    lora_rank: int | None = None
+    """The engine serves the policy's LoRA adapter of this rank (`learner.lora`); None: the whole weights."""
 
     def build_engine(self, name: str) -> Engine:
         """The engine a worker named `name` serves with (not started)."""
@@ -80,6 +82,7 @@ class WorkerSpec:
             weight_load=rollout.weight_load,
             group_requests=rollout.group_requests,
             fork_core=rollout.fork_engine_core,
+            lora_rank=self.lora_rank,
         )
 
 

@@ -27,6 +27,14 @@ def _is_section(annotation: Any) -> TypeGuard[type[BaseModel]]:
     return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
+def _optional_section(annotation: Any) -> type[BaseModel] | None:
+    """The section of a `Section | None` field (a section that is off unless set, e.g. `learner.lora`), else None."""
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return None
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if len(args) == 1 and _is_section(args[0]) else None
+
+
 def type_name(annotation: Any) -> str:
     """A short, readable name for a field annotation: `int`, `str | None`, `"sync" | "sao"`, `tuple[float, float]`."""
     if annotation is None or annotation is type(None):
@@ -84,12 +92,16 @@ def constraints_text(field: FieldInfo) -> str:
 def rows(model: type[BaseModel] = Config, prefix: str = "") -> dict[str, list[dict[str, str]]]:
     """Leaf fields grouped by section: {section: [{key, type, default, constraints, description}]}.
 
-    The top-level leaves are in section `""`; nested sections recurse (`a.b.key`)."""
+    The top-level leaves are in section `""`; nested sections recurse (`a.b.key`); an optional section (`Section |
+    None`) is a row of its own (off by default) and a section of its keys."""
     out: dict[str, list[dict[str, str]]] = {prefix.rstrip("."): []}
+    optional: dict[str, list[dict[str, str]]] = {}
     for name, field in model.model_fields.items():
         if _is_section(field.annotation):
             out.update(rows(field.annotation, f"{prefix}{name}."))
             continue
+        if (section := _optional_section(field.annotation)) is not None:
+            optional.update(rows(section, f"{prefix}{name}."))
         out[prefix.rstrip(".")].append(
             {
                 "key": f"{prefix}{name}",
@@ -99,7 +111,7 @@ def rows(model: type[BaseModel] = Config, prefix: str = "") -> dict[str, list[di
                 "description": " ".join((field.description or "").split()),
             }
         )
-    return {k: v for k, v in out.items() if v}
+    return {k: v for k, v in {**out, **optional}.items() if v}
 
 
 def _cell(text: str, code: bool = False) -> str:
@@ -117,8 +129,9 @@ def _section_doc(model: type[BaseModel]) -> str:
 def _section_models(model: type[BaseModel] = Config, prefix: str = "") -> dict[str, type[BaseModel]]:
     out = {prefix.rstrip("."): model}
     for name, field in model.model_fields.items():
-        if _is_section(field.annotation):
-            out.update(_section_models(field.annotation, f"{prefix}{name}."))
+        section = field.annotation if _is_section(field.annotation) else _optional_section(field.annotation)
+        if section is not None:
+            out.update(_section_models(section, f"{prefix}{name}."))
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from asyncrl.weights.adapter import AdapterWeights
 from asyncrl.weights.group import CollectiveWeights
 from asyncrl.weights.published import ExportedWeights
 from asyncrl.weights.segment import SharedWeights
@@ -55,6 +56,10 @@ class WeightPublisher(Protocol):
 
     def start_export_collective(self, version: int, loopback: bool, bucket_bytes: int, timeout_s: float) -> ExportCall:
         """`export_collective` without the wait."""
+        ...
+
+    def export_adapter(self) -> AdapterWeights:
+        """The policy's LoRA adapters (`learner.lora`), gathered on rank 0."""
         ...
 
     def finish_call(self, call: Any) -> list[Any]:

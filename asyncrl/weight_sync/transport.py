@@ -26,15 +26,20 @@ def resolve_transport(choice: str, num_nodes: int) -> Transport:
 
 
 def make_weight_sync(
-    learner: WeightPublisher, rollout: WeightLoaders, config: WeightSyncConfig, mode: Mode
+    learner: WeightPublisher, rollout: WeightLoaders, config: WeightSyncConfig, mode: Mode, adapter: bool = False
 ) -> WeightSync:
+    """The run's transport; `adapter` (`learner.lora`): only the adapters travel (`AdapterSync`), whatever
+    `config.transport`."""
     import ray
 
+    from asyncrl.weight_sync.adapter import AdapterSync
     from asyncrl.weight_sync.collective import CollectiveSync
     from asyncrl.weight_sync.delta import DeltaSync
     from asyncrl.weight_sync.object_store import ObjectStoreSync
     from asyncrl.weight_sync.shared_memory import SharedMemorySync
 
+    if adapter:
+        return AdapterSync(learner, rollout, config, mode)
     if config.delta:  # through the object store (`WeightSyncConfig` refuses another transport)
         return DeltaSync(learner, rollout, config, mode)
     num_nodes = sum(1 for node in ray.nodes() if node.get("Alive"))

@@ -10,12 +10,20 @@ from asyncrl.config import Config
 from asyncrl.telemetry import config_reference
 
 
+def _optional(annotation):
+    """The section of a `Section | None` field (off unless set: `learner.lora`, `telemetry.wandb`), else None."""
+    args = [a for a in getattr(annotation, "__args__", ()) if a is not type(None)]
+    return args[0] if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel) else None
+
+
 def _leaves(model=Config, prefix=""):
     for name, field in model.model_fields.items():
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             yield from _leaves(field.annotation, f"{prefix}{name}.")
-        else:
-            yield f"{prefix}{name}", field
+            continue
+        yield f"{prefix}{name}", field  # an optional section is a row of its own, and a table of its keys
+        if (section := _optional(field.annotation)) is not None:
+            yield from _leaves(section, f"{prefix}{name}.")
 
 
 def _split_row(line: str) -> list[str]:
@@ -48,6 +56,8 @@ def _table(md: str) -> dict[str, dict[str, str]]:
 
 
 def _expected_default(field):
+    if field.is_required():
+        return "(required)"
     value = field.default_factory() if field.default_factory is not None else field.default
     return json.dumps(list(value) if isinstance(value, tuple) else value)
 
@@ -67,15 +77,16 @@ def test_every_leaf_field_appears_with_its_default_and_description():
 def _sections(model: type[BaseModel], prefix: str = ""):
     """Dotted names of the section fields of `model`, nested ones (`rollout.autoscale`) included."""
     for name, field in model.model_fields.items():
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+        section = field.annotation if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel) else _optional(field.annotation)
+        if section is not None:
             yield prefix + name
-            yield from _sections(field.annotation, f"{prefix}{name}.")
+            yield from _sections(section, f"{prefix}{name}.")
 
 
 def test_one_table_per_section():
     md = config_reference.markdown()
     sections = list(_sections(Config))
-    assert {"rollout", "rollout.autoscale", "faults.chaos"} <= set(sections)
+    assert {"rollout", "rollout.autoscale", "faults.chaos", "learner.lora"} <= set(sections)
     for name in sections:
         assert f"## `{name}`" in md
     assert md.count("| key | type | default | constraints | description |") == 1 + len(sections)

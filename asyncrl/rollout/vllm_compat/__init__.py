@@ -20,10 +20,12 @@ Contents:
 - `sampled_logprobs` / `top_logprobs`: per-token log-probs from vLLM's flat (or per-position dict) layout.
 - `pause_for_update` / `resume_after_update`: in-flight (keep running requests) and draining pauses.
 - `repack_cpu_experts`: the CPU build's MoE expert weights packed again after a weight load (`moe`).
+- `load_adapter` / `lora_request`: the policy's LoRA adapter (`learner.lora`) loaded in place and named by requests.
 - `routed_experts` / `routes_problem`: the experts vLLM routed each token to, and why these engines cannot return
   them (`routes`).
 """
 
+from asyncrl.rollout.vllm_compat.adapter import load_adapter, lora_request
 from asyncrl.rollout.vllm_compat.errors import (
     EngineStartError,
     mark_output,
@@ -90,7 +92,9 @@ __all__ = [
     "engine_args",
     "start_failures_explained",
     "freeze_startup_heap",
+    "load_adapter",
     "load_weights",
+    "lora_request",
     "mark_output",
     "on_cpu",
     "pause_for_update",

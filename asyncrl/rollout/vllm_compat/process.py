@@ -57,8 +57,10 @@ def engine_args(
     max_num_seqs: int = 256,
     gpu_memory_utilization: float = 0.5,
     seed: int = 0,
+    lora_rank: int | None = None,
 ) -> Any:
-    """`AsyncEngineArgs` for a rollout engine.
+    """`AsyncEngineArgs` for a rollout engine; `lora_rank`: it serves one LoRA adapter of that rank
+    (`adapter.lora_engine_args`).
 
     - `logprobs_mode="processed_logprobs"` (vLLM >= 0.10, checked on 0.32): returned log-probs are those of
       the distribution actually sampled from (temperature, top-k, top-p applied) — invariant 4. So are those
@@ -73,6 +75,8 @@ def engine_args(
     - `worker_extension_cls`: adds the bucket-loading methods to vLLM's worker (see `WeightReceiver`).
     """
     from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from asyncrl.rollout.vllm_compat.adapter import lora_engine_args
 
     cpu = on_cpu()
     return AsyncEngineArgs(
@@ -89,6 +93,7 @@ def engine_args(
         gpu_memory_utilization=gpu_memory_utilization,
         disable_log_stats=True,
         enable_log_requests=False,
+        **({} if lora_rank is None else lora_engine_args(lora_rank)),
     )
 
 
