@@ -230,6 +230,11 @@ class Config(Section):
                 f"data.max_prompt_tokens ({self.data.max_prompt_tokens}) leaves no room for rollout.max_tokens "
                 f"({self.rollout.max_tokens}) in rollout.max_model_len ({self.rollout.max_model_len}): at most {room}"
             )
+        if self.learner.lora is not None and self.weight_sync.delta:
+            raise ValueError(
+                "weight_sync.delta does not apply with learner.lora: only the adapters travel at each sync "
+                "(set weight_sync.delta to false)"
+            )
         self._collective_placement()
         return self
 
