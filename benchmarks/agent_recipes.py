@@ -34,7 +34,7 @@ def main() -> None:
     common.set_runtime_env()
     load_start = common.load_average()
     seeds = args.seeds[:1] if args.quick else args.seeds
-    out = Path(tempfile.mkdtemp(prefix="agent_recipes-"))
+    out = args.runs or Path(tempfile.mkdtemp(prefix="agent_recipes-"))
     results: dict[str, dict] = {}
     for recipe in args.recipes:
         steps = 2 if args.quick else args.factor * default_steps(recipe)
@@ -63,6 +63,8 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--every", type=int, default=5, help="held-out evaluation period in steps")
     parser.add_argument("--factor", type=int, default=2, help="run this many times the recipe's learner.max_steps")
     parser.add_argument("--set", nargs="*", default=[], help="extra section.key=value overrides for every run")
+    runs_help = "folder of the run folders (default: a new temporary one); a finished run there is read, not rerun"
+    parser.add_argument("--runs", type=Path, default=None, help=runs_help)
     return parser.parse_args()
 
 
@@ -75,6 +77,9 @@ def default_steps(recipe: str) -> int:
 def one_run(out: Path, recipe: str, seed: int, steps: int, every: int, extra: list[str]) -> dict:
     """One CLI run of `recipe` with `seed`; its curve, best, final and drop (see `figures`)."""
     run_dir = out / f"{recipe}-seed{seed}"
+    if finished(run_dir / "events.jsonl"):
+        print(f"{recipe} seed {seed}: reading the finished run in {run_dir}", flush=True)
+        return figures(eval_curve(run_dir / "events.jsonl")) | {"seed": seed, "process_wall_s": None}
     overrides = [f"output_dir={run_dir}", f"seed={seed}", f"learner.max_steps={steps}", f"eval.every_steps={every}",
                  "telemetry.progress=false", "checkpoint.export_hf=false", *extra]  # fmt: skip
     began = time.perf_counter()
@@ -86,6 +91,14 @@ def one_run(out: Path, recipe: str, seed: int, steps: int, every: int, extra: li
     result |= {"seed": seed, "process_wall_s": round(time.perf_counter() - began, 1)}
     print(f"{recipe} seed {seed}: {result['curve']}", flush=True)
     return result
+
+
+def finished(events: Path) -> bool:
+    """Whether a run's events.jsonl ends with a `close` record without an error."""
+    if not events.is_file():
+        return False
+    rows = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
+    return any(r.get("kind") == "close" and not r["data"].get("error") for r in rows)
 
 
 def eval_curve(events: Path) -> list[tuple[int, float, float | None]]:
