@@ -1,11 +1,11 @@
 """Do the agent recipes hold their gains? `sao_agent`, `grpo_agent` (and `word_problems`) over twice their
 default `learner.max_steps`, for several seeds: held-out success every `--every` steps, its best, its final
-value and the drop from the best to the lowest evaluation after the best.
+value and its drop: the most any evaluation falls below the best evaluation before it.
 
 Each (recipe, seed) is one `asyncrl run <recipe> seed=<s> ...` process (its own warm start, cached per
 seed, and its own Ray session), run one after the other; the curve is read from the `eval` records of the
 run's `events.jsonl` (metrics.jsonl holds the step rows). A recipe holds when, for every seed, no evaluation
-after the best falls more than 0.05 below it. Writes benchmarks/results/agent_recipes.json.
+falls more than 0.05 below the best so far. Writes benchmarks/results/agent_recipes.json.
 
     python benchmarks/agent_recipes.py [--quick] [--recipes R ...] [--seeds S ...] [--every K] [--factor F]
         [--set section.key=value ...] [--out PATH]
@@ -111,12 +111,13 @@ def eval_curve(events: Path) -> list[tuple[int, float, float | None]]:
 
 
 def figures(curve: list[tuple[int, float, float | None]]) -> dict:
-    """Start, best (and its step), final, and drop: the best minus the lowest evaluation at or after it."""
+    """Start, best (and its step), final, and drop: the most an evaluation falls below the best one before it."""
     accuracies = [a for _, a, _ in curve]
     best_at = max(range(len(accuracies)), key=accuracies.__getitem__)
+    drop = max(max(accuracies[: i + 1]) - a for i, a in enumerate(accuracies))
     return {
         "start": accuracies[0], "best": accuracies[best_at], "best_step": curve[best_at][0], "final": accuracies[-1],
-        "drop": round(accuracies[best_at] - min(accuracies[best_at:]), 4), "curve": curve,
+        "drop": round(drop, 4), "curve": curve,
     }  # fmt: skip
 
 

@@ -678,7 +678,7 @@ def agent_recipes(d: dict) -> list[str]:
     title = d.get("title", "Agent recipes — do they hold their gains?")
     lines = [f"## {title} (`benchmarks/agent_recipes.py`)", "",
              "Each recipe over twice its default steps, one `asyncrl run` per seed; held-out: greedy episodes on fixed problems. "
-             f"drop: best minus the lowest evaluation at or after it; a recipe holds when every seed's drop is at most {d['tolerance']}."
+             f"drop: the most an evaluation falls below the best one before it; a recipe holds when every seed's drop is at most {d['tolerance']}."
              + (f" Overrides: `{' '.join(d['overrides'])}`." if d.get("overrides") else ""), ""]  # fmt: skip
     lines += table(
         ["recipe", "seed", "steps", "start", "best (step)", "final", "drop", "holds", "curve (step, success)"],

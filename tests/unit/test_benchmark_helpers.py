@@ -302,7 +302,8 @@ def test_a_nan_step_survives_when_the_run_went_past_it():
 
 
 def test_agent_recipe_figures_measure_the_drop_after_the_best(tmp_path):
-    # Best 0.88 at step 25, lowest after it 0.0: drop 0.88; a curve that only dips before its best drops 0.
+    # Best 0.88 at step 25, lowest after it 0.0: drop 0.88. A dip below an earlier best counts even when a later
+    # evaluation is the best of all (0.90 at 10, 0.69 at 25, 0.905 at 40: drop 0.21).
     events = tmp_path / "events.jsonl"
     rows = [{"kind": "note", "data": {"text": "x"}}] + [
         {"kind": "eval", "data": {"step": s, "accuracy": a, "tool_call_rate": 1.0}}
@@ -312,7 +313,9 @@ def test_agent_recipe_figures_measure_the_drop_after_the_best(tmp_path):
     assert not agent_recipes.finished(events)
     falls = agent_recipes.figures(agent_recipes.eval_curve(events))
     assert (falls["start"], falls["best"], falls["best_step"], falls["final"], falls["drop"]) == (0.01, 0.88, 25, 0.0, 0.88)
-    rises = agent_recipes.figures([(0, 0.1, None), (5, 0.05, None), (10, 0.9, None), (15, 0.86, None)])
+    rises = agent_recipes.figures([(0, 0.1, None), (5, 0.06, None), (10, 0.9, None), (15, 0.86, None)])
     assert rises["drop"] == 0.04 and agent_recipes.holds([rises]) and not agent_recipes.holds([rises, falls])
+    dips = agent_recipes.figures([(0, 0.1, None), (10, 0.9, None), (25, 0.69, None), (40, 0.905, None)])
+    assert (dips["best"], dips["drop"]) == (0.905, 0.21) and not agent_recipes.holds([dips])
     events.write_text(events.read_text() + json.dumps({"kind": "close", "data": {"steps": 40, "error": None}}) + "\n")
     assert agent_recipes.finished(events)
