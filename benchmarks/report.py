@@ -674,6 +674,21 @@ def agent_learning(d: dict) -> list[str]:
     return lines
 
 
+def agent_recipes(d: dict) -> list[str]:
+    title = d.get("title", "Agent recipes — do they hold their gains?")
+    lines = [f"## {title} (`benchmarks/agent_recipes.py`)", "",
+             "Each recipe over twice its default steps, one `asyncrl run` per seed; held-out: greedy episodes on fixed problems. "
+             f"drop: the most an evaluation falls below the best one before it; a recipe holds when every seed's drop is at most {d['tolerance']}."
+             + (f" Overrides: `{' '.join(d['overrides'])}`." if d.get("overrides") else ""), ""]  # fmt: skip
+    lines += table(
+        ["recipe", "seed", "steps", "start", "best (step)", "final", "drop", "holds", "curve (step, success)"],
+        [[name, s["seed"], r["steps"], f"{s['start']:.3f}", f"{s['best']:.3f} ({s['best_step']})", f"{s['final']:.3f}", f"{s['drop']:.3f}",
+          "yes" if r["holds"] else "no", ", ".join(f"({step}, {a:.3f})" for step, a, _ in s["curve"])]
+         for name, r in d["recipes"].items() for s in r["seeds"]],
+    )  # fmt: skip
+    return lines
+
+
 def openai_endpoint(d: dict) -> list[str]:
     lines = ["## Agent endpoint — the OpenAI-compatible server over the engine (`benchmarks/openai_endpoint.py`)", "",
              f"{d['rounds']} chat calls through the real `openai` client, {d['calls_per_episode']} per episode, {d['max_tokens']} tokens each "
@@ -917,6 +932,9 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "limits": limits,
     "limits_busy": limits,
     "agent_learning": agent_learning,
+    "agent_recipes_before": agent_recipes,
+    "agent_recipes": agent_recipes,
+    "agent_recipes_word_problems": agent_recipes,
     "openai_endpoint": openai_endpoint,
     "soak": soak,
     "staleness_w1": staleness_w1,
@@ -953,7 +971,7 @@ LAYOUT = [
     "profile_w1_unfrozen_1", "profile_w1_frozen_1", "profile_w1_unfrozen_2", "profile_w1_frozen_2",
     "profile_w1_whole_groups_1", "profile_w1_split_groups_1", "profile_w1_whole_groups_2", "profile_w1_split_groups_2", "profile_w1_threads", "profile_w1_compile", "profile_w1_bf16", "profile_w1_w1speed",
     "rollout_overhead", "client_floor_no_freeze", "client_floor", "logprob_layout", "engine_start", "model_scale", "model_scale_mmap0", "model_scale_bfloat16",
-    "agent_learning", "agent_tool", "openai_endpoint", "soak", "readme_results_archive",
+    "agent_learning", "agent_recipes_before", "agent_recipes", "agent_recipes_word_problems", "agent_tool", "openai_endpoint", "soak", "readme_results_archive",
 ]  # fmt: skip
 """The sections of RESULTS.md in order (module docstring)."""
 

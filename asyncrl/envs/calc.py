@@ -15,6 +15,7 @@ can raise both the success rate and how often the tool is called.
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Iterator
 
 from asyncrl.envs.base import EnvContext, Observation, StepInfo, StepResult
@@ -80,6 +81,21 @@ def call_text(expression: str) -> str:
 def result_text(output: str) -> str:
     """The observation of a calculator result (`?` for a failed call)."""
     return f"={output};"
+
+
+def tool_expression(task: str, text: str) -> str:
+    """The calculator expression that solves a generated problem of `task` from its prompt text (what a warm
+    start teaches the model to write between `[` and `]`)."""
+    if task == "calc":
+        return text.rstrip("=")
+    if task != "word_problems":
+        raise ValueError(f"no tool expression for task {task!r} (calc, word_problems)")
+    first, second = (int(n) for n in re.findall(r"\d+", text.split("\n")[0])[:2])
+    if " gets " in text:
+        return f"{first}+{second}"
+    if " gives " in text:
+        return f"{first}-{second}"
+    return f"{first}*{second}"  # "buys {bags} bags with {per_bag} ..."
 
 
 def tool_call_expression(action_text: str) -> str | None:

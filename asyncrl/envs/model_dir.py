@@ -1,6 +1,6 @@
 """The model directory a run starts from: the user's `model.path` as is (fetched into the cache when it is on an
-object store), or a preset built and, for the
-built-in `add` and `calc` tasks, supervised warm-started (`asyncrl.envs.warm_start`) once and cached under
+object store), or a preset built and, for the built-in `add`, `calc` and `word_problems` tasks, supervised
+warm-started (`asyncrl.envs.warm_start`) once and cached under
 $ASYNCRL_CACHE. The cache key is the warm start's whole specification, so a changed setting builds anew.
 """
 
@@ -15,8 +15,9 @@ from asyncrl.models import PRESETS, build_model, cache_root, file_lock
 from asyncrl.models.tokenizer import refresh_saved_tokenizer
 from asyncrl.remote import is_remote
 
-WARM_STARTED_TASKS = ("add", "calc")
-"""Built-in tasks with a supervised warm start (`add`: `warm_start`; `calc`: `warm_start_calc`)."""
+WARM_STARTED_TASKS = ("add", "calc", "word_problems")
+"""Built-in tasks with a supervised warm start (`add`: `warm_start`; the agent tasks: `warm_start_calc`)."""
+AGENT_TASKS = ("calc", "word_problems")
 
 
 def ensure_model(cfg, report: Callable[[str], None] | None = None) -> Path:
@@ -45,8 +46,8 @@ def ensure_model(cfg, report: Callable[[str], None] | None = None) -> Path:
         "seed": cfg.seed,
         "v": 3,  # 3: deterministic (one thread), sampled reward and entropy recorded
     }
-    if cfg.data.task == "calc":  # keys only calc has: the `add` starts keep their cache names
-        spec.update(task="calc", operands=cfg.data.operands, tool_fraction=cfg.model.warm_start_tool_fraction)
+    if cfg.data.task in AGENT_TASKS:  # keys only the agent tasks have: the `add` starts keep their cache names
+        spec.update(task=cfg.data.task, operands=cfg.data.operands, tool_fraction=cfg.model.warm_start_tool_fraction)
     elif cfg.model.warm_start_dropout > 0:
         spec["dropout"] = cfg.model.warm_start_dropout
 
@@ -98,9 +99,16 @@ def _warm_start(cfg, spec: dict, model_dir: Path, report: Callable[[str], None])
     progress."""
     from asyncrl.envs import warm_start as ws
 
-    if cfg.data.task == "calc":
+    if cfg.data.task in AGENT_TASKS:
         return ws.warm_start_calc(
-            model_dir, spec["examples"], spec["epochs"], spec["lr"], spec["operands"], cfg.seed, spec["tool_fraction"]
+            model_dir,
+            spec["examples"],
+            spec["epochs"],
+            spec["lr"],
+            spec["operands"],
+            cfg.seed,
+            spec["tool_fraction"],
+            task=cfg.data.task,
         )
     measured = ws.warm_start(
         model_dir,

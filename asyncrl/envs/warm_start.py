@@ -316,12 +316,15 @@ def greedy_accuracy(model, tokenizer, prompts, max_new_tokens: int = 8, batch_si
 
 
 # ---------------------------------------------------------------------------------------------------
-# The `calc` agent task (asyncrl.envs.calc): a start that calls the calculator sometimes, not always
+# The agent tasks (asyncrl.envs.calc): a start that calls the calculator sometimes, not always
 
 
-def calc_example(tokenizer, text: str, answer: str, use_tool: bool) -> tuple[list[int], list[int]]:
+def calc_example(
+    tokenizer, text: str, answer: str, use_tool: bool, expression: str | None = None
+) -> tuple[list[int], list[int]]:
     """(ids, supervised flags) of one episode exactly as the rollout worker assembles it: prompt, then either
-    `[expr]` + observation `=answer;` (not supervised) + answer, or the answer at once; then EOS."""
+    `[expression]` (default: the `calc` prompt without its `=`) + observation `=answer;` (not supervised) +
+    answer, or the answer at once; then EOS."""
     from asyncrl.envs.calc import call_text, result_text
 
     def enc(s: str) -> list[int]:
@@ -329,7 +332,8 @@ def calc_example(tokenizer, text: str, answer: str, use_tool: bool) -> tuple[lis
 
     ids, flags = enc(text), [0] * len(enc(text))
     if use_tool:
-        call, observation = enc(call_text(text.rstrip("="))), enc(result_text(answer))
+        call = enc(call_text(expression if expression is not None else text.rstrip("=")))
+        observation = enc(result_text(answer))
         ids, flags = ids + call + observation, flags + [1] * len(call) + [0] * len(observation)
     final = enc(answer) + [tokenizer.eos_token_id]
     return ids + final, flags + [1] * len(final)
@@ -344,10 +348,12 @@ def warm_start_calc(
     seed: int = 0,
     tool_fraction: float = 0.3,
     batch_size: int = 32,
+    task: str = "calc",
 ) -> dict:
-    """Supervised start for `calc`: `tool_fraction` of the examples call the calculator, the rest answer in the
-    head (which a tiny model gets mostly wrong), for a fixed number of epochs, deterministically. The result
-    calls the tool sometimes but not reliably, so RL has both success and tool use to raise."""
+    """Supervised start for an agent task with the calculator (`calc`, `word_problems`): `tool_fraction` of the
+    examples call the calculator with the expression that solves the problem (`calc.tool_expression`), the rest
+    answer in the head (which a tiny model gets mostly wrong), for a fixed number of epochs, deterministically.
+    The result calls the tool sometimes but not reliably, so RL has both success and tool use to raise."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from asyncrl.envs import calc
@@ -355,14 +361,17 @@ def warm_start_calc(
     with deterministic(seed):
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        rng, problems = random.Random(seed), calc.train_problems("calc", add.WARM_START_SEED + seed, operands)
-        data = [calc_example(tokenizer, *next(problems), rng.random() < tool_fraction) for _ in range(examples)]
+        rng, problems = random.Random(seed), calc.train_problems(task, add.WARM_START_SEED + seed, operands)
+        data = [
+            calc_example(tokenizer, text, answer, rng.random() < tool_fraction, calc.tool_expression(task, text))
+            for text, answer in (next(problems) for _ in range(examples))
+        ]
         start = time.perf_counter()
         steps, loss = _train(model, tokenizer, data, epochs, lr, rng, batch_size, lambda _step: False)
         model.eval()
         model.save_pretrained(model_dir, safe_serialization=True)
     return {
-        "task": "calc",
+        "task": task,
         "tool_fraction": tool_fraction,
         "steps": steps,
         "epochs": epochs,

@@ -1,5 +1,6 @@
 """Helpers of the W1 benchmark scripts (benchmarks/ is not a package: scripts import each other by path)."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -8,6 +9,7 @@ import torch
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
+import agent_recipes  # noqa: E402
 from learning_add import accuracy_at, run_figures, runs  # noqa: E402
 from plain_grpo import group_advantages  # noqa: E402
 from profile_run import thread_cores, thread_times  # noqa: E402
@@ -297,3 +299,23 @@ def test_a_nan_step_survives_when_the_run_went_past_it():
     assert _nan_survived(leg(36), [35, 36], skipped) is True  # the leg's last step, but checkpointed after it
     assert _nan_survived(leg(35), [35, 36], skipped) is None  # the next leg replays it: not known here
     assert _nan_survived(leg(40), [35, 36, 37], trained) is False  # a NaN step that was not skipped
+
+
+def test_agent_recipe_figures_measure_the_drop_after_the_best(tmp_path):
+    # Best 0.88 at step 25, lowest after it 0.0: drop 0.88. A dip below an earlier best counts even when a later
+    # evaluation is the best of all (0.90 at 10, 0.69 at 25, 0.905 at 40: drop 0.21).
+    events = tmp_path / "events.jsonl"
+    rows = [{"kind": "note", "data": {"text": "x"}}] + [
+        {"kind": "eval", "data": {"step": s, "accuracy": a, "tool_call_rate": 1.0}}
+        for s, a in [(0, 0.01), (10, 0.87), (25, 0.88), (30, 0.79), (40, 0.0)]
+    ]
+    events.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert not agent_recipes.finished(events)
+    falls = agent_recipes.figures(agent_recipes.eval_curve(events))
+    assert (falls["start"], falls["best"], falls["best_step"], falls["final"], falls["drop"]) == (0.01, 0.88, 25, 0.0, 0.88)
+    rises = agent_recipes.figures([(0, 0.1, None), (5, 0.06, None), (10, 0.9, None), (15, 0.86, None)])
+    assert rises["drop"] == 0.04 and agent_recipes.holds([rises]) and not agent_recipes.holds([rises, falls])
+    dips = agent_recipes.figures([(0, 0.1, None), (10, 0.9, None), (25, 0.69, None), (40, 0.905, None)])
+    assert (dips["best"], dips["drop"]) == (0.905, 0.21) and not agent_recipes.holds([dips])
+    events.write_text(events.read_text() + json.dumps({"kind": "close", "data": {"steps": 40, "error": None}}) + "\n")
+    assert agent_recipes.finished(events)

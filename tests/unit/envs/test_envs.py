@@ -145,6 +145,27 @@ def test_word_problem_answers_follow_their_story():
         assert answer == str(expected), text
 
 
+@pytest.mark.parametrize(
+    "text, expression",
+    [("Ann has 12 apples and gets 30 more. How many apples does Ann have now?\nAnswer: ", "12+30"),
+     ("Ben has 45 coins and gives 7 away. How many coins are left?\nAnswer: ", "45-7"),
+     ("Eva buys 4 bags with 70 cards in each. How many cards is that?\nAnswer: ", "4*70")],
+)
+def test_the_tool_expression_of_a_word_problem_is_its_story_as_arithmetic(text, expression):
+    assert calc.tool_expression("word_problems", text) == expression
+    assert calc.tool_expression("calc", "123+456+789=") == "123+456+789"
+
+
+def test_every_generated_problem_is_solved_by_its_tool_expression():
+    from asyncrl.envs.tools.calculator import calculate
+
+    for task in calc.PROBLEMS:
+        for text, answer in calc.heldout_problems(task, 200):
+            assert calculate(calc.tool_expression(task, text)) == answer, (task, text)
+    with pytest.raises(ValueError, match="no tool expression for task 'add'"):
+        calc.tool_expression("add", "1+2=")
+
+
 @pytest.mark.parametrize("response, reward", [("42", 1.0), ("The answer is 42", 1.0), ("\\frac{84}{2}", 1.0), ("41", 0.0)])
 def test_math_verify_reward(response, reward):
     from asyncrl.envs.rewards import math_verify

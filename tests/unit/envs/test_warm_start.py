@@ -1,3 +1,6 @@
+import json
+from pathlib import Path
+
 import torch
 
 from asyncrl.envs import add
@@ -108,3 +111,27 @@ def test_a_calc_example_supervises_the_model_turns_but_not_the_observation():
     assert flags == [0] * 4 + [1] * 5 + [0] * 3 + [1] * 2
     ids, flags = calc_example(tok, "1+2=", "3", use_tool=False)
     assert tok.decode(ids[:-1]) == "1+2=3" and flags == [0] * 4 + [1] * 2
+
+
+def test_a_word_problem_example_calls_the_tool_with_the_given_expression():
+    from asyncrl.envs.warm_start import calc_example
+    from asyncrl.models.tokenizer import ASCII_ALPHABET
+
+    tok = build_char_tokenizer(ASCII_ALPHABET)
+    ids, flags = calc_example(tok, "Ann has 2 and gets 3 more.\nAnswer: ", "5", use_tool=True, expression="2+3")
+    assert tok.decode(ids[:-1]) == "Ann has 2 and gets 3 more.\nAnswer: [2+3]=5;5" and ids[-1] == tok.eos_token_id
+    assert flags == [0] * 35 + [1] * 5 + [0] * 3 + [1] * 2
+
+
+def test_the_agent_tasks_share_the_calc_warm_start_keyed_by_task(monkeypatch, tmp_path):
+    from asyncrl.config import load_config
+    from asyncrl.envs import model_dir, warm_start
+
+    calls = []
+    monkeypatch.setattr(model_dir, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(model_dir, "build_model", lambda preset, out, seed: Path(out).mkdir(parents=True))
+    monkeypatch.setattr(warm_start, "warm_start_calc", lambda *a, **kw: calls.append((a, kw)) or {"steps": 1})
+    paths = {name: model_dir.ensure_model(load_config(name)) for name in ("sao_agent", "word_problems")}
+    assert [kw["task"] for _, kw in calls] == ["calc", "word_problems"]
+    assert paths["sao_agent"].name.startswith("calc-1m-") and paths["word_problems"].name.startswith("ascii-1m-")
+    assert json.loads((paths["word_problems"] / "warm_start.json").read_text())["spec"]["task"] == "word_problems"
