@@ -90,8 +90,10 @@ def to_megatron(src: str, dst: str, model_dir: str, tensor_parallel: int) -> int
 
     if tensor_parallel < 1:
         raise ValueError(f"tensor_parallel = {tensor_parallel}: at least 1")
-    src_dir, out = _complete(src), _fresh(dst)
-    rng = _rng_state()
+    src_dir = _complete(src)
+    if _has_critic(src_dir):
+        raise ValueError(f"{src} holds a critic: the megatron backend trains none, so it cannot take this checkpoint")
+    out, rng = _fresh(dst), _rng_state()
     with _one_process_group():
         state = _fsdp2_state(model_dir)
         step = load_train_state(src_dir, state, rank=0)
@@ -141,6 +143,16 @@ def _complete(src: str) -> Path:
     if not (folder / STATE_FILE).is_file():
         raise FileNotFoundError(f"{folder} is not a complete learner checkpoint (no {STATE_FILE})")
     return folder
+
+
+def _has_critic(folder: Path) -> bool:
+    """Whether the FSDP2 checkpoint in `folder` saved a critic (its DCP metadata names `critic` keys)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from asyncrl.learner.checkpoint import _DCP_DIR
+
+    keys = FileSystemReader(str(folder / _DCP_DIR)).read_metadata().state_dict_metadata
+    return any(key.startswith("critic") for key in keys)
 
 
 def _fresh(dst: str) -> Path:

@@ -416,3 +416,17 @@ def test_bf16_compute_is_within_bf16_rounding_of_the_fsdp2_bf16_step(one_rank, t
         theirs.grad_norm, rel=1e-3
     )
     assert ours.metrics["skipped_step"] == 0.0
+
+
+def test_an_fsdp2_checkpoint_with_a_critic_is_refused_not_converted_without_it(tmp_path):
+    """megatron trains no critic: converting a checkpoint that saved one would silently drop it."""
+    import torch.distributed.checkpoint as dcp
+
+    from asyncrl.learner.checkpoint import STATE_FILE
+    from asyncrl.learner.megatron.switch import to_megatron
+
+    dcp.save({"critic": {"model": {"v_head.weight": torch.zeros(2, 2)}}}, checkpoint_id=str(tmp_path / "ckpt/learner"))
+    (tmp_path / "ckpt" / STATE_FILE).write_text("{}")
+    with pytest.raises(ValueError, match="holds a critic"):
+        to_megatron(str(tmp_path / "ckpt"), str(tmp_path / "out"), "unused", 1)
+    assert not (tmp_path / "out").exists()
