@@ -224,3 +224,15 @@ def test_the_rank_memory_budget_under_lora_counts_the_frozen_base_and_the_adapte
                  "0.00108 GB of parameters + 9.01e-05 of gradients + 0.00018 of AdamW moments",
                  "It fits from learner.num_ranks = 2 (0.00108 GB per rank)"):  # fmt: skip
         assert part in str(error.value), (part, str(error.value))
+
+
+def test_a_wrapped_lora_rank_holds_the_estimate(tiny_model_dir, mesh):
+    from asyncrl.config import LoraConfig
+    from asyncrl.learner.memory import held_bytes
+
+    state = _state(tiny_model_dir, mesh, "always", lora=LoraConfig(rank=4, alpha=8.0))
+    held = held_bytes(state)
+    # the estimate of the test above: all 270,400 weights, AdamW moments of the 22,528 adapter parameters only
+    # (and a 4-byte step counter per adapter tensor: A and B of 7 projections in 4 layers)
+    assert held["param_bytes"] == 270_400 * 4
+    assert held["optimizer_bytes"] == 22_528 * 8 + 4 * 56
