@@ -85,7 +85,7 @@ def lora_sync(sizes: list[dict]) -> str:
         against = ", ".join(f"{s['transport']} {s['bytes'] / 1e6:.0f} MB in {s['total_s_median']:.2f} s" for s in full)
         share = f" ({a['bytes'] / full[0]['bytes']:.1%} of the bytes)" if full else ""
         parts.append(f" LoRA rank {a['lora_rank']} at {a['preset']}: {a['bytes'] / 1e6:.1f} MB in "
-                     f"{a['total_s_median']:.2f} s (decode {a['decode_s']:.2f} s)" + (f" against {against}{share}." if full else "."))  # fmt: skip
+                     f"{a['total_s_median']:.2f} s" + (f" against {against}{share}." if full else "."))  # fmt: skip
     return "".join(parts)
 
 
