@@ -57,7 +57,7 @@ def weight_sync(d: dict, title: str = "## W3 `sync` — weight publication (`ben
         "",
         "**Headline:** " + "; ".join(f"{s['preset']} {s['total_s_median']:.2f} s at {s['memcpy_ratio']:.3f} of memcpy "
                                      f"({s.get('memcpy_1thread_ratio', 0):.3f} of a 1-thread memcpy)" for s in best)
-        + f" (shared memory, in place); parity after every sync ≤ {worst:.1e}." + decode_speed(sizes),
+        + f" (shared memory, in place); parity after every sync ≤ {worst:.1e}." + decode_speed(sizes) + lora_sync(sizes),
         "",
     ]
     lines += table(
@@ -77,9 +77,21 @@ def weight_sync(d: dict, title: str = "## W3 `sync` — weight publication (`ben
     return lines
 
 
+def lora_sync(sizes: list[dict]) -> str:
+    """The adapter sync (`--lora-rank`, transport `lora_adapter`) next to the full syncs of the same size."""
+    parts = []
+    for a in (s for s in sizes if s.get("transport") == "lora_adapter"):
+        full = [s for s in sizes if s["preset"] == a["preset"] and s.get("transport") != "lora_adapter"]
+        against = ", ".join(f"{s['transport']} {s['bytes'] / 1e6:.0f} MB in {s['total_s_median']:.2f} s" for s in full)
+        share = f" ({a['bytes'] / full[0]['bytes']:.1%} of the bytes)" if full else ""
+        parts.append(f" LoRA rank {a['lora_rank']} at {a['preset']}: {a['bytes'] / 1e6:.1f} MB in "
+                     f"{a['total_s_median']:.2f} s" + (f" against {against}{share}." if full else "."))  # fmt: skip
+    return "".join(parts)
+
+
 def decode_speed(sizes: list[dict]) -> str:
     """Greedy decode speed with in-place loads (unpacked kernels) over reloads (vLLM's packed ones), per size."""
-    seconds = {(s["preset"], s.get("weight_load")): s.get("decode_s") for s in sizes}
+    seconds = {(s["preset"], s.get("weight_load")): s.get("decode_s") for s in sizes if s.get("transport") != "lora_adapter"}
     ratios = [f"{p} {seconds[(p, 'reload')] / seconds[(p, 'in_place')]:.2f}x" for p in dict.fromkeys(s["preset"] for s in sizes)
               if seconds.get((p, "reload")) and seconds.get((p, "in_place"))]  # fmt: skip
     return f" Decode speed in place ÷ reload: {', '.join(ratios)}." if ratios else ""
@@ -911,6 +923,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "weight_sync_0.5b": lambda d: weight_sync(d, "## W3 `sync` at 0.36B parameters (`benchmarks/weight_sync.py --presets qwen-0.5b`)"),
     "weight_sync_gpu": weight_sync_gpu,
     "weight_sync_gpu_cpu": weight_sync_gpu,
+    "weight_sync_lora": lambda d: weight_sync(d, "## W3 `sync` of a LoRA adapter next to the full sync (`benchmarks/weight_sync.py --lora-rank 16`)"),
     "weight_sync_collective": lambda d: weight_sync(d, "## W3 `sync` over the collective transport (`benchmarks/weight_sync.py --transports object_store collective shared_memory`)"),
     "async_speedup": async_speedup,
     "async_speedup_continue": lambda d: async_speedup(d, "## W2 `tail` under `stale_policy: continue` (`benchmarks/async_speedup.py --stale-policy continue`)"),
@@ -962,7 +975,7 @@ LAYOUT = [
     "readme_results",
     "learning_add", "learning_add_120", "learning_add_packed", "learning_add_w1speed", "learning_add_informative", "learning_add_compile", "learner_compile", "learning_add_bf16", "learning_add_ready_cap", "learning_add_mb4", "learning_add_mb4_same_lr", "lr_decay", "correction", "dtype", "ready_cap", "staleness_w1", "warm_start_lift",
     "async_speedup", "async_speedup_continue", "limits", "limits_busy", "eval_overlap", "eval_overlap_w1",
-    "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "weight_sync_gpu", "weight_sync_delta", "weight_sync_delta_e2e", "weight_export_0.5b", "lora",
+    "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "weight_sync_lora", "weight_sync_gpu", "weight_sync_delta", "weight_sync_delta_e2e", "weight_export_0.5b", "lora",
     "moe_routing_replay",
     "install_lock",
     "queue_throughput", "data_scale", "algo_throughput", "fsdp_rank", "megatron", "activation_checkpointing", "activation_checkpointing_gpu", "packing", "storage_checkpoint",

@@ -22,9 +22,15 @@ the learner moved) and after it (should be ~1e-6 in fp32). Syncs alternate betwe
 mode, `decode_s`: greedy decoding of 32 prompts x up to 32 tokens after the syncs, the same work in both
 modes (what the kernels each mode runs cost in generation).
 
+With `--lora-rank R`, per size one more learner and engine: the learner trains `learner.lora` adapters of rank R
+(alpha 2R) on every projection, the engine serves the base model with the adapter through vLLM's LoRA, and the
+syncs (transport `lora_adapter`, `AdapterSync`) send the adapter alone, timed and checked the same way.
+
     python benchmarks/weight_sync.py            # all three sizes, both loads, three transports, ~10 min on 2 CPU cores (3 syncs each)
     python benchmarks/weight_sync.py --transports object_store collective shared_memory --weight-loads in_place
     python benchmarks/weight_sync.py --presets qwen-0.5b --transports shared_memory --weight-loads in_place --out ...
+    python benchmarks/weight_sync.py --presets w3-125m --transports object_store shared_memory --weight-loads in_place \
+        --lora-rank 16 --out benchmarks/results/weight_sync_lora.json    # the adapter sync next to the full one
     python benchmarks/weight_sync.py --quick    # smoke: w3-0.5m, in_place, 2 syncs; writes weight_sync_quick.json
 """
 
@@ -94,28 +100,33 @@ def synthetic_groups(vocab: int, seed: int, num_groups: int = 2, group_size: int
 
 
 @contextlib.contextmanager
-def pools(model_dir: Path, bucket_bytes: int, timeout_s: float, transports: list[str], weight_load: str):
+def pools(model_dir: Path, bucket_bytes: int, timeout_s: float, transports: list[str], weight_load: str, lora_rank: int | None = None):
     """One FSDP2 learner rank and one vLLM engine (loading as `weight_load` says) on `model_dir`, and a weight
-    sync of each transport."""
+    sync of each transport; with `lora_rank`, a learner training adapters of that rank on every projection, an
+    engine serving them, and the adapter sync (transport `lora_adapter`)."""
     from asyncrl.algo.recipes import resolve_recipe
-    from asyncrl.config import EnvConfig, LearnerConfig, RolloutConfig, WeightSyncConfig
+    from asyncrl.config import EnvConfig, LearnerConfig, LoraConfig, RolloutConfig, WeightSyncConfig
     from asyncrl.learner.pool import LearnerPool
     from asyncrl.rollout.pool import RolloutPool
+    from asyncrl.weight_sync.adapter import AdapterSync
     from asyncrl.weight_sync.collective import CollectiveSync
     from asyncrl.weight_sync.object_store import ObjectStoreSync
     from asyncrl.weight_sync.shared_memory import SharedMemorySync
 
-    learner = LearnerPool(model_dir, LearnerConfig(num_ranks=1, lr=1e-3, tokens_per_microbatch=4096), resolve_recipe("grpo"))
+    lora = LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank) if lora_rank else None
+    learner = LearnerPool(model_dir, LearnerConfig(num_ranks=1, lr=1e-3, tokens_per_microbatch=4096, lora=lora), resolve_recipe("grpo"))
     rollout, syncs = None, {}
     try:
         rollout = RolloutPool(
             str(model_dir), RolloutConfig(num_workers=1, max_requests_in_flight=8, weight_load=weight_load), EnvConfig(), queue=None,
-            dtype="float32", max_model_len=MAX_MODEL_LEN,
+            dtype="float32", max_model_len=MAX_MODEL_LEN, lora_rank=lora_rank, latest=lambda: syncs["lora_adapter"].latest() if "lora_adapter" in syncs else None,
         )
         rollout.start()
-        kinds = {"object_store": ObjectStoreSync, "shared_memory": SharedMemorySync, "collective": functools.partial(CollectiveSync, loopback=True)}
+        kinds = {"object_store": ObjectStoreSync, "shared_memory": SharedMemorySync, "collective": functools.partial(CollectiveSync, loopback=True),
+                 "lora_adapter": AdapterSync}  # fmt: skip
+        kinds_config = {"lora_adapter": "object_store"}  # the adapter travels through the object store
         for t in transports:
-            syncs[t] = kinds[t](learner, rollout, WeightSyncConfig(bucket_bytes=bucket_bytes, timeout_s=timeout_s, transport=t), mode="streaming")
+            syncs[t] = kinds[t](learner, rollout, WeightSyncConfig(bucket_bytes=bucket_bytes, timeout_s=timeout_s, transport=kinds_config.get(t, t)), mode="streaming")
         yield learner, rollout, syncs
     finally:
         for sync in syncs.values():
@@ -170,15 +181,17 @@ def bench_preset(preset: str, model_root: Path, args: argparse.Namespace) -> lis
     probe = [1] + np.random.default_rng(123).integers(3, vocab, PROBE_LEN - 1).tolist()
     syncs = args.syncs_125m if preset in ("w3-125m", *LARGE) else args.syncs
     out = []
-    for weight_load in args.weight_loads:
+    runs = [(weight_load, args.transports, None) for weight_load in args.weight_loads]
+    runs += [(args.weight_loads[0], ["lora_adapter"], args.lora_rank)] if args.lora_rank else []
+    for weight_load, transports, lora_rank in runs:
         started = time.perf_counter()
-        with pools(model_dir, args.bucket_bytes, args.timeout_s, args.transports, weight_load) as (learner, rollout, by_transport):
+        with pools(model_dir, args.bucket_bytes, args.timeout_s, transports, weight_load, lora_rank) as (learner, rollout, by_transport):
 
             def parity() -> float:
                 engine = np.asarray(rollout.score(probe, PROBE_PROMPT_LEN))
                 return float(np.max(np.abs(engine - np.asarray(learner.score(probe, PROBE_PROMPT_LEN, RAW)))))
 
-            setup_s, parity_at_start, rows = time.perf_counter() - started, parity(), {t: [] for t in args.transports}
+            setup_s, parity_at_start, rows = time.perf_counter() - started, parity(), {t: [] for t in transports}
             version = 0
             for k in range(syncs):
                 for transport, sync in by_transport.items():
@@ -189,9 +202,10 @@ def bench_preset(preset: str, model_root: Path, args: argparse.Namespace) -> lis
                     print(f"  {preset} {weight_load} {transport} sync {k + 1}/{syncs}: export {r['export_s']:.3f}s "
                           f"load {r['load_s']:.3f}s ({r['bytes'] / 1e6:.1f} MB, parity {r['parity_after']:.1e})", flush=True)  # fmt: skip
             decode_s = decode_seconds(rollout, probe)
-        num_bytes = rows[args.transports[0]][0]["bytes"]
+        num_bytes = rows[transports[0]][0]["bytes"]
         memcpy_s = {threads: memcpy_seconds(num_bytes, threads) for threads in (1, 2)}
-        out += [summarise(preset, t, weight_load, rows[t], setup_s, parity_at_start, memcpy_s) | {"decode_s": decode_s} for t in args.transports]
+        extra = {"decode_s": decode_s} | ({"lora_rank": lora_rank} if lora_rank else {})
+        out += [summarise(preset, t, weight_load, rows[t], setup_s, parity_at_start, memcpy_s) | extra for t in transports]
     return out
 
 
@@ -266,6 +280,7 @@ def main() -> None:
     parser.add_argument("--syncs-125m", type=int, default=3, help="timed syncs for w3-125m and qwen-0.5b (lower it if the machine is slow)")
     parser.add_argument("--bucket-bytes", type=int, default=64 << 20, help="weight_sync.bucket_bytes (default 64 MiB)")
     parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument("--lora-rank", type=int, default=None, help="also sync a LoRA adapter of this rank (every projection) through its own engine")
     args = parser.parse_args()
     presets = args.presets or (PRESETS[:1] if args.quick else PRESETS)
     args.weight_loads = args.weight_loads or (LOADS[:1] if args.quick else LOADS)
@@ -296,6 +311,7 @@ def main() -> None:
             "transports": args.transports,
             "weight_loads": args.weight_loads,
             "max_model_len": MAX_MODEL_LEN,
+            "lora_rank": args.lora_rank,
             "probe_tokens": PROBE_LEN,
             "probe_prompt_len": PROBE_PROMPT_LEN,
         },

@@ -68,9 +68,10 @@ class LearnerConfig(Section):
     """Memory one rank may use for its train state, in GB (1e9 bytes); None = unchecked. Before any rank starts, the
     pool computes each rank's share from the model's parameter shapes: fp32 parameters, gradients and AdamW's two
     moments (16 bytes per parameter, policy and critic), divided over `num_ranks` as FSDP2 shards them (the megatron
-    backend: over `tensor_parallel`, each data-parallel replica holding a whole piece, norms whole on every rank),
-    and at least the whole fp32 model each rank loads before sharding; over the budget it stops naming the figures
-    and the smallest `num_ranks` (megatron: `tensor_parallel`) that fits. Activations (`tokens_per_microbatch`) and
+    backend: over `tensor_parallel`, each data-parallel replica holding a whole piece, norms whole on every rank;
+    with `lora`: 4 bytes per frozen base weight, 16 per adapter parameter, no reference copy), and at least the
+    whole fp32 model each rank loads before sharding; over the budget it stops naming the figures and the smallest
+    `num_ranks` (megatron: `tensor_parallel`) that fits. Activations (`tokens_per_microbatch`) and
     the framework's own memory come on top: leave room for them."""
     prompts_per_step: int = Field(16, ge=1)
     """Prompt groups (or single trajectories in `sao`) consumed per optimizer step."""

@@ -11,6 +11,11 @@ weights, sharded the same way (no gradient, no optimizer state: `state.build_ref
 activations: bf16 compute's copies of the decoder layers' weights (under FSDP2 a layer's gathered copy at a time;
 on a plain rank `policy.cast_layers` keeps every layer's, 2 bytes per parameter, through the backward).
 
+With `learner.lora` the base model is frozen: its weights count 4 bytes per parameter (sharded), with no gradient
+and no AdamW moment; only the adapters (`adapter_shapes`: A [r, in] and B [out, r] per target layer of every block)
+and the critic, if any, count 16. The reference policy is the base model with the adapters off (`lora.BaseModelView`,
+no second copy) unless `learner.reference_path` names another model.
+
 The megatron backend (`learner.training_backend`, `megatron_rank_need`) splits by `tensor_parallel`, not by
 `num_ranks`: its `num_ranks / tensor_parallel` data-parallel replicas each hold a whole TP piece of the parameters,
 gradients and AdamW moments (torch's AdamW, no optimizer sharding). A piece holds 1/tensor_parallel of every weight
@@ -30,6 +35,7 @@ import torch
 
 __all__ = [
     "RankMemory",
+    "adapter_shapes",
     "check_rank_memory",
     "forward_backward_peak",
     "held_bytes",
@@ -58,6 +64,8 @@ class RankMemory:
     """The frozen reference policy's fp32 weights (its share), 0 without a KL-to-reference term."""
     tensor_parallel: int = 0
     """The megatron backend's split (`megatron_rank_need`); 0 for FSDP2's, over `num_ranks`."""
+    frozen: int = 0
+    """Of `parameters`, those without gradients or optimizer state (the base model under `learner.lora`)."""
 
     @property
     def state(self) -> int:
@@ -83,14 +91,39 @@ def parameter_shapes(model_dir: str, critic: bool = False) -> list[tuple[int, ..
     return shapes
 
 
+def adapter_shapes(model_dir: str, lora) -> list[tuple[int, ...]]:
+    """Shapes of the adapters `learner.lora` (`lora`: a `LoraConfig`) adds to `model_dir`'s policy: A [r, in] and
+    B [out, r] for every target linear layer of every decoder block (`lora.add_adapters`), on the meta device."""
+    from torch import nn
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from asyncrl.learner.policy import decoder_stack
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    shapes: list[tuple[int, ...]] = []
+    for layer in decoder_stack(model)[1]:
+        for name, module in layer.named_modules():
+            if name.rsplit(".", 1)[-1] in lora.target_modules and isinstance(module, nn.Linear):
+                shapes += [(lora.rank, module.in_features), (module.out_features, lora.rank)]
+    return shapes
+
+
 def rank_need(
-    shapes: list[tuple[int, ...]], num_ranks: int, reference: list[tuple[int, ...]] | None = None
+    shapes: list[tuple[int, ...]],
+    num_ranks: int,
+    reference: list[tuple[int, ...]] | None = None,
+    frozen: list[tuple[int, ...]] | None = None,
 ) -> RankMemory:
-    """The train state of rank 0 when `num_ranks` ranks shard tensors of `shapes` (and the frozen `reference`
-    policy's, when given) (module docstring)."""
-    shard = _share(shapes, num_ranks)
-    total = sum(math.prod(s) for s in shapes)
-    return RankMemory(num_ranks, total, shard, shard, 2 * shard, total * _FP32, _share(reference or [], num_ranks))
+    """The train state of rank 0 when `num_ranks` ranks shard the trained tensors of `shapes`, the `frozen` ones
+    (weights only: the base model under `learner.lora`) and the frozen `reference` policy's, when given (module
+    docstring)."""
+    shard, still = _share(shapes, num_ranks), _share(frozen or [], num_ranks)
+    trained, fixed = sum(math.prod(s) for s in shapes), sum(math.prod(s) for s in frozen or [])
+    return RankMemory(
+        num_ranks, trained + fixed, shard + still, shard, 2 * shard, (trained + fixed) * _FP32,
+        _share(reference or [], num_ranks), frozen=fixed,
+    )  # fmt: skip
 
 
 def _share(shapes: list[tuple[int, ...]], num_ranks: int) -> int:
@@ -142,6 +175,9 @@ def check_rank_memory(cfg, model_dir: str, reference: bool = False) -> RankMemor
     budget."""
     if cfg.rank_memory_gb is None:
         return None
+    lora = getattr(cfg, "lora", None)
+    if lora is not None and cfg.reference_path is None:
+        reference = False  # the base model with the adapters off: no second copy
     budget, ref_dir = cfg.rank_memory_gb * 1e9, (cfg.reference_path or model_dir) if reference else None
     if getattr(cfg, "training_backend", "fsdp2") == "megatron":
         need = megatron_rank_need(model_dir, cfg.tensor_parallel, cfg.num_ranks, ref_dir)
@@ -151,13 +187,25 @@ def check_rank_memory(cfg, model_dir: str, reference: bool = False) -> RankMemor
         raise ValueError(
             _too_small(cfg, model_dir, need, split, _fewest_tensor_parallel(cfg, model_dir, budget, ref_dir))
         )
-    shapes = parameter_shapes(model_dir, cfg.critic)
+    shapes, frozen = _trained_and_frozen(cfg, model_dir)
     ref = parameter_shapes(ref_dir) if ref_dir else None
-    need = rank_need(shapes, cfg.num_ranks, ref)
+    need = rank_need(shapes, cfg.num_ranks, ref, frozen)
     if need.need <= budget:
         return need
     split = f"learner.num_ranks = {cfg.num_ranks}"
-    raise ValueError(_too_small(cfg, model_dir, need, split, _fewest_ranks(shapes, cfg.num_ranks, budget, ref)))
+    fits = _fewest_ranks(shapes, cfg.num_ranks, budget, ref, frozen)
+    raise ValueError(_too_small(cfg, model_dir, need, split, fits))
+
+
+def _trained_and_frozen(cfg, model_dir: str) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """(shapes with gradients and AdamW moments, frozen shapes) of the FSDP2 backend's train state: everything
+    trained, or under `learner.lora` the adapters (and the critic) trained and the policy's base weights frozen."""
+    shapes = parameter_shapes(model_dir, cfg.critic)
+    lora = getattr(cfg, "lora", None)
+    if lora is None:
+        return shapes, []
+    policy = parameter_shapes(model_dir)
+    return adapter_shapes(model_dir, lora) + shapes[len(policy) :], policy
 
 
 def _too_small(cfg, model_dir: str, need: RankMemory, split: str, fits: str) -> str:
@@ -169,7 +217,8 @@ def _too_small(cfg, model_dir: str, need: RankMemory, split: str, fits: str) -> 
     load = "and concatenates its Q/K/V and gate/up weights" if need.tensor_parallel else "whole model"
     return (
         f"learner.rank_memory_gb = {cfg.rank_memory_gb:g} is too small for {model_dir} with {split}: each rank "
-        f"needs {_gb(need.need)} GB ({need.parameters:,} fp32 parameters{' with the critic' if cfg.critic else ''}: "
+        f"needs {_gb(need.need)} GB ({need.parameters:,} fp32 parameters{' with the critic' if cfg.critic else ''}"
+        f"{_frozen(need)}: "
         f"{_gb(need.params)} GB of parameters + {_gb(need.grads)} of gradients + {_gb(need.optimizer)} of AdamW "
         f"moments{f' + {_gb(need.reference)} of the reference policy' if need.reference else ''} per rank{piece}; "
         f"every rank first loads the {'whole model ' if need.tensor_parallel else ''}{load}, {_gb(need.load)} GB); "
@@ -177,16 +226,26 @@ def _too_small(cfg, model_dir: str, need: RankMemory, split: str, fits: str) -> 
     )
 
 
+def _frozen(need: RankMemory) -> str:
+    if not need.frozen:
+        return ""
+    return f", {need.frozen:,} of them frozen (learner.lora's base model: weights only, no gradients or moments)"
+
+
 def _fewest_ranks(
-    shapes: list[tuple[int, ...]], num_ranks: int, budget: float, reference: list[tuple[int, ...]] | None
+    shapes: list[tuple[int, ...]],
+    num_ranks: int,
+    budget: float,
+    reference: list[tuple[int, ...]] | None,
+    frozen: list[tuple[int, ...]] | None = None,
 ) -> str:
-    floor = rank_need(shapes, 1).load
+    floor = rank_need(shapes, 1, frozen=frozen).load
     if floor > budget:
         return f"No number of ranks fits: loading the whole fp32 model takes {_gb(floor)} GB on every rank."
     n = num_ranks + 1
-    while rank_need(shapes, n, reference).need > budget:
+    while rank_need(shapes, n, reference, frozen).need > budget:
         n += 1
-    return f"It fits from learner.num_ranks = {n} ({_gb(rank_need(shapes, n, reference).need)} GB per rank)."
+    return f"It fits from learner.num_ranks = {n} ({_gb(rank_need(shapes, n, reference, frozen).need)} GB per rank)."
 
 
 def _fewest_tensor_parallel(cfg, model_dir: str, budget: float, reference: str | None) -> str:

@@ -198,3 +198,41 @@ def test_the_rank_memory_budget_counts_the_reference_policy_sharded(tiny_model_d
         assert kl.reference == 247_872 * 4 // ranks and kl.state == plain.state + kl.reference
     with pytest.raises(ValueError, match=r"\+ 0.000991 of the reference policy per rank.*It fits from learner.num_ranks = 2"):
         check_rank_memory(LearnerConfig(rank_memory_gb=0.0035), str(tiny_model_dir), reference=True)
+
+
+def test_the_rank_memory_budget_under_lora_counts_the_frozen_base_and_the_adapters_state(tiny_model_dir):
+    from asyncrl.config import LoraConfig
+    from asyncrl.learner.memory import check_rank_memory
+
+    # tiny-0.3m (hidden 64, 2 heads of 32, 1 kv head, MLP 256, 4 layers): rank 4 on every projection is, per layer,
+    # q/o 4*64 + 64*4 = 512 each, k/v 4*64 + 32*4 = 384 each, gate/up/down 4*64 + 256*4 = 1,280 each: 5,632, and
+    # 22,528 in 4 layers. The base's 247,872 weights count 4 bytes, the adapters 16 (weight, grad, 2 moments).
+    lora = LoraConfig(rank=4, alpha=8.0)
+    need = check_rank_memory(LearnerConfig(rank_memory_gb=1, lora=lora), str(tiny_model_dir), reference=True)
+    assert need is not None and (need.parameters, need.frozen) == (270_400, 247_872)
+    assert (need.params, need.grads, need.optimizer) == (270_400 * 4, 22_528 * 4, 22_528 * 8)
+    assert need.reference == 0  # the base model with the adapters off is the reference: no second copy
+    assert need.need == 1_351_936 < 247_872 * 16
+    two = check_rank_memory(LearnerConfig(rank_memory_gb=1, lora=lora, num_ranks=2), str(tiny_model_dir))
+    assert two is not None and two.state == 1_351_936 // 2 and two.need == two.load == 1_081_600  # loading bounds it
+    other = LearnerConfig(rank_memory_gb=1, lora=lora, reference_path=str(tiny_model_dir))
+    named = check_rank_memory(other, str(tiny_model_dir), reference=True)
+    assert named is not None and named.reference == 247_872 * 4  # `learner.reference_path`: a second model
+    with pytest.raises(ValueError) as error:
+        check_rank_memory(LearnerConfig(rank_memory_gb=0.0013, lora=lora), str(tiny_model_dir))
+    for part in ("each rank needs 0.00135 GB", "270,400 fp32 parameters, 247,872 of them frozen",
+                 "0.00108 GB of parameters + 9.01e-05 of gradients + 0.00018 of AdamW moments",
+                 "It fits from learner.num_ranks = 2 (0.00108 GB per rank)"):  # fmt: skip
+        assert part in str(error.value), (part, str(error.value))
+
+
+def test_a_wrapped_lora_rank_holds_the_estimate(tiny_model_dir, mesh):
+    from asyncrl.config import LoraConfig
+    from asyncrl.learner.memory import held_bytes
+
+    state = _state(tiny_model_dir, mesh, "always", lora=LoraConfig(rank=4, alpha=8.0))
+    held = held_bytes(state)
+    # the estimate of the test above: all 270,400 weights, AdamW moments of the 22,528 adapter parameters only
+    # (and a 4-byte step counter per adapter tensor: A and B of 7 projections in 4 layers)
+    assert held["param_bytes"] == 270_400 * 4
+    assert held["optimizer_bytes"] == 22_528 * 8 + 4 * 56
