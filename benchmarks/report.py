@@ -984,7 +984,7 @@ LAYOUT = [
     "profile_w1_unfrozen_1", "profile_w1_frozen_1", "profile_w1_unfrozen_2", "profile_w1_frozen_2",
     "profile_w1_whole_groups_1", "profile_w1_split_groups_1", "profile_w1_whole_groups_2", "profile_w1_split_groups_2", "profile_w1_threads", "profile_w1_compile", "profile_w1_bf16", "profile_w1_w1speed",
     "rollout_overhead", "client_floor_no_freeze", "client_floor", "logprob_layout", "engine_start", "model_scale", "model_scale_mmap0", "model_scale_bfloat16",
-    "agent_learning", "agent_recipes_before", "agent_recipes", "agent_recipes_word_problems", "agent_tool", "openai_endpoint", "soak", "readme_results_archive",
+    "agent_learning", "agent_recipes_before", "agent_recipes", "agent_recipes_word_problems", "agent_framework", "agent_tool", "openai_endpoint", "soak", "readme_results_archive",
 ]  # fmt: skip
 """The sections of RESULTS.md in order (module docstring)."""
 
