@@ -15,7 +15,7 @@ import pytest
 
 from asyncrl.algo.sampling import RAW
 from asyncrl.config import LoraConfig, WeightSyncConfig
-from tests.integration.weight_sync_checks import PARITY_ATOL, PROBE, PROMPT_LEN, parity
+from tests.integration.weight_sync_checks import PARITY_ATOL, PROBE, PROMPT_LEN, parity, wired_pools
 
 pytestmark = pytest.mark.integration
 
@@ -31,25 +31,11 @@ FULL_MODEL_BYTES = 270_400 * 4  # tiny-0.3m's parameters in fp32
 @pytest.fixture(scope="module")
 def pools(ray_cluster, tiny_model_dir):
     """(learner, rollout, adapter sync): one LoRA learner rank, one engine serving the adapter."""
-    from asyncrl.algo.recipes import resolve_recipe
-    from asyncrl.config import EnvConfig, LearnerConfig, RolloutConfig
-    from asyncrl.learner.pool import LearnerPool
-    from asyncrl.rollout.pool import RolloutPool
     from asyncrl.weight_sync.adapter import AdapterSync
 
-    learner = LearnerPool(tiny_model_dir, LearnerConfig(num_ranks=1, lr=1e-2, lora=LORA), resolve_recipe("grpo"))
-    made: list = []
-    rollout = RolloutPool(
-        str(tiny_model_dir), RolloutConfig(num_workers=1), EnvConfig(), queue=None, dtype="float32",
-        max_model_len=64, latest=lambda: made[0].latest(), lora_rank=LORA.rank,
-    )  # fmt: skip
-    made.append(AdapterSync(learner, rollout, WeightSyncConfig(timeout_s=60.0), "streaming"))
-    try:
-        rollout.start()
-        yield learner, rollout, made[0]
-    finally:
-        rollout.shutdown()
-        learner.shutdown()
+    config = WeightSyncConfig(timeout_s=60.0)
+    with wired_pools(tiny_model_dir, lambda learner, rollout: AdapterSync(learner, rollout, config, "streaming"), LORA) as pools:
+        yield pools
 
 
 def test_only_the_adapter_travels_and_the_engine_then_scores_as_the_learner(pools):

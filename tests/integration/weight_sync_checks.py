@@ -19,19 +19,20 @@ PROMPT_LEN = 4
 
 
 @contextmanager
-def wired_pools(model_dir, make_sync: Callable[[Any, Any], Any]) -> Iterator[tuple[Any, Any, Any]]:
+def wired_pools(model_dir, make_sync: Callable[[Any, Any], Any], lora=None) -> Iterator[tuple[Any, Any, Any]]:
     """(learner, rollout, sync) wired as the controller wires them on a single node: one learner rank, one
     engine, and a joining worker loads what the sync published last. `make_sync(learner, rollout)` builds the
-    transport; everything is shut down on exit."""
+    transport; `lora` (a `LoraConfig`): the learner trains adapters and the engine serves them. Everything is shut
+    down on exit."""
     from asyncrl.algo.recipes import resolve_recipe
     from asyncrl.config import EnvConfig, LearnerConfig, RolloutConfig
     from asyncrl.learner.pool import LearnerPool
     from asyncrl.rollout.pool import RolloutPool
 
-    learner = LearnerPool(model_dir, LearnerConfig(num_ranks=1, tokens_per_microbatch=4096, lr=1e-2), resolve_recipe("grpo"))
+    learner = LearnerPool(model_dir, LearnerConfig(num_ranks=1, tokens_per_microbatch=4096, lr=1e-2, lora=lora), resolve_recipe("grpo"))
     made: list[Any] = []
     rollout = RolloutPool(str(model_dir), RolloutConfig(num_workers=1), EnvConfig(), queue=None, dtype="float32", max_model_len=64,
-                          latest=lambda: made[0].latest())
+                          latest=lambda: made[0].latest(), lora_rank=lora.rank if lora is not None else None)
     made.append(make_sync(learner, rollout))
     try:
         rollout.start()
