@@ -212,7 +212,8 @@ class LearnerConfig(Section):
         if unsupported:
             raise ValueError(
                 f"learner.training_backend = megatron does not support learner.{', learner.'.join(unsupported)}: "
-                "set them to false or use training_backend = fsdp2"
+                f"unset {'it' if len(unsupported) == 1 else 'them'} (false; learner.lora: null) "
+                "or use training_backend = fsdp2"
             )
         return self
 
