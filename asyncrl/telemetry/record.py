@@ -30,8 +30,9 @@ class Record:
 
 def pool_point(snapshot: PoolSnapshot) -> dict[str, Any]:
     """A snapshot flattened to the figures the page plots. Fractions and rates are over the run so far (the
-    snapshot's counters are cumulative); `queue/*`, `pool/*` and `engine_version/*` keep every numeric key, so
-    figures other engineers add to the snapshot show up without a change here."""
+    snapshot's counters are cumulative); the `*_window` idle fractions are over the last `telemetry.rate_window_s`
+    (what the alarms and `rollout.autoscale` read), when measured; `queue/*`, `pool/*` and `engine_version/*` keep
+    every numeric key, so figures other engineers add to the snapshot show up without a change here."""
     wall = snapshot.wall_s
     busy, idle = snapshot.engine_total("busy_s"), snapshot.engine_total("idle_s")
     learner_idle = min(1.0, snapshot.learner_wait_s / wall) if wall > 0 else None
@@ -44,6 +45,9 @@ def pool_point(snapshot: PoolSnapshot) -> dict[str, Any]:
         "learner_idle_fraction": learner_idle,
         "learner_busy_fraction": None if learner_idle is None else 1.0 - learner_idle,
     }
+    if snapshot.live is not None:
+        point["learner_idle_window"] = snapshot.live.learner_idle_fraction
+        point["rollout_idle_window"] = snapshot.live.rollout_idle_fraction
     point.update({f"queue/{k}": v for k, v in snapshot.queue.items() if isinstance(v, (int, float))})
     point.update({f"pool/{k}": v for k, v in snapshot.pool_sizes.items()})
     point.update({f"engine_version/{name}": e["version"] for name, e in snapshot.engines.items() if "version" in e})

@@ -1,5 +1,6 @@
 """The dashboard's records, its HTTP API (data, scale) and the run folder it reads back (`asyncrl dash`)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import urllib.request
 from asyncrl.cluster.control import LocalControl
 from asyncrl.telemetry.dashboard import Dashboard, serve_run_dir
 from asyncrl.telemetry.record import EventLog, load_run, pool_point
-from asyncrl.telemetry.sinks import AlarmEvent, PoolSnapshot, SyncEvent, Telemetry
+from asyncrl.telemetry.sinks import AlarmEvent, LiveRates, PoolSnapshot, SyncEvent, Telemetry
 
 ROW = {"step": 1, "version": 1, "reward": 0.5, "loss": float("nan"), "lag_counts": {"0": 3, "1": 1}, "wall_s": 2.0, "mismatch_k3_kl": 1e-4}
 SNAPSHOT = PoolSnapshot(
@@ -62,6 +63,16 @@ def test_pool_point_flattens_a_snapshot_into_rates_and_fractions_over_the_run():
     assert point["rollout_busy_fraction"] == 0.75  # 3 s busy of 4
     assert point["learner_idle_fraction"] == 0.25 and point["learner_busy_fraction"] == 0.75  # waited 1 s of 4
     assert point["queue/ready_groups"] == 2 and point["pool/rollout"] == 1 and point["engine_version/rollout-0"] == 1
+    assert "learner_idle_window" not in point  # no live window measured
+
+
+def test_pool_point_carries_the_window_the_autoscaler_reads_beside_the_whole_run():
+    """A run that waited 1 s of 4 overall but 90% of the last window: the page shows both, not only the 25%."""
+    live = LiveRates(window_s=2.0, generated_tokens_per_s=0.0, trained_tokens_per_s=0.0, rollout_idle_fraction=0.05,
+                     learner_idle_fraction=0.9, stale_drop_fraction=0.0)  # fmt: skip
+    point = pool_point(dataclasses.replace(SNAPSHOT, live=live))
+    assert point["learner_idle_fraction"] == 0.25 and point["learner_idle_window"] == 0.9
+    assert point["rollout_idle_window"] == 0.05
 
 
 def test_data_endpoint_returns_the_records_after_since_with_nan_as_null():
