@@ -98,8 +98,10 @@ FAMILIES: dict[str, Family] = {
 
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(dict.fromkeys(f.architecture for f in FAMILIES.values()))
-"""The Hugging Face architectures a run supports: those of the families above, each tested through every path of a
-run (tests/integration/test_model_families.py); `asyncrl check` refuses another."""
+"""The Hugging Face architectures a run supports: those of the families above, each tested on a real learner rank
+and vLLM engine, the learner's trained weights loaded by the engine with its log-probs, and one family of each kind
+of head and MLP through every path of a run (tests/integration/test_model_families.py, docs/models.md);
+`asyncrl check` refuses another."""
 
 
 def family_config(name: str, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:

@@ -2,10 +2,10 @@
 
 Covers: engine/learner parity after every weight sync, the staleness bound, conservation, evaluations beside
 training (non-blocking, pinned to their versions), the best evaluated policy kept in best_model/, and checkpoint ->
-stop -> resume continuing at the same version with the same counters, also with the learner pool resized (1 -> 2
+stop -> resume continuing at the same version with the same counters, the learner pool resized on the way (1 -> 2
 ranks); the runs read a two-file Parquet dataset, and the resumed one goes on from the checkpointed data position.
 
-The first run and its resumes live on a real S3-compatible server (`s3_server`): the model is fetched from it,
+The first run and its resume live on a real S3-compatible server (`s3_server`): the model is fetched from it,
 the run folder, checkpoints and exports are written there (the server is stopped for a while mid-run), and
 the resume starts from the server alone (the local staging copy deleted).
 """
@@ -238,18 +238,21 @@ def test_evaluations_beside_training_land_later_pinned_to_the_version_they_start
     assert [row["version"] for row in history] == [0, 1, 2]  # each step still published its weights
 
 
-def test_resume_continues_at_the_same_version_with_the_same_counters(first_run, tmp_path):
-    """From the server alone: the local staging copy of the run folder is deleted first."""
+def test_resume_from_the_server_alone_on_two_learner_ranks_continues_at_the_same_version(first_run, tmp_path):
+    """The local staging copy is deleted first, so the resume reads the server alone; the learner pool is resized
+    by checkpoint + resume: 2 FSDP2 ranks load the 1-rank checkpoint of step 3 (DCP re-shards it). Version,
+    counters, the best-eval record and the data position carry over (a 1-rank resume: tests/faults/test_sigterm.py)."""
     cfg, (summary, _, _), model_dir, store = first_run
     ckpt = json.loads(_read(first_run, "checkpoints/step-000003/extra.json"))
     assert ckpt["version"] == 3 and ckpt["step"] == 3
     shutil.rmtree(cfg.run_dir())
-    resumed_cfg = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"max_steps": 5}),
+    resumed_cfg = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"max_steps": 5, "num_ranks": 2}),
                                          "checkpoint": cfg.checkpoint.model_copy(update={"resume_from": "latest"})})
     resumed, conservation, history = _run(resumed_cfg, model_dir)
     assert [row["step"] for row in history] == [4, 5]
     assert history[0]["version"] == 3  # the first resumed step trains at the checkpointed version
     assert resumed["final_version"] == 5
+    assert max(row["parity_max_abs_diff"] for row in history) < 1e-5  # the re-sharded weights are the same weights
     assert resumed["best_eval"]["accuracy"] >= summary["best_eval"]["accuracy"]  # the record came with the checkpoint
     # The Parquet stream went on from its checkpointed position: rows read (32 an epoch) = prompts drawn, both runs.
     for step in (3, 5):
@@ -266,20 +269,6 @@ def test_resume_continues_at_the_same_version_with_the_same_counters(first_run, 
     # the resumed run appended to its predecessor's rows and wrote its own trajectory log beside the first
     assert [json.loads(row)["step"] for row in _read(first_run, "metrics.jsonl").splitlines()] == [1, 2, 3, 4, 5]
     assert {"trajectories.parquet", "trajectories.1.parquet"} <= set(store.listdir(cfg.run_uri()))
-
-
-def test_resume_with_two_learner_ranks_reshards_the_checkpoint_and_continues(first_run):
-    """The learner pool is resized by checkpoint + resume: the 1-rank checkpoint of step 5 (written by the
-    resumed run above) is loaded by 2 FSDP2 ranks (DCP re-shards it); version and counters carry over."""
-    cfg, _, model_dir, _ = first_run
-    saved = json.loads(_read(first_run, "checkpoints/step-000005/extra.json"))
-    two_ranks = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"max_steps": 6, "num_ranks": 2}),
-                                       "checkpoint": cfg.checkpoint.model_copy(update={"resume_from": "latest"})})
-    resumed, conservation, history = _run(two_ranks, model_dir)
-    assert [row["step"] for row in history] == [6]
-    assert history[0]["version"] == 5 and resumed["final_version"] == 6
-    assert conservation["trained"] == saved["samples_trained"] + 4 * 4
-    assert max(row["parity_max_abs_diff"] for row in history) < 1e-5  # the re-sharded weights are the same weights
 
 
 @pytest.mark.parametrize("policy", ["wait", "continue"])
