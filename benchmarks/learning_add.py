@@ -309,18 +309,20 @@ def main() -> None:
     for mode, r in results.items():
         r.update(run_figures(r["evals"], "wall_s" if mode in ("trl", "plain") else "wall_s_excl_eval"))
         r["sample_rates"] = sample_rates(r)
-    # The learner-alone and limit figures train fp32 modules (`limits.rank_trainer`): not measured for a bf16 run.
-    alone, limit = alone_and_limit(out, results, 5.0 if args.quick else None) if "streaming" in results and not args.bf16 else ({}, {})
     print_table(results, steps, args.target)
     print_figures(results)
     print_rates(results, args.target)
+    command = " ".join(["python", "benchmarks/learning_add.py", *sys.argv[1:]])
+    # `machine`: the load average at the start and once the runs ended (before the limit model).
+    record = {"machine": common.machine(load_start), "command": command, "steps": steps, "target": args.target, "modes": results}
+    common.write_json(result_json, record)  # the runs' figures kept should the limit model below fail
+    # The learner-alone and limit figures train fp32 modules (`limits.rank_trainer`): not measured for a bf16 run.
+    alone, limit = alone_and_limit(out, results, 5.0 if args.quick else None) if "streaming" in results and not args.bf16 else ({}, {})
     if limit:
         print_limit(limit)
     if alone:
         print("learner alone, s per 256 samples: " + ", ".join(f"{t} thread(s) {s:.3f}" for t, s in alone["s_per_256_samples"].items()))
-    command = " ".join(["python", "benchmarks/learning_add.py", *sys.argv[1:]])
-    common.write_json(result_json, {"machine": common.machine(load_start), "command": command, "steps": steps, "target": args.target, "modes": results,
-                                    **({"learner_alone": alone} if alone else {}), **({"limit": limit} if limit else {})})  # fmt: skip
+    common.write_json(result_json, {**record, **({"learner_alone": alone} if alone else {}), **({"limit": limit} if limit else {})})
     plot(results, result_json.with_suffix(".png"))
 
 
@@ -376,7 +378,7 @@ def asyncrl_runs(out: Path, steps: int, every: int, target: float, planned: list
             "samples_trained": summary["samples_trained"],
             "time_to_target_s": time_to_target(summary["evals"], target),
             "time_to_target_excl_eval_s": time_to_target(summary["evals"], target, "wall_s_excl_eval"),
-            "consumed_per_trained": consumed_per_trained(summary["counters"]),
+            "consumed_per_trained": consumed_per_trained(logged_fates(out / mode)),
             "staleness_histogram": summary["staleness_histogram"],
             "mismatch_k3_mean": summary["mismatch_k3_mean"],
             "parity_max_abs_diff_mean": summary["parity_max_abs_diff_mean"],
@@ -386,11 +388,25 @@ def asyncrl_runs(out: Path, steps: int, every: int, target: float, planned: list
     return results
 
 
-def consumed_per_trained(counters: dict[str, int]) -> float | None:
-    """Samples the learner or the group filters consumed (`trained` + every `filtered:*`) per trained sample: what
-    TRL, which trains every group, would count as trained for each sample asyncrl trained."""
-    filtered = sum(v for k, v in counters.items() if k.startswith("filtered:"))
-    return (counters["trained"] + filtered) / counters["trained"] if counters.get("trained") else None
+def consumed_per_trained(fates: Sequence[tuple[str, str]]) -> float | None:
+    """Samples the learner or the group filters consumed per trained sample, from the trajectory log's (group id,
+    fate) rows: what TRL, which trains every group, would count as trained for each sample asyncrl trained. Groups
+    are numbered in the order they started (`<prompt>#<n>`): only those started up to the last trained one count,
+    not the ones the engines generated ahead of the learner and the filter consumed after its last step."""
+    started = [(int(group.rpartition("#")[2]), fate) for group, fate in fates]
+    trained = [n for n, fate in started if fate == "trained"]
+    if not trained:
+        return None
+    consumed = sum(1 for n, fate in started if n <= max(trained) and (fate == "trained" or fate.startswith("filtered:")))
+    return consumed / len(trained)
+
+
+def logged_fates(run_dir: Path) -> list[tuple[str, str]]:
+    """(group id, fate) of every sample in the trajectory log of the run in `run_dir`."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(next(run_dir.glob("trajectories*.parquet")), columns=["group_id", "fate"])
+    return list(zip(table["group_id"].to_pylist(), table["fate"].to_pylist(), strict=True))
 
 
 def trl_run(out: Path, steps: int, every: int, target: float, bf16: bool = False) -> dict:
