@@ -994,7 +994,7 @@ def formatter(stem: str) -> Callable[[dict], list[str]] | None:
 
 LAYOUT = [
     "readme_results",
-    "learning_add", "learning_add_120", "learning_add_packed", "learning_add_w1speed", "learning_add_informative", "learning_add_compile", "learner_compile", "learning_add_bf16", "learning_add_ready_cap", "learning_add_mb4", "learning_add_mb4_same_lr", "lr_decay", "correction", "dtype", "ready_cap", "staleness_w1", "warm_start_lift",
+    "learning_add", "learning_add_120", "learning_add_packed", "learning_add_w1speed", "learning_add_w1final", "learning_add_informative", "learning_add_compile", "learner_compile", "learning_add_bf16", "learning_add_ready_cap", "learning_add_mb4", "learning_add_mb4_same_lr", "lr_decay", "correction", "dtype", "ready_cap", "staleness_w1", "warm_start_lift",
     "async_speedup", "async_speedup_continue", "limits", "limits_busy", "eval_overlap", "eval_overlap_w1",
     "weight_sync", "weight_sync_0.5b", "weight_sync_collective", "weight_sync_lora", "weight_sync_gpu", "weight_sync_delta", "weight_sync_delta_e2e", "weight_export_0.5b", "lora",
     "moe_routing_replay",
