@@ -290,8 +290,8 @@ class Controller:
 
     def _evaluate_waited(self, start: float, alone: bool) -> None:
         """One evaluation the loop waits for; `alone`: the queue starts no new group meanwhile, so the engines
-        serve it alone (rollouts already started finish) and the run's clock without evaluations counts no
-        rollout generated for training while the loop waited."""
+        serve it alone (rollouts already started finish) and no rollout for training starts in the time the run's
+        clock without evaluations leaves out."""
         if not alone:
             self.evaluation.run(start)
             return
