@@ -106,6 +106,10 @@ class ReplayQueue:
         self.core.set_version(version)
         self._notify()
 
+    async def hold_admission(self, held: bool) -> None:
+        self.core.hold_admission(held)
+        self._notify()
+
     # ------------------------------------------------------------------------------------------------
     # Rollout side.
 

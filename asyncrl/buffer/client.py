@@ -63,6 +63,10 @@ class QueueClient:
         """Open admission for `version`: call it only once every engine confirmed the sync of `version`."""
         self._get("set_version", self.handle.set_version.remote(version), self.timeouts.call_s)
 
+    def hold_admission(self, held: bool) -> None:
+        """Start no new group while `held` (a blocking evaluation has the engines to itself)."""
+        self._get("hold_admission", self.handle.hold_admission.remote(held), self.timeouts.call_s)
+
     def get_batch(
         self, num_groups: int, learner_version: int, timeout_s: float, min_groups: int | None = None
     ) -> Batch:

@@ -90,6 +90,11 @@ class ReplayQueueCore(GroupBook):
             raise ValueError(f"policy version went back from {self.admission_version} to {version}")
         self.admission_version = version
 
+    def hold_admission(self, held: bool) -> None:
+        """Start no new group while `held` (members of started groups are still handed out): the engines serve a
+        blocking evaluation alone."""
+        self.admission_held = held
+
     # ------------------------------------------------------------------------------------------------
     # Rollout side: acquire requests, put trajectories, lose workers.
 
@@ -411,7 +416,7 @@ class ReplayQueueCore(GroupBook):
     # Internals: admission.
 
     def _can_start(self) -> bool:
-        if not self._backlog:
+        if not self._backlog or self.admission_held:
             return False
         if len(self._ready) >= self.config.capacity_groups or self._enough_ready():
             return False

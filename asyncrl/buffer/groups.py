@@ -126,6 +126,8 @@ class GroupBook:
         self.admission_version = 0
         """The policy version every engine has confirmed (`set_version`, by the controller only); admission
         counts from it. The learner version passed to `get_batch` may run ahead and never moves it."""
+        self.admission_held = False
+        """Whether no new group starts (`hold_admission`, by the controller while a blocking evaluation runs)."""
         self.clock = clock
         self.ledger = Ledger()
         self.outcomes = GroupOutcomes(clock())

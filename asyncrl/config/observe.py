@@ -28,7 +28,10 @@ class EvalConfig(Section):
     the learner waits for the evaluation only when no batch comes without a publication). Its record lands
     steps later, labelled with the step and version it started at. The evaluation before the first
     step (the learner has no batch yet) and the run's last are waited for (a stop drops an evaluation in flight,
-    with a note). `true`: the loop waits for each one."""
+    with a note). `true`: the loop waits for each one, and no new rollout group starts meanwhile (those started
+    finish): the engines serve the evaluation alone (it ends sooner), and the time the run's clock without
+    evaluations (`wall_s_excl_eval`) leaves out starts no rollout for training. The run's last evaluation starts
+    no new group either way."""
 
     @model_validator(mode="after")
     def _samples_need_sampling(self) -> EvalConfig:

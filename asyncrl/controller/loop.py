@@ -284,9 +284,22 @@ class Controller:
         self._collect_evaluation(wait=True)
         self._close_sync()  # every engine serves the run's version
         if self.cfg.eval.blocking or wait:
-            evaluation.run(start)
+            self._evaluate_waited(start, alone=self.cfg.eval.blocking)
         else:
             evaluation.start(start)
+
+    def _evaluate_waited(self, start: float, alone: bool) -> None:
+        """One evaluation the loop waits for; `alone`: the queue starts no new group meanwhile, so the engines
+        serve it alone (rollouts already started finish) and no rollout for training starts in the time the run's
+        clock without evaluations leaves out."""
+        if not alone:
+            self.evaluation.run(start)
+            return
+        self.fleet.queue.hold_admission(True)
+        try:
+            self.evaluation.run(start)
+        finally:
+            self.fleet.queue.hold_admission(False)
 
     def _collect_evaluation(self, wait: bool) -> None:
         """Record the evaluation in flight if it is in (or, with `wait`, once it is), then make the weight
@@ -320,7 +333,7 @@ class Controller:
         self._close_sync()
         evals = evaluation.evals
         if evaluation.eval_set and (not evals or evals[-1]["version"] != state.version):
-            evaluation.run(start)
+            self._evaluate_waited(start, alone=True)  # nothing will train on rollouts started now
 
     # ------------------------------------------------------------------------------------------------
     # The weight sync in flight

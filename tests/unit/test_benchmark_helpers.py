@@ -134,6 +134,22 @@ def test_the_peers_informative_fraction_is_one_minus_its_mean_zero_std_share():
     assert informative_fraction(steps) == 1 - 0.375 and informative_fraction([{"step": 1}]) is None
 
 
+def test_trained_samples_are_counted_as_the_peer_counts_them_and_with_a_non_zero_advantage():
+    from learning_add import consumed_per_trained, sample_rates
+
+    # asyncrl: groups #0-#3 started before the last trained one (#3): 2 samples trained in each of #0 and #3, 1 + 1
+    # consumed by two filters; #1 dropped, #4 (filtered) started after it: (4 + 2) / 4. 0.5 s per 256 = 512 trained/s.
+    fates = [("a#0", "trained"), ("a#0", "trained"), ("b#1", "dropped_stale"), ("c#2", "filtered:zero_variance"),
+             ("c#3", "trained"), ("c#3", "trained"), ("d#2", "filtered:overlong"), ("e#4", "filtered:zero_variance")]  # fmt: skip
+    consumed = consumed_per_trained(fates)
+    assert consumed == 1.5 and consumed_per_trained([("e#4", "filtered:zero_variance")]) is None
+    assert sample_rates({"s_per_256_samples": 0.5, "consumed_per_trained": consumed}) == {"as_trl_counts": 768.0, "nonzero_advantage": 512.0}
+    # The peer trains every group: 0.25 s per 256 = 1,024/s, 60% of them in groups whose rewards differ.
+    assert sample_rates({"s_per_256_samples": 0.25, "informative_fraction": 0.6}) == {"as_trl_counts": 1024.0, "nonzero_advantage": 614.4}
+    assert sample_rates({"s_per_256_samples": 0.25}) == {"as_trl_counts": 1024.0, "nonzero_advantage": None}  # the plain loop
+    assert sample_rates({"s_per_256_samples": None}) == {"as_trl_counts": None, "nonzero_advantage": None}
+
+
 def test_wait_replay_waits_for_the_straggler_as_the_queue_does():
     from wait_bound import StepCost, Stream, fit_step_cost, replay_wait
 

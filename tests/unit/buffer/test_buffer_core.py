@@ -219,6 +219,16 @@ def test_admission_with_eta_2_allows_eta_plus_one_steps_of_groups():
     assert len({r.group_id for r in core.acquire("w0", 100)}) == 6  # (3 + 2 + 1) * 2 = 12 in all
 
 
+def test_held_admission_starts_no_group_but_hands_out_the_started_ones():
+    core = started_queue(num_prompts=4, group_size=2, batch_groups=1, max_staleness=8)
+    first = core.acquire("w0", 1)  # a worker holding nothing gets a whole group: p0's 2 members start, 1 handed out
+    core.hold_admission(True)
+    assert [r.request_id for r in core.acquire("w0", 4)] == ["p0#0/1/0"]
+    assert core.acquire("w0", 4) == [] and core.counters()["groups_started"] == 1
+    core.hold_admission(False)
+    assert [r.group_id for r in core.acquire("w0", 4)] == ["p1#1"] * 2 + ["p2#2"] * 2 and len(first) == 1
+
+
 def test_capacity_caps_ready_groups():
     core = started_queue(num_prompts=10, group_size=1, batch_groups=1, max_staleness=100, capacity_groups=2)
     put_all(core, core.acquire("w0", 2))

@@ -47,6 +47,17 @@ class FakeLearner:
         (folder / "config.json").write_text("{}")
 
 
+class AdmissionLog:
+    """A replay queue that only records `hold_admission`: `held` now, `calls` in order."""
+
+    def __init__(self):
+        self.held, self.calls = False, []
+
+    def hold_admission(self, held: bool) -> None:
+        self.held = held
+        self.calls.append(held)
+
+
 def _controller(tmp_path, rollout: FakeRollout, *overrides: str) -> Controller:
     """A controller whose evaluations are waited for (`eval.blocking=true`) unless `overrides` say otherwise."""
     overrides = ("eval.blocking=true", *overrides)
@@ -54,6 +65,7 @@ def _controller(tmp_path, rollout: FakeRollout, *overrides: str) -> Controller:
     controller.evaluation.eval_set = [make_prompt("a", ground_truth="12"), make_prompt("b", ground_truth="7")]
     controller.fleet.rollout = rollout
     controller.fleet.learner = FakeLearner()
+    controller.fleet.queue = AdmissionLog()
     controller.state.version = 3
     return controller
 
@@ -108,6 +120,42 @@ def test_an_evaluation_that_straddles_twice_says_so(tmp_path):
     assert len(rollout.calls) == 2
     assert (controller.evaluation.evals[-1]["served_versions"], controller.evaluation.evals[-1]["straddled"]) == ([3, 4], True)
     assert controller.evaluation.straddled == 1
+
+
+def _admission_at_dispatch(controller: Controller, rollout: FakeRollout) -> list[bool]:
+    """Whether the queue held admission at each evaluation the engines were sent, in order."""
+    seen, dispatch = [], rollout.start_evaluate
+
+    def start_evaluate(*args, **kwargs):
+        seen.append(controller.fleet.queue.held)
+        return dispatch(*args, **kwargs)
+
+    rollout.start_evaluate = start_evaluate
+    return seen
+
+
+def test_a_blocking_evaluation_has_the_engines_to_itself_and_admission_reopens_after_it(tmp_path):
+    rollout = FakeRollout([("12",), ("7",)], [frozenset({2, 3}), frozenset({3})])
+    controller = _controller(tmp_path, rollout)
+    seen = _admission_at_dispatch(controller, rollout)
+    controller._evaluate(0.0, wait=True)  # the first (run again: it straddled), then a periodic one
+    controller._evaluate(0.0)
+    assert seen == [True] * 3 and controller.fleet.queue.calls == [True, False] * 2
+    rollout.finish_spread = lambda call: 1 / 0  # an evaluation that fails still reopens admission
+    with pytest.raises(ZeroDivisionError):
+        controller._evaluate(0.0)
+    assert controller.fleet.queue.calls == [True, False] * 3
+
+
+def test_non_blocking_evaluations_run_beside_new_groups_and_the_run_end_does_not(tmp_path):
+    rollout = FakeRollout([("12",), ("8",)], [frozenset({3}), frozenset({4})])
+    controller, _ = _non_blocking(tmp_path, rollout)
+    seen = _admission_at_dispatch(controller, rollout)
+    controller._evaluate(0.0, wait=True)  # before the first step: the engines generate the first batch beside it
+    controller._evaluate(0.0)
+    _train_step(controller)
+    controller._last_evaluation(0.0)  # v4 evaluated alone: nothing trains on what starts now
+    assert seen == [False, False, True] and controller.fleet.queue.calls == [True, False]
 
 
 def test_several_greedy_samples_are_rejected(tmp_path):
