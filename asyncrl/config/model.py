@@ -30,15 +30,9 @@ class FamilyShape(Section):
     """Key/value heads (shared: 1); must divide `num_attention_heads`."""
 
     def changes(self) -> dict[str, int]:
-        """The keys that are set."""
+        """The keys that are set (`asyncrl check` checks the shape they make: `asyncrl.models.families.family_shape`,
+        and the head size against vLLM's CPU attention)."""
         return self.model_dump(exclude_none=True)
-
-    @model_validator(mode="after")
-    def _servable(self) -> FamilyShape:
-        from asyncrl.models.families import family_shape
-
-        family_shape(self.changes())
-        return self
 
 
 class ModelConfig(Section):

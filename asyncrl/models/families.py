@@ -117,10 +117,8 @@ run (tests/integration/test_model_families.py); `asyncrl check` refuses another.
 def family_shape(changes: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The tiny shape with `changes` (keys of SHAPE_KEYS) on top; the head size is `hidden_size /
     num_attention_heads`. ValueError, naming the key, for another key, a size below 1, heads that do not divide
-    the hidden size, query heads that are not a multiple of the key/value heads, or a head size vLLM's CPU
-    attention does not serve."""
-    from asyncrl.rollout.vllm_compat.limits import CPU_ATTENTION_HEAD_SIZES
-
+    the hidden size, or query heads that are not a multiple of the key/value heads. (Whether vLLM's CPU attention
+    serves the head size is `asyncrl check`'s question: `asyncrl.rollout.vllm_compat.limits`.)"""
     changes = dict(changes or {})
     for key, value in changes.items():
         if key not in SHAPE_KEYS:
@@ -133,11 +131,6 @@ def family_shape(changes: Mapping[str, int] | None = None) -> dict[str, Any]:
         raise ValueError(f"num_attention_heads = {heads} does not divide hidden_size = {hidden}")
     if heads % kv_heads:
         raise ValueError(f"num_key_value_heads = {kv_heads} does not divide num_attention_heads = {heads}")
-    if hidden // heads not in CPU_ATTENTION_HEAD_SIZES:
-        raise ValueError(
-            f"head size hidden_size / num_attention_heads = {hidden // heads} is not one vLLM's CPU attention serves"
-            f" ({', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))})"
-        )
     return {**shape, "head_dim": hidden // heads}
 
 
