@@ -8,7 +8,7 @@ run's `events.jsonl` (metrics.jsonl holds the step rows). A recipe holds when, f
 falls more than 0.05 below the best so far. Writes benchmarks/results/agent_recipes.json.
 
     python benchmarks/agent_recipes.py [--quick] [--recipes R ...] [--seeds S ...] [--every K] [--factor F]
-        [--set section.key=value ...] [--out PATH]
+        [--steps N] [--set section.key=value ...] [--out PATH]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main() -> None:
     out = args.runs or Path(tempfile.mkdtemp(prefix="agent_recipes-"))
     results: dict[str, dict] = {}
     for recipe in args.recipes:
-        steps = 2 if args.quick else args.factor * default_steps(recipe)
+        steps = 2 if args.quick else args.steps or args.factor * default_steps(recipe)
         runs = [one_run(out, recipe, seed, steps, 1 if args.quick else args.every, args.set) for seed in seeds]
         results[recipe] = {
             "steps": steps,
@@ -62,6 +62,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--every", type=int, default=5, help="held-out evaluation period in steps")
     parser.add_argument("--factor", type=int, default=2, help="run this many times the recipe's learner.max_steps")
+    parser.add_argument("--steps", type=int, default=None, help="run this many steps (instead of --factor)")
     parser.add_argument("--set", nargs="*", default=[], help="extra section.key=value overrides for every run")
     runs_help = "folder of the run folders (default: a new temporary one); a finished run there is read, not rerun"
     parser.add_argument("--runs", type=Path, default=None, help=runs_help)

@@ -722,6 +722,15 @@ def agent_recipes(d: dict) -> list[str]:
     return lines
 
 
+def agent_framework(d: dict) -> list[str]:
+    """`agent_recipes`' table for runs driven by an agent framework, with its own account of what was run."""
+    lines = agent_recipes(d)
+    lines[2] = ("Each run driven by the OpenAI Agents SDK through the endpoint (`rollout.openai_agent: asyncrl.envs.agents_sdk:agent`), "
+                "read back from its run folder; held-out: greedy SDK episodes on fixed problems; drop and holds as in the agent recipes' table."
+                + (f" Overrides: `{' '.join(d['overrides'])}`." if d.get("overrides") else ""))  # fmt: skip
+    return lines
+
+
 def openai_endpoint(d: dict) -> list[str]:
     lines = ["## Agent endpoint — the OpenAI-compatible server over the engine (`benchmarks/openai_endpoint.py`)", "",
              f"{d['rounds']} chat calls through the real `openai` client, {d['calls_per_episode']} per episode, {d['max_tokens']} tokens each "
@@ -969,6 +978,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "agent_recipes_before": agent_recipes,
     "agent_recipes": agent_recipes,
     "agent_recipes_word_problems": agent_recipes,
+    "agent_framework": agent_framework,
     "openai_endpoint": openai_endpoint,
     "soak": soak,
     "staleness_w1": staleness_w1,

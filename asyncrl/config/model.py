@@ -4,12 +4,35 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from asyncrl.config.base import Section
 
 FamilyName = Literal["qwen2", "qwen2-untied", "qwen3", "llama3", "mistral", "gemma2", "qwen3-moe"]
 """The names of `asyncrl.models.families.FAMILIES` (tests/unit/envs/test_chat_calc.py checks they agree)."""
+
+
+class FamilyShape(Section):
+    """Sizes of a `model.family` checkpoint that differ from the tiny shape every family shares
+    (`asyncrl.models.families.family_shape`: hidden 64, intermediate 128, 2 layers, 2 query heads and 1 key/value
+    head of 32). Unset keys keep the shared size; the head size is `hidden_size / num_attention_heads` and must be
+    one vLLM's CPU attention serves."""
+
+    hidden_size: int | None = Field(None, ge=1)
+    """Width of the residual stream (shared: 64)."""
+    intermediate_size: int | None = Field(None, ge=1)
+    """Width of each MLP (shared: 128)."""
+    num_hidden_layers: int | None = Field(None, ge=1)
+    """Decoder layers (shared: 2)."""
+    num_attention_heads: int | None = Field(None, ge=1)
+    """Query heads (shared: 2); must divide `hidden_size`."""
+    num_key_value_heads: int | None = Field(None, ge=1)
+    """Key/value heads (shared: 1); must divide `num_attention_heads`."""
+
+    def changes(self) -> dict[str, int]:
+        """The keys that are set (`asyncrl check` checks the shape they make: `asyncrl.models.families.family_shape`,
+        and the head size against vLLM's CPU attention)."""
+        return self.model_dump(exclude_none=True)
 
 
 class ModelConfig(Section):
@@ -28,6 +51,11 @@ class ModelConfig(Section):
     family's chat template, so the OpenAI endpoint serves it as it would the real model. With `data.task: calc`
     it is warm-started on tool-calling chat (`asyncrl.envs.warm_start.warm_start_chat_calc`: real tool calls in
     the chat format; for the built-in harness `asyncrl.envs.chat_calc:agent`)."""
+    family_shape: FamilyShape = FamilyShape()
+    """`model.family`'s sizes where they differ from the shared tiny shape, e.g. `{hidden_size: 128,
+    num_hidden_layers: 4, num_attention_heads: 4, num_key_value_heads: 2}` (a wider model that learns the `calc`
+    chat task's copies, which the shared shape does not: benchmarks/notes/agent_framework.md). Part of the cached
+    model's key."""
     warm_start_examples: int = Field(2000, ge=0, le=100_000)
     """Supervised warm-start examples for the built-in task (0 = start from random weights). W1 allows at most
     2,000. Without dropout, 20,000 seen ~2.4 times give a start RL lifts further than 2,000 seen ~15 times
@@ -58,6 +86,12 @@ class ModelConfig(Section):
     learner keeps fp32 master weights, optimizer state, gradient reductions and head (FSDP2 mixed
     precision, or its casts without FSDP on one rank; docs/algorithms.md#mixed-precision) and sends the
     engines bf16 roundings of its weights. fp32 gives 1e-5 log-prob parity on CPU."""
+
+    @model_validator(mode="after")
+    def _shape_of_a_family(self) -> ModelConfig:
+        if self.family_shape.changes() and self.family is None:
+            raise ValueError("model.family_shape is set but model.family is not (it sizes a family's checkpoint)")
+        return self
 
 
 class DataConfig(Section):

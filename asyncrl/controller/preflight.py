@@ -352,6 +352,8 @@ def _engine(cfg: Config) -> list[Problem]:
         problems.append(
             Problem("model.dtype", f"{cfg.model.dtype} is not a dtype vLLM's CPU build computes in on this machine")
         )
+    if cfg.model.path is None and cfg.model.family is not None:
+        return problems + _family_shape(cfg)
     if cfg.model.path is None or _model_folder(cfg):
         return problems  # presets keep head sizes the CPU build serves; a broken folder is reported by `_model`
     config_file = Path(cfg.model.path) / "config.json"
@@ -369,6 +371,18 @@ def _engine(cfg: Config) -> list[Problem]:
             )
         )
     return problems
+
+
+def _family_shape(cfg: Config) -> list[Problem]:
+    """A `model.family_shape` that cannot be built (`family_shape`) or whose head size the CPU build does not serve."""
+    from asyncrl.models.families import family_shape
+    from asyncrl.rollout.vllm_compat.limits import cpu_head_size_problem
+
+    try:
+        reason = cpu_head_size_problem(family_shape(cfg.model.family_shape.changes()))
+    except ValueError as e:
+        reason = str(e)
+    return [] if reason is None else [Problem("model.family_shape", reason)]
 
 
 def _routing_replay(cfg: Config) -> list[Problem]:

@@ -138,7 +138,10 @@ def _family_model(cfg, report: Callable[[str], None]) -> Path:
     from asyncrl.models.families import build_family
 
     calc = cfg.data.task == "calc" and cfg.model.warm_start_examples > 0 and cfg.model.warm_start_epochs > 0
-    spec = {"family": cfg.model.family, "seed": cfg.seed, "v": 1}
+    spec: dict = {"family": cfg.model.family, "seed": cfg.seed, "v": 1}
+    shape = cfg.model.family_shape.changes()
+    if shape:  # a changed shape is its own model; the shared shape keeps its cache names
+        spec["shape"] = shape
     if calc:
         spec.update(
             task="calc",
@@ -152,7 +155,7 @@ def _family_model(cfg, report: Callable[[str], None]) -> Path:
 
     def build(tmp: Path) -> dict:
         report(f"building model family {cfg.model.family} in {tmp.with_suffix('')}")
-        build_family(cfg.model.family, tmp, seed=cfg.seed)
+        build_family(cfg.model.family, tmp, seed=cfg.seed, shape=shape)
         record: dict = {"spec": spec}
         if calc:
             from asyncrl.envs.warm_start import warm_start_chat_calc

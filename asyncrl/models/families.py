@@ -5,12 +5,13 @@ checkpoint would, without downloading anything.
 Each family keeps its architecture's own features (Qwen3's q/k norms, Gemma 2's soft-capping, scaled embeddings
 and sliding window, Llama 3's rope scaling, an untied head, a mixture-of-experts layer) at a size whose engine
 starts and steps in seconds: hidden 64, 2 layers, 2 query heads of 32 (a head size vLLM's CPU attention serves,
-`asyncrl.rollout.vllm_compat.limits`). Which families the learner and engines support, and how they are tested:
-docs/models.md.
+`asyncrl.rollout.vllm_compat.limits`); a run may ask for another shape (`model.family_shape`: `family_shape`).
+Which families the learner and engines support, and how they are tested: docs/models.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,7 +19,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["FAMILIES", "SUPPORTED_ARCHITECTURES", "Family", "build_family", "family_config", "separate_routers"]
+__all__ = [
+    "FAMILIES",
+    "SHAPE_KEYS",
+    "SUPPORTED_ARCHITECTURES",
+    "Family",
+    "build_family",
+    "family_config",
+    "family_shape",
+    "separate_routers",
+]
 
 _SHAPE: dict[str, Any] = {
     "hidden_size": 64,
@@ -30,6 +40,8 @@ _SHAPE: dict[str, Any] = {
     "max_position_embeddings": 1024,
     "rms_norm_eps": 1e-6,
 }
+SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+"""The keys of the tiny shape a run may change (`model.family_shape`); the head size follows from them."""
 
 
 @dataclass(frozen=True)
@@ -104,14 +116,37 @@ of head and MLP through every path of a run (tests/integration/test_model_famili
 `asyncrl check` refuses another."""
 
 
-def family_config(name: str, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
-    """The tiny config of family `name` for `tokenizer`'s vocabulary and special tokens, in float32."""
+def family_shape(changes: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """The tiny shape with `changes` (keys of SHAPE_KEYS) on top; the head size is `hidden_size /
+    num_attention_heads`. ValueError, naming the key, for another key, a size below 1, heads that do not divide
+    the hidden size, or query heads that are not a multiple of the key/value heads. (Whether vLLM's CPU attention
+    serves the head size is `asyncrl check`'s question: `asyncrl.rollout.vllm_compat.limits`.)"""
+    changes = dict(changes or {})
+    for key, value in changes.items():
+        if key not in SHAPE_KEYS:
+            raise ValueError(f"unknown shape key {key!r}; valid: {', '.join(SHAPE_KEYS)}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{key} = {value!r} is not a positive integer")
+    shape = {**_SHAPE, **changes}
+    hidden, heads, kv_heads = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    if hidden % heads:
+        raise ValueError(f"num_attention_heads = {heads} does not divide hidden_size = {hidden}")
+    if heads % kv_heads:
+        raise ValueError(f"num_key_value_heads = {kv_heads} does not divide num_attention_heads = {heads}")
+    return {**shape, "head_dim": hidden // heads}
+
+
+def family_config(
+    name: str, tokenizer: PreTrainedTokenizerBase, shape: Mapping[str, int] | None = None
+) -> PretrainedConfig:
+    """The tiny config of family `name` for `tokenizer`'s vocabulary and special tokens, in float32, with the shape
+    changes `shape` (`family_shape`)."""
     from transformers import AutoConfig
 
     family = _family(name)
     return AutoConfig.for_model(
         family.model_type,
-        **_SHAPE,
+        **family_shape(shape),
         **family.config,
         vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
@@ -123,10 +158,15 @@ def family_config(name: str, tokenizer: PreTrainedTokenizerBase) -> PretrainedCo
 
 
 def build_family(
-    name: str, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None, seed: int = 0
+    name: str,
+    out_dir: str | Path,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    seed: int = 0,
+    shape: Mapping[str, int] | None = None,
 ) -> Path:
-    """Save a random-init (seeded) checkpoint of family `name` and its tokenizer in `out_dir`; -> `out_dir`.
-    `tokenizer` None: a byte-level BPE tokenizer trained for the family's chat format."""
+    """Save a random-init (seeded) checkpoint of family `name` (shape changes `shape`: `family_shape`) and its
+    tokenizer in `out_dir`; -> `out_dir`. `tokenizer` None: a byte-level BPE tokenizer trained for the family's
+    chat format."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -134,7 +174,7 @@ def build_family(
     if tokenizer is None:
         tokenizer = _default_tokenizer(family.chat_format)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(family_config(name, tokenizer), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(family_config(name, tokenizer, shape), dtype=torch.float32)
     if family.moe:
         separate_routers(model, seed)
     out_dir = Path(out_dir)

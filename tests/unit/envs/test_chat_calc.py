@@ -160,3 +160,21 @@ def test_model_family_builds_that_family_with_its_chat_template_once(tmp_path, m
     assert _json.loads((first / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     assert "<|im_start|>" in (first / "chat_template.jinja").read_text()
     assert said[0].startswith("building model family qwen2") and said[1].endswith("(cached)") and len(said) == 2
+
+
+def test_a_family_shape_builds_that_shape_under_its_own_cache_key(tmp_path, monkeypatch):
+    import json as _json
+
+    from asyncrl.config import load_config
+    from asyncrl.envs.model_dir import ensure_model
+
+    monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path))
+    wide = ["model.family_shape.hidden_size=128", "model.family_shape.num_attention_heads=4"]
+    plain = ensure_model(load_config("calc_chat", ["model.warm_start_examples=0"]))
+    wider = ensure_model(load_config("calc_chat", ["model.warm_start_examples=0", *wide]))
+    assert plain != wider
+    config = _json.loads((wider / "config.json").read_text())
+    assert (config["hidden_size"], config["num_attention_heads"], config["head_dim"]) == (128, 4, 32)
+    assert (config["num_hidden_layers"], config["num_key_value_heads"]) == (2, 1)  # unset keys keep the shared size
+    assert _json.loads((plain / "config.json").read_text())["hidden_size"] == 64
+    assert _json.loads((wider / "warm_start.json").read_text())["spec"]["shape"] == {"hidden_size": 128, "num_attention_heads": 4}

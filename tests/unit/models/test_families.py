@@ -85,3 +85,27 @@ def test_moe_routers_are_spread_so_that_rounding_cannot_swap_experts(family_dirs
 def test_an_unknown_family_is_refused_with_the_valid_names():
     with pytest.raises(ValueError, match="unknown model family 'gpt2'.*qwen2, qwen2-untied"):
         family_config("gpt2", None)
+
+
+def test_family_shape_changes_the_shared_shape_and_derives_the_head_size():
+    from asyncrl.models.families import family_shape
+
+    wide = family_shape({"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2})
+    assert (wide["hidden_size"], wide["num_hidden_layers"], wide["head_dim"], wide["intermediate_size"]) == (128, 4, 32, 128)
+    assert family_shape() == family_shape({}) and family_shape()["head_dim"] == 32 and family_shape()["hidden_size"] == 64
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"vocab_size": 10}, "unknown shape key 'vocab_size'"),
+        ({"hidden_size": 0}, "hidden_size = 0 is not a positive integer"),
+        ({"hidden_size": 100, "num_attention_heads": 3}, "num_attention_heads = 3 does not divide hidden_size = 100"),
+        ({"num_attention_heads": 2, "num_key_value_heads": 3}, "num_key_value_heads = 3 does not divide num_attention_heads = 2"),
+    ],
+)
+def test_family_shape_refuses_what_cannot_be_built_or_served_naming_the_key(changes, message):
+    from asyncrl.models.families import family_shape
+
+    with pytest.raises(ValueError, match=message):
+        family_shape(changes)
