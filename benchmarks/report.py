@@ -966,6 +966,7 @@ FORMATTERS: dict[str, Callable[[dict], list[str]]] = {
     "learning_add_120": learning_add,
     "learning_add_packed": learning_add,
     "learning_add_w1speed": learning_add,
+    "learning_add_w1final": learning_add,
     "learning_add_informative": learning_add,
     "learning_add_compile": learning_add,
     "learning_add_bf16": learning_add,
