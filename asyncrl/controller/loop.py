@@ -44,9 +44,10 @@ class SyncInFlight:
     `Controller._publish` opens it, `Controller._close_sync` closes it."""
 
     pending: PendingSync
-    row: dict[str, Any]
+    row: dict[str, Any] | None
     """The row of the step that published it: the sync's timings go there, so that row (and the rows after it)
-    are logged only once the engines confirmed."""
+    are logged only once the engines confirmed. None when that row was logged already (a publication held back
+    by an evaluation): the timings are then in the sync event only."""
     probe: bool
     """Whether the engine-learner parity is probed once the engines confirmed."""
 
@@ -348,7 +349,8 @@ class Controller:
         sync, state = self.fleet.sync, self.state
         state.version += advance
         state.learner_at_version = True
-        self.in_flight = SyncInFlight(sync.start(state.version), self.records.history[-1], sync.probes(state.version))
+        row = self.records.unlogged_last_row()
+        self.in_flight = SyncInFlight(sync.start(state.version), row, sync.probes(state.version))
         self.fleet.inject_faults()  # a listed step kills an engine while it loads these weights
         if self.in_flight.probe or not sync.overlaps():
             self._close_sync()
@@ -361,13 +363,14 @@ class Controller:
         closing, self.in_flight = self.in_flight, None
         result = self.fleet.sync.finish(closing.pending)
         self.fleet.queue.set_version(result.version)
-        closing.row.update(sync_s=result.seconds, sync_bytes=result.num_bytes)
+        row = closing.row if closing.row is not None else {}
+        row.update(sync_s=result.seconds, sync_bytes=result.num_bytes)
         parity = None
         if closing.probe:
             began = time.perf_counter()
             parity = self.evaluation.parity()
             self.records.parity.append(parity)
-            closing.row.update(parity_max_abs_diff=parity, parity_probe_s=time.perf_counter() - began)
+            row.update(parity_max_abs_diff=parity, parity_probe_s=time.perf_counter() - began)
         self.telemetry.sync(SyncEvent(result.version, result.seconds, parity, bytes=result.num_bytes))
 
     # ------------------------------------------------------------------------------------------------

@@ -129,6 +129,13 @@ class Records:
         state.learner_wait_s += learner_wait_s
         return row
 
+    def unlogged_last_row(self) -> dict[str, Any] | None:
+        """The last step's row while it is not logged yet (a sync it publishes can still add its timings), else None:
+        a logged row never changes, so metrics.jsonl and the live telemetry that was handed it keep the same row."""
+        if self._unlogged and self._unlogged[-1] is self.history[-1]:
+            return self.history[-1]
+        return None
+
     def log(self, hold: dict[str, Any] | None) -> None:
         """Rows of finished steps, in order, to metrics.jsonl and the console; the row `hold` (its step's weight
         sync is still in flight) and the rows after it wait until the sync's timings are in."""

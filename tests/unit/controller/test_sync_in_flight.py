@@ -79,3 +79,25 @@ def test_one_sync_is_in_flight_and_its_step_row_waits_for_its_timings(tmp_path):
     controller._log_steps()
     assert controller.in_flight is None and (sync.finished, queue.versions) == ([1, 2], [1, 2])
     assert [(r["step"], r["version"], r["sync_s"]) for r in _logged_steps(tmp_path)] == [(1, 0, 0.25), (2, 1, 0.5)]
+
+
+def test_a_publication_held_back_past_its_logged_row_leaves_that_row_as_it_was_logged(tmp_path):
+    """An evaluation beside training holds a publication back; the step's row is logged meanwhile (nothing in
+    flight). The held-back sync's timings must not change that row afterwards: the live page was handed the same
+    dict that metrics.jsonl holds, and `asyncrl dash` on the finished run must serve what the live page served."""
+    controller = Controller(
+        load_config(None, [f"output_dir={tmp_path}", "telemetry.progress=false", "telemetry.dashboard_port=0"]),
+        tmp_path,
+    )
+    sync, controller.fleet.queue = FakeSync(), FakeQueue()
+    controller.fleet.sync = sync
+
+    _step(controller)
+    controller._log_steps()  # publication held back: step 1's row is logged at once
+    logged = _logged_steps(tmp_path)
+    controller.state.version += 1
+    controller._publish(advance=False)  # the held-back publication, made once the evaluation is in
+    assert controller.in_flight is not None and controller.in_flight.row is None
+    controller._close_sync()
+    assert sync.finished == [1] and controller.records.history[-1] == logged[0]  # no sync_s added after logging
+    assert "sync_s" not in controller.records.history[-1]
