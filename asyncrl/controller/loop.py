@@ -363,14 +363,15 @@ class Controller:
         closing, self.in_flight = self.in_flight, None
         result = self.fleet.sync.finish(closing.pending)
         self.fleet.queue.set_version(result.version)
-        row = closing.row if closing.row is not None else {}
-        row.update(sync_s=result.seconds, sync_bytes=result.num_bytes)
+        timings: dict[str, Any] = {"sync_s": result.seconds, "sync_bytes": result.num_bytes}
         parity = None
         if closing.probe:
             began = time.perf_counter()
             parity = self.evaluation.parity()
             self.records.parity.append(parity)
-            row.update(parity_max_abs_diff=parity, parity_probe_s=time.perf_counter() - began)
+            timings.update(parity_max_abs_diff=parity, parity_probe_s=time.perf_counter() - began)
+        if closing.row is not None:
+            closing.row.update(timings)
         self.telemetry.sync(SyncEvent(result.version, result.seconds, parity, bytes=result.num_bytes))
 
     # ------------------------------------------------------------------------------------------------
