@@ -40,9 +40,11 @@ def calc_agent(client: Any, model: str) -> Any:
 
 async def agent(client: Any, prompt: str, episode: Any) -> tuple[float, dict[str, Any]]:
     """One episode: `Runner.run` on the prompt, at most MAX_MODEL_CALLS model calls; the final output scored by
-    exact match (0, truncated, when the turn limit ends the run)."""
+    exact match. 0 when the turn limit ends the run (truncated) and when the SDK stops it for the model's own
+    mistake (`ModelBehaviorError`: a call to a tool the agent lacks, arguments that are not JSON): a wrong episode
+    the policy learns from, not an infrastructure failure kept out of training."""
     from agents import RunConfig, Runner
-    from agents.exceptions import MaxTurnsExceeded
+    from agents.exceptions import MaxTurnsExceeded, ModelBehaviorError
     from agents.items import ToolCallItem
 
     config = RunConfig(tracing_disabled=True)
@@ -50,8 +52,8 @@ async def agent(client: Any, prompt: str, episode: Any) -> tuple[float, dict[str
         result = await Runner.run(
             calc_agent(client, episode.model), prompt, max_turns=MAX_MODEL_CALLS, run_config=config
         )
-    except MaxTurnsExceeded as e:
+    except (MaxTurnsExceeded, ModelBehaviorError) as e:
         calls = sum(isinstance(item, ToolCallItem) for item in (e.run_data.new_items if e.run_data else []))
-        return 0.0, {"truncated": True, "tool_calls": calls}
+        return 0.0, {"truncated": isinstance(e, MaxTurnsExceeded), "tool_calls": calls}
     calls = sum(isinstance(item, ToolCallItem) for item in result.new_items)
     return exact_match(str(result.final_output), episode.prompt.ground_truth), {"tool_calls": calls}

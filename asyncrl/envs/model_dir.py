@@ -152,6 +152,8 @@ def _family_model(cfg, report: Callable[[str], None]) -> Path:
             operands=cfg.data.operands,
             tool_fraction=cfg.model.warm_start_tool_fraction,
         )
+        if cfg.model.warm_start_chat_target is not None:  # unset keeps the cache names of starts built before it
+            spec["target"] = cfg.model.warm_start_chat_target
 
     def build(tmp: Path) -> dict:
         report(f"building model family {cfg.model.family} in {tmp.with_suffix('')}")
@@ -162,7 +164,7 @@ def _family_model(cfg, report: Callable[[str], None]) -> Path:
 
             report(f"warm start: {spec['examples']} tool-calling conversations x {spec['epochs']} epochs")
             args = (spec["examples"], spec["epochs"], spec["lr"], spec["operands"], cfg.seed, spec["tool_fraction"])
-            record.update(warm_start_chat_calc(tmp, *args))
+            record.update(warm_start_chat_calc(tmp, *args, target=spec.get("target"), report=report))
         return record
 
     return _cached(cfg.model.family, spec, build, report)

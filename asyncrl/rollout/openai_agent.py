@@ -114,7 +114,7 @@ class OpenAIAgentEnv:
         except TimeoutError:
             return AgentOutcome(timed_out=True)
         except Exception as e:  # the harness's own bug or an endpoint error it did not handle
-            return AgentOutcome(failure=f"agent_error: {type(e).__name__}: {e}")
+            return AgentOutcome(failure=f"agent_error: {_described(e)}")
         reward, info = result if isinstance(result, tuple) else (result, {})
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
             return AgentOutcome(failure=f"agent_error: the agent returned reward {reward!r}, not a finite number")
@@ -122,6 +122,14 @@ class OpenAIAgentEnv:
         if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
             return AgentOutcome(failure=f"agent_error: the agent returned tool_calls {calls!r}, not a count")
         return AgentOutcome(reward=float(reward), truncated=bool(info.get("truncated", False)), tool_calls=calls)
+
+
+def _described(error: BaseException) -> str:
+    """`Type: message`, then what raised it where the message hides it (the openai client's "Connection error."
+    wraps the transport's own error as its cause)."""
+    text = f"{type(error).__name__}: {error}"
+    cause = error.__cause__ or error.__context__
+    return text if cause is None else f"{text} (caused by {type(cause).__name__}: {cause})"
 
 
 def _no_call(request: Request, worker: str, failure: str) -> Trajectory:

@@ -100,7 +100,7 @@ def test_check_wants_the_cluster_address_not_the_dashboard_url(capsys, monkeypat
 
 
 def test_the_agent_recipes_pass(capsys):
-    for recipe in ("sao_agent", "grpo_agent", "calc_chat"):
+    for recipe in ("sao_agent", "grpo_agent", "calc_chat", "calc_agents_sdk"):
         assert main(["check", recipe]) == 0, capsys.readouterr().err
 
 

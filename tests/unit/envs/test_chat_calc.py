@@ -146,6 +146,25 @@ def test_the_agents_sdk_harness_sends_the_calculator_tool_key_for_key_and_answer
     assert second["messages"][3] == {"role": "tool", "tool_call_id": "call_0", "content": "1368"}
 
 
+def test_an_sdk_episode_whose_model_calls_a_tool_the_agent_lacks_is_scored_wrong_not_failed():
+    pytest.importorskip("agents")
+    import httpx
+    import openai
+
+    from asyncrl.envs import agents_sdk
+
+    call = chat_calc.tool_call_message("123+456")
+    call["tool_calls"][0]["function"]["name"] = "calculater"  # a misspelt tool: the SDK raises ModelBehaviorError
+    replies = _Client([({"content": None, "tool_calls": call["tool_calls"]}, "tool_calls")])
+
+    def answer(request):
+        return httpx.Response(200, json=replies.replies[0].model_dump())
+
+    transport = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    client = openai.AsyncOpenAI(base_url="http://endpoint/v1", api_key="k", http_client=transport, max_retries=0)
+    assert asyncio.run(agents_sdk.agent(client, "123+456=", _Episode())) == (0.0, {"truncated": False, "tool_calls": 0})
+
+
 def test_model_family_builds_that_family_with_its_chat_template_once(tmp_path, monkeypatch):
     import json as _json
 
@@ -178,3 +197,54 @@ def test_a_family_shape_builds_that_shape_under_its_own_cache_key(tmp_path, monk
     assert (config["num_hidden_layers"], config["num_key_value_heads"]) == (2, 1)  # unset keys keep the shared size
     assert _json.loads((plain / "config.json").read_text())["hidden_size"] == 64
     assert _json.loads((wider / "warm_start.json").read_text())["spec"]["shape"] == {"hidden_size": 128, "num_attention_heads": 4}
+
+
+def test_the_chat_profile_scores_first_turns_and_whole_episodes_by_hand(monkeypatch):
+    from asyncrl.envs import warm_start
+
+    problems = [("100+200=", "300"), ("111+222=", "333"), ("400+500=", "900"), ("123+321=", "444")]
+
+    def replies(_model, _tokenizer, conversations, _max_new_tokens):
+        out = []
+        for c in conversations:
+            if c[-1]["role"] == "tool":  # the answer after the calculator: echo its result
+                out.append(c[-1]["content"])
+            else:  # first turns: an exact call, a call on the wrong sum, a right and a wrong direct answer
+                text = c[-1]["content"]
+                first = {"100+200=": "100+200", "111+222=": "111+223"}
+                if text in first:
+                    out.append(f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{first[text]}"}}}}\n</tool_call>')
+                else:
+                    out.append("900" if text == "400+500=" else "445")
+        return out
+
+    monkeypatch.setattr(warm_start, "_greedy_replies", replies)
+    profile = warm_start.chat_calc_profile(None, None, problems)
+    # two calls (one exact), two direct answers (one right); episodes right: the exact call and the right answer
+    assert profile == {"tool_call_rate": 0.5, "exact_call_rate": 0.25, "direct_accuracy": 0.5, "success": 0.5}
+
+
+def test_the_chat_warm_start_stops_at_its_target_on_validation_problems_it_never_trains_on(tmp_path, monkeypatch):
+    from asyncrl.envs import calc, warm_start
+    from asyncrl.models.families import build_family
+
+    model_dir = build_family("qwen2", tmp_path / "m")
+    monkeypatch.setattr(warm_start, "EVAL_EVERY_STEPS", 2)
+    monkeypatch.setattr(warm_start, "CHAT_EVAL_EVERY_STEPS", 2)
+    heldout = {t for t, _ in calc.heldout_problems("calc", 500, 2)}
+    seen: list[list[tuple[str, str]]] = []
+
+    def profile(_model, _tokenizer, problems, _max_new_tokens=48):
+        seen.append(problems)
+        success = [0.0, 0.1, 0.3, 0.9][len(seen) - 1] if problems[0][0] not in heldout else 0.25
+        return {"tool_call_rate": 1.0, "exact_call_rate": 1.0, "direct_accuracy": 0.0, "success": success}
+
+    monkeypatch.setattr(warm_start, "chat_calc_profile", profile)
+    record = warm_start.warm_start_chat_calc(model_dir, 16 * 20, 1, 1e-3, operands=2, target=0.2)
+    assert record["steps"] == 6 and record["target_reached"]  # checks at steps 2, 4, 6: 0.0, 0.1, 0.3 >= 0.2
+    assert record["validation_success"] == [(2, 0.0), (4, 0.1), (6, 0.3)] and record["success"] == 0.25
+    validation = seen[0]
+    assert len(validation) == warm_start.CHAT_VALIDATION_PROBLEMS and not {t for t, _ in validation} & heldout
+    trained = calc.train_problems("calc", warm_start.add.WARM_START_SEED, 2)
+    assert not {t for t, _ in validation} & {next(trained)[0] for _ in range(16 * 20)}
+    assert seen[-1] == calc.heldout_problems("calc", 50, 2)  # the start is measured on the held-out problems

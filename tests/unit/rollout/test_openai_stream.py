@@ -182,3 +182,23 @@ def test_a_greedy_agent_rollout_is_served_at_temperature_0_and_keeps_the_harness
     assert engine.temperatures == [0.0, 1.0, 1.0] and not server.greedy_episodes
     assert (greedy.tool_calls, greedy.reward, sampled.tool_calls) == (2, 1.0, 2)
     assert bad.failure == "agent_error: the agent returned tool_calls 'two', not a count"
+
+
+def test_a_harness_error_names_what_caused_it(tokenizer):
+    from asyncrl.rollout.openai_agent import OpenAIAgentEnv
+    from asyncrl.testing import make_prompt, make_request
+
+    server = _serve(tokenizer, PacedEngine(tokenizer, "4", pause_after=0))
+
+    async def unreachable(client, prompt, episode):  # the openai client's "Connection error." hides its cause
+        raise RuntimeError("Connection error.") from ConnectionRefusedError("port 9 refused")
+
+    async def run():
+        await server.start()
+        request = make_request(make_prompt("q", text="2+2?", ground_truth="4"), sample_index=0)
+        failed = await OpenAIAgentEnv(unreachable, server, 30.0).rollout(request, "rollout-0")
+        await server.stop()
+        return failed
+
+    failed = asyncio.run(run())
+    assert failed.failure == "agent_error: RuntimeError: Connection error. (caused by ConnectionRefusedError: port 9 refused)"
