@@ -89,9 +89,26 @@ def one_run(out: Path, recipe: str, seed: int, steps: int, every: int, extra: li
     if done.returncode != 0:
         raise RuntimeError(f"{recipe} seed {seed} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     result = figures(eval_curve(run_dir / "events.jsonl"))
-    result |= {"seed": seed, "process_wall_s": round(time.perf_counter() - began, 1)}
+    result |= {"seed": seed, "process_wall_s": round(time.perf_counter() - began, 1)} | warm_start(recipe, overrides)
     print(f"{recipe} seed {seed}: {result['curve']}", flush=True)
     return result
+
+
+WARM_START_KEYS = ("steps", "train_seconds", "target", "target_reached", "validation_success", "success", "exact_call_rate")
+
+
+def warm_start(recipe: str, overrides: list[str]) -> dict:
+    """What the run's built start measured (its `warm_start.json`: steps, seconds, the target and its validation
+    curve, held-out success): {} for a run given `model.path`. The build is cached, so this only reads it."""
+    from asyncrl.config import load_config
+    from asyncrl.envs.model_dir import ensure_model
+
+    cfg = load_config(recipe, overrides)
+    record = ensure_model(cfg) / "warm_start.json"
+    if cfg.model.path or not record.is_file():
+        return {}
+    built = json.loads(record.read_text())
+    return {"warm_start": {k: built[k] for k in WARM_START_KEYS if k in built}}
 
 
 def finished(events: Path) -> bool:
