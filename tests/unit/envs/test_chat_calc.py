@@ -248,3 +248,22 @@ def test_the_chat_warm_start_stops_at_its_target_on_validation_problems_it_never
     trained = calc.train_problems("calc", warm_start.add.WARM_START_SEED, 2)
     assert not {t for t, _ in validation} & {next(trained)[0] for _ in range(16 * 20)}
     assert seen[-1] == calc.heldout_problems("calc", 50, 2)  # the start is measured on the held-out problems
+
+
+def test_a_chat_target_reaches_the_warm_start_and_is_part_of_the_cached_models_key(tmp_path, monkeypatch):
+    from asyncrl.config import load_config
+    from asyncrl.envs import warm_start
+    from asyncrl.envs.model_dir import ensure_model
+
+    monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path))
+    targets: list[float | None] = []
+
+    def trained(model_dir, *args, target=None, report=None):  # the start itself: tests above
+        targets.append(target)
+        return {"steps": 0}
+
+    monkeypatch.setattr(warm_start, "warm_start_chat_calc", trained)
+    plain = ensure_model(load_config("calc_chat", []))
+    aimed = ensure_model(load_config("calc_chat", ["model.warm_start_chat_target=0.3"]))
+    assert targets == [None, 0.3] and plain != aimed
+    assert "target" not in json.loads((plain / "warm_start.json").read_text())["spec"]  # older starts keep their names
