@@ -47,6 +47,12 @@ MAX_TOP_LOGPROBS = 20
 MAX_N = 64
 MAX_BODY_BYTES = 64 << 20
 """A long agent conversation resent on every call outgrows aiohttp's 1 MiB default."""
+LISTEN_BACKLOG = 4096
+"""Connections the kernel queues for the endpoint before it accepts them (capped by `net.core.somaxconn`). An agent
+harness opens a connection per concurrent call, and a worker runs hundreds of episodes at once (the held-out
+evaluation and every admitted group at a run's start) on the event loop that also accepts: with aiohttp's default
+of 128 the queue overflowed, the kernel dropped the connections it could not queue, and the calls failed
+`APIConnectionError` (caused by `ReadError`): 44 episodes at the start of a `calc_agents_sdk` run."""
 TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
 
 
@@ -249,7 +255,7 @@ class OpenAIServer:
         app.router.add_post("/v1/chat/completions", self._chat)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
+        await web.TCPSite(self._runner, host, port, backlog=LISTEN_BACKLOG).start()
         self.url = f"http://{host}:{self._runner.addresses[0][1]}"
         return self.url
 

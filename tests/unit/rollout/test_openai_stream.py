@@ -4,6 +4,7 @@ token per character) with a scripted engine that hands tokens over one at a time
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -202,3 +203,33 @@ def test_a_harness_error_names_what_caused_it(tokenizer):
 
     failed = asyncio.run(run())
     assert failed.failure == "agent_error: RuntimeError: Connection error. (caused by ConnectionRefusedError: port 9 refused)"
+
+
+def test_hundreds_of_episodes_calling_at_once_on_a_busy_loop_all_connect(tokenizer):
+    from asyncrl.rollout.openai_agent import OpenAIAgentEnv
+    from asyncrl.testing import make_prompt, make_request
+
+    engine = PacedEngine(tokenizer, "4", pause_after=0)
+    engine.go.set()
+    server = _serve(tokenizer, engine)
+
+    async def harness(client, prompt, episode):
+        await client.chat.completions.create(model=episode.model, messages=[{"role": "user", "content": prompt}])
+        return 1.0
+
+    async def busy():  # the worker's loop also handles engine outputs: it accepts connections late
+        for _ in range(40):
+            time.sleep(0.05)
+            await asyncio.sleep(0)
+
+    async def run():
+        await server.start()
+        env = OpenAIAgentEnv(harness, server, 60.0)
+        requests = [make_request(make_prompt(f"q{i}", text="2+2?", ground_truth="4"), sample_index=0) for i in range(800)]
+        asyncio.ensure_future(busy())
+        done = await asyncio.gather(*(env.rollout(r, "rollout-0") for r in requests))
+        await server.stop()
+        return done
+
+    failed = [t.failure for t in asyncio.run(run()) if t.failure]
+    assert not failed, (len(failed), failed[:2])  # with aiohttp's default backlog of 128: ~150 ReadErrors
