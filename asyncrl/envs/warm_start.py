@@ -235,15 +235,30 @@ def warm_start(
         }
 
 
-def left_pad(tokenizer, prompts) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt ids right-aligned (left padding) and their attention mask, as `generate` wants them."""
-    width = max(len(p.prompt_ids) for p in prompts)
-    input_ids = torch.full((len(prompts), width), tokenizer.pad_token_id)
-    attn = torch.zeros((len(prompts), width), dtype=torch.long)
-    for r, p in enumerate(prompts):
-        input_ids[r, width - len(p.prompt_ids) :] = torch.tensor(p.prompt_ids)
-        attn[r, width - len(p.prompt_ids) :] = 1
+def left_pad(tokenizer, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id rows right-aligned (left padding) and their attention mask, as `generate` wants them."""
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        input_ids[r, width - len(row) :] = torch.tensor(row)
+        attn[r, width - len(row) :] = 1
     return input_ids, attn
+
+
+def _generate(model, tokenizer, rows: list[list[int]], max_new_tokens: int, sample: bool):
+    """`model.generate` on left-padded `rows`, greedy or at temperature 1 -> (sequences, prompt attention)."""
+    input_ids, attn = left_pad(tokenizer, rows)
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attn,
+        max_new_tokens=max_new_tokens,
+        do_sample=sample,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **(PLAIN_SAMPLING if sample else {}),
+    )
+    return out, attn
 
 
 @dataclass(frozen=True)
@@ -264,17 +279,8 @@ class Samples:
 def generate(model, tokenizer, prompts, *, sample: bool, max_new_tokens: int = 8) -> Samples:
     """One response per prompt (repeat a prompt to get a group), greedy or at temperature 1, scored
     with the W1 reward; a response counts up to and including its EOS."""
-    input_ids, attn = left_pad(tokenizer, prompts)
-    width, eos = input_ids.shape[1], tokenizer.eos_token_id
-    out = model.generate(
-        input_ids=input_ids,
-        attention_mask=attn,
-        max_new_tokens=max_new_tokens,
-        do_sample=sample,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=eos,
-        **(PLAIN_SAMPLING if sample else {}),
-    )
+    out, attn = _generate(model, tokenizer, [list(p.prompt_ids) for p in prompts], max_new_tokens, sample)
+    width, eos = attn.shape[1], tokenizer.eos_token_id
     response = out[:, width:]
     is_eos = (response == eos).long()
     before_eos = (is_eos.cumsum(1) - is_eos) == 0  # up to and including the first EOS
@@ -500,21 +506,10 @@ def _greedy_replies(model, tokenizer, conversations: list[list[dict]], max_new_t
         tokenizer.apply_chat_template(c, tools=[chat_calc.CALCULATOR_TOOL], add_generation_prompt=True, tokenize=False)
         for c in conversations
     ]
-    ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-    width = max(len(i) for i in ids)
-    input_ids = torch.full((len(ids), width), tokenizer.pad_token_id)
-    attn = torch.zeros((len(ids), width), dtype=torch.long)
-    for r, row in enumerate(ids):
-        input_ids[r, width - len(row) :], attn[r, width - len(row) :] = torch.tensor(row), 1
-    out = model.generate(
-        input_ids=input_ids,
-        attention_mask=attn,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+    out, attn = _generate(
+        model, tokenizer, [tokenizer(p, add_special_tokens=False).input_ids for p in prompts], max_new_tokens, False
     )
-    return [tokenizer.decode(row[width:], skip_special_tokens=True) for row in out]
+    return [tokenizer.decode(row[attn.shape[1] :], skip_special_tokens=True) for row in out]
 
 
 def chat_calc_profile(model, tokenizer, problems: list[tuple[str, str]], max_new_tokens: int = 48) -> dict:

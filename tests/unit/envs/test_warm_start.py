@@ -46,7 +46,7 @@ def test_response_logits_are_the_logits_generate_sampled_from_for_left_padded_pr
     model, tok = _model(tiny_model_dir)
     prompts = [add_prompt(tok, a, b, str(i)) for i, (a, b) in enumerate([(12, 34), (123, 456), (1, 2)])]
     samples = generate(model, tok, prompts, sample=False, max_new_tokens=5)
-    input_ids, attn = left_pad(tok, prompts)
+    input_ids, attn = left_pad(tok, [p.prompt_ids for p in prompts])
     out = model.generate(input_ids=input_ids, attention_mask=attn, max_new_tokens=5, do_sample=False,
                          output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=2)
     mask = samples.response_mask.bool()
