@@ -78,11 +78,12 @@ def default_steps(recipe: str) -> int:
 def one_run(out: Path, recipe: str, seed: int, steps: int, every: int, extra: list[str]) -> dict:
     """One CLI run of `recipe` with `seed`; its curve, best, final and drop (see `figures`)."""
     run_dir = out / f"{recipe}-seed{seed}"
-    if finished(run_dir / "events.jsonl"):
-        print(f"{recipe} seed {seed}: reading the finished run in {run_dir}", flush=True)
-        return figures(eval_curve(run_dir / "events.jsonl")) | {"seed": seed, "process_wall_s": None}
     overrides = [f"output_dir={run_dir}", f"seed={seed}", f"learner.max_steps={steps}", f"eval.every_steps={every}",
                  "telemetry.progress=false", "checkpoint.export_hf=false", *extra]  # fmt: skip
+    if finished(run_dir / "events.jsonl"):
+        print(f"{recipe} seed {seed}: reading the finished run in {run_dir}", flush=True)
+        read = {"seed": seed, "process_wall_s": None} | warm_start(recipe, overrides)
+        return figures(eval_curve(run_dir / "events.jsonl")) | read
     began = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "run", recipe, *overrides], env=dict(os.environ),
                           capture_output=True, text=True)  # fmt: skip

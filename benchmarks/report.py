@@ -737,7 +737,7 @@ def agent_framework(d: dict) -> list[str]:
 def _built_start(w: dict | None) -> list[str]:
     if not w:
         return ["given (`model.path`)", "—", "—"]
-    curve = ", ".join(f"({step}, {v:.2f})" for step, v in w.get("validation_success", []))
+    curve = ", ".join(f"({step}, {v:.2f})" for step, v in w.get("validation_success", [])[-3:])  # the last checks
     return [str(w["steps"]), f"{w['train_seconds']:.0f}", curve or "—"]
 
 
