@@ -48,9 +48,9 @@ class ModelConfig(Section):
     family: FamilyName | None = None
     """Build a tiny random-init checkpoint of this Hugging Face model family instead of `preset` (when `path` is
     unset): `qwen2`, `qwen3`, `llama3`, ... (`asyncrl.models.families`), with a byte-level BPE tokenizer and the
-    family's chat template, so the OpenAI endpoint serves it as it would the real model. With `data.task: calc`
-    it is warm-started on tool-calling chat (`asyncrl.envs.warm_start.warm_start_chat_calc`: real tool calls in
-    the chat format; for the built-in harness `asyncrl.envs.chat_calc:agent`)."""
+    family's chat template, so the OpenAI endpoint serves it as it would the real model. With `data.task: calc` or
+    `word_problems` it is warm-started on tool-calling chat (`asyncrl.envs.warm_start.warm_start_chat_calc`: real
+    tool calls in the chat format; for the built-in harness `asyncrl.envs.chat_calc:agent`)."""
     family_shape: FamilyShape = FamilyShape()
     """`model.family`'s sizes where they differ from the shared tiny shape, e.g. `{hidden_size: 128,
     num_hidden_layers: 4, num_attention_heads: 4, num_key_value_heads: 2}` (a wider model that learns the `calc`

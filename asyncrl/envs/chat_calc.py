@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from asyncrl.envs.calc import tool_expression
 from asyncrl.envs.rewards import exact_match
 from asyncrl.envs.tools.calculator import calculate
 
@@ -59,13 +60,13 @@ def tool_call_message(expression: str, call_id: str = "call_0") -> dict[str, Any
     }
 
 
-def conversation(prompt_text: str, answer: str, use_tool: bool) -> list[dict[str, Any]]:
-    """A solved episode: the question, then (with `use_tool`) the call on the prompt's expression and its result,
-    then the answer."""
+def conversation(prompt_text: str, answer: str, use_tool: bool, task: str = "calc") -> list[dict[str, Any]]:
+    """A solved episode of `task` (`calc`, `word_problems`): the question, then (with `use_tool`) the call on the
+    expression that solves it and its result, then the answer."""
     messages = question(prompt_text)
     if use_tool:
         messages += [
-            tool_call_message(prompt_text.rstrip("=")),
+            tool_call_message(tool_expression(task, prompt_text)),
             {"role": "tool", "tool_call_id": "call_0", "content": answer},
         ]
     return messages + [{"role": "assistant", "content": answer}]

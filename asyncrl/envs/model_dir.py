@@ -133,18 +133,18 @@ def _warm_start(cfg, spec: dict, model_dir: Path, report: Callable[[str], None])
 
 
 def _family_model(cfg, report: Callable[[str], None]) -> Path:
-    """A tiny `model.family` checkpoint with its BPE tokenizer, warm-started on tool-calling chat for `calc`
+    """A tiny `model.family` checkpoint with its BPE tokenizer, warm-started on tool-calling chat for the agent tasks
     (`warm_start_chat_calc`), built once per specification and cached."""
     from asyncrl.models.families import build_family
 
-    calc = cfg.data.task == "calc" and cfg.model.warm_start_examples > 0 and cfg.model.warm_start_epochs > 0
+    chat = cfg.data.task in AGENT_TASKS and cfg.model.warm_start_examples > 0 and cfg.model.warm_start_epochs > 0
     spec: dict = {"family": cfg.model.family, "seed": cfg.seed, "v": 1}
     shape = cfg.model.family_shape.changes()
     if shape:  # a changed shape is its own model; the shared shape keeps its cache names
         spec["shape"] = shape
-    if calc:
+    if chat:
         spec.update(
-            task="calc",
+            task=cfg.data.task,
             format="chat",
             examples=cfg.model.warm_start_examples,
             epochs=cfg.model.warm_start_epochs,
@@ -159,12 +159,12 @@ def _family_model(cfg, report: Callable[[str], None]) -> Path:
         report(f"building model family {cfg.model.family} in {tmp.with_suffix('')}")
         build_family(cfg.model.family, tmp, seed=cfg.seed, shape=shape)
         record: dict = {"spec": spec}
-        if calc:
+        if chat:
             from asyncrl.envs.warm_start import warm_start_chat_calc
 
             report(f"warm start: {spec['examples']} tool-calling conversations x {spec['epochs']} epochs")
             args = (spec["examples"], spec["epochs"], spec["lr"], spec["operands"], cfg.seed, spec["tool_fraction"])
-            record.update(warm_start_chat_calc(tmp, *args, target=spec.get("target"), report=report))
+            record.update(warm_start_chat_calc(tmp, *args, target=spec.get("target"), report=report, task=spec["task"]))
         return record
 
     return _cached(cfg.model.family, spec, build, report)

@@ -432,12 +432,14 @@ def warm_start_chat_calc(
     batch_size: int = 16,
     target: float | None = None,
     report: Callable[[str], None] | None = None,
+    task: str = "calc",
 ) -> dict:
-    """Supervised start for `calc` as tool-calling chat (`asyncrl.envs.chat_calc.conversation`) in the chat format of
-    the model's own tokenizer: `tool_fraction` of the examples call the calculator (a real tool call, e.g. ChatML's
-    `<tool_call>{json}</tool_call>`), the rest answer at once; deterministically, for `epochs` or, with `target`,
-    until greedy whole-episode success on CHAT_VALIDATION_PROBLEMS validation problems (disjoint from the held-out
-    set and the examples) reaches it, checked every CHAT_EVAL_EVERY_STEPS steps. The copies this task needs (the
+    """Supervised start for `task` (`calc`, `word_problems`) as tool-calling chat
+    (`asyncrl.envs.chat_calc.conversation`) in the chat format of the model's own tokenizer: `tool_fraction` of the
+    examples call the calculator (a real tool call, e.g. ChatML's `<tool_call>{json}</tool_call>`), the rest answer
+    at once; deterministically, for `epochs` or, with `target`, until greedy whole-episode success on
+    CHAT_VALIDATION_PROBLEMS validation problems (disjoint from the held-out set and the examples) reaches it,
+    checked every CHAT_EVAL_EVERY_STEPS steps. The copies this task needs (the
     expression into the call, the result into the answer) form abruptly, each at a step that moves with the
     examples' order (benchmarks/notes/agent_framework.md), so a fixed step count may land before or after them;
     a target does not. Measures the start on 50 held-out problems (`chat_calc_profile`)."""
@@ -448,18 +450,21 @@ def warm_start_chat_calc(
     with deterministic(seed):
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        rng, problems = random.Random(seed), calc.train_problems("calc", add.WARM_START_SEED + seed, operands)
+        rng, problems = random.Random(seed), calc.train_problems(task, add.WARM_START_SEED + seed, operands)
         tools = [chat_calc.CALCULATOR_TOOL]
         drawn = [next(problems) for _ in range(examples)]
-        data = [chat_example(tokenizer, chat_calc.conversation(*p, rng.random() < tool_fraction), tools) for p in drawn]
-        validation = _chat_validation(drawn, operands) if target is not None else []
+        data = [
+            chat_example(tokenizer, chat_calc.conversation(*p, rng.random() < tool_fraction, task), tools)
+            for p in drawn
+        ]
+        validation = _chat_validation(drawn, operands, task) if target is not None else []
         curve: list[tuple[int, float]] = []
 
         def reached(step: int) -> bool:
             if target is None or step % CHAT_EVAL_EVERY_STEPS:
                 return False
             model.eval()
-            curve.append((step, chat_calc_profile(model, tokenizer, validation)["success"]))
+            curve.append((step, chat_calc_profile(model, tokenizer, validation, task=task)["success"]))
             model.train()
             if report is not None:
                 report(f"warm start: step {step}, validation episode success {curve[-1][1]:.3f} (target {target})")
@@ -469,9 +474,9 @@ def warm_start_chat_calc(
         steps, loss = _train(model, tokenizer, data, epochs, lr, rng, batch_size, reached)
         model.eval()
         model.save_pretrained(model_dir, safe_serialization=True)
-        profile = chat_calc_profile(model, tokenizer, calc.heldout_problems("calc", 50, operands))
+        profile = chat_calc_profile(model, tokenizer, calc.heldout_problems(task, 50, operands), task=task)
     return {
-        "task": "calc",
+        "task": task,
         "format": "chat",
         "tool_fraction": tool_fraction,
         "steps": steps,
@@ -485,12 +490,12 @@ def warm_start_chat_calc(
     }
 
 
-def _chat_validation(drawn: list[tuple[str, str]], operands: int) -> list[tuple[str, str]]:
-    """CHAT_VALIDATION_PROBLEMS `calc` problems outside the held-out set and the warm start's examples `drawn`."""
+def _chat_validation(drawn: list[tuple[str, str]], operands: int, task: str) -> list[tuple[str, str]]:
+    """CHAT_VALIDATION_PROBLEMS `task` problems outside the held-out set and the warm start's examples `drawn`."""
     from asyncrl.envs import calc
 
-    exclude = {text for text, _ in drawn} | {text for text, _ in calc.heldout_problems("calc", 500, operands)}
-    stream = calc.train_problems("calc", VALIDATION_SEED, operands, exclude=exclude)
+    exclude = {text for text, _ in drawn} | {text for text, _ in calc.heldout_problems(task, 500, operands)}
+    stream = calc.train_problems(task, VALIDATION_SEED, operands, exclude=exclude)
     return [next(stream) for _ in range(CHAT_VALIDATION_PROBLEMS)]
 
 
@@ -512,14 +517,17 @@ def _greedy_replies(model, tokenizer, conversations: list[list[dict]], max_new_t
     return [tokenizer.decode(row[attn.shape[1] :], skip_special_tokens=True) for row in out]
 
 
-def chat_calc_profile(model, tokenizer, problems: list[tuple[str, str]], max_new_tokens: int = 48) -> dict:
+def chat_calc_profile(
+    model, tokenizer, problems: list[tuple[str, str]], max_new_tokens: int = 48, task: str = "calc"
+) -> dict:
     """Greedy episodes on `problems`: the fraction whose first turn is one well-formed calculator call
-    (`tool_call_rate`), the fraction whose call is on the prompt's exact expression (`exact_call_rate`), of the
+    (`tool_call_rate`), the fraction whose call is on the expression that solves it (`exact_call_rate`), of the
     other first turns the fraction that is the right answer (`direct_accuracy`), and whole-episode `success` (a
     call is answered with the calculator's result, then the model's answer counts)."""
     import json
 
     from asyncrl.envs import chat_calc
+    from asyncrl.envs.calc import tool_expression
 
     first = _greedy_replies(model, tokenizer, [chat_calc.question(text) for text, _ in problems], max_new_tokens)
     calls = [chat_calc.called_expression(reply) for reply in first]
@@ -542,7 +550,7 @@ def chat_calc_profile(model, tokenizer, problems: list[tuple[str, str]], max_new
     n = max(1, len(problems))
     return {
         "tool_call_rate": round(len(called) / n, 4),
-        "exact_call_rate": round(sum(e == problems[k][0].rstrip("=") for k, e in called.items()) / n, 4),
+        "exact_call_rate": round(sum(e == tool_expression(task, problems[k][0]) for k, e in called.items()) / n, 4),
         "direct_accuracy": round(sum(right[k] for k in direct) / max(1, len(direct)), 4),
         "success": round(sum(right) / n, 4),
     }

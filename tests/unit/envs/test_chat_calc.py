@@ -234,7 +234,7 @@ def test_the_chat_warm_start_stops_at_its_target_on_validation_problems_it_never
     heldout = {t for t, _ in calc.heldout_problems("calc", 500, 2)}
     seen: list[list[tuple[str, str]]] = []
 
-    def profile(_model, _tokenizer, problems, _max_new_tokens=48):
+    def profile(_model, _tokenizer, problems, _max_new_tokens=48, task="calc"):
         seen.append(problems)
         success = [0.0, 0.1, 0.3, 0.9][len(seen) - 1] if problems[0][0] not in heldout else 0.25
         return {"tool_call_rate": 1.0, "exact_call_rate": 1.0, "direct_accuracy": 0.0, "success": success}
@@ -256,14 +256,28 @@ def test_a_chat_target_reaches_the_warm_start_and_is_part_of_the_cached_models_k
     from asyncrl.envs.model_dir import ensure_model
 
     monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path))
-    targets: list[float | None] = []
+    targets: list[tuple[float | None, str]] = []
 
-    def trained(model_dir, *args, target=None, report=None):  # the start itself: tests above
-        targets.append(target)
+    def trained(model_dir, *args, target=None, report=None, task="calc"):  # the start itself: tests above
+        targets.append((target, task))
         return {"steps": 0}
 
     monkeypatch.setattr(warm_start, "warm_start_chat_calc", trained)
     plain = ensure_model(load_config("calc_chat", []))
     aimed = ensure_model(load_config("calc_chat", ["model.warm_start_chat_target=0.3"]))
-    assert targets == [None, 0.3] and plain != aimed
+    stories = ensure_model(load_config("calc_chat", ["data.task=word_problems"]))
+    assert [t for t, _ in targets] == [None, 0.3, None] and [task for _, task in targets] == ["calc", "calc", "word_problems"]
+    assert len({plain, aimed, stories}) == 3
     assert "target" not in json.loads((plain / "warm_start.json").read_text())["spec"]  # older starts keep their names
+
+
+def test_a_word_problem_conversation_calls_the_expression_that_solves_it(chatml):
+    from asyncrl.envs import calc
+
+    text, answer = calc.heldout_problems("word_problems", 1)[0]
+    messages = chat_calc.conversation(text, answer, True, "word_problems")
+    arguments = json.loads(messages[2]["tool_calls"][0]["function"]["arguments"])
+    assert arguments == {"expression": calc.tool_expression("word_problems", text)}
+    assert chat_calc.run_tool("calculator", json.dumps(arguments)) == answer == messages[3]["content"] == messages[4]["content"]
+    ids, flags = chat_example(chatml, messages, TOOLS)  # rendered in the chat format, the call and answer supervised
+    assert chatml.decode([i for i, f in zip(ids, flags, strict=True) if f]).count(arguments["expression"]) == 1
