@@ -48,8 +48,10 @@ from asyncrl.envs.rewards import exact_match
 VALIDATION_SEED = 31_337
 EVAL_EVERY_STEPS = 25
 CHAT_EVAL_EVERY_STEPS = 50
-"""How often the chat `calc` warm start checks its target: 50 greedy episodes take ~2 s here, a step ~0.3 s."""
+"""How often the chat warm start checks its target: with `calc_agents_sdk`'s model here the check (50 greedy episodes
+in two batched turns) takes a few seconds, the 50 steps before it ~50 s."""
 CHAT_VALIDATION_PROBLEMS = 50
+"""Problems the chat warm start's target is checked on."""
 WARMUP_STEPS = 50
 PLAIN_SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # the full distribution, as the engines sample
 
@@ -439,10 +441,10 @@ def warm_start_chat_calc(
     examples call the calculator (a real tool call, e.g. ChatML's `<tool_call>{json}</tool_call>`), the rest answer
     at once; deterministically, for `epochs` or, with `target`, until greedy whole-episode success on
     CHAT_VALIDATION_PROBLEMS validation problems (disjoint from the held-out set and the examples) reaches it,
-    checked every CHAT_EVAL_EVERY_STEPS steps. The copies this task needs (the
-    expression into the call, the result into the answer) form abruptly, each at a step that moves with the
-    examples' order (benchmarks/notes/agent_framework.md), so a fixed step count may land before or after them;
-    a target does not. Measures the start on 50 held-out problems (`chat_calc_profile`)."""
+    checked every CHAT_EVAL_EVERY_STEPS steps. The copies the task needs (the expression into the call, the result
+    into the answer) form abruptly, each at a step that moves with the examples' order
+    (benchmarks/notes/agent_framework.md), so a fixed step count may land before or after them; a target does not.
+    Measures the start on 50 held-out problems (`chat_calc_profile`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from asyncrl.envs import calc, chat_calc
