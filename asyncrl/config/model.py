@@ -78,13 +78,15 @@ class ModelConfig(Section):
     delays the supervised transition: a start that has not met `warm_start_target` within `warm_start_epochs`
     is trained again from its initial weights without dropout (as seeds 1 and 2 are). 0 = none."""
     warm_start_tool_fraction: float = Field(0.3, ge=0, le=1)
-    """`calc` task: fraction of warm-start examples that call the calculator (the rest answer in the head);
-    the `calc` warm start runs `warm_start_epochs` epochs (no accuracy target unless `warm_start_chat_target`)."""
+    """The agent tasks (`calc`, `word_problems`): fraction of warm-start examples that call the calculator (the rest
+    answer in the head); their warm start runs `warm_start_epochs` epochs (no accuracy target unless
+    `warm_start_chat_target`)."""
     warm_start_chat_target: float | None = Field(None, gt=0, le=1)
-    """`calc` as tool-calling chat (`model.family`): stop the warm start once greedy whole-episode success on 50
-    validation problems (disjoint from the held-out set) reaches this, checked every 50 steps. The copies the task
-    needs form abruptly at a step that moves with the examples' order and the seed, so a target lands every seed's
-    start at the same point of that transition (the `calc_agents_sdk` recipe). None = all `warm_start_epochs`."""
+    """The agent tasks as tool-calling chat (`model.family`): stop the warm start once greedy whole-episode success on
+    50 validation problems (disjoint from the held-out set) reaches this, checked every 50 steps. The copies the task
+    needs form abruptly at a step that moves with the examples' order and the seed, so a target stops each seed's
+    start at the same point of that transition, when it comes within `warm_start_epochs` (the `calc_agents_sdk`
+    recipe; `warm_start.json` records `target_reached`). None = all `warm_start_epochs`."""
 
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype of the learner's decoder layers and weight dtype of the engines. With `bfloat16` the

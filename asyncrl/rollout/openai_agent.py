@@ -128,7 +128,7 @@ def _described(error: BaseException) -> str:
     """`Type: message`, then what raised it where the message hides it (the openai client's "Connection error."
     wraps the transport's own error as its cause)."""
     text = f"{type(error).__name__}: {error}"
-    cause = error.__cause__ or error.__context__
+    cause = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
     return text if cause is None else f"{text} (caused by {type(cause).__name__}: {cause})"
 
 
