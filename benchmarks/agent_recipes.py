@@ -105,8 +105,10 @@ def warm_start(recipe: str, overrides: list[str]) -> dict:
     from asyncrl.envs.model_dir import ensure_model
 
     cfg = load_config(recipe, overrides)
+    if cfg.model.path:
+        return {}
     record = ensure_model(cfg) / "warm_start.json"
-    if cfg.model.path or not record.is_file():
+    if not record.is_file():
         return {}
     built = json.loads(record.read_text())
     return {"warm_start": {k: built[k] for k in WARM_START_KEYS if k in built}}

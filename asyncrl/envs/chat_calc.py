@@ -60,6 +60,11 @@ def tool_call_message(expression: str, call_id: str = "call_0") -> dict[str, Any
     }
 
 
+def tool_message(content: str, call_id: str = "call_0") -> dict[str, Any]:
+    """The message that answers tool call `call_id` with `content`."""
+    return {"role": "tool", "tool_call_id": call_id, "content": content}
+
+
 def conversation(prompt_text: str, answer: str, use_tool: bool, task: str = "calc") -> list[dict[str, Any]]:
     """A solved episode of `task` (`calc`, `word_problems`): the question, then (with `use_tool`) the call on the
     expression that solves it and its result, then the answer."""
@@ -67,7 +72,7 @@ def conversation(prompt_text: str, answer: str, use_tool: bool, task: str = "cal
     if use_tool:
         messages += [
             tool_call_message(tool_expression(task, prompt_text)),
-            {"role": "tool", "tool_call_id": "call_0", "content": answer},
+            tool_message(answer),
         ]
     return messages + [{"role": "assistant", "content": answer}]
 
@@ -117,6 +122,6 @@ async def agent(client: Any, prompt: str, episode: Any) -> tuple[float, dict[str
             return reward, {"tool_calls": calls}
         for call in choice.message.tool_calls:
             content = run_tool(call.function.name, call.function.arguments)
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
+            messages.append(tool_message(content, call.id))
             calls += 1
     return 0.0, {"truncated": True, "tool_calls": calls}

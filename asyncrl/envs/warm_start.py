@@ -538,11 +538,7 @@ def chat_calc_profile(
         chat_calc.question(problems[k][0])
         + [
             chat_calc.tool_call_message(e),
-            {
-                "role": "tool",
-                "tool_call_id": "call_0",
-                "content": chat_calc.run_tool(chat_calc.TOOL_NAME, json.dumps({"expression": e})),
-            },
+            chat_calc.tool_message(chat_calc.run_tool(chat_calc.TOOL_NAME, json.dumps({"expression": e}))),
         ]
         for k, e in called.items()
     ]
