@@ -724,14 +724,15 @@ def agent_recipes(d: dict) -> list[str]:
 
 def agent_framework(d: dict) -> list[str]:
     """`agent_recipes`' table for runs driven by an agent framework, with its own account of what was run, each
-    run's gain over its start and the supervised start it built."""
+    run's gain over its start, the overrides a seed's run had of its own (a second `agent_recipes.py` call's seed
+    added to the file) and the supervised start it built."""
     lines = agent_recipes(d)
     lines[2] = ("Each run driven by the OpenAI Agents SDK through the endpoint (`rollout.openai_agent: asyncrl.envs.agents_sdk:agent`); "
                 "held-out: greedy SDK episodes on fixed problems; gain: best minus start (issue #53.2 asks ≥ 0.3); drop and holds as in the agent recipes' table."
                 + (f" Overrides: `{' '.join(d['overrides'])}`." if d.get("overrides") else ""))  # fmt: skip
-    rows = [[name, s["seed"], f"{s['best'] - s['start']:+.3f}", *_built_start(s.get("warm_start"))]
-            for name, r in d["recipes"].items() for s in r["seeds"]]  # fmt: skip
-    return lines + [""] + table(["recipe", "seed", "gain", "start: steps", "seconds", "validation success (step, value)"], rows)
+    rows = [[name, s["seed"], " ".join(f"`{o}`" for o in s.get("overrides", [])) or "—", f"{s['best'] - s['start']:+.3f}",
+             *_built_start(s.get("warm_start"))] for name, r in d["recipes"].items() for s in r["seeds"]]  # fmt: skip
+    return lines + [""] + table(["recipe", "seed", "run's own overrides", "gain", "start: steps", "seconds", "validation success (step, value)"], rows)
 
 
 def _built_start(w: dict | None) -> list[str]:
